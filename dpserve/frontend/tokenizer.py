@@ -1,0 +1,41 @@
+"""Loading a tokenizer and rendering chat prompts (front-end side only)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def load_tokenizer(path: str) -> Any:
+    """A Hugging Face tokenizer from a local directory (or hub name)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
+                        add_generation_prompt: bool = True,
+                        chat_template: str | None = None) -> list[int]:
+    """Render `messages` with the model's chat template and tokenise them."""
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template; pass chat_template= or use "
+                         "generate() with a plain prompt")
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError("each chat message must be a dict with 'role' and 'content'")
+    text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt,
+                                         chat_template=chat_template)
+    # The template already holds any BOS token; do not add special tokens twice.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def eos_token_ids(tokenizer: Any, hf_config: dict[str, Any]) -> tuple[int | None, list[int]]:
+    """(primary EOS id, extra ids that also end generation)."""
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    cfg = hf_config.get("eos_token_id")
+    for i in (cfg if isinstance(cfg, (list, tuple)) else [cfg]):
+        if i is not None and int(i) not in ids:
+            ids.append(int(i))
+    return (ids[0] if ids else None), ids[1:]

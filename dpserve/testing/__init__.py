@@ -1,0 +1,1 @@
+"""Helpers for dpserve's own tests and benchmarks (not used at serving time)."""

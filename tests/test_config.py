@@ -1,0 +1,64 @@
+"""Config: unknown and invalid options fail with a message naming the option."""
+
+import pytest
+
+from dpserve.config import ConfigError, EngineArgs, parse_memory_size
+from dpserve.sampling_params import SamplingParams
+
+
+def test_unknown_option_is_named():
+    with pytest.raises(ConfigError, match="unknown option 'max_num_seq'"):
+        EngineArgs.from_kwargs(max_num_seq=4)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"dtype": "float8"}, "dtype"),
+    ({"block_size": 3}, "block_size"),
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"max_num_batched_tokens": 4, "max_num_seqs": 8}, "max_num_batched_tokens"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ({"kv_cache_memory": "lots"}, "kv_cache_memory"),
+    ({"num_kv_blocks": 0}, "num_kv_blocks"),
+])
+def test_invalid_option_is_named(kwargs, name):
+    with pytest.raises(ConfigError, match=name):
+        EngineArgs.from_kwargs(**kwargs).create_config()
+
+
+def test_config_is_frozen(tiny_llama):
+    config = EngineArgs.from_kwargs(model=str(tiny_llama), max_model_len=128).create_config()
+    assert config.model.max_model_len == 128 == config.scheduler.max_model_len
+    assert config.model.architecture == "LlamaForCausalLM"
+    with pytest.raises(AttributeError):
+        config.model.max_model_len = 5  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        config.model.hf_config["vocab_size"] = 1  # type: ignore[index]
+
+
+def test_max_model_len_over_model_context(tiny_llama):
+    with pytest.raises(ConfigError, match="max_model_len"):
+        EngineArgs.from_kwargs(model=str(tiny_llama), max_model_len=10**6).create_config()
+
+
+def test_memory_sizes():
+    assert parse_memory_size("2GiB", "x") == 2 << 30
+    assert parse_memory_size("512 MiB", "x") == 512 << 20
+    assert parse_memory_size(1000, "x") == 1000
+    with pytest.raises(ConfigError, match="opt"):
+        parse_memory_size("-1", "opt")
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"temperature": -0.1}, "temperature"), ({"temperature": 2.5}, "temperature"),
+    ({"top_p": 0.0}, "top_p"), ({"top_k": -2}, "top_k"), ({"max_tokens": 0}, "max_tokens"),
+    ({"n": 0}, "n"), ({"logprobs": 21}, "logprobs"), ({"min_p": 1.5}, "min_p"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"stop": [""]}, "stop"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+])
+def test_sampling_params_validation(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_stop_string_becomes_list():
+    assert SamplingParams(stop="x").stop == ["x"]
