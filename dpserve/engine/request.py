@@ -1,0 +1,108 @@
+"""The engine's view of one request: its tokens, progress and status.
+
+A `Request` lives inside `EngineCore` from `add_request` until it finishes.
+The scheduler moves it between the waiting and running queues and advances
+`num_computed_tokens`; the KV-cache manager owns its blocks (keyed by
+`request_id`); `update_from_output` appends sampled tokens and decides stops.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from dpserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is finished.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Request:
+    """One generation request.
+
+    Invariant: `all_token_ids == prompt_token_ids + output_token_ids`, and
+    `0 <= num_computed_tokens <= num_tokens`. A request needs a sampled
+    token exactly when a step brings `num_computed_tokens` to `num_tokens`.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Prompt tokens whose KV came from the prefix cache (first schedule only).
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        # Hashes of this request's full blocks, filled by the KV-cache manager.
+        self.block_hashes: list[int] = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self.status)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens})")

@@ -1,0 +1,312 @@
+"""Continuous-batching scheduler: which tokens of which requests run each step.
+
+Scope: the waiting and running queues, the token budget, chunked prefill,
+preemption by recompute, and turning sampled tokens into per-request deltas
+with stop checks. It holds the `KVCacheManager`. It does not run models,
+detokenize, or match stop strings (the front-end does that and aborts).
+
+One step, as `EngineCore.step()` drives it:
+
+    out = scheduler.schedule()                     # advances num_computed_tokens
+    runner_out = model_runner.execute(out)         # one row per sample=True entry
+    deltas = scheduler.update_from_output(out, runner_out)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from dpserve.config import CacheConfig, SchedulerConfig
+from dpserve.engine.kv_cache import KVCacheManager
+from dpserve.engine.request import Request, RequestStatus
+from dpserve.engine.types import (
+    EngineCoreOutput,
+    Logprobs,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot for metrics and load reports."""
+
+    num_waiting: int
+    num_running: int
+    kv_cache_usage: float  # fraction of KV blocks held by requests
+    prefix_cache_queries: int  # tokens looked up in the prefix cache, cumulative
+    prefix_cache_hits: int  # tokens found there, cumulative
+    num_preemptions: int  # cumulative
+    num_free_blocks: int
+
+
+class Scheduler:
+    """Continuous batching under a token budget, with chunked prefill and preemption.
+
+    Contract:
+
+    * `add_request(request)` queues a new request (FCFS). An id that is
+      still unfinished, or a prompt longer than `max_model_len`, raises
+      ValueError (callers should validate earlier).
+      Here `max_model_len` is the config's, capped to what the whole KV cache
+      holds (`num_blocks * block_size`): a request reaching it finishes with
+      LENGTH, so a small cache shortens requests rather than stalling them.
+    * `schedule()` picks this step's work. Running requests go first, in
+      order; each gets min(tokens it still needs, budget left). When blocks
+      run out, the LAST running request is preempted (blocks freed, status
+      PREEMPTED, put at the front of the waiting queue; it later recomputes
+      prompt + outputs, possibly from the prefix cache). Waiting requests are
+      admitted FCFS only in steps that preempted nothing, under
+      `max_num_seqs`, with their prefill chunked to the budget left.
+      `num_computed_tokens` advances here, at schedule time.
+    * `update_from_output(out, runner_out)` appends sampled tokens, checks
+      stops, frees finished requests at once, and returns one
+      `EngineCoreOutput` per request that got a token or finished. Rows for
+      requests finished or aborted since `schedule()` are skipped.
+    * `finish_requests(ids, status)` finishes requests from outside (abort:
+      FINISHED_ABORTED) and frees their blocks at once. It RETURNS their
+      final `EngineCoreOutput`s (no tokens, finish_reason e.g. ABORT); no
+      later `update_from_output` reports them again. Unknown or finished ids
+      are ignored. Their ids reach the model runner in the next
+      `SchedulerOutput.finished_req_ids`.
+    """
+
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig,
+                 num_blocks: int) -> None:
+        self.config = config
+        # Invariant: no request grows past what the whole cache holds, so the
+        # first running request can always get its blocks (by preempting the
+        # others) and nothing waits forever.
+        capacity = num_blocks * cache_config.block_size
+        self.max_model_len = min(config.max_model_len, capacity)
+        if capacity < config.max_model_len:
+            logger.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: "
+                           "requests stop (length) at %d tokens", capacity,
+                           config.max_model_len, capacity)
+        self.kv_cache = KVCacheManager(num_blocks, cache_config.block_size,
+                                       cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}  # request_id -> unfinished request
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []  # finished since the last schedule()
+        self.num_preemptions = 0
+
+    # ---- queues --------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} is already in the engine")
+        if request.num_prompt_tokens > self.max_model_len:
+            limit = ("max_model_len" if self.max_model_len == self.config.max_model_len
+                     else "the KV cache size")
+            raise ValueError(f"request {request.request_id!r}: prompt of "
+                             f"{request.num_prompt_tokens} tokens exceeds {limit} "
+                             f"({self.max_model_len} tokens)")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str],
+                        status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+                        ) -> list[EngineCoreOutput]:
+        """Finish requests from outside; returns their final outputs (see class doc)."""
+        assert status.finished
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        outputs = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            request.status = status
+            self._free_request(request)
+            outputs.append(EngineCoreOutput(
+                req_id, [], finish_reason=request.finish_reason,
+                num_cached_tokens=max(request.num_cached_tokens, 0)))
+        if outputs:
+            # One O(n) pass per call, not one removal per id.
+            self.waiting = deque(r for r in self.waiting if not r.is_finished)
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """(num_waiting, num_running)."""
+        return len(self.waiting), len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache
+        return SchedulerStats(
+            num_waiting=len(self.waiting), num_running=len(self.running),
+            kv_cache_usage=kv.usage, prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits, num_preemptions=self.num_preemptions,
+            num_free_blocks=kv.num_free_blocks)
+
+    # ---- schedule ------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's tokens: running requests first, then waiting ones."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        # 1. Running requests, in order; preempt from the back when blocks run out.
+        budget = self._schedule_running(scheduled, preempted, budget)
+        # 2. Admit waiting requests, unless this step already had to preempt.
+        if not preempted:
+            self._schedule_waiting(scheduled, budget)
+        # 3. Decode-shaped entries first, as the model runner expects.
+        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        others = [s for s in scheduled if s.num_new_tokens != 1]
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            scheduled=decodes + others, num_decodes=len(decodes),
+            total_num_tokens=sum(s.num_new_tokens for s in scheduled),
+            preempted_req_ids=preempted, finished_req_ids=finished)
+
+    def _schedule_running(self, scheduled: list[ScheduledRequest], preempted: list[str],
+                          budget: int) -> int:
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            assert num_new > 0, f"{request} is running with nothing to compute"
+            block_ids = self.kv_cache.allocate_slots(request, num_new)
+            while block_ids is None:
+                victim = running.pop()  # index > i, or request itself: never scheduled yet
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+                block_ids = self.kv_cache.allocate_slots(request, num_new)
+            if block_ids is None:
+                break  # the request itself was the last one left to preempt
+            scheduled.append(self._scheduled(request, num_new, block_ids))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> None:
+        max_seqs = self.config.max_num_seqs
+        while self.waiting and budget > 0 and len(self.running) < max_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            block_ids = self.kv_cache.allocate_slots(request, num_new, hit_blocks)
+            if block_ids is None:
+                break  # FCFS: nobody jumps the queue
+            self.waiting.popleft()
+            assert request.num_computed_tokens == 0
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            self.running.append(request)
+            scheduled.append(self._scheduled(request, num_new, block_ids))
+            budget -= num_new
+
+    @staticmethod
+    def _scheduled(request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        request.num_computed_tokens = start + num_new
+        return ScheduledRequest(request, start, num_new, block_ids,
+                                sample=start + num_new == request.num_tokens)
+
+    def _preempt(self, request: Request) -> None:
+        """Drop the request's KV; it will recompute prompt + outputs so far."""
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- update --------------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, check stops, free finished requests; one delta each.
+
+        Rows of `runner_output` are matched to requests by id, so a request
+        finished or aborted since `scheduler_output` was made is just skipped.
+        """
+        logprob_rows = _logprob_rows(runner_output.logprobs)
+        outputs = []
+        any_finished = False
+        for row, (req_id, token) in enumerate(zip(runner_output.req_ids,
+                                                  runner_output.sampled_token_ids,
+                                                  strict=True)):
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished or aborted since schedule(): its row is stale
+            request.append_output_token(token)
+            self.kv_cache.update_block_hashes(request)
+            finished = self._check_stop(request, token)
+            new_logprobs = None
+            num_logprobs = request.sampling_params.logprobs
+            if num_logprobs is not None and logprob_rows is not None:
+                new_logprobs = [_token_logprobs(logprob_rows, row, num_logprobs)]
+            outputs.append(EngineCoreOutput(
+                req_id, [token], finish_reason=request.finish_reason,
+                stop_reason=request.stop_reason, new_logprobs=new_logprobs,
+                num_cached_tokens=max(request.num_cached_tokens, 0)))
+            if finished:
+                self._free_request(request)
+                any_finished = True
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> bool:
+        """Set a finished status if `token` ends the request; True if it did."""
+        params = request.sampling_params
+        num_out = request.num_output_tokens
+        # 1. Below min_tokens only the length limits below can stop a request.
+        if num_out >= params.min_tokens:
+            # 2. EOS, 3. stop token ids.
+            if token == request.eos_token_id and not params.ignore_eos:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token
+                return True
+        # 4. Length limits.
+        max_tokens = self.max_model_len if params.max_tokens is None else params.max_tokens
+        if num_out >= max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def _free_request(self, request: Request) -> None:
+        """Forget a finished request: free its blocks and tell the runner next step.
+        The caller removes it from the waiting/running queues."""
+        assert request.is_finished
+        self.kv_cache.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+
+def _logprob_rows(logprobs: Logprobs | None) -> tuple[list, list, list] | None:
+    """The runner's tensors as Python lists, converted once per step."""
+    if logprobs is None:
+        return None
+    return (logprobs.token_ids.tolist(), logprobs.logprobs.tolist(),
+            logprobs.sampled_ranks.tolist())
+
+
+def _token_logprobs(rows: tuple[list, list, list], row: int, n: int) -> TokenLogprobs:
+    token_ids, logprobs = rows[0][row], rows[1][row]
+    return TokenLogprobs(token_id=token_ids[0], logprob=logprobs[0], rank=rows[2][row],
+                         top=list(zip(token_ids[1:n + 1], logprobs[1:n + 1], strict=True)))

@@ -1,0 +1,92 @@
+"""The named types that cross module boundaries inside one engine.
+
+scheduler --SchedulerOutput--> model runner --ModelRunnerOutput--> scheduler
+scheduler.update_from_output --> list[EngineCoreOutput] --> EngineCore.step()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dpserve.engine.request import FinishReason, Request
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    The step computes tokens `request.all_token_ids[start : start + num_new_tokens]`
+    at positions `start .. start + num_new_tokens - 1`. After the step the
+    request has `start + num_new_tokens` computed tokens.
+    """
+
+    request: Request
+    start: int  # tokens already in the KV cache before this step
+    num_new_tokens: int  # tokens computed this step (> 0)
+    block_ids: list[int]  # the request's whole block table after allocation
+    sample: bool  # True when this step reaches the end of the known tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs. Decodes (num_new_tokens == 1) come first."""
+
+    scheduled: list[ScheduledRequest]
+    num_decodes: int  # the first `num_decodes` entries compute exactly one token
+    total_num_tokens: int  # sum of num_new_tokens
+    preempted_req_ids: list[str] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)  # freed since the last step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class Logprobs:
+    """Logprobs of the sampled token and of the top-N, for sampled rows.
+
+    Column 0 is the sampled token; columns 1..N are the top-N tokens.
+    """
+
+    token_ids: torch.Tensor  # [num_sampled, N + 1] int64
+    logprobs: torch.Tensor  # [num_sampled, N + 1] float32
+    sampled_ranks: torch.Tensor  # [num_sampled] int64, 1 = most likely
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens of one step, one row per ScheduledRequest with sample=True
+    (in the same order)."""
+
+    req_ids: list[str]  # [num_sampled]
+    sampled_token_ids: list[int]  # [num_sampled]
+    logprobs: Logprobs | None = None  # rows for every sampled request (None if none asked)
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs for one new token of one request."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]  # (token_id, logprob), best first, len == N
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request: a delta, not the whole state."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id that ended it, if any
+    new_logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
