@@ -1,0 +1,170 @@
+"""Small building blocks of Llama-family models: RMSNorm, rotary embedding, SwiGLU.
+
+Scope: pure functions and tiny modules with no knowledge of batching or the KV
+cache. Rotary tables are precomputed once for every position the model can
+see (`max_position_embeddings`) and indexed per step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight, computed in float32 (as Hugging Face does)."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device),
+                                   requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, H]
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: silu(gate) * up for gate_up = [gate | up] along the last dim.
+
+    gate_up: [T, 2 * I] -> [T, I] (the result is a fresh contiguous tensor).
+    """
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = F.silu(gate)
+    return out.mul_(up)
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """RoPE settings read from config.json (either spelling of the keys)."""
+
+    rope_type: str  # default | linear | llama3 | yarn | dynamic
+    theta: float
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+
+
+def rope_spec_from_config(hf_config: Mapping[str, Any]) -> RopeSpec:
+    """Read RoPE settings from `rope_parameters` (transformers 5) or
+    `rope_theta` + `rope_scaling` (older configs); unknown types raise ValueError."""
+    params = hf_config.get("rope_parameters")
+    if isinstance(params, Mapping) and params:
+        theta = params.get("rope_theta", hf_config.get("rope_theta", 10000.0))
+    else:
+        params = hf_config.get("rope_scaling") or {}
+        theta = hf_config.get("rope_theta", 10000.0)
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in _ROPE_TYPES:
+        raise ValueError(f"RoPE scaling type {rope_type!r} is not supported; "
+                         f"supported: {', '.join(_ROPE_TYPES)}")
+    partial = params.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor={partial} is not supported")
+    extra = {k: v for k, v in params.items() if k not in ("rope_type", "type", "rope_theta")}
+    return RopeSpec(rope_type=rope_type, theta=float(theta), params=extra)
+
+
+def _inv_freq(spec: RopeSpec, head_dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim // 2] and the cos/sin scale for `spec`."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (spec.theta ** exponents)
+    p = spec.params
+    if spec.rope_type == "linear":
+        return inv_freq / p["factor"], 1.0
+    if spec.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, p), 1.0
+    if spec.rope_type == "yarn":
+        return _yarn_inv_freq(spec, head_dim, max_positions)
+    # default, and dynamic NTK: positions never pass max_position_embeddings
+    # (max_model_len is capped there), where dynamic scaling is the identity.
+    return inv_freq, 1.0
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, p: Mapping[str, Any]) -> torch.Tensor:
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(spec: RopeSpec, head_dim: int,
+                   max_positions: int) -> tuple[torch.Tensor, float]:
+    p, base, dim = spec.params, spec.theta, head_dim
+    orig = p["original_max_position_embeddings"]
+    factor = p.get("factor") or max_positions / orig
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn_factor = p.get("attention_factor")
+    if attn_factor is None:
+        if p.get("mscale") and p.get("mscale_all_dim"):
+            attn_factor = mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
+        else:
+            attn_factor = mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(p.get("beta_fast") or 32), correction_dim(p.get("beta_slow") or 1)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attn_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE (rotate halves) with precomputed cos/sin tables.
+
+    Tables: cos, sin [max_positions, head_dim // 2] in the model dtype.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, spec: RopeSpec,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq, scale = _inv_freq(spec, head_dim, max_positions)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        self.register_buffer("cos", (freqs.cos() * scale).to(dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("sin", (freqs.sin() * scale).to(dtype=dtype, device=device),
+                             persistent=False)
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for `positions` [T]: each [T, 1, head_dim // 2] (once per step)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, head_dim] by cos/sin [T, 1, head_dim // 2]; returns a new tensor."""
+    x1, x2 = x.chunk(2, dim=-1)
+    out = torch.empty_like(x)
+    o1, o2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=o1)
+    o1.addcmul_(x2, sin, value=-1.0)
+    torch.mul(x2, cos, out=o2)
+    o2.addcmul_(x1, sin)
+    return out

@@ -1,0 +1,227 @@
+"""Llama-family decoder (Llama, Mistral without sliding window, Qwen2, SmolLM2).
+
+The model works on a step's flattened tokens (all requests, no padding) and a
+paged KV cache (see `attention.py`). q/k/v and gate/up projections are fused
+into one matrix each when the Hugging Face weights are loaded, so a layer runs
+four matmuls. `forward` returns final-normed hidden states for every token;
+`compute_logits` runs the LM head only on the rows that are sampled.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpserve.model.attention import AttentionMetadata, paged_attention
+from dpserve.model.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    rope_spec_from_config,
+    silu_and_mul,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _param(*shape: int, dtype: torch.dtype, device: Any) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Sizes and options read from config.json (the runner sizes the KV cache from them)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    layers: int
+    vocab: int
+    eps: float
+    max_positions: int
+    qkv_bias: bool  # Qwen2, or attention_bias
+    o_bias: bool
+    mlp_bias: bool
+    tied: bool  # lm_head shares the embedding matrix
+
+    @classmethod
+    def from_config(cls, c: Mapping[str, Any]) -> ModelDims:
+        act = c.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+        heads = int(c["num_attention_heads"])
+        is_qwen2 = c.get("model_type") == "qwen2"
+        dims = cls(hidden=int(c["hidden_size"]), heads=heads,
+                   kv_heads=int(c.get("num_key_value_heads") or heads),
+                   head_dim=int(c.get("head_dim") or int(c["hidden_size"]) // heads),
+                   intermediate=int(c["intermediate_size"]), layers=int(c["num_hidden_layers"]),
+                   vocab=int(c["vocab_size"]), eps=float(c.get("rms_norm_eps", 1e-6)),
+                   max_positions=int(c.get("max_position_embeddings", 2048)),
+                   qkv_bias=is_qwen2 or bool(c.get("attention_bias", False)),
+                   o_bias=not is_qwen2 and bool(c.get("attention_bias", False)),
+                   mlp_bias=bool(c.get("mlp_bias", False)),
+                   tied=bool(c.get("tie_word_embeddings", False)))
+        window = c.get("sliding_window")
+        if (isinstance(window, int) and c.get("use_sliding_window", True)
+                and window < dims.max_positions):
+            logger.warning("sliding_window=%d is ignored: attention is full over the context, "
+                           "which differs from the model past %d tokens", window, window)
+        return dims
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, d: ModelDims, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = d.heads, d.kv_heads, d.head_dim
+        qkv_out = (d.heads + 2 * d.kv_heads) * d.head_dim
+        self.qkv_weight = _param(qkv_out, d.hidden, dtype=dtype, device=device)
+        self.qkv_bias = _param(qkv_out, dtype=dtype, device=device) if d.qkv_bias else None
+        self.o_weight = _param(d.hidden, d.heads * d.head_dim, dtype=dtype, device=device)
+        self.o_bias = _param(d.hidden, dtype=dtype, device=device) if d.o_bias else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # x: [T, hidden]; cos/sin: [T, 1, head_dim // 2]
+        num_tokens = x.shape[0]
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (H + 2 KV) * d]
+        qk_width = (self.heads + self.kv_heads) * self.head_dim
+        qk = apply_rotary(qkv[:, :qk_width].view(num_tokens, -1, self.head_dim), cos, sin)
+        q, k = qk[:, :self.heads], qk[:, self.heads:]  # [T, H, d], [T, KV, d]
+        v = qkv[:, qk_width:].view(num_tokens, self.kv_heads, self.head_dim)
+        attn = paged_attention(q, k, v, kv_cache, meta)  # [T, H * d]
+        return F.linear(attn, self.o_weight, self.o_bias)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, d: ModelDims, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        self.gate_up_weight = _param(2 * d.intermediate, d.hidden, dtype=dtype, device=device)
+        self.gate_up_bias = (_param(2 * d.intermediate, dtype=dtype, device=device)
+                             if d.mlp_bias else None)
+        self.down_weight = _param(d.hidden, d.intermediate, dtype=dtype, device=device)
+        self.down_bias = _param(d.hidden, dtype=dtype, device=device) if d.mlp_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
+        return F.linear(silu_and_mul(gate_up), self.down_weight, self.down_bias)  # [T, hidden]
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, d: ModelDims, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(d.hidden, d.eps, dtype, device)
+        self.attn = LlamaAttention(d, dtype, device)
+        self.post_attn_norm = RMSNorm(d.hidden, d.eps, dtype, device)
+        self.mlp = LlamaMLP(d, dtype, device)
+
+    def forward(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # residual: [T, hidden], updated in place and returned.
+        residual.add_(self.attn(self.input_norm(residual), cos, sin, kv_cache, meta))
+        residual.add_(self.mlp(self.post_attn_norm(residual)))
+        return residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM over a paged KV cache.
+
+    kv_caches: one tensor per layer, [2, num_blocks, block_size, kv_heads, head_dim].
+    """
+
+    def __init__(self, hf_config: Mapping[str, Any], dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        d = self.dims = ModelDims.from_config(hf_config)
+        self.dtype = dtype
+        self.embed = _param(d.vocab, d.hidden, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(d, dtype, device) for _ in range(d.layers))
+        self.norm = RMSNorm(d.hidden, d.eps, dtype, device)
+        self.lm_head = self.embed if d.tied else _param(d.vocab, d.hidden, dtype=dtype,
+                                                        device=device)
+        self.rotary = RotaryEmbedding(d.head_dim, d.max_positions,
+                                      rope_spec_from_config(hf_config), dtype, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """input_ids, positions: [T] -> final-normed hidden states [T, hidden]."""
+        cos, sin = self.rotary.tables(positions)  # once per step, shared by all layers
+        hidden = F.embedding(input_ids, self.embed)  # [T, hidden], a fresh tensor
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, attn_meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden] -> logits [S, vocab] float32."""
+        return F.linear(hidden, self.lm_head).float()
+
+    # ---- weights ---------------------------------------------------------
+
+    def _weight_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """HF name -> (parameter, first row, number of rows) it fills."""
+        d = self.dims
+        q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+        targets: dict[str, tuple[torch.Tensor, int, int]] = {
+            "model.embed_tokens.weight": (self.embed, 0, d.vocab),
+            "model.norm.weight": (self.norm.weight, 0, d.hidden),
+        }
+        if not d.tied:
+            targets["lm_head.weight"] = (self.lm_head, 0, d.vocab)
+        for i, layer in enumerate(self.layers):
+            pre, a, m = f"model.layers.{i}.", layer.attn, layer.mlp
+            parts: dict[str, tuple[torch.Tensor | None, int, int]] = {
+                "input_layernorm.weight": (layer.input_norm.weight, 0, d.hidden),
+                "post_attention_layernorm.weight": (layer.post_attn_norm.weight, 0, d.hidden),
+                "self_attn.o_proj.weight": (a.o_weight, 0, d.hidden),
+                "self_attn.o_proj.bias": (a.o_bias, 0, d.hidden),
+                "mlp.down_proj.weight": (m.down_weight, 0, d.hidden),
+                "mlp.down_proj.bias": (m.down_bias, 0, d.hidden),
+            }
+            for kind in ("weight", "bias"):  # fused row ranges: q | k | v and gate | up
+                fused = a.qkv_weight if kind == "weight" else a.qkv_bias
+                for name, start, n in zip("qkv", (0, q, q + kv), (q, kv, kv), strict=True):
+                    parts[f"self_attn.{name}_proj.{kind}"] = (fused, start, n)
+                gu = m.gate_up_weight if kind == "weight" else m.gate_up_bias
+                parts[f"mlp.gate_proj.{kind}"] = (gu, 0, d.intermediate)
+                parts[f"mlp.up_proj.{kind}"] = (gu, d.intermediate, d.intermediate)
+            targets.update({pre + k: (t, s, n) for k, (t, s, n) in parts.items()
+                            if t is not None})
+        return targets
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face tensors in, fusing q/k/v and gate/up.
+
+        Raises ValueError on a name the model does not have, a shape mismatch,
+        or a parameter left unset.
+        """
+        targets = self._weight_targets()
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight"
+                                                         and self.dims.tied):
+                continue
+            if name not in targets:
+                raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
+            param, start, rows = targets[name]
+            dest = param.data[start:start + rows]
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            seen.add(name)
+        missing = sorted(set(targets) - seen, key=_natural_key)
+        if missing:
+            raise ValueError(f"missing weights ({len(missing)}): {', '.join(missing[:5])}"
+                             + (" ..." if len(missing) > 5 else ""))
+
+
+def _natural_key(name: str) -> list[Any]:
+    return [int(s) if s.isdigit() else s for s in re.split(r"(\d+)", name)]

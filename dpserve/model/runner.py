@@ -1,0 +1,199 @@
+"""ModelRunner: turns a SchedulerOutput into one forward pass plus sampling.
+
+It owns the model, the paged KV cache (one tensor per layer, layout in
+`attention.py`, plus one scratch block for dummy runs), the sampler and the
+per-request generators of seeded requests (created on first sight, dropped
+when the scheduler reports the request finished).
+
+One step:
+1. build inputs on the host with numpy (token ids, positions, slot mapping,
+   block tables) and the AttentionMetadata, once for all layers;
+2. forward over the flattened tokens of every scheduled request;
+3. LM head only on the last token of requests that sample this step;
+4. sample and return Python lists.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dpserve.config import EngineConfig
+from dpserve.engine.request import Request
+from dpserve.engine.types import ModelRunnerOutput, SchedulerOutput
+from dpserve.model.attention import AttentionMetadata, build_attention_metadata, token_positions
+from dpserve.model.registry import get_model_class
+from dpserve.model.sampler import Sampler, SamplingMetadata, make_generator
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInputs:
+    """Device tensors of one step."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn_meta: AttentionMetadata
+    logits_index: torch.Tensor  # [S] int64 token index of each sampled row
+    sampled: list[Request]  # [S] the requests that sample, in output order
+
+
+class ModelRunner:
+    """Executes scheduled steps on one device; see the module docstring."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.parallel.threads_per_engine:
+            torch.set_num_threads(config.parallel.threads_per_engine)
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.model.dtype)
+        self.block_size = config.cache.block_size
+        model_cls = get_model_class(config.model.architecture)
+        self.model = model_cls(config.model.hf_config, self.dtype, self.device)
+        from dpserve.model.loader import iter_weights
+
+        self.model.load_weights(iter_weights(Path(config.model.path)))
+        self.vocab_size = self.model.dims.vocab
+        self.kv_elems_per_token = self.model.dims.kv_heads * self.model.dims.head_dim
+        self.sampler = Sampler(config.model.seed, self.device)
+        self.generators: dict[str, torch.Generator] = {}  # request id -> its seeded generator
+        self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = 0  # usable blocks; block `num_blocks` is the scratch block
+
+    # ---- KV cache --------------------------------------------------------
+
+    def block_bytes(self) -> int:
+        """Bytes of one KV block over all layers."""
+        d = self.model.dims
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return d.layers * 2 * self.block_size * d.kv_heads * d.head_dim * elem
+
+    def determine_num_blocks(self) -> int:
+        """KV blocks the budget holds, capped at what max_num_seqs full requests need.
+
+        Raises ValueError when the budget cannot hold one max_model_len request.
+        """
+        cache, sched = self.config.cache, self.config.scheduler
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        if self.device.type == "cuda":
+            budget, option = self._cuda_kv_budget(), "gpu_memory_utilization"
+        else:
+            budget, option = cache.kv_cache_memory or (2 << 30), "kv_cache_memory"
+        per_seq = -(-sched.max_model_len // self.block_size)
+        num_blocks = max(budget, 0) // self.block_bytes()
+        if num_blocks < per_seq:
+            raise ValueError(
+                f"the KV cache budget ({budget / 2**20:.1f} MiB, set by {option}) holds "
+                f"{num_blocks} blocks of {self.block_size} tokens, but one request of "
+                f"max_model_len={sched.max_model_len} needs {per_seq}; raise {option} "
+                f"or lower max_model_len")
+        return min(num_blocks, sched.max_num_seqs * per_seq)
+
+    def _cuda_kv_budget(self) -> int:
+        """Bytes left for the KV cache after weights, a max-size forward and other users."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)  # weights + activations
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        return int(total * self.config.cache.gpu_memory_utilization) - peak - non_torch
+
+    @torch.inference_mode()
+    def _profile_run(self) -> None:
+        """A forward of max_num_batched_tokens tokens + logits of max_num_seqs rows."""
+        sched = self.config.scheduler
+        d = self.model.dims
+        tokens, seq_len = sched.max_num_batched_tokens, sched.max_model_len
+        lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
+        query_lens = np.array(lens, dtype=np.int64)
+        caches = [torch.zeros(2, 1, self.block_size, d.kv_heads, d.head_dim, dtype=self.dtype,
+                              device=self.device) for _ in range(d.layers)]
+        table = np.zeros((len(lens), -(-seq_len // self.block_size)), dtype=np.int64)
+        meta = build_attention_metadata(query_lens, np.zeros_like(query_lens), table, 0,
+                                        self.block_size, self.dtype, self.device)
+        meta.slot_mapping.remainder_(self.block_size)  # everything in the one block
+        positions = torch.from_numpy(token_positions(query_lens, np.zeros_like(query_lens)))
+        hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device),
+                            positions.to(self.device), meta, caches)
+        rows = torch.arange(min(tokens, sched.max_num_seqs), device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        logits.softmax(dim=-1)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate `num_blocks` zeroed blocks per layer, plus one scratch block."""
+        d = self.model.dims
+        self.num_blocks = num_blocks
+        self.kv_caches = [
+            torch.zeros(2, num_blocks + 1, self.block_size, d.kv_heads, d.head_dim,
+                        dtype=self.dtype, device=self.device)
+            for _ in range(d.layers)]
+        logger.info("KV cache: %d blocks x %d tokens, %.1f MiB", num_blocks, self.block_size,
+                    (num_blocks + 1) * self.block_bytes() / 2**20)
+
+    # ---- steps -----------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one scheduled step; one sampled token per request with sample=True."""
+        for req_id in scheduler_output.finished_req_ids:
+            self.generators.pop(req_id, None)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        inputs = self.prepare_inputs(scheduler_output)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_meta,
+                            self.kv_caches)  # [T, hidden]
+        if not inputs.sampled:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_index))
+        for req in inputs.sampled:
+            seed = req.sampling_params.seed
+            if seed is not None and req.request_id not in self.generators:
+                self.generators[req.request_id] = make_generator(seed, self.device)
+        meta = SamplingMetadata.from_requests(inputs.sampled, self.generators, self.vocab_size,
+                                              self.device)
+        tokens, logprobs = self.sampler(logits, meta)
+        return ModelRunnerOutput(req_ids=[r.request_id for r in inputs.sampled],
+                                 sampled_token_ids=tokens.tolist(), logprobs=logprobs)
+
+    def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        """Host-side input building for one step (also the test seam for logits)."""
+        sched = so.scheduled
+        num_reqs, bs = len(sched), self.block_size
+        query_lens = np.fromiter((s.num_new_tokens for s in sched), np.int64, num_reqs)
+        context_lens = np.fromiter((s.start for s in sched), np.int64, num_reqs)
+        token_ids = list(itertools.chain.from_iterable(
+            s.request.all_token_ids[s.start:s.start + s.num_new_tokens] for s in sched))
+        # Block table: only the blocks this step's tokens reach; padding is masked.
+        needed = -(-(context_lens + query_lens) // bs)  # [R]
+        table = np.zeros((num_reqs, int(needed.max())), dtype=np.int64)
+        for i, s in enumerate(sched):
+            table[i, :needed[i]] = s.block_ids[:needed[i]]
+        ends = np.cumsum(query_lens) - 1  # [R] last token of each request
+        sample_rows = [i for i, s in enumerate(sched) if s.sample]
+        meta = build_attention_metadata(query_lens, context_lens, table, so.num_decodes, bs,
+                                        self.dtype, self.device, self.kv_elems_per_token)
+        positions = token_positions(query_lens, context_lens)
+        return StepInputs(
+            input_ids=torch.tensor(token_ids, dtype=torch.int64).to(self.device),
+            positions=torch.from_numpy(positions).to(self.device), attn_meta=meta,
+            logits_index=torch.from_numpy(ends[sample_rows]).to(self.device),
+            sampled=[sched[i].request for i in sample_rows])
+
+    @torch.inference_mode()
+    def execute_dummy(self) -> None:
+        """A 1-token forward that only touches the scratch block (DP lockstep)."""
+        one = np.ones(1, dtype=np.int64)
+        meta = build_attention_metadata(one, np.zeros(1, dtype=np.int64),
+                                        np.full((1, 1), self.num_blocks, dtype=np.int64), 1,
+                                        self.block_size, self.dtype, self.device)
+        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.model(zero, zero, meta, self.kv_caches)
