@@ -1,0 +1,81 @@
+"""The `dpserve` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from dpserve.config import ConfigError, EngineArgs
+
+
+def _generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="Generate text offline with one engine.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("model", nargs="?", default=None,
+                   help="Hugging Face directory, .gguf file or hub name "
+                        "(default: built-in SmolLM2-135M-Instruct)")
+    p.add_argument("--prompt", action="append", required=True,
+                   help="Prompt text; repeat for several prompts.")
+    p.add_argument("--chat", action="store_true",
+                   help="Treat each prompt as a user message and apply the chat template.")
+    p.add_argument("--max-tokens", type=int, default=128, help="Tokens to generate at most.")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy.")
+    p.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass.")
+    p.add_argument("--top-k", type=int, default=-1, help="Top-k sampling (-1 = off).")
+    p.add_argument("--sampling-seed", type=int, default=None,
+                   help="Per-request sampling seed (reproducible sampling).")
+    p.add_argument("--stop", action="append", default=[], help="Stop string (repeatable).")
+    p.add_argument("--json", action="store_true", help="Print results as JSON lines.")
+    EngineArgs.add_cli_args(p.add_argument_group("engine options"))
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from dpserve import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
+                            stop=args.stop)
+    llm = LLM(**vars(EngineArgs.from_cli(args)))
+    if args.chat:
+        convs = [[{"role": "user", "content": p}] for p in args.prompt]
+        outputs = llm.chat(convs, params)
+    else:
+        outputs = llm.generate(args.prompt, params)
+    for prompt, out in zip(args.prompt, outputs):
+        c = out.outputs[0]
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": c.text, "token_ids": c.token_ids,
+                              "finish_reason": c.finish_reason}))
+        else:
+            print(c.text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dpserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(processName)s "
+                        "[%(name)s] %(message)s", stream=sys.stderr)
+    try:
+        return _run_generate(args)
+    except (ConfigError, ValueError) as e:
+        print(f"dpserve: error: {_as_flag(str(e))}", file=sys.stderr)
+        return 2
+
+
+def _as_flag(message: str) -> str:
+    """Name the command-line flag, not the Python keyword, in an option error."""
+    import dataclasses
+
+    for f in dataclasses.fields(EngineArgs):
+        if message.startswith(f.name + " ") or message.startswith(f.name + ":"):
+            return "--" + f.name.replace("_", "-") + message[len(f.name):]
+    return message
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""EngineCore: the in-process, IO-free engine.
+
+It owns the scheduler, the KV-cache manager (inside the scheduler) and the
+model runner. `step()` is schedule -> execute -> update and returns the new
+tokens of each request that made progress. No sockets, no threads: a process
+wrapper or the offline `LLM` drives it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from dpserve.config import EngineConfig
+from dpserve.engine.request import Request, RequestStatus
+from dpserve.engine.scheduler import Scheduler, SchedulerStats
+from dpserve.engine.types import EngineCoreOutput, ModelRunnerOutput
+from dpserve.protocol import EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+_EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        from dpserve.model.runner import ModelRunner
+
+        start = time.monotonic()
+        self.config = config
+        self.runner = ModelRunner(config)
+        # The block count is a run-time result: it travels as a value, the
+        # config stays as the user resolved it.
+        self.num_kv_blocks = self.runner.determine_num_blocks()
+        self.runner.initialize_kv_cache(self.num_kv_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks)
+        self.vocab_size = int(config.model.hf_config["vocab_size"])
+        logger.info("engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens)",
+                    time.monotonic() - start, self.num_kv_blocks, config.cache.block_size,
+                    self.num_kv_blocks * config.cache.block_size)
+
+    # ---- requests -------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request; raises ValueError if it can never run."""
+        ids = request.prompt_token_ids
+        max_len = self.config.model.max_model_len
+        if not ids:
+            raise ValueError("prompt must contain at least one token")
+        if len(ids) >= max_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is "
+                             f"{max_len} tokens (max_model_len), which leaves no room to "
+                             f"generate")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        self.scheduler.add_request(Request(
+            request.request_id, ids, request.sampling_params,
+            eos_token_id=request.eos_token_id, arrival_time=request.arrival_time or None))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """(num_waiting, num_running)."""
+        return self.scheduler.get_request_counts()
+
+    # ---- the step -------------------------------------------------------
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one engine step and return what each request got from it."""
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        # 1. Schedule: which requests compute how many tokens this step.
+        scheduler_output = self.scheduler.schedule()
+        # 2. Execute: one forward pass over all of them, then sample.
+        runner_output = (self.runner.execute(scheduler_output)
+                         if not scheduler_output.is_empty else _EMPTY_OUTPUT)
+        # 3. Update: append tokens, check stops, free finished requests.
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    # ---- utility methods ------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False if requests still hold blocks."""
+        return self.scheduler.reset_prefix_cache()
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def execute_dummy_batch(self) -> None:
+        self.runner.execute_dummy()
