@@ -1,14 +1,40 @@
-"""Messages between the front-end and an engine.
+"""Every message between dpserve processes, in one module.
 
-Every message is a msgspec Struct so it can be sent as msgpack without
-pickle. In-process (the offline `LLM`) the same objects are passed directly.
+Messages are msgspec Structs sent as msgpack (never pickle). A request from
+a front-end to an engine is two frames: a one-byte `RequestType` tag, so
+routing needs no decoding, then the msgpack body. Engines answer with
+`EngineCoreOutputs`, which carry deltas (new tokens), not whole state.
+In-process (the offline `LLM`) the same objects are passed directly.
+
+Start-up handshake (engine <-> launcher, over the engine's DEALER socket):
+    engine -> launcher: HandshakeHello
+    launcher -> engine: EngineInitMetadata (where to connect)
+    engine -> launcher: HandshakeReady (after the model and KV cache are up)
 """
 
 from __future__ import annotations
 
+import enum
+from typing import Any
+
 import msgspec
 
+from dpserve.engine.request import FinishReason
 from dpserve.sampling_params import SamplingParams
+
+
+class RequestType(bytes, enum.Enum):
+    """First frame of every front-end -> engine message."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x02"
+    START_DP_WAVE = b"\x03"  # coordinator -> engines: join wave N
+    EXECUTOR_FAILED = b"\x04"  # internal: the model executor died
+
+
+# Sent by a dying engine on every output socket instead of EngineCoreOutputs.
+ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -19,3 +45,93 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     sampling_params: SamplingParams
     eos_token_id: int | None = None
     arrival_time: float = 0.0
+    client_index: int = 0  # which front-end gets the outputs
+    current_wave: int = 0  # the DP wave the front-end last saw
+    data_parallel_rank: int | None = None  # pinned engine, if any
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Logprobs for one new token of one request."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: list[tuple[int, float]]  # (token_id, logprob), best first
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What one step produced for one request: a delta, not the whole state."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id that ended it, if any
+    new_logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A snapshot of one engine's scheduler, for metrics and load reports."""
+
+    num_waiting: int
+    num_running: int
+    kv_cache_usage: float  # fraction of KV blocks held by requests
+    prefix_cache_queries: int  # tokens looked up in the prefix cache, cumulative
+    prefix_cache_hits: int  # tokens found there, cumulative
+    num_preemptions: int  # cumulative
+    num_free_blocks: int
+
+
+class UtilityCall(msgspec.Struct, array_like=True, gc=False):
+    """Call `EngineCore.<method>(*args)` in the engine; the answer is a UtilityOutput."""
+
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    call_id: int
+    failure_message: str | None = None  # set when the call raised; result is then None
+    result: Any = None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One message from an engine to one front-end."""
+
+    engine_index: int = 0
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    utility_output: UtilityOutput | None = None
+    finished_requests: list[str] | None = None
+    # Data-parallel waves (used from the DP issue on).
+    wave_complete: int | None = None
+    start_wave: int | None = None
+
+
+class HandshakeHello(msgspec.Struct, array_like=True, gc=False):
+    local: bool  # the engine runs on the launcher's host
+
+
+class EngineInitMetadata(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Where an engine connects: one input and one output address per front-end."""
+
+    input_addresses: list[str]
+    output_addresses: list[str]
+    coordinator_input: str | None = None
+    coordinator_output: str | None = None
+    dp_master_ip: str = "127.0.0.1"
+    dp_master_port: int = 0
+    dp_size: int = 1
+
+
+class HandshakeReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    local: bool
+    num_kv_blocks: int
+    max_model_len: int
+    dp_stats_address: str | None = None

@@ -13,9 +13,9 @@ import time
 
 from dpserve.config import EngineConfig
 from dpserve.engine.request import Request, RequestStatus
-from dpserve.engine.scheduler import Scheduler, SchedulerStats
-from dpserve.engine.types import EngineCoreOutput, ModelRunnerOutput
-from dpserve.protocol import EngineCoreRequest
+from dpserve.engine.scheduler import Scheduler
+from dpserve.engine.types import ModelRunnerOutput
+from dpserve.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 
 logger = logging.getLogger(__name__)
 

@@ -17,34 +17,14 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from dpserve.config import CacheConfig, SchedulerConfig
 from dpserve.engine.kv_cache import KVCacheManager
 from dpserve.engine.request import Request, RequestStatus
-from dpserve.engine.types import (
-    EngineCoreOutput,
-    Logprobs,
-    ModelRunnerOutput,
-    ScheduledRequest,
-    SchedulerOutput,
-    TokenLogprobs,
-)
+from dpserve.engine.types import Logprobs, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from dpserve.protocol import EngineCoreOutput, SchedulerStats, TokenLogprobs
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SchedulerStats:
-    """A snapshot for metrics and load reports."""
-
-    num_waiting: int
-    num_running: int
-    kv_cache_usage: float  # fraction of KV blocks held by requests
-    prefix_cache_queries: int  # tokens looked up in the prefix cache, cumulative
-    prefix_cache_hits: int  # tokens found there, cumulative
-    num_preemptions: int  # cumulative
-    num_free_blocks: int
 
 
 class Scheduler:

@@ -2,6 +2,8 @@
 
 scheduler --SchedulerOutput--> model runner --ModelRunnerOutput--> scheduler
 scheduler.update_from_output --> list[EngineCoreOutput] --> EngineCore.step()
+
+(`EngineCoreOutput` crosses process boundaries, so it lives in dpserve.protocol.)
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dpserve.engine.request import FinishReason, Request
+from dpserve.engine.request import Request
 
 
 @dataclass
@@ -64,29 +66,3 @@ class ModelRunnerOutput:
     req_ids: list[str]  # [num_sampled]
     sampled_token_ids: list[int]  # [num_sampled]
     logprobs: Logprobs | None = None  # rows for every sampled request (None if none asked)
-
-
-@dataclass
-class TokenLogprobs:
-    """Logprobs for one new token of one request."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]  # (token_id, logprob), best first, len == N
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one step produced for one request: a delta, not the whole state."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None  # the stop token id that ended it, if any
-    new_logprobs: list[TokenLogprobs] | None = None
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None

@@ -13,10 +13,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from dpserve.engine.types import EngineCoreOutput, TokenLogprobs
 from dpserve.frontend.detokenizer import IncrementalDetokenizer
 from dpserve.outputs import CompletionOutput, Logprob, RequestOutput
-from dpserve.protocol import EngineCoreRequest
+from dpserve.protocol import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
 from dpserve.sampling_params import SamplingParams
 
 
