@@ -41,12 +41,23 @@ class ModelConfig:
     max_model_len: int  # prompt + output tokens per request
     seed: int
 
+    def __reduce__(self):
+        # MappingProxyType does not pickle; send a plain copy (spawned engines
+        # get their config through pickle) and re-wrap it on arrival.
+        state = {f.name: getattr(self, f.name) for f in fields(self)}
+        state["hf_config"] = dict(self.hf_config)
+        return (_rebuild_model_config, (state,))
+
     @property
     def eos_token_ids(self) -> list[int]:
         eos = self.hf_config.get("eos_token_id")
         if eos is None:
             return []
         return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
+def _rebuild_model_config(state: dict[str, Any]) -> ModelConfig:
+    return ModelConfig(**{**state, "hf_config": MappingProxyType(state["hf_config"])})
 
 
 @dataclass(frozen=True)

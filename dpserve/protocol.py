@@ -33,8 +33,14 @@ class RequestType(bytes, enum.Enum):
     EXECUTOR_FAILED = b"\x04"  # internal: the model executor died
 
 
-# Sent by a dying engine on every output socket instead of EngineCoreOutputs.
+# Sent by a dying engine on every output socket instead of EngineCoreOutputs,
+# as two frames [ENGINE_CORE_DEAD, engine identity] so the front-end knows which.
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
+
+
+def engine_identity(rank: int) -> bytes:
+    """The ZMQ identity of engine `rank`: its DP rank, 2 bytes little-endian."""
+    return rank.to_bytes(2, "little")
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

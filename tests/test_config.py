@@ -62,3 +62,13 @@ def test_sampling_params_validation(kwargs, field):
 
 def test_sampling_params_stop_string_becomes_list():
     assert SamplingParams(stop="x").stop == ["x"]
+
+
+def test_config_pickles_for_spawned_engines(tiny_llama):
+    import pickle
+
+    config = EngineArgs.from_kwargs(model=str(tiny_llama)).create_config()
+    copy = pickle.loads(pickle.dumps(config))
+    assert copy == config
+    with pytest.raises(TypeError):
+        copy.model.hf_config["vocab_size"] = 1  # type: ignore[index]

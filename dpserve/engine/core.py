@@ -57,8 +57,12 @@ class EngineCore:
             request.request_id, ids, request.sampling_params,
             eos_token_id=request.eos_token_id, arrival_time=request.arrival_time or None))
 
-    def abort_requests(self, request_ids: list[str]) -> None:
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        """Abort requests; returns their final outputs (finish reason ABORT).
+
+        Unknown or already finished ids are ignored.
+        """
+        return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -1,0 +1,435 @@
+"""EngineCoreProc: one EngineCore in its own process, wired to front-ends by ZMQ.
+
+Scope: the start-up handshake with the launcher, two IO threads (sockets ->
+input queue, output queue -> sockets), the busy loop that drives the
+`EngineCore` it holds, utility calls, the engine-dead signal, signal handling
+and the parent-death watcher. `run_engine_core` is the multiprocessing target.
+
+Not here: scheduling and the model (`EngineCore`), address allocation and
+process spawning (`dpserve.launcher`), data-parallel waves (a later part).
+
+Sockets of engine `rank` (identity = `engine_identity(rank)`):
+
+    handshake  DEALER -> launcher ROUTER   HandshakeHello / EngineInitMetadata / HandshakeReady
+    input i    DEALER -> front-end i ROUTER  [RequestType byte, msgpack body]; first an
+               empty frame so the ROUTER learns (and can route to) this engine
+    output i   PUSH   -> front-end i PULL    one msgpack EngineCoreOutputs per message
+
+A dying engine sends the two frames [ENGINE_CORE_DEAD, identity] on every
+output socket, so a front-end with several engines knows which one died.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import zmq
+
+from dpserve.config import EngineConfig
+from dpserve.engine.request import FinishReason
+from dpserve.protocol import (
+    ENGINE_CORE_DEAD,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineInitMetadata,
+    HandshakeHello,
+    HandshakeReady,
+    RequestType,
+    UtilityCall,
+    UtilityOutput,
+    engine_identity,
+)
+
+if TYPE_CHECKING:
+    from dpserve.engine.core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT_S = 120.0  # wait for the launcher's init metadata
+DEAD_LINGER_MS = 4000  # how long closing output sockets may take to flush
+_IDLE_WAIT_S = 0.5  # the busy loop's longest block on an empty input queue
+_POLL_MS = 100  # IO threads look at the stop flag this often
+_PARENT_POLL_S = 1.0
+_PARENT_GRACE_S = 10.0  # after asking itself to stop, an orphan hard-exits after this
+
+# Test-only fault injection: the engine's N-th model execution raises.
+FAULT_FORWARD_ENV = "DPSERVE_FAULT_FORWARD_AT"
+
+# Utility calls may run any public EngineCore method except the request path,
+# whose outputs would bypass the routing in the busy loop.
+_NOT_UTILITIES = frozenset({"add_request", "abort_requests", "step"})
+
+_IO_FAILED = "io-thread-failed"  # internal input-queue tag: an IO thread died
+
+
+class EngineCoreProc:
+    """Runs an EngineCore in this process, fed and drained by two IO threads.
+
+    Construction does the whole start-up: handshake (HELLO -> init
+    metadata), build the EngineCore (model + KV cache), start the IO threads
+    (they connect and register with every front-end), then send READY.
+    `run_busy_loop()` runs until SystemExit (signals) or a fatal error.
+    """
+
+    def __init__(self, config: EngineConfig, rank: int, handshake_address: str,
+                 local: bool = True) -> None:
+        self.config = config
+        self.rank = rank
+        self.identity = engine_identity(rank)
+        # (type, decoded body, index of the front-end it came from)
+        self.input_queue: queue.Queue[tuple[Any, Any, int]] = queue.Queue()
+        # (client index, outputs), ENGINE_CORE_DEAD, or None = stop
+        self.output_queue: queue.Queue[tuple[int, EngineCoreOutputs] | bytes | None] = (
+            queue.Queue())
+        self._stop_io = threading.Event()
+        self._client_of: dict[str, int] = {}  # request_id -> client index, until finished
+        self._result_checker = msgspec.msgpack.Encoder()
+
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        linger_ms = 0  # on failure, do not wait to flush anything
+        try:
+            sock.setsockopt(zmq.IDENTITY, self.identity)
+            sock.connect(handshake_address)
+            init = _say_hello(sock, local, handshake_address)
+            self.num_clients = len(init.output_addresses)
+            self.engine_core = _build_engine_core(config)
+            # Start registering with the front-ends before READY: the launcher
+            # starts them on READY, and the frames wait in our sockets till then.
+            self._start_io_threads(init)
+            max_len = self.engine_core.scheduler.max_model_len  # capped to the KV cache size
+            sock.send(msgspec.msgpack.encode(HandshakeReady(
+                local=local, num_kv_blocks=self.engine_core.num_kv_blocks,
+                max_model_len=max_len)))
+            linger_ms = 5000
+        finally:
+            sock.close(linger=linger_ms)
+            ctx.term()  # returns once READY is delivered (or the linger ran out)
+        logger.info("engine %d ready: %d KV blocks, serving %d front-end(s)", rank,
+                    self.engine_core.num_kv_blocks, self.num_clients)
+
+    # ---- the busy loop ---------------------------------------------------
+
+    def run_busy_loop(self) -> None:
+        """Serve until SystemExit (a signal) or an exception (fatal)."""
+        while True:
+            # 1. Take in everything the front-ends sent; block only when idle.
+            self._process_input_queue()
+            # 2. Step the engine: schedule -> execute -> update.
+            outputs = self.engine_core.step()
+            # 3. Send each request's delta to the front-end that owns it.
+            self._publish(outputs)
+
+    def _process_input_queue(self) -> None:
+        if not self.engine_core.has_unfinished_requests():
+            try:  # nothing to step: wait, but not forever
+                self._handle(*self.input_queue.get(timeout=_IDLE_WAIT_S))
+            except queue.Empty:
+                return
+        while True:
+            try:
+                item = self.input_queue.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(*item)
+
+    def _handle(self, request_type: Any, body: Any, client_index: int) -> None:
+        if request_type is RequestType.ADD:
+            self._add_request(body, client_index)
+        elif request_type is RequestType.ABORT:
+            self._publish(self.engine_core.abort_requests(body))
+        elif request_type is RequestType.UTILITY:
+            self._call_utility(body, client_index)
+        elif request_type == _IO_FAILED:
+            raise RuntimeError(f"engine IO thread failed: {body}")
+        else:
+            logger.warning("ignoring request type %r (not handled by this engine)",
+                           request_type)
+
+    def _add_request(self, request: EngineCoreRequest, source: int) -> None:
+        """Queue a request; a bad one finishes at once with ABORT, the engine lives on."""
+        client = request.client_index
+        try:
+            if not 0 <= client < self.num_clients:
+                client = source  # answer where it came from
+                raise ValueError(f"client_index {request.client_index} is out of range "
+                                 f"(this engine serves {self.num_clients} front-ends)")
+            self.engine_core.add_request(request)
+        except ValueError as e:
+            logger.warning("rejected request %s: %s", request.request_id, e)
+            rejected = EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ABORT)
+            self._send(client, [rejected])
+            return
+        self._client_of[request.request_id] = client
+
+    def _call_utility(self, call: UtilityCall, client_index: int) -> None:
+        """Run `EngineCore.<method>(*args)`; a failure is reported, never fatal."""
+        out = UtilityOutput(call.call_id)
+        try:
+            method = getattr(self.engine_core, call.method, None)
+            if call.method.startswith("_") or call.method in _NOT_UTILITIES or \
+                    not callable(method):
+                raise AttributeError(f"the engine has no utility method {call.method!r}")
+            result = method(*call.args)
+            self._result_checker.encode(result)  # fail here, not in the output thread
+            out.result = result
+        except Exception as e:
+            logger.warning("utility call %s%s failed: %s", call.method, tuple(call.args), e)
+            out.failure_message = f"{call.method}() failed: {type(e).__name__}: {e}"
+        self.output_queue.put_nowait((client_index, EngineCoreOutputs(
+            engine_index=self.rank, utility_output=out, timestamp=time.monotonic())))
+
+    def _publish(self, outputs: list[EngineCoreOutput]) -> None:
+        """Group outputs by front-end; a finished request forgets its front-end."""
+        if not outputs:
+            return
+        by_client: dict[int, list[EngineCoreOutput]] = defaultdict(list)
+        for out in outputs:
+            client = (self._client_of.pop(out.request_id, None) if out.finished
+                      else self._client_of.get(out.request_id))
+            if client is None:
+                logger.warning("output for unknown request %s dropped", out.request_id)
+                continue
+            by_client[client].append(out)
+        for client, outs in by_client.items():
+            self._send(client, outs)
+
+    def _send(self, client: int, outputs: list[EngineCoreOutput]) -> None:
+        self.output_queue.put_nowait((client, EngineCoreOutputs(
+            engine_index=self.rank, outputs=outputs,
+            scheduler_stats=self.engine_core.get_stats(), timestamp=time.monotonic())))
+
+    # ---- IO threads --------------------------------------------------------
+
+    def _start_io_threads(self, init: EngineInitMetadata) -> None:
+        self.input_thread = threading.Thread(
+            target=self._guarded, args=(self._input_loop, init.input_addresses),
+            name=f"EngineCore_{self.rank}_input", daemon=True)
+        self.output_thread = threading.Thread(
+            target=self._guarded, args=(self._output_loop, init.output_addresses),
+            name=f"EngineCore_{self.rank}_output", daemon=True)
+        self.input_thread.start()
+        self.output_thread.start()
+
+    def _guarded(self, loop: Any, addresses: list[str]) -> None:
+        """Run an IO loop; if it dies, tell the busy loop (which then dies loudly)."""
+        try:
+            loop(addresses)
+        except Exception as e:
+            logger.exception("%s failed", threading.current_thread().name)
+            self.input_queue.put_nowait((_IO_FAILED, f"{type(e).__name__}: {e}", -1))
+
+    def _input_loop(self, addresses: list[str]) -> None:
+        """Sockets -> input queue: decode by the one-byte type tag."""
+        decoders = {RequestType.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
+                    RequestType.ABORT: msgspec.msgpack.Decoder(list[str]),
+                    RequestType.UTILITY: msgspec.msgpack.Decoder(UtilityCall)}
+        with zmq.Context() as ctx:
+            poller = zmq.Poller()
+            index_of: dict[zmq.Socket, int] = {}
+            for i, address in enumerate(addresses):
+                sock = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.IDENTITY, self.identity)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(address)
+                sock.send(b"")  # register: now the front-end's ROUTER can route to us
+                poller.register(sock, zmq.POLLIN)
+                index_of[sock] = i
+            while not self._stop_io.is_set():
+                for sock, _ in poller.poll(_POLL_MS):
+                    frames = sock.recv_multipart()
+                    item = _decode_request(frames, decoders)
+                    if item is not None:
+                        self.input_queue.put_nowait((*item, index_of[sock]))
+            for sock in index_of:
+                sock.close()
+
+    def _output_loop(self, addresses: list[str]) -> None:
+        """Output queue -> sockets, with one reused encoder and buffer."""
+        encoder = msgspec.msgpack.Encoder()
+        buffer = bytearray()
+        with zmq.Context() as ctx:  # leaving it waits for the flush (linger)
+            sockets = []
+            for address in addresses:
+                sock = ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, DEAD_LINGER_MS)
+                sock.connect(address)
+                sockets.append(sock)
+            while True:
+                item = self.output_queue.get()
+                if item is None:
+                    break
+                if isinstance(item, bytes):  # ENGINE_CORE_DEAD: the last message
+                    for sock in sockets:
+                        _send_nowait(sock, [item, self.identity])
+                    break
+                client, outputs = item
+                encoder.encode_into(outputs, buffer)
+                # copy=True: zmq owns a copy, so the buffer is free again at once.
+                sockets[client].send(buffer, copy=True)
+            for sock in sockets:
+                sock.close()
+
+    # ---- the end -----------------------------------------------------------
+
+    def send_engine_dead(self) -> None:
+        """Tell every front-end this engine is dead; wait (bounded) for the flush."""
+        self.output_queue.put_nowait(ENGINE_CORE_DEAD)
+        self.output_thread.join(timeout=DEAD_LINGER_MS / 1000 + 1)
+        if self.output_thread.is_alive():
+            logger.error("could not flush ENGINE_CORE_DEAD to the front-ends in time")
+
+    def shutdown(self) -> None:
+        """Stop the IO threads (bounded waits); queued outputs are sent first."""
+        self._stop_io.set()
+        self.output_queue.put_nowait(None)
+        for thread in (self.input_thread, self.output_thread):
+            thread.join(timeout=2.0)
+
+
+def _say_hello(sock: zmq.Socket, local: bool, address: str) -> EngineInitMetadata:
+    sock.send(msgspec.msgpack.encode(HandshakeHello(local=local)))
+    if not sock.poll(timeout=int(HANDSHAKE_TIMEOUT_S * 1000)):
+        raise TimeoutError(f"no init metadata from the launcher at {address} within "
+                           f"{HANDSHAKE_TIMEOUT_S:.0f} s of HELLO")
+    return msgspec.msgpack.decode(sock.recv(), type=EngineInitMetadata)
+
+
+def _build_engine_core(config: EngineConfig) -> EngineCore:
+    from dpserve.engine.core import EngineCore
+
+    engine_core = EngineCore(config)
+    _maybe_inject_forward_fault(engine_core)
+    return engine_core
+
+
+def _maybe_inject_forward_fault(engine_core: EngineCore) -> None:
+    """TEST-ONLY fault injection: with DPSERVE_FAULT_FORWARD_AT=N in the
+    environment, the N-th call of `runner.execute` raises RuntimeError."""
+    value = os.environ.get(FAULT_FORWARD_ENV)
+    if not value:
+        return
+    fail_at = int(value)
+    execute = engine_core.runner.execute
+    calls = itertools.count(1)
+
+    def execute_with_fault(scheduler_output: Any) -> Any:
+        if next(calls) == fail_at:
+            raise RuntimeError(f"injected fault: forward #{fail_at} ({FAULT_FORWARD_ENV})")
+        return execute(scheduler_output)
+
+    engine_core.runner.execute = execute_with_fault  # type: ignore[method-assign]
+    logger.warning("TEST-ONLY fault injection: forward #%d will raise", fail_at)
+
+
+def _decode_request(frames: list[bytes], decoders: dict) -> tuple[RequestType, Any] | None:
+    """[type byte, body] -> (type, decoded body); None (logged) for a bad message."""
+    try:
+        request_type = RequestType(frames[0])
+        decoder = decoders.get(request_type)
+        if len(frames) != 2 or decoder is None:
+            raise ValueError(f"{request_type.name} with {len(frames)} frames is not served")
+        return request_type, decoder.decode(frames[1])
+    except (ValueError, IndexError, msgspec.DecodeError) as e:  # ValidationError is a DecodeError
+        logger.error("dropping a bad message from a front-end: %s", e)
+        return None
+
+
+def _send_nowait(sock: zmq.Socket, frames: list[bytes]) -> None:
+    try:
+        sock.send_multipart(frames, flags=zmq.NOBLOCK)
+    except zmq.Again:
+        logger.error("could not queue ENGINE_CORE_DEAD on an output socket (peer stuck)")
+
+
+# ---- process entry point ----------------------------------------------------
+
+
+def run_engine_core(config: EngineConfig, rank: int, handshake_address: str,
+                    local: bool = True) -> None:
+    """Multiprocessing target: start one engine and serve until told to stop.
+
+    Exit code 0 after SIGTERM/SIGINT (or when the parent dies); 1 after a
+    start-up failure or a fatal error, which is logged with its traceback and,
+    once serving, announced with ENGINE_CORE_DEAD on every output socket.
+    """
+    _name_process(rank)
+    _install_signal_handlers()
+    parent = multiprocessing.parent_process()  # None when not started by multiprocessing
+    _start_parent_watcher(parent.pid if parent is not None else os.getppid())
+    proc: EngineCoreProc | None = None
+    exit_code = 0
+    try:
+        proc = EngineCoreProc(config, rank, handshake_address, local)
+        proc.run_busy_loop()
+    except SystemExit:
+        logger.info("engine %d shutting down", rank)
+    except BaseException:
+        exit_code = 1
+        if proc is None:
+            logger.exception("engine %d failed to start", rank)
+        else:
+            logger.exception("engine %d hit a fatal error", rank)
+            proc.send_engine_dead()
+    finally:
+        if proc is not None:
+            proc.shutdown()
+    sys.exit(exit_code)
+
+
+def _name_process(rank: int) -> None:
+    name = f"EngineCore_{rank}"
+    multiprocessing.current_process().name = name
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(f"dpserve::{name}")
+    except ImportError:  # optional nicety
+        pass
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=os.environ.get("DPSERVE_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
+            format="%(asctime)s %(levelname)s %(processName)s pid=%(process)d "
+                   "[%(name)s] %(message)s")
+
+
+def _install_signal_handlers() -> None:
+    """SIGTERM/SIGINT raise SystemExit once in the main thread; the rest is cleanup."""
+    fired = False
+
+    def handler(signum: int, frame: Any) -> None:
+        nonlocal fired
+        if not fired:  # a second signal must not interrupt the cleanup
+            fired = True
+            raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def _start_parent_watcher(parent_pid: int) -> None:
+    """Exit when the parent dies (we get re-parented): SIGTERM ourselves, then,
+    if the main thread is stuck, hard-exit after a grace period."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(_PARENT_POLL_S)
+        logger.warning("parent process %d is gone; shutting down", parent_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(_PARENT_GRACE_S)
+        logger.error("still alive %.0f s after the parent died; exiting hard", _PARENT_GRACE_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watcher", daemon=True).start()

@@ -1,0 +1,356 @@
+"""AsyncEngineClient: one front-end's asyncio connection to its engines.
+
+Scope: the front-end ends of the engine sockets (it BINDS a ROUTER for
+requests and a PULL for outputs at its client index's addresses), sending
+ADD / ABORT / UTILITY, handing decoded `EngineCoreOutputs` to the caller
+through `get_output()`, utility calls as futures keyed by call id, and
+engine death. Per-engine state (`EngineState`) is kept so that placement can
+balance over several engines; today it picks the one with the fewest
+requests in flight (or the rank a request pins).
+
+Not here: tokenising, detokenising, stop strings (the output processor),
+HTTP, process spawning (`dpserve.launcher`).
+
+Death: ENGINE_CORE_DEAD from an engine, `mark_dead(reason)` (e.g. from the
+launcher), a process watched by `watch_processes` exiting, or an engine
+becoming unreachable all make the client `dead`: every pending utility
+call fails at once with `EngineDeadError`, and `get_output()` raises it once
+the outputs received before the death are drained. Today the death of any
+engine kills the client; the per-engine `dead` flag is there for a later
+policy that routes around it.
+
+It has the interface `AsyncLLM` expects of an engine client (as does
+`InprocEngineClient`) and raises the shared `dpserve.frontend.errors.
+EngineDeadError`. Create it inside a running event loop and use it from that
+loop's thread (only `mark_dead` may be called from elsewhere); `await
+aclose()` (or `shutdown()`) when done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from dpserve.frontend.errors import EngineDeadError
+from dpserve.protocol import (
+    ENGINE_CORE_DEAD,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    RequestType,
+    SchedulerStats,
+    UtilityCall,
+    engine_identity,
+)
+
+logger = logging.getLogger(__name__)
+
+_DEAD = object()  # the output-queue item that stands for "the engines are dead"
+
+
+class UtilityCallError(RuntimeError):
+    """A utility call raised inside the engine; the message is the engine's."""
+
+
+@dataclass
+class EngineState:
+    """What this front-end knows about one engine."""
+
+    rank: int
+    identity: bytes
+    registered: asyncio.Event = field(default_factory=asyncio.Event)  # its empty frame came
+    num_requests: int = 0  # requests sent to it and not yet finished
+    dead: bool = False
+    stats: SchedulerStats | None = None  # the last figures it sent
+
+
+class AsyncEngineClient:
+    """Send requests to engines and receive their outputs, over asyncio ZMQ.
+
+    input_address / output_address: this front-end's pair (ZmqAddresses.
+    inputs[client_index] / outputs[client_index]); `engine_ranks`: the
+    engines that will connect. `register_timeout`: how long a send waits for
+    an engine's registration frame before giving up.
+    """
+
+    def __init__(self, input_address: str, output_address: str, *,
+                 engine_ranks: Sequence[int] = (0,), client_index: int = 0,
+                 register_timeout: float = 60.0, max_model_len: int | None = None) -> None:
+        self._loop = asyncio.get_running_loop()  # raises outside an event loop
+        self._loop_thread = threading.get_ident()
+        self.client_index = client_index
+        self.max_model_len = max_model_len  # the engines' limit (READY), for AsyncLLM
+        self.register_timeout = register_timeout
+        self.engines = {r: EngineState(r, engine_identity(r)) for r in engine_ranks}
+        self.dead = False
+        self.dead_reason: str | None = None
+        self._dead_event = asyncio.Event()
+        self._closed = False
+        self._owner: dict[str, int] = {}  # request_id -> engine rank, until finished
+        self._outputs: asyncio.Queue[Any] = asyncio.Queue()
+        self._calls: dict[int, asyncio.Future] = {}  # call_id -> its UtilityOutput
+        self._call_ids = itertools.count()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self._watch_stop = threading.Event()
+
+        self._ctx = zmq.asyncio.Context()
+        self._input = self._ctx.socket(zmq.ROUTER)
+        self._input.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: error, not a drop
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.bind(input_address)
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.LINGER, 0)
+        self._output.bind(output_address)
+        self._tasks = [self._loop.create_task(self._read_registrations()),
+                       self._loop.create_task(self._read_outputs())]
+
+    # ---- requests ------------------------------------------------------------
+
+    async def add_request(self, request: EngineCoreRequest) -> None:
+        """Send a request to an engine (`engine_of(request_id)` says which).
+
+        The request's `client_index` is set to this client's, so that its
+        outputs come back here.
+        """
+        self._check_alive()
+        if request.client_index != self.client_index:
+            request = msgspec.structs.replace(request, client_index=self.client_index)
+        if request.request_id in self._owner:
+            raise ValueError(f"request id {request.request_id!r} is already in flight")
+        engine = self._choose_engine(request)
+        self._owner[request.request_id] = engine.rank
+        engine.num_requests += 1
+        try:
+            await self._send(engine, RequestType.ADD, request)
+        except BaseException:
+            self._forget(request.request_id)
+            raise
+
+    def engine_of(self, request_id: str) -> int | None:
+        """The rank of the engine running a request in flight (None: not in flight)."""
+        return self._owner.get(request_id)
+
+    async def abort_requests(self, request_ids: Sequence[str]) -> None:
+        """Abort requests at the engines that own them; unknown ids are ignored.
+
+        Each aborted request still gets its final output (finish reason ABORT).
+        """
+        if self.dead:
+            return
+        by_rank: dict[int, list[str]] = {}
+        for rid in request_ids:
+            rank = self._owner.get(rid)
+            if rank is not None:
+                by_rank.setdefault(rank, []).append(rid)
+        for rank, ids in by_rank.items():
+            await self._send(self.engines[rank], RequestType.ABORT, ids)
+
+    async def call_utility(self, method: str, *args: Any, engine: int | None = None,
+                           timeout: float = 30.0, result_type: Any = None) -> Any:
+        """Run `EngineCore.<method>(*args)` in an engine and return its result.
+
+        engine: the rank (default: the lowest live one). result_type: convert
+        the msgpack result to this type (e.g. SchedulerStats). Raises
+        UtilityCallError with the engine's message when the call failed there,
+        EngineDeadError when the engine dies, TimeoutError after `timeout` s.
+        """
+        self._check_alive()
+        if engine is not None and engine not in self.engines:
+            raise ValueError(f"no engine of rank {engine} (engines: {sorted(self.engines)})")
+        target = self.engines[engine] if engine is not None else self._live_engines()[0]
+        call_id = next(self._call_ids)
+        future = self._loop.create_future()
+        self._calls[call_id] = future
+        try:
+            await self._send(target, RequestType.UTILITY, UtilityCall(call_id, method,
+                                                                      list(args)))
+            out = await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"engine {target.rank} did not answer {method}() within "
+                               f"{timeout:.0f} s") from None
+        finally:
+            self._calls.pop(call_id, None)
+        if out.failure_message is not None:
+            raise UtilityCallError(out.failure_message)
+        return out.result if result_type is None else msgspec.convert(out.result, result_type)
+
+    async def get_output(self) -> EngineCoreOutputs:
+        """The next outputs message from any engine (one engine, one front-end).
+
+        Raises EngineDeadError once the client is dead and earlier outputs are drained.
+        """
+        if self.dead and self._outputs.empty():
+            raise EngineDeadError(self.dead_reason)
+        item = await self._outputs.get()
+        if item is _DEAD:
+            self._outputs.put_nowait(_DEAD)  # for the next caller too
+            raise EngineDeadError(self.dead_reason)
+        return item
+
+    # ---- death ------------------------------------------------------------------
+
+    def mark_dead(self, reason: str) -> None:
+        """Declare the engines dead (callable from any thread; idempotent)."""
+        if threading.get_ident() != self._loop_thread:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to tell
+                self._loop.call_soon_threadsafe(self.mark_dead, reason)
+            return
+        if self.dead:
+            return
+        if not self._closed:
+            logger.error("engine client %d: engines dead: %s", self.client_index, reason)
+        self.dead, self.dead_reason = True, reason
+        for engine in self.engines.values():
+            engine.dead = True
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
+        self._outputs.put_nowait(_DEAD)
+        self._dead_event.set()
+
+    def watch_processes(self, procs: Sequence[BaseProcess]) -> None:
+        """Mark the client dead when any of these (local, spawned here) processes exits."""
+        from dpserve.launcher import wait_for_any_exit
+
+        def watch() -> None:
+            while not self._watch_stop.is_set():
+                exited = wait_for_any_exit(procs, timeout=0.5)
+                if exited:
+                    p = exited[0]
+                    self.mark_dead(f"engine process {p.name} (pid {p.pid}) exited with "
+                                   f"code {p.exitcode}")
+                    return
+
+        threading.Thread(target=watch, name="engine-process-watcher", daemon=True).start()
+
+    async def aclose(self) -> None:
+        """Stop the socket tasks, then close; pending calls fail (idempotent)."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Close without awaiting the tasks (prefer `aclose` inside the loop)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._watch_stop.set()
+        for task in self._tasks:
+            task.cancel()
+        if not self.dead:
+            self.mark_dead("the engine client was closed")
+        self._ctx.destroy(linger=0)
+
+    async def __aenter__(self) -> AsyncEngineClient:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    # ---- internals ----------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self.dead:
+            raise EngineDeadError(self.dead_reason)
+
+    def _live_engines(self) -> list[EngineState]:
+        live = [e for e in self.engines.values() if not e.dead]
+        if not live:
+            raise EngineDeadError(self.dead_reason or "no live engine")
+        return live
+
+    def _choose_engine(self, request: EngineCoreRequest) -> EngineState:
+        """The pinned rank if any, else the live engine with the fewest requests."""
+        if request.data_parallel_rank is not None:
+            engine = self.engines.get(request.data_parallel_rank)
+            if engine is None or engine.dead:
+                raise ValueError(f"data_parallel_rank {request.data_parallel_rank} is not a "
+                                 f"live engine of this server ({sorted(self.engines)})")
+            return engine
+        return min(self._live_engines(), key=lambda e: (e.num_requests, e.rank))
+
+    def _forget(self, request_id: str) -> None:
+        rank = self._owner.pop(request_id, None)
+        if rank is not None:
+            self.engines[rank].num_requests -= 1
+
+    async def _send(self, engine: EngineState, request_type: RequestType, body: Any) -> None:
+        await self._wait_registered(engine)
+        try:
+            await self._input.send_multipart(
+                [engine.identity, request_type.value, self._encoder.encode(body)])
+        except zmq.ZMQError as e:  # EHOSTUNREACH: the engine is gone
+            reason = f"engine {engine.rank} is unreachable: {e}"
+            self.mark_dead(reason)
+            raise EngineDeadError(reason) from e
+
+    async def _wait_registered(self, engine: EngineState) -> None:
+        if engine.registered.is_set():
+            return
+        waits = [asyncio.ensure_future(engine.registered.wait()),
+                 asyncio.ensure_future(self._dead_event.wait())]
+        try:
+            await asyncio.wait(waits, timeout=self.register_timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        self._check_alive()
+        if not engine.registered.is_set():
+            raise TimeoutError(f"engine {engine.rank} did not register with front-end "
+                               f"{self.client_index} within {self.register_timeout:.0f} s")
+
+    async def _read_registrations(self) -> None:
+        """The ROUTER only ever receives each engine's empty registration frame."""
+        while True:
+            identity, *frames = await self._input.recv_multipart()
+            rank = int.from_bytes(identity, "little")
+            engine = self.engines.get(rank)
+            if engine is None:
+                logger.warning("message from unexpected engine rank %d ignored", rank)
+            elif frames == [b""]:
+                logger.debug("engine %d registered with front-end %d", rank,
+                             self.client_index)
+                engine.registered.set()
+
+    async def _read_outputs(self) -> None:
+        while True:
+            frames = await self._output.recv_multipart()
+            if frames[0] == ENGINE_CORE_DEAD:
+                rank = int.from_bytes(frames[1], "little") if len(frames) > 1 else "?"
+                self.mark_dead(f"engine {rank} hit a fatal error (ENGINE_CORE_DEAD); "
+                               f"see its log")
+                continue
+            try:
+                outputs = self._decoder.decode(frames[0])
+            except msgspec.DecodeError as e:
+                logger.error("undecodable message from an engine dropped: %s", e)
+                continue
+            self._dispatch(outputs)
+
+    def _dispatch(self, outputs: EngineCoreOutputs) -> None:
+        engine = self.engines.get(outputs.engine_index)
+        if engine is not None and outputs.scheduler_stats is not None:
+            engine.stats = outputs.scheduler_stats
+        call = outputs.utility_output
+        if call is not None:
+            future = self._calls.get(call.call_id)
+            if future is not None and not future.done():
+                future.set_result(call)
+        if outputs.outputs:
+            for out in outputs.outputs:
+                if out.finished:
+                    self._forget(out.request_id)
+            self._outputs.put_nowait(outputs)

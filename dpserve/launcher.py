@@ -1,0 +1,347 @@
+"""Process management and addresses: the one place that allocates them.
+
+Scope: ZMQ addresses for one serving instance (`AddressAllocator` ->
+`ZmqAddresses`), spawning engine processes (`EngineProcManager`), the
+launcher's side of the start-up handshake (`wait_for_engine_startup`),
+watching processes (`wait_for_any_exit`) and tearing them down (`shutdown`).
+
+Not here: what engines do (`dpserve.engine.process`), the front-end's
+sockets (`dpserve.frontend.engine_client`), the DP coordinator, Ray.
+
+Start-up, per engine (identity = DP rank as 2 bytes little-endian):
+
+    NEW --HELLO--> CONNECTED (launcher answers with EngineInitMetadata)
+        --READY--> READY (model loaded, KV cache sized, front-ends registered)
+
+Every wait is bounded and watches the process sentinels, so an engine that
+dies while starting fails the launch at once, naming it and its exit code.
+"""
+
+from __future__ import annotations
+
+import atexit
+import enum
+import functools
+import logging
+import multiprocessing
+import os
+import shutil
+import socket
+import tempfile
+import time
+import weakref
+from collections.abc import Container, Sequence
+from dataclasses import dataclass, field
+from multiprocessing import connection
+from multiprocessing.process import BaseProcess
+
+import msgspec
+import psutil
+import zmq
+
+from dpserve.config import EngineConfig
+from dpserve.protocol import EngineInitMetadata, HandshakeHello, HandshakeReady
+
+logger = logging.getLogger(__name__)
+
+_MAX_IPC_PATH = 100  # sockaddr_un holds 107 bytes; keep a margin
+_PROGRESS_LOG_S = 10.0
+
+
+
+class EngineStartupError(RuntimeError):
+    """An engine died, misbehaved or timed out during the start-up handshake."""
+
+
+# ---- addresses ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ZmqAddresses:
+    """Where the sockets of one serving instance live (picklable, plain strings).
+
+    The launcher binds `handshake`; front-end i binds `inputs[i]` (ROUTER)
+    and `outputs[i]` (PULL); engines connect to all of them.
+    """
+
+    handshake: str
+    inputs: tuple[str, ...]  # [num_clients] front-end ROUTER (requests in)
+    outputs: tuple[str, ...]  # [num_clients] front-end PULL (outputs back)
+    coordinator_input: str | None = None
+    coordinator_output: str | None = None
+
+    def init_metadata(self, dp_size: int = 1, dp_master_ip: str = "127.0.0.1",
+                      dp_master_port: int = 0) -> EngineInitMetadata:
+        """What the launcher tells each engine after its HELLO."""
+        return EngineInitMetadata(
+            input_addresses=list(self.inputs), output_addresses=list(self.outputs),
+            coordinator_input=self.coordinator_input,
+            coordinator_output=self.coordinator_output, dp_master_ip=dp_master_ip,
+            dp_master_port=dp_master_port, dp_size=dp_size)
+
+
+class AddressAllocator:
+    """Unique addresses for one serving instance: never fixed names or ports.
+
+    local_only: `ipc://` paths in a private temp dir, removed by `cleanup()`
+    or at interpreter exit (not when the allocator is collected: the
+    addresses it handed out may outlive it); else
+    `tcp://host:port` on ports that were free when asked for (another
+    process could still take one before it is bound: the usual race).
+    """
+
+    def __init__(self, local_only: bool = True, host: str = "127.0.0.1") -> None:
+        self.local_only = local_only
+        self.host = host
+        self._count = 0
+        self._ports: set[int] = set()
+        self.ipc_dir: str | None = None
+        if local_only:
+            self.ipc_dir = tempfile.mkdtemp(prefix="dpserve-")
+            if len(self.ipc_dir) > _MAX_IPC_PATH - 24:  # a long $TMPDIR
+                os.rmdir(self.ipc_dir)
+                self.ipc_dir = tempfile.mkdtemp(prefix="dpserve-", dir="/tmp")
+        self._remove_dir = functools.partial(_remove_dir, self.ipc_dir, os.getpid())
+        atexit.register(self._remove_dir)
+
+    def new_address(self, name: str) -> str:
+        self._count += 1
+        if self.ipc_dir is not None:
+            return f"ipc://{self.ipc_dir}/{name}-{self._count}"
+        return f"tcp://{self.host}:{self._free_port()}"
+
+    def engine_addresses(self, num_clients: int = 1,
+                         with_coordinator: bool = False) -> ZmqAddresses:
+        """Handshake, per-front-end input/output and optional coordinator addresses."""
+        return ZmqAddresses(
+            handshake=self.new_address("handshake"),
+            inputs=tuple(self.new_address(f"input{i}") for i in range(num_clients)),
+            outputs=tuple(self.new_address(f"output{i}") for i in range(num_clients)),
+            coordinator_input=self.new_address("coord-in") if with_coordinator else None,
+            coordinator_output=self.new_address("coord-out") if with_coordinator else None)
+
+    def cleanup(self) -> None:
+        """Remove the ipc dir (idempotent)."""
+        atexit.unregister(self._remove_dir)
+        self._remove_dir()
+
+    def _free_port(self) -> int:
+        for _ in range(100):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((self.host, 0))
+                port = s.getsockname()[1]
+            if port not in self._ports:
+                self._ports.add(port)
+                return port
+        raise RuntimeError(f"could not find a free TCP port on {self.host}")
+
+
+def _remove_dir(path: str | None, owner_pid: int) -> None:
+    if path is not None and os.getpid() == owner_pid:  # never from a forked child
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# ---- engine processes ----------------------------------------------------------
+
+
+class EngineProcManager:
+    """Spawns engine processes `EngineCore_<rank>` and tears them down.
+
+    Cleanup is tied to a `weakref.finalize`: `close()`, garbage collection and
+    interpreter exit all run `shutdown(processes)` once.
+    """
+
+    def __init__(self, config: EngineConfig, handshake_address: str, num_engines: int = 1,
+                 start_rank: int = 0, local: bool = True) -> None:
+        from dpserve.engine.process import run_engine_core
+
+        ctx = multiprocessing.get_context("spawn")
+        self.handshake_address = handshake_address
+        self.ranks = list(range(start_rank, start_rank + num_engines))
+        self.processes: list[BaseProcess] = [
+            ctx.Process(target=run_engine_core, name=f"EngineCore_{rank}",
+                        kwargs=dict(config=config, rank=rank,
+                                    handshake_address=handshake_address, local=local))
+            for rank in self.ranks]
+        self._finalizer = weakref.finalize(self, shutdown, self.processes)
+        try:
+            for proc in self.processes:
+                proc.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def wait_for_startup(self, init: EngineInitMetadata, timeout: float = 600.0,
+                         also_watch: Sequence[BaseProcess] = ()) -> dict[int, HandshakeReady]:
+        """Run the handshake with all these engines; see `wait_for_engine_startup`."""
+        return wait_for_engine_startup(self.handshake_address, init, self.ranks,
+                                       [*self.processes, *also_watch], timeout=timeout)
+
+    def finished_procs(self) -> dict[str, int]:
+        """Name -> exit code of every process that has exited."""
+        return {p.name: p.exitcode for p in self.processes if p.exitcode is not None}
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+class StartupState(enum.Enum):
+    NEW = "NEW"  # spawned, not heard from
+    CONNECTED = "CONNECTED"  # said HELLO, got its init metadata; loading the model
+    READY = "READY"  # said READY
+
+
+@dataclass
+class _Pending:
+    rank: int
+    local: bool
+    state: StartupState = StartupState.NEW
+    ready: HandshakeReady | None = field(default=None, repr=False)
+
+
+def wait_for_engine_startup(handshake_address: str, init: EngineInitMetadata,
+                            ranks: Sequence[int], procs: Sequence[BaseProcess] = (), *,
+                            timeout: float = 600.0, remote_ranks: Container[int] = (),
+                            ) -> dict[int, HandshakeReady]:
+    """Bind a ROUTER at `handshake_address` and walk every engine to READY.
+
+    `procs` are local processes whose death fails the start-up at once (the
+    engines, and e.g. the coordinator). `remote_ranks` are engines on other
+    hosts (they say local=False). Returns rank -> its READY message
+    (num_kv_blocks, max_model_len). Raises EngineStartupError on a death,
+    a bad message or when `timeout` seconds pass.
+    """
+    engines = {r: _Pending(r, local=r not in remote_ranks) for r in ranks}
+    hello_decoder = msgspec.msgpack.Decoder(HandshakeHello)
+    ready_decoder = msgspec.msgpack.Decoder(HandshakeReady)
+    init_bytes = msgspec.msgpack.encode(init)
+    deadline = time.monotonic() + timeout
+    next_progress_log = time.monotonic() + _PROGRESS_LOG_S
+    with zmq.Context() as ctx, ctx.socket(zmq.ROUTER) as sock:
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.bind(handshake_address)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        for proc in procs:
+            poller.register(proc.sentinel, zmq.POLLIN)
+        while any(e.state is not StartupState.READY for e in engines.values()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EngineStartupError(f"engines not ready after {timeout:.0f} s: "
+                                         f"{_describe(engines)}")
+            if time.monotonic() >= next_progress_log:
+                logger.info("waiting for engines: %s", _describe(engines))
+                next_progress_log += _PROGRESS_LOG_S
+            events = dict(poller.poll(int(min(left, 1.0) * 1000) + 1))
+            fired = [fd for fd in events if fd is not sock]
+            if fired:
+                _raise_for_dead([p for p in procs if p.sentinel in fired], engines)
+            if sock in events:
+                identity, body = _recv_pair(sock)
+                reply = _advance(engines, identity, body, hello_decoder, ready_decoder)
+                if reply:
+                    sock.send_multipart([identity, init_bytes])
+    logger.info("all %d engine(s) ready", len(engines))
+    return {r: e.ready for r, e in sorted(engines.items())}  # type: ignore[misc]
+
+
+def _recv_pair(sock: zmq.Socket) -> tuple[bytes, bytes]:
+    frames = sock.recv_multipart()
+    if len(frames) != 2:
+        raise EngineStartupError(f"handshake message of {len(frames)} frames, expected 2")
+    return frames[0], frames[1]
+
+
+def _advance(engines: dict[int, _Pending], identity: bytes, body: bytes,
+             hello_decoder: msgspec.msgpack.Decoder,
+             ready_decoder: msgspec.msgpack.Decoder) -> bool:
+    """Move one engine a state on; True when it must be sent the init metadata."""
+    rank = int.from_bytes(identity, "little")
+    engine = engines.get(rank)
+    if engine is None:
+        raise EngineStartupError(f"handshake message from unexpected engine rank {rank}")
+    decoder = hello_decoder if engine.state is StartupState.NEW else ready_decoder
+    try:
+        msg = decoder.decode(body)
+    except msgspec.DecodeError as e:
+        raise EngineStartupError(f"engine {rank}: bad handshake message in state "
+                                 f"{engine.state.value}: {e}") from e
+    if msg.local != engine.local:
+        raise EngineStartupError(
+            f"engine {rank} says it is {'local' if msg.local else 'remote'}, expected "
+            f"{'local' if engine.local else 'remote'}")
+    if engine.state is StartupState.NEW:
+        engine.state = StartupState.CONNECTED
+        logger.info("engine %d connected; loading the model", rank)
+        return True
+    if engine.state is StartupState.CONNECTED:
+        engine.state, engine.ready = StartupState.READY, msg
+        logger.info("engine %d ready: %d KV blocks, max_model_len %d", rank,
+                    msg.num_kv_blocks, msg.max_model_len)
+        return False
+    raise EngineStartupError(f"engine {rank}: unexpected handshake message when READY")
+
+
+def _raise_for_dead(dead_procs: list[BaseProcess], engines: dict[int, _Pending]) -> None:
+    for proc in dead_procs:
+        proc.join(timeout=1.0)  # reap it, so its exit code is known
+    dead = [f"{p.name} (pid {p.pid}, exit code {p.exitcode})" for p in dead_procs]
+    raise EngineStartupError(f"process died during start-up: {', '.join(dead)}; "
+                             f"see its log above. Engines: {_describe(engines)}")
+
+
+def _describe(engines: dict[int, _Pending]) -> str:
+    return ", ".join(f"rank {e.rank} {e.state.value} ({_MEANING[e.state]})"
+                     for e in engines.values())
+
+
+_MEANING = {StartupState.NEW: "no HELLO yet", StartupState.CONNECTED: "loading the model",
+            StartupState.READY: "ready"}
+
+
+# ---- watching and shutting down --------------------------------------------------
+
+
+def wait_for_any_exit(procs: Sequence[BaseProcess],
+                      timeout: float | None = None) -> list[BaseProcess]:
+    """Block until any of `procs` exits (or `timeout` s pass); return those that exited."""
+    by_sentinel = {p.sentinel: p for p in procs}
+    ready = connection.wait(list(by_sentinel), timeout=timeout)
+    exited = [by_sentinel[s] for s in ready]  # type: ignore[index]
+    for proc in exited:
+        proc.join(timeout=1.0)  # reap: exitcode becomes known
+    return exited
+
+
+def shutdown(procs: Sequence[BaseProcess], timeout: float = 5.0) -> None:
+    """terminate -> join until a shared deadline -> kill each survivor's whole tree.
+
+    Idempotent; processes never started are skipped.
+    """
+    started = [p for p in procs if p.pid is not None]
+    for proc in started:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + timeout
+    for proc in started:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in started:
+        if proc.is_alive():
+            logger.warning("%s (pid %d) did not stop in %.0f s; killing its process tree",
+                           proc.name, proc.pid, timeout)
+            kill_process_tree(proc.pid)  # type: ignore[arg-type]
+            proc.join(timeout=1.0)
+
+
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants (children first)."""
+    try:
+        root = psutil.Process(pid)
+        children = root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    for p in [*children, root]:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
