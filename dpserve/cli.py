@@ -29,6 +29,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], help="Stop string (repeatable).")
     p.add_argument("--json", action="store_true", help="Print results as JSON lines.")
     EngineArgs.add_cli_args(p.add_argument_group("engine options"))
+    p.set_defaults(func=_run_generate)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -53,15 +54,37 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    from dpserve.entrypoints.serve import add_serve_args, run_serve
+
+    p = sub.add_parser("serve", help="Serve a model over an OpenAI-compatible HTTP API.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_serve_args(p)
+    p.set_defaults(func=run_serve)
+
+
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    from dpserve.benchmark import serve as bench_serve
+
+    p = sub.add_parser("bench", help="Benchmarks.")
+    bench_sub = p.add_subparsers(dest="bench_command", required=True)
+    bp = bench_sub.add_parser("serve", help="Load-test an OpenAI-compatible server.",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    bench_serve.add_cli_args(bp)
+    bp.set_defaults(func=bench_serve.main)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dpserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _serve_parser(sub)
+    _bench_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(processName)s "
                         "[%(name)s] %(message)s", stream=sys.stderr)
     try:
-        return _run_generate(args)
+        return args.func(args)
     except (ConfigError, ValueError) as e:
         print(f"dpserve: error: {_as_flag(str(e))}", file=sys.stderr)
         return 2

@@ -57,6 +57,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                f"must be in (0, 2], got {self.repetition_penalty}")
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
                f"must be at least 1, got {self.max_tokens}")
+        _check(self.seed is None or -(1 << 63) <= self.seed < (1 << 63), "seed",
+               f"must fit in a signed 64-bit integer, got {self.seed}")
         _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")

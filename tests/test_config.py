@@ -53,7 +53,7 @@ def test_memory_sizes():
     ({"top_p": 0.0}, "top_p"), ({"top_k": -2}, "top_k"), ({"max_tokens": 0}, "max_tokens"),
     ({"n": 0}, "n"), ({"logprobs": 21}, "logprobs"), ({"min_p": 1.5}, "min_p"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"stop": [""]}, "stop"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"seed": 1 << 64}, "seed"),
 ])
 def test_sampling_params_validation(kwargs, field):
     with pytest.raises(ValueError, match=field):

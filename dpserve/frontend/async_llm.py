@@ -1,0 +1,337 @@
+"""AsyncLLM: the asyncio front-end that the HTTP server drives.
+
+It tokenises prompts (and applies chat templates), validates requests before
+they reach an engine, registers them with the `OutputProcessor` (DELTA
+outputs: each update carries only the new text, with possible stop-string
+starts held back) and sends the engine requests through an engine client
+(`InprocEngineClient`, or the socket client). One background task reads the
+engine's outputs, runs the output processor, aborts stop-string hits in the
+engine and feeds one asyncio queue per request.
+
+Lifecycle rules, enforced here:
+
+* A request whose consumer stops iterating (client disconnect, cancellation,
+  `aclose()`) is aborted in the engine. The bookkeeping in that path is
+  synchronous, so it also works inside a cancelled scope.
+* When the engine dies, every request in flight fails at once with
+  `EngineDeadError`, and so does every later `generate()`.
+
+Not here: load balancing over several engines, HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+
+from dpserve.config import EngineConfig
+from dpserve.frontend.errors import EngineDeadError, RequestError
+from dpserve.frontend.output_processor import OutputKind, OutputProcessor
+from dpserve.frontend.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
+from dpserve.outputs import RequestOutput
+from dpserve.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from dpserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_ABORTED = object()  # queue sentinel: abort() ended the request
+
+
+class EngineClient(Protocol):
+    """What AsyncLLM needs from an engine client (in-process or over sockets)."""
+
+    dead: bool
+
+    async def add_request(self, request: EngineCoreRequest) -> None: ...
+    async def abort_requests(self, request_ids: list[str]) -> None: ...
+    async def call_utility(self, method: str, *args: Any) -> Any: ...
+    async def get_output(self) -> EngineCoreOutputs: ...
+    def shutdown(self) -> None: ...
+
+
+@dataclass
+class FinishedRequestStats:
+    """One finished completion (n > 1 requests report one per completion)."""
+
+    finish_reason: str  # "stop" | "length" | "abort"
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    e2e_latency: float  # seconds from arrival to finish
+
+
+@dataclass
+class IterationStats:
+    """What one engine message did to the requests it touched."""
+
+    num_prompt_tokens: int = 0  # prompts that got their first token in this message
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)  # seconds, one per request
+    inter_token_latencies: list[float] = field(default_factory=list)  # seconds
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+
+
+class StatsListener(Protocol):
+    """Gets every engine message's stats (the Prometheus metrics implement it)."""
+
+    def record(self, engine_index: int, scheduler_stats: SchedulerStats | None,
+               iteration: IterationStats | None) -> None: ...
+
+
+@dataclass
+class _Tracked:
+    """Front-end state of one request in flight."""
+
+    queue: asyncio.Queue[Any]  # RequestOutput | BaseException | _ABORTED
+    num_prompt_tokens: int
+    arrival: float
+    first_token: float | None = None
+    last_token: float = 0.0
+    num_generated: int = 0
+
+
+class AsyncLLM:
+    """Generate over an engine client, one async stream of deltas per request.
+
+    `max_model_len` is the engine's limit: the client's (`client.max_model_len`,
+    e.g. from the engine's READY message, capped by its KV cache) when it has
+    one, else the config's.
+    """
+
+    def __init__(self, config: EngineConfig, client: EngineClient,
+                 tokenizer: Any | None = None) -> None:
+        self.config = config
+        self.client = client
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
+            config.model.tokenizer)
+        self.eos_token_id, self._extra_eos_ids = eos_token_ids(
+            self.tokenizer, dict(config.model.hf_config))
+        self.vocab_size = int(config.model.hf_config["vocab_size"])
+        self.max_model_len = int(getattr(client, "max_model_len", None)
+                                 or config.model.max_model_len)
+        self.processor = OutputProcessor(self.tokenizer)
+        self.scheduler_stats: dict[int, SchedulerStats] = {}  # engine index -> latest
+        self._requests: dict[str, _Tracked] = {}
+        self._listeners: list[StatsListener] = []
+        self._output_task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        self._dead_error: EngineDeadError | None = None
+
+    # ---- prompts ----------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> list[int]:
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError if the engine could never run this request."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise RequestError("the prompt must not be empty", param="prompt")
+        bad = next((t for t in prompt_token_ids
+                    if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad} is outside the vocabulary "
+                               f"[0, {self.vocab_size})", param="prompt")
+        if params.seed is not None and not -(2**63) <= params.seed <= 2**63 - params.n:
+            raise RequestError("seed must fit in a signed 64-bit integer", param="seed")
+        wanted = n + (params.max_tokens or 1)
+        if wanted > self.max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, you requested {wanted} tokens ({n} in the prompt, "
+                f"{params.max_tokens or 1} for the completion). Please reduce the length "
+                f"of the prompt or max_tokens.",
+                param="prompt" if n >= self.max_model_len else "max_tokens",
+                code="context_length_exceeded")
+
+    # ---- generation -------------------------------------------------------
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str, prompt_text: str | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream DELTA RequestOutputs for one request until it finishes.
+
+        Raises RequestError (before anything is sent) for a request that can
+        never run, EngineDeadError if the engine dies.
+        """
+        self._check_alive()
+        self.validate(prompt_token_ids, params)
+        if request_id in self._requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        self._start_output_task()
+        if self._extra_eos_ids and not params.ignore_eos:
+            params = msgspec.structs.replace(
+                params, stop_token_ids=list(params.stop_token_ids) + self._extra_eos_ids)
+        arrival = time.monotonic()
+        engine_requests = self.processor.add_request(
+            request_id, prompt_text, list(prompt_token_ids), params, self.eos_token_id,
+            kind=OutputKind.DELTA, arrival_time=arrival)
+        tracked = _Tracked(asyncio.Queue(), len(prompt_token_ids), arrival)
+        self._requests[request_id] = tracked
+        finished = False
+        try:
+            for request in engine_requests:
+                await self.client.add_request(request)
+            while not finished:
+                item = await tracked.queue.get()
+                if item is _ABORTED:
+                    finished = True  # abort() already cleaned up
+                    return
+                if isinstance(item, BaseException):
+                    finished = True  # nothing to abort: the engine is gone
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._abort_nowait(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (its stream, if any, just ends without a final output)."""
+        self._abort_nowait(request_id)
+
+    def _abort_nowait(self, request_id: str) -> None:
+        """Forget a request here and abort it in the engine; safe when cancelled."""
+        engine_ids = self.processor.engine_request_ids(request_id)
+        self.processor.abort_request(request_id)
+        tracked = self._requests.pop(request_id, None)
+        if tracked is not None:
+            tracked.queue.put_nowait(_ABORTED)  # ends the stream if someone else reads it
+        if tracked is not None and not self.is_dead:
+            self._notify(0, None, IterationStats(finished=[FinishedRequestStats(
+                "abort", tracked.num_prompt_tokens, tracked.num_generated,
+                time.monotonic() - tracked.arrival)]))
+        if engine_ids and not self.is_dead:
+            self._spawn(self.client.abort_requests(engine_ids))
+
+    # ---- engine outputs -----------------------------------------------------
+
+    def _start_output_task(self) -> None:
+        if self._output_task is None:
+            self._output_task = asyncio.get_running_loop().create_task(
+                self._output_loop(), name="dpserve-output-loop")
+
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                # 1. Wait for the engine's next message.
+                outputs = await self.client.get_output()
+                # 2. Detokenise, check stop strings, feed each request's queue.
+                to_abort = self._process(outputs)
+                # 3. Stop-string hits end in the front-end: end them in the engine too.
+                if to_abort:
+                    await self.client.abort_requests(to_abort)
+        except asyncio.CancelledError:
+            raise
+        except EngineDeadError as e:
+            self._fail_all(e)
+        except Exception as e:  # noqa: BLE001 - a broken loop is as bad as a dead engine
+            logger.exception("the output loop failed")
+            self._fail_all(EngineDeadError(f"the front-end output loop failed: {e!r}"))
+
+    def _process(self, outputs: EngineCoreOutputs) -> list[str]:
+        processed = self.processor.process_outputs(outputs.outputs)
+        now = time.monotonic()
+        iteration = IterationStats()
+        for out in processed.request_outputs:
+            tracked = self._requests.get(out.request_id)
+            if tracked is None:
+                continue
+            self._account(tracked, out, now, iteration)
+            if out.finished:
+                del self._requests[out.request_id]
+            tracked.queue.put_nowait(out)
+        if outputs.scheduler_stats is not None:
+            self.scheduler_stats[outputs.engine_index] = outputs.scheduler_stats
+        self._notify(outputs.engine_index, outputs.scheduler_stats, iteration)
+        return processed.reqs_to_abort
+
+    @staticmethod
+    def _account(tracked: _Tracked, out: RequestOutput, now: float,
+                 iteration: IterationStats) -> None:
+        new_tokens = sum(len(c.token_ids) for c in out.outputs)
+        if new_tokens:
+            if tracked.first_token is None:
+                tracked.first_token = now
+                iteration.num_prompt_tokens += tracked.num_prompt_tokens
+                iteration.time_to_first_tokens.append(now - tracked.arrival)
+            else:
+                iteration.inter_token_latencies.append(now - tracked.last_token)
+            tracked.last_token = now
+            tracked.num_generated += new_tokens
+            iteration.num_generation_tokens += new_tokens
+        if out.finished:  # n > 1: tokens are the request's, over all completions
+            for c in out.outputs:
+                iteration.finished.append(FinishedRequestStats(
+                    c.finish_reason or "abort", tracked.num_prompt_tokens,
+                    tracked.num_generated, now - tracked.arrival))
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        """The engine is gone: fail every request in flight now."""
+        self._dead_error = error
+        for request_id, tracked in list(self._requests.items()):
+            self.processor.abort_request(request_id)
+            tracked.queue.put_nowait(error)
+        self._requests.clear()
+
+    # ---- stats, state, shutdown ----------------------------------------------
+
+    def add_stats_listener(self, listener: StatsListener) -> None:
+        self._listeners.append(listener)
+
+    def _notify(self, engine_index: int, stats: SchedulerStats | None,
+                iteration: IterationStats | None) -> None:
+        for listener in self._listeners:
+            try:
+                listener.record(engine_index, stats, iteration)
+            except Exception:  # noqa: BLE001 - metrics never break serving
+                logger.exception("stats listener failed")
+
+    async def get_stats(self) -> SchedulerStats:
+        """A fresh scheduler snapshot from the engine (a utility call)."""
+        self._check_alive()
+        result = await self.client.call_utility("get_stats")
+        return result if isinstance(result, SchedulerStats) else msgspec.convert(
+            result, SchedulerStats)
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead_error is not None or bool(self.client.dead)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def _check_alive(self) -> None:
+        if self._dead_error is not None:
+            raise self._dead_error
+        if self.client.dead:
+            raise EngineDeadError()
+
+    def _spawn(self, coro: Any) -> None:
+        try:
+            task = asyncio.get_running_loop().create_task(coro)
+        except RuntimeError:  # no running loop (interpreter shutdown): nothing to abort into
+            coro.close()
+            return
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def shutdown(self) -> None:
+        """Stop reading outputs and shut the engine client down (from any thread)."""
+        task = self._output_task
+        if task is not None and not task.done() and not task.get_loop().is_closed():
+            task.get_loop().call_soon_threadsafe(task.cancel)
+        self.client.shutdown()

@@ -1,0 +1,168 @@
+"""The FastAPI app: thin routes over `OpenAIServing`, one error handler.
+
+Routes: /v1/completions, /v1/chat/completions, /v1/models (behind the API
+key when one is set), /health (200; 503 once the engine is dead), /metrics
+(Prometheus), /version. Every error, whatever raised it, leaves as an
+OpenAI-shaped body `{"error": {"message", "type", "param", "code"}}` with a
+4xx status for bad input, never a 500. A client that disconnects, streaming
+or not, has its request aborted in the engine.
+
+Not here: starting uvicorn or the engine (`dpserve serve` does that).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Send
+
+from dpserve import __version__
+from dpserve.frontend.async_llm import AsyncLLM
+from dpserve.frontend.errors import EngineDeadError
+from dpserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from dpserve.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from dpserve.server.serving import OpenAIServing, to_api_error
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+    """An OpenAI-compatible app over `async_llm`; `api_key` defaults to $DPSERVE_API_KEY.
+
+    The app does not own `async_llm`: whoever built it shuts it down.
+    """
+    api_key = api_key or os.environ.get("DPSERVE_API_KEY") or None
+    serving = OpenAIServing(async_llm, served_model_name)
+    metrics = ServerMetrics(served_model_name)
+    async_llm.add_stats_listener(metrics)
+    app = FastAPI(title="dpserve", version=__version__)
+    app.state.serving, app.state.metrics = serving, metrics
+    auth = [Depends(_bearer_check(api_key))] if api_key else []
+    v1 = APIRouter(prefix="/v1", dependencies=auth)
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        body = await _parse(request, CompletionRequest, max_request_body_bytes)
+        return await _respond(request, serving.create_completion(body))
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await _parse(request, ChatCompletionRequest, max_request_body_bytes)
+        return await _respond(request, serving.create_chat_completion(body))
+
+    @v1.get("/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=served_model_name, root=async_llm.config.model.path,
+                                         max_model_len=async_llm.max_model_len)])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if async_llm.is_dead:
+            raise EngineDeadError("the engine is dead")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    app.include_router(v1)
+    for exc_type in (APIError, ValidationError, RequestValidationError, ValueError,
+                     EngineDeadError, StarletteHTTPException, Exception):
+        app.add_exception_handler(exc_type, _error_response)
+    return app
+
+
+async def _error_response(request: Request, exc: Exception) -> JSONResponse:
+    """The one error handler: every exception -> OpenAI error body."""
+    error = to_api_error(exc)
+    body = ErrorResponse(error=ErrorInfo(message=error.message, type=error.type,
+                                         param=error.param, code=error.code))
+    headers = {"WWW-Authenticate": "Bearer"} if error.status_code == 401 else None
+    return JSONResponse(body.model_dump(), status_code=error.status_code, headers=headers)
+
+
+def _bearer_check(api_key: str) -> Any:
+    expected = f"Bearer {api_key}".encode()
+
+    async def check(request: Request) -> None:
+        given = request.headers.get("authorization", "").encode()
+        if not secrets.compare_digest(given, expected):
+            raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer "
+                           "<key>'.", type="invalid_request_error", code="invalid_api_key")
+
+    return check
+
+
+async def _parse(request: Request, model: type[_M], limit: int) -> _M:
+    """Read the body (at most `limit` bytes, else 413) and validate it strictly."""
+    too_large = APIError(413, f"request body larger than {limit} bytes",
+                         code="request_too_large")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    return model.model_validate_json(bytes(body), strict=True)
+
+
+async def _respond(request: Request, work: Awaitable[Any]) -> Response:
+    """Await the serving call unless the client leaves first (then it is cancelled,
+    which aborts its requests); wrap the result as JSON or an SSE stream."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done():  # the client left: wait for the cancellation to run
+        await asyncio.wait({task})
+        return Response(status_code=499)  # nobody reads it
+    result = task.result()
+    if isinstance(result, BaseModel):
+        return Response(result.model_dump_json(), media_type="application/json")
+    return _SSEResponse(result, media_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache"})
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _SSEResponse(StreamingResponse):
+    """A stream that always closes its generator, so the requests behind it are
+    aborted when the client disconnects (not when it is garbage-collected)."""
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]

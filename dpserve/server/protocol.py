@@ -1,0 +1,343 @@
+"""The OpenAI-compatible HTTP schemas: requests, responses, stream chunks, errors.
+
+Requests are parsed with `Model.model_validate_json(body, strict=True)`:
+wrong JSON types fail here with the field named. Value ranges that
+`SamplingParams` already checks (temperature, top_p, ...) are left to it;
+this module checks only what it alone knows (n and stop limits, fields we do
+not support). Unknown fields are ignored, as OpenAI clients send many;
+fields that would change the result and that dpserve does not implement
+(tools, logit_bias, json response formats, echo, suffix, best_of > n) are
+rejected with a message naming them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+
+MAX_N = 16
+MAX_STOP_STRINGS = 4
+MAX_STOP_LENGTH = 256  # characters
+MAX_PROMPTS = 64  # prompts in one /v1/completions batch
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+def _unsupported(name: str, why: str = "") -> PydanticCustomError:
+    return PydanticCustomError("unsupported", f"{name} is not supported by this server{why}")
+
+
+# ---- errors -------------------------------------------------------------------
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {...}}` with `status_code`."""
+
+    def __init__(self, status_code: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+
+class ErrorInfo(_Model):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Model):
+    error: ErrorInfo
+
+
+# ---- shared request fields ----------------------------------------------------------
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class SamplingRequest(_Model):
+    """Fields /v1/completions and /v1/chat/completions share (OpenAI + extensions)."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # Extensions (vLLM names), sent by OpenAI clients through `extra_body`.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> list[str]:
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise PydanticCustomError(
+                "too_many", "at most {limit} stop strings are allowed, got {n}",
+                {"limit": MAX_STOP_STRINGS, "n": len(stops)})
+        if any(len(s) > MAX_STOP_LENGTH for s in stops):
+            raise PydanticCustomError("too_long", "stop strings must be at most {limit} "
+                                      "characters long", {"limit": MAX_STOP_LENGTH})
+        if any(not s for s in stops):
+            raise PydanticCustomError("empty", "stop strings must not be empty")
+        return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict[str, float] | None) -> None:
+        if v:
+            raise _unsupported("logit_bias")
+        return None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v: StreamOptions | None,
+                                    info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):
+            raise PydanticCustomError("stream_options",
+                                      "stream_options is only allowed when stream is true")
+        return v
+
+
+# ---- /v1/completions ---------------------------------------------------------------
+
+
+class CompletionRequest(SamplingRequest):
+    # str | list[str] | list[int] | list[list[int]]; checked below for a clear message.
+    prompt: Any
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, v: Any) -> Any:
+        def tokens(x: Any) -> bool:
+            return isinstance(x, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        ok = (isinstance(v, str) or tokens(v)
+              or (isinstance(v, list) and all(isinstance(p, str) or tokens(p) for p in v)))
+        if not ok:
+            raise PydanticCustomError("prompt_type", "prompt must be a string, a list of "
+                                      "strings, a list of token ids or a list of such lists")
+        if v == "" or v == [] or (isinstance(v, list) and any(p in ("", []) for p in v)):
+            raise PydanticCustomError("empty", "prompt must not be empty")
+        if isinstance(v, list) and v and not isinstance(v[0], int) and len(v) > MAX_PROMPTS:
+            raise PydanticCustomError("too_many", "at most {limit} prompts per request",
+                                      {"limit": MAX_PROMPTS})
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise _unsupported("echo")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> None:
+        if v:
+            raise _unsupported("suffix")
+        return None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, v: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if v is not None and v != n:
+            raise _unsupported("best_of", f" (it must equal n={n} when given)")
+        return v
+
+
+class Logprobs(_Model):
+    """Completions-style logprobs."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] | None = None
+    text_offset: list[int] = []
+
+
+class UsageInfo(_Model):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionChoice(_Model):
+    index: int
+    text: str
+    logprobs: Logprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string or token id that ended it
+
+
+class CompletionResponse(_Model):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+# ---- /v1/chat/completions ----------------------------------------------------------
+
+
+class ContentPart(_Model):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(_Model):
+    type: str
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True  # extension
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, v: list[Any] | None, info: ValidationInfo) -> None:
+        if v:
+            raise _unsupported(str(info.field_name))
+        return None
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, v: Any, info: ValidationInfo) -> None:
+        if v is not None and v != "none":
+            raise _unsupported(str(info.field_name))
+        return None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: ResponseFormat | None) -> ResponseFormat | None:
+        if v is not None and v.type != "text":
+            raise _unsupported("response_format", f" with type {v.type!r}; only 'text' is")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise PydanticCustomError("top_logprobs", "top_logprobs requires logprobs=true")
+        return v
+
+
+class TopLogprob(_Model):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(_Model):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(_Model):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Model):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Model):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(_Model):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(_Model):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(_Model):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ---- /v1/models ----------------------------------------------------------------------
+
+
+class ModelCard(_Model):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "dpserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Model):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
