@@ -35,6 +35,31 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+def can_prepack(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether oneDNN pre-packed float32 linears are available for this device."""
+    return (torch.device(device).type == "cpu" and dtype == torch.float32
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] -> the same matrix in oneDNN's blocked layout (opaque).
+
+    On CPU this beats MKL's F.linear at every batch size we run (measured on
+    SmolLM2's shapes, 2 threads: 1.8x at 1 token, 2.2x at 16, 1.5x at 64, 1.2x
+    for a 2048-token prefill). The packed tensor is only valid for `linear`.
+    """
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: bool) -> torch.Tensor:
+    """x [T, in] -> [T, out]; `packed` says whether `weight` came from `prepack`."""
+    if packed:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU: silu(gate) * up for gate_up = [gate | up] along the last dim.
 

@@ -24,6 +24,9 @@ from dpserve.model.layers import (
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
+    can_prepack,
+    linear,
+    prepack,
     rope_spec_from_config,
     silu_and_mul,
 )
@@ -87,18 +90,19 @@ class LlamaAttention(nn.Module):
         self.qkv_bias = _param(qkv_out, dtype=dtype, device=device) if d.qkv_bias else None
         self.o_weight = _param(d.hidden, d.heads * d.head_dim, dtype=dtype, device=device)
         self.o_bias = _param(d.hidden, dtype=dtype, device=device) if d.o_bias else None
+        self.packed = False  # weights in oneDNN layout (see prepack_weights)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # x: [T, hidden]; cos/sin: [T, 1, head_dim // 2]
         num_tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (H + 2 KV) * d]
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed)  # [T, (H + 2KV) * d]
         qk_width = (self.heads + self.kv_heads) * self.head_dim
         qk = apply_rotary(qkv[:, :qk_width].view(num_tokens, -1, self.head_dim), cos, sin)
         q, k = qk[:, :self.heads], qk[:, self.heads:]  # [T, H, d], [T, KV, d]
         v = qkv[:, qk_width:].view(num_tokens, self.kv_heads, self.head_dim)
         attn = paged_attention(q, k, v, kv_cache, meta)  # [T, H * d]
-        return F.linear(attn, self.o_weight, self.o_bias)
+        return linear(attn, self.o_weight, self.o_bias, self.packed)
 
 
 class LlamaMLP(nn.Module):
@@ -109,10 +113,12 @@ class LlamaMLP(nn.Module):
                              if d.mlp_bias else None)
         self.down_weight = _param(d.hidden, d.intermediate, dtype=dtype, device=device)
         self.down_bias = _param(d.hidden, dtype=dtype, device=device) if d.mlp_bias else None
+        self.packed = False  # weights in oneDNN layout (see prepack_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
-        return F.linear(silu_and_mul(gate_up), self.down_weight, self.down_bias)  # [T, hidden]
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.packed)  # [T, 2I]
+        return linear(silu_and_mul(gate_up), self.down_weight, self.down_bias,
+                      self.packed)  # [T, hidden]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -149,6 +155,7 @@ class LlamaForCausalLM(nn.Module):
                                                         device=device)
         self.rotary = RotaryEmbedding(d.head_dim, d.max_positions,
                                       rope_spec_from_config(hf_config), dtype, device)
+        self.packed = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -161,7 +168,29 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> logits [S, vocab] float32."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head, None, self.packed).float()
+
+    def prepack_weights(self) -> bool:
+        """After loading: move every projection to oneDNN's layout where that is
+        faster (CPU float32). A tied LM head gets its own packed copy, since the
+        embedding lookup needs the plain matrix. Returns whether it packed."""
+        if self.packed or not can_prepack(self.dtype, self.embed.device):
+            return False
+        # Packed tensors are opaque (not strided), so they replace the
+        # parameters as plain attributes.
+        for layer in self.layers:
+            for module, names in ((layer.attn, ("qkv_weight", "o_weight")),
+                                  (layer.mlp, ("gate_up_weight", "down_weight"))):
+                for name in names:
+                    packed = prepack(getattr(module, name).data)
+                    delattr(module, name)
+                    setattr(module, name, packed)
+                module.packed = True
+        head = prepack(self.lm_head.data)
+        del self.lm_head  # the parameter name only: a tied `embed` stays
+        self.lm_head = head
+        self.packed = True
+        return True
 
     # ---- weights ---------------------------------------------------------
 

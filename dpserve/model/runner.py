@@ -59,6 +59,8 @@ class ModelRunner:
         from dpserve.model.loader import iter_weights
 
         self.model.load_weights(iter_weights(Path(config.model.path)))
+        if self.model.prepack_weights():
+            logger.info("linear weights pre-packed for oneDNN")
         self.vocab_size = self.model.dims.vocab
         self.kv_elems_per_token = self.model.dims.kv_heads * self.model.dims.head_dim
         self.sampler = Sampler(config.model.seed, self.device)
