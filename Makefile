@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
 PROMPT ?= In one sentence, what is data-parallel LLM serving?
 
-.PHONY: setup test lint format generate bench clean
+.PHONY: setup test lint format serve generate bench clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,9 @@ lint: setup
 
 format: setup
 	$(VENV)/bin/ruff format dpserve tests bench
+
+serve: setup
+	$(VENV)/bin/dpserve serve --host 127.0.0.1 --port 8000
 
 generate: setup
 	$(VENV)/bin/dpserve generate --chat --max-tokens 64 --prompt "$(PROMPT)"

@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(processName)s "
                         "[%(name)s] %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per HTTP request
     try:
         return args.func(args)
     except (ConfigError, ValueError) as e:

@@ -187,6 +187,18 @@ def test_bad_model_path_fails_fast_with_one_line(tmp_path):
     assert len(lines) == 1 and "missing-model" in lines[0], proc.stderr
 
 
+def test_port_in_use_fails_before_loading(tiny_llama):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "dpserve.cli", "serve", str(tiny_llama),
+                               "--port", str(port)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"--port {port}" in lines[0], proc.stderr
+
+
 def test_sigterm_under_load_stops_everything(tiny_llama):
     with serve(str(tiny_llama)) as (proc, url):
         children = _descendants(proc.pid)

@@ -10,8 +10,9 @@ Processes (one engine, one API server):
 The launcher resolves the config once, spawns the engine, waits for its
 READY (failing at once, with one line, if it dies), then runs uvicorn. A
 watchdog stops the server when the engine dies (exit code 1); SIGTERM or
-Ctrl-C stop it gracefully (exit code 0). Either way every child is shut
-down (terminate -> join -> kill tree) before the process exits.
+Ctrl-C stop it gracefully (uvicorn drains for up to 2 s, then the exit code
+is 128 + the signal, as usual). Either way every child is shut down
+(terminate -> join -> kill tree) before the process exits.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import sys
 
 from dpserve.config import EngineArgs, EngineConfig
@@ -55,17 +57,24 @@ def _check_args(args: argparse.Namespace) -> None:
     from dpserve.config import ConfigError
 
     if not 0 <= args.port <= 65535:
-        raise ConfigError(f"port must be in [0, 65535], got {args.port}")
+        raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     if args.engine_ready_timeout <= 0:
-        raise ConfigError(f"engine_ready_timeout must be positive, got "
+        raise ConfigError(f"--engine-ready-timeout must be positive, got "
                           f"{args.engine_ready_timeout}")
     if args.max_request_body_bytes < 1024:
-        raise ConfigError(f"max_request_body_bytes must be at least 1024, got "
+        raise ConfigError(f"--max-request-body-bytes must be at least 1024, got "
                           f"{args.max_request_body_bytes}")
+    # Fail before loading any model if the address cannot be listened on.
+    try:
+        with socket.create_server((args.host, args.port), reuse_port=False):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--port {args.port} on {args.host} cannot be used: "
+                          f"{e.strerror or e}") from None
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Run the server until SIGTERM/Ctrl-C (0) or the engine dies (1)."""
+    """Run the server until SIGTERM/Ctrl-C or the engine dies (exit code 1)."""
     from dpserve.launcher import AddressAllocator, EngineProcManager, EngineStartupError
 
     _check_args(args)
