@@ -213,6 +213,9 @@ class EngineArgs:
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
              "must be at least 1")
         need(self.data_parallel_size >= 1, "data_parallel_size", "must be at least 1")
+        # Not silently ignored: several engines arrive with the data-parallel launcher.
+        need(self.data_parallel_size == 1, "data_parallel_size",
+             "above 1 is not supported yet (one engine per server for now)")
         need(self.threads_per_engine is None or self.threads_per_engine >= 1,
              "threads_per_engine", "must be at least 1")
         if self.kv_cache_memory is not None:

@@ -19,6 +19,7 @@ def test_unknown_option_is_named():
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
     ({"kv_cache_memory": "lots"}, "kv_cache_memory"),
     ({"num_kv_blocks": 0}, "num_kv_blocks"),
+    ({"data_parallel_size": 2}, "data_parallel_size"),
 ])
 def test_invalid_option_is_named(kwargs, name):
     with pytest.raises(ConfigError, match=name):
