@@ -141,3 +141,58 @@ class HandshakeReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_kv_blocks: int
     max_model_len: int
     dp_stats_address: str | None = None
+
+
+# ---- DP coordinator (dpserve.coordinator) -------------------------------------
+#
+# Engine publish socket (coordinator XPUB -> engine SUB, each subscribed to b""):
+#     first COORDINATOR_READY (one frame), once every engine has subscribed;
+#     then [RequestType.START_DP_WAVE.value, StartDPWave] (two frames).
+# Engine report socket (engine PUSH -> coordinator PULL): EngineReport.
+# Front publish socket (coordinator XPUB <-> front-end XSUB, subscribed to b""):
+#     coordinator -> front-ends: CoordinatorUpdate;
+#     front-ends -> coordinator: a CoordinatorRequest (WakeEngines | ScaleEngines).
+
+COORDINATOR_READY = b"READY"
+
+
+class EngineReport(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Engine -> coordinator: load and wave news from one engine."""
+
+    engine_index: int
+    request_counts: list[int] | None = None  # [waiting, running] after `step` of `wave`
+    step: int = 0  # the engine's step counter when the counts were taken
+    wave: int = 0  # the engine's wave when the counts were taken
+    wave_complete: int | None = None  # rank 0 only: all ranks paused after this wave
+    start_wave: int | None = None  # got a request of a finished wave while paused
+
+
+class StartDPWave(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Coordinator -> engines: start running `wave` (body of START_DP_WAVE)."""
+
+    wave: int
+    exclude_engine_index: int | None = None  # this engine already runs it; skip it
+
+
+class CoordinatorUpdate(msgspec.Struct, array_like=True, gc=False):
+    """Coordinator -> front-ends: engine load and the global wave state."""
+
+    counts: list[list[int]] | None  # [num_engines][waiting, running]; None: wave news only
+    wave: int  # the current request wave
+    running: bool  # engines are running (False: paused, a new request must wake them)
+
+
+class WakeEngines(msgspec.Struct, tag="wake", array_like=True, gc=False):
+    """Front-end -> coordinator: I sent a request while the engines were paused."""
+
+    wave: int  # the wave the front-end stamped on the request
+    engine_index: int | None = None  # the engine that got the request (skipped)
+
+
+class ScaleEngines(msgspec.Struct, tag="scale", array_like=True, gc=False):
+    """Launcher/front-end -> coordinator: the number of DP engines is now `num_engines`."""
+
+    num_engines: int
+
+
+CoordinatorRequest = WakeEngines | ScaleEngines

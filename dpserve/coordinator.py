@@ -1,0 +1,416 @@
+"""The DP coordinator: one process between the DP engines and the front-ends.
+
+Scope:
+* Load: keeps each engine's `[waiting, running]` counts (from `EngineReport`)
+  and publishes them to every front-end as `CoordinatorUpdate`: at most once
+  per `stats_interval_s` while they change, every `idle_publish_s` otherwise.
+* Waves: keeps the global request wave and running/paused state. Rank 0 says
+  `wave_complete=w` (all ranks paused) -> wave w+1, paused. A front-end that
+  sent a request while paused (`WakeEngines`), or an engine that got a request
+  of a finished wave (`start_wave`), makes the coordinator broadcast
+  START_DP_WAVE to the engines. Wave news is published to front-ends at once.
+* Scale: `ScaleEngines` changes the number of engines at run time.
+
+Not here: load-balancing decisions (front-ends), the all-reduce that decides
+when a wave ends (engines), starting engines (`dpserve.launcher`).
+
+Sockets (all bound here; the wire format is in `dpserve.protocol`):
+    front_publish_address   XPUB  -> CoordinatorUpdate to front-ends (XSUB),
+                                  <- WakeEngines / ScaleEngines from them
+    engine_report_address   PULL  <- EngineReport from engines (PUSH)
+    engine_publish_address  XPUB  -> COORDINATOR_READY, then START_DP_WAVE (SUB)
+
+The process exits on SIGTERM/SIGINT, when its parent dies (polled every
+second), or with exit code 1 when not every engine subscribes in time.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import time
+import weakref
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import msgspec
+import zmq
+
+from dpserve.launcher import AddressAllocator, shutdown
+from dpserve.protocol import (
+    COORDINATOR_READY,
+    CoordinatorRequest,
+    CoordinatorUpdate,
+    EngineReport,
+    RequestType,
+    ScaleEngines,
+    StartDPWave,
+    WakeEngines,
+)
+
+logger = logging.getLogger(__name__)
+
+_PARENT_POLL_S = 1.0  # also the longest the loop sleeps
+_SETTLE_S = 0.05  # after a quiet spell, wait this long for the other engines' reports
+_SUBSCRIBE = 1  # first byte of an XPUB subscription frame (0 = unsubscribe)
+
+
+class DPCoordinator:
+    """Runs the coordinator process `DPCoordinator`; see the module docstring.
+
+    Addresses are allocated per instance from `allocator` (its own ipc one
+    when None; pass `AddressAllocator(local_only=False, host=...)` for tcp).
+    `close()`, garbage collection and interpreter exit stop the process once.
+    """
+
+    def __init__(self, num_engines: int, allocator: AddressAllocator | None = None, *,
+                 stats_interval_s: float = 0.1, idle_publish_s: float = 5.0,
+                 startup_timeout_s: float = 600.0) -> None:
+        if num_engines < 1:
+            raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+        owned = allocator is None
+        allocator = allocator or AddressAllocator(local_only=True)
+        self.num_engines = num_engines
+        self.front_publish_address = allocator.new_address("coord-front")
+        self.engine_report_address = allocator.new_address("coord-report")
+        self.engine_publish_address = allocator.new_address("coord-engines")
+        self._settings = dict(stats_interval_s=stats_interval_s,
+                              idle_publish_s=idle_publish_s,
+                              startup_timeout_s=startup_timeout_s)
+        self.proc: BaseProcess | None = None
+        self._procs: list[BaseProcess] = []  # shared with the finalizer
+        self._finalizer = weakref.finalize(self, _stop, self._procs,
+                                           allocator if owned else None)
+
+    def start(self) -> None:
+        """Spawn the coordinator process (returns at once; it binds its sockets)."""
+        if self.proc is not None:
+            raise RuntimeError("DPCoordinator already started")
+        ctx = multiprocessing.get_context("spawn")
+        self.proc = ctx.Process(
+            target=run_coordinator, name="DPCoordinator",
+            kwargs=dict(num_engines=self.num_engines, parent_pid=os.getpid(),
+                        front_publish_address=self.front_publish_address,
+                        engine_report_address=self.engine_report_address,
+                        engine_publish_address=self.engine_publish_address,
+                        **self._settings))
+        self._procs.append(self.proc)
+        self.proc.start()
+
+    def close(self) -> None:
+        """Stop the process (terminate -> join -> kill) and remove owned ipc files."""
+        self._finalizer()
+
+    def __enter__(self) -> DPCoordinator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _stop(procs: list[BaseProcess], allocator: AddressAllocator | None) -> None:
+    shutdown(procs)
+    if allocator is not None:
+        allocator.cleanup()
+
+
+class _LoadTable:
+    """Per-engine `[waiting, running]` counts, ordered by (wave, step).
+
+    Invariant: an engine's counts only move forward in (wave, step); a report
+    older than the one already applied for that engine is dropped, so a stale
+    snapshot never overwrites a newer one. When a report opens a newer global
+    step while changes are unpublished, the counts are frozen as `snapshot`
+    (the last complete step), which is published before the mixed state.
+    """
+
+    def __init__(self, num_engines: int) -> None:
+        self.counts = [[0, 0] for _ in range(num_engines)]  # [num_engines][waiting, running]
+        self._seen = [(-1, -1)] * num_engines  # engine -> (wave, step) of its counts
+        self._latest = (-1, -1)  # newest (wave, step) from any engine
+        self.snapshot: list[list[int]] | None = None
+        self.changed_at: float | None = None  # when the first unpublished change came
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    def apply(self, index: int, wave: int, step: int, counts: list[int]) -> bool:
+        """Record one engine's counts; False when the report was stale."""
+        if (wave, step) < self._seen[index]:
+            logger.warning("dropping stale counts from engine %d: (wave, step) %s < %s",
+                           index, (wave, step), self._seen[index])
+            return False
+        if (wave, step) > self._latest:
+            if self.changed_at is not None:
+                self.snapshot = [list(c) for c in self.counts]
+            self._latest = (wave, step)
+        self._seen[index] = (wave, step)
+        self.counts[index] = [int(counts[0]), int(counts[1])]
+        if self.changed_at is None:
+            self.changed_at = time.monotonic()
+        return True
+
+    def resize(self, num_engines: int) -> None:
+        del self.counts[num_engines:], self._seen[num_engines:]
+        grow = num_engines - len(self.counts)
+        self.counts += [[0, 0] for _ in range(grow)]
+        self._seen += [(-1, -1)] * grow
+        self.snapshot = None
+
+    def take(self) -> list[list[int]]:
+        """The counts to publish now: the frozen snapshot first, else the current ones."""
+        if self.snapshot is not None:
+            taken, self.snapshot = self.snapshot, None
+            return taken
+        self.changed_at = None
+        return [list(c) for c in self.counts]
+
+
+class DPCoordinatorProc:
+    """The coordinator's sockets and loop (runs inside the coordinator process)."""
+
+    def __init__(self, num_engines: int, front_publish_address: str,
+                 engine_report_address: str, engine_publish_address: str, *,
+                 parent_pid: int, stats_interval_s: float = 0.1,
+                 idle_publish_s: float = 5.0, startup_timeout_s: float = 600.0) -> None:
+        self.loads = _LoadTable(num_engines)
+        self.wave = 0  # the current request wave
+        self.running = False  # engines are in a running wave (else paused)
+        self._published_wave = 0
+        self.parent_pid = parent_pid
+        self.stats_interval_s = stats_interval_s
+        self.idle_publish_s = idle_publish_s
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_requested = False
+        self._last_publish = 0.0
+        self._report_decoder = msgspec.msgpack.Decoder(EngineReport)
+        self._request_decoder = msgspec.msgpack.Decoder(CoordinatorRequest)
+        self.ctx = zmq.Context()
+        self.front = self._bind(zmq.XPUB, front_publish_address)
+        self.reports = self._bind(zmq.PULL, engine_report_address)
+        self.engines = self._bind(zmq.XPUB, engine_publish_address)
+        # Pass every subscription up (not only the first per topic), so each
+        # engine is counted and each new front-end gets the state at once.
+        self.front.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self.engines.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self._wake_r, wake_w = os.pipe()  # signal handlers wake the poller through it
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+
+    def _bind(self, kind: int, address: str) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(address)
+        return sock
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(-1)
+        self.ctx.destroy(linger=0)
+
+    def request_stop(self, signum: int = 0, frame: Any = None) -> None:
+        self.stop_requested = True  # the loop sees it when the wakeup fd fires
+
+    def _should_exit(self) -> bool:
+        if os.getppid() != self.parent_pid:
+            logger.warning("parent process %d is gone; coordinator exiting", self.parent_pid)
+            return True
+        return self.stop_requested
+
+    # ---- start-up ------------------------------------------------------------
+
+    def wait_for_engines(self) -> bool:
+        """Wait until every engine has subscribed, then publish READY; False on exit/timeout."""
+        subscribed = 0
+        deadline = time.monotonic() + self.startup_timeout_s
+        while subscribed < len(self.loads):
+            if self._should_exit():
+                return False
+            left = deadline - time.monotonic()
+            if left <= 0:
+                logger.error("only %d of %d engines subscribed in %.0f s",
+                             subscribed, len(self.loads), self.startup_timeout_s)
+                return False
+            if self.engines.poll(int(min(left, _PARENT_POLL_S) * 1000) + 1):
+                frame = self.engines.recv()
+                if frame[:1] == bytes([_SUBSCRIBE]):
+                    subscribed += 1
+        self.engines.send(COORDINATOR_READY)
+        logger.info("all %d engines subscribed; sent READY", subscribed)
+        return True
+
+    # ---- the loop --------------------------------------------------------------
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        for sock in (self.front, self.reports, self.engines):
+            poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        while not self._should_exit():
+            # 1. Sleep until the next publish is due, a message comes, or 1 s
+            #    passes (to check on the parent).
+            timeout = min(max(0.0, self._next_publish() - time.monotonic()), _PARENT_POLL_S)
+            events = dict(poller.poll(int(timeout * 1000)))
+            if self._wake_r in events:
+                os.read(self._wake_r, 512)
+            # 2. Front-ends: subscriptions, wake-ups, scale messages.
+            if self.front in events:
+                self._on_front_frames(self.front.recv_multipart())
+            # 3. Engines: load counts and wave news.
+            if self.reports in events:
+                self._on_engine_report(self._report_decoder.decode(self.reports.recv()))
+            # 4. Engine subscriptions after start-up (e.g. scaled-up engines): noted only.
+            if self.engines in events:
+                logger.info("engine subscription change after start-up: %r",
+                            self.engines.recv())
+            # 5. Publish the counts when due.
+            if time.monotonic() >= self._next_publish():
+                self._publish_counts()
+
+    def _next_publish(self) -> float:
+        """When the counts are next due: soon after a change, else at the idle period."""
+        loads = self.loads
+        if loads.snapshot is not None:
+            return self._last_publish + self.stats_interval_s
+        if loads.changed_at is not None:
+            settle = min(_SETTLE_S, self.stats_interval_s / 2)
+            return max(self._last_publish + self.stats_interval_s, loads.changed_at + settle)
+        return self._last_publish + self.idle_publish_s
+
+    # ---- front-ends -------------------------------------------------------------
+
+    def _on_front_frames(self, frames: list[bytes]) -> None:
+        body = frames[0]
+        if len(frames) == 1 and body[:1] in (b"\x00", b"\x01"):
+            if body[:1] == bytes([_SUBSCRIBE]):
+                self._publish_counts()  # a new front-end gets the state at once
+            return
+        try:
+            request = self._request_decoder.decode(body)
+        except msgspec.DecodeError:
+            logger.error("bad message from a front-end: %r", body[:64])
+            return
+        if isinstance(request, ScaleEngines):
+            self._on_scale(request.num_engines)
+        else:
+            self._on_wake(request)
+
+    def _on_wake(self, request: WakeEngines) -> None:
+        """A front-end sent a request while it thought the engines were paused."""
+        if self.running:
+            return  # someone already started the wave
+        exclude = request.engine_index
+        if request.wave < self.wave:
+            exclude = None  # a stale-wave request: every engine must hear the start
+        self.running = True
+        self._send_start_wave(self.wave, exclude)
+        self._publish_wave_state()
+
+    def _on_scale(self, num_engines: int) -> None:
+        old = len(self.loads)
+        if num_engines < 1:
+            logger.error("ignoring a scale to %d engines", num_engines)
+            return
+        self.loads.resize(num_engines)
+        if num_engines > old:
+            # New engines start in wave 0 and paused; say "paused" so the next
+            # request wakes everyone rather than leaving old engines behind.
+            self.running = False
+        logger.info("scaled from %d to %d engines", old, num_engines)
+        self._publish_counts()
+
+    # ---- engines ----------------------------------------------------------------
+
+    def _on_engine_report(self, report: EngineReport) -> None:
+        index = report.engine_index
+        if not 0 <= index < len(self.loads):
+            logger.warning("report from unknown engine %d (have %d)", index, len(self.loads))
+            return
+        if report.request_counts is not None:
+            self.loads.apply(index, report.wave, report.step, report.request_counts)
+        if report.wave_complete is not None:
+            self._on_wave_complete(index, report.wave_complete)
+        elif report.start_wave is not None:
+            self._on_start_wave(index, report.start_wave)
+
+    def _on_wave_complete(self, index: int, wave: int) -> None:
+        # Invariant: rank 0 alone reports wave completion (it speaks for all
+        # ranks after their all-reduce); a report from another rank is ignored.
+        if index != 0:
+            logger.error("engine %d reported wave_complete=%d; only rank 0 may", index, wave)
+            return
+        # Invariant: waves only move forward; late news of an older wave is dropped.
+        if wave < self.wave:
+            return
+        self.wave, self.running = wave + 1, False
+        self._publish_wave_state()
+
+    def _on_start_wave(self, index: int, wave: int) -> None:
+        """Engine `index` got a request of a finished wave while paused: start `wave`."""
+        # Invariant: waves only move forward; a start of an older wave, or of
+        # the current one while it already runs, is dropped.
+        if wave < self.wave or (wave == self.wave and self.running):
+            return
+        self.wave, self.running = wave, True
+        self._send_start_wave(wave, exclude=index)
+        self._publish_wave_state()
+
+    # ---- sending ----------------------------------------------------------------
+
+    def _send_start_wave(self, wave: int, exclude: int | None) -> None:
+        body = msgspec.msgpack.encode(StartDPWave(wave, exclude))
+        self.engines.send_multipart([RequestType.START_DP_WAVE.value, body])
+        logger.debug("START_DP_WAVE wave=%d exclude=%s", wave, exclude)
+
+    def _publish_wave_state(self) -> None:
+        assert self.wave >= self._published_wave, "waves only move forward"
+        self._published_wave = self.wave
+        self.front.send(msgspec.msgpack.encode(CoordinatorUpdate(None, self.wave, self.running)))
+
+    def _publish_counts(self) -> None:
+        update = CoordinatorUpdate(self.loads.take(), self.wave, self.running)
+        self.front.send(msgspec.msgpack.encode(update))
+        self._last_publish = time.monotonic()
+
+
+def run_coordinator(num_engines: int, front_publish_address: str, engine_report_address: str,
+                    engine_publish_address: str, parent_pid: int, **settings: Any) -> None:
+    """Process target: exit 0 on a stop signal or parent death, 1 on a failure."""
+    _name_process()
+    coordinator: DPCoordinatorProc | None = None
+    exit_code = 0
+    try:
+        coordinator = DPCoordinatorProc(num_engines, front_publish_address,
+                                        engine_report_address, engine_publish_address,
+                                        parent_pid=parent_pid, **settings)
+        signal.signal(signal.SIGTERM, coordinator.request_stop)
+        signal.signal(signal.SIGINT, coordinator.request_stop)
+        if coordinator.wait_for_engines():
+            coordinator.run()
+        elif not coordinator.stop_requested and os.getppid() == parent_pid:
+            exit_code = 1  # start-up timed out
+    except Exception:
+        logger.exception("DP coordinator failed")
+        exit_code = 1
+    finally:
+        if coordinator is not None:
+            coordinator.close()
+    logger.info("DP coordinator exiting (code %d)", exit_code)
+    sys.exit(exit_code)
+
+
+def _name_process() -> None:
+    multiprocessing.current_process().name = "DPCoordinator"
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle("dpserve::DPCoordinator")
+    except ImportError:  # optional nicety
+        pass
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=os.environ.get("DPSERVE_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
+            format="%(asctime)s %(levelname)s %(processName)s pid=%(process)d "
+                   "[%(name)s] %(message)s")

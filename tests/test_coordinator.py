@@ -1,0 +1,317 @@
+"""The DP coordinator process, driven by scripted engines and fake front-ends.
+
+A real coordinator process and real ZMQ sockets; the peers are scripted in
+this process. Every receive has a timeout; coordinators are always closed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+
+import msgspec
+import psutil
+import pytest
+import zmq
+
+from dpserve.coordinator import DPCoordinator, _LoadTable
+from dpserve.launcher import AddressAllocator
+from dpserve.protocol import (
+    COORDINATOR_READY,
+    CoordinatorUpdate,
+    EngineReport,
+    RequestType,
+    ScaleEngines,
+    StartDPWave,
+    WakeEngines,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+RECV_TIMEOUT_S = 5.0
+
+
+class ScriptedEngines:
+    """N fake engines: a SUB per engine (START_DP_WAVE in), one PUSH for all reports.
+
+    One PUSH keeps the reports of different engines in the order they were sent.
+    """
+
+    def __init__(self, ctx: zmq.Context, coord: DPCoordinator, n: int) -> None:
+        self.subs = [ctx.socket(zmq.SUB) for _ in range(n)]
+        for sub in self.subs:
+            self.subscribe(sub, coord)
+        self.push = ctx.socket(zmq.PUSH)
+        self.push.connect(coord.engine_report_address)
+
+    @staticmethod
+    def subscribe(sub: zmq.Socket, coord: DPCoordinator) -> None:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(coord.engine_publish_address)
+
+    def wait_ready(self) -> None:
+        for sub in self.subs:
+            assert recv_frames(sub) == [COORDINATOR_READY]
+
+    def report(self, **fields: object) -> None:
+        self.push.send(msgspec.msgpack.encode(EngineReport(**fields)))
+
+    def recv_start_wave(self, engine: int = 0) -> StartDPWave:
+        tag, body = recv_frames(self.subs[engine])
+        assert tag == RequestType.START_DP_WAVE.value
+        return msgspec.msgpack.decode(body, type=StartDPWave)
+
+
+class FakeFrontend:
+    """An XSUB: receives CoordinatorUpdate, sends WakeEngines / ScaleEngines."""
+
+    def __init__(self, ctx: zmq.Context, coord: DPCoordinator) -> None:
+        self.sock = ctx.socket(zmq.XSUB)
+        self.sock.connect(coord.front_publish_address)
+        self.sock.send(b"\x01")  # subscribe to everything
+        self.decoder = msgspec.msgpack.Decoder(CoordinatorUpdate)
+
+    def send(self, request: WakeEngines | ScaleEngines) -> None:
+        self.sock.send(msgspec.msgpack.encode(request))
+
+    def recv(self, timeout: float = RECV_TIMEOUT_S) -> CoordinatorUpdate:
+        return self.decoder.decode(recv_frames(self.sock, timeout)[0])
+
+    def wait_for(self, pred: Callable[[CoordinatorUpdate], bool],
+                 timeout: float = RECV_TIMEOUT_S) -> CoordinatorUpdate:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0, "no matching update from the coordinator in time"
+            update = self.recv(left)
+            if pred(update):
+                return update
+
+
+def recv_frames(sock: zmq.Socket, timeout: float = RECV_TIMEOUT_S) -> list[bytes]:
+    assert sock.poll(int(timeout * 1000)), f"nothing received in {timeout} s"
+    return sock.recv_multipart()
+
+
+def assert_silent(sock: zmq.Socket, seconds: float) -> None:
+    assert not sock.poll(int(seconds * 1000)), f"unexpected message: {sock.recv_multipart()}"
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context]:
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def make_coordinator() -> Iterator[Callable[..., DPCoordinator]]:
+    made: list[DPCoordinator] = []
+
+    def make(num_engines: int, **kwargs: object) -> DPCoordinator:
+        coord = DPCoordinator(num_engines, **kwargs)  # type: ignore[arg-type]
+        made.append(coord)
+        coord.start()
+        return coord
+
+    yield make
+    for coord in made:
+        coord.close()
+        assert coord.proc is not None and not coord.proc.is_alive()
+
+
+@pytest.fixture
+def running2(make_coordinator, ctx):
+    """A coordinator with two ready scripted engines and one fake front-end."""
+    coord = make_coordinator(2)
+    engines = ScriptedEngines(ctx, coord, 2)
+    engines.wait_ready()
+    frontend = FakeFrontend(ctx, coord)
+    first = frontend.recv()  # a new subscriber gets the state at once
+    assert first == CoordinatorUpdate([[0, 0], [0, 0]], wave=0, running=False)
+    return coord, engines, frontend
+
+
+def test_ready_only_after_all_engines_subscribed(make_coordinator, ctx):
+    coord = make_coordinator(2)
+    first, second = ctx.socket(zmq.SUB), ctx.socket(zmq.SUB)
+    ScriptedEngines.subscribe(first, coord)
+    assert_silent(first, 0.5)
+    ScriptedEngines.subscribe(second, coord)
+    assert recv_frames(first) == [COORDINATOR_READY]
+    assert recv_frames(second) == [COORDINATOR_READY]
+    assert coord.proc is not None and coord.proc.is_alive()
+
+
+def test_tcp_addresses_and_exit_codes(make_coordinator, ctx):
+    coord = make_coordinator(1, allocator=AddressAllocator(local_only=False))
+    assert coord.front_publish_address.startswith("tcp://127.0.0.1:")
+    engines = ScriptedEngines(ctx, coord, 1)
+    engines.wait_ready()
+    frontend = FakeFrontend(ctx, coord)
+    frontend.send(WakeEngines(wave=0))
+    assert engines.recv_start_wave(0) == StartDPWave(0)
+    coord.close()  # SIGTERM: a clean exit
+    assert coord.proc is not None and coord.proc.exitcode == 0
+
+
+def test_startup_times_out_without_engines(make_coordinator):
+    coord = make_coordinator(2, startup_timeout_s=0.3)
+    assert coord.proc is not None
+    coord.proc.join(timeout=5)
+    assert coord.proc.exitcode == 1
+
+
+def test_load_table_publishes_last_complete_step_first():
+    table = _LoadTable(2)
+    table.apply(0, wave=0, step=1, counts=[1, 0])
+    table.apply(1, wave=0, step=1, counts=[2, 0])
+    table.apply(0, wave=0, step=2, counts=[5, 5])  # step 2 begins: step 1 is complete
+    assert table.take() == [[1, 0], [2, 0]]
+    assert table.take() == [[5, 5], [2, 0]]
+    assert table.changed_at is None
+    table.resize(3)
+    assert table.counts == [[5, 5], [2, 0], [0, 0]]
+
+
+def test_wave_complete_pauses_and_moves_to_next_wave(running2):
+    _, engines, frontend = running2
+    frontend.send(WakeEngines(wave=0, engine_index=1))
+    assert engines.recv_start_wave(0) == StartDPWave(0, exclude_engine_index=1)
+    assert frontend.wait_for(lambda u: u.counts is None).running
+    engines.report(engine_index=0, wave_complete=0)
+    update = frontend.wait_for(lambda u: u.counts is None)
+    assert (update.wave, update.running) == (1, False)
+    # Late or repeated news of the finished wave does not move the wave again.
+    engines.report(engine_index=0, wave_complete=0)
+    engines.report(engine_index=1, request_counts=[1, 0], step=1)  # a marker after it
+    update = frontend.wait_for(lambda u: u.counts is not None and u.counts[1] == [1, 0])
+    assert (update.wave, update.running) == (1, False)
+
+
+def test_only_rank_0_completes_a_wave(running2):
+    _, engines, frontend = running2
+    engines.report(engine_index=1, wave_complete=0)
+    engines.report(engine_index=1, request_counts=[1, 0], step=1)  # a marker after it
+    update = frontend.wait_for(lambda u: u.counts is not None and u.counts[1] == [1, 0])
+    assert (update.wave, update.running) == (0, False)
+
+
+def test_request_for_finished_wave_restarts_engines(running2):
+    _, engines, frontend = running2
+    engines.report(engine_index=0, wave_complete=0)
+    assert frontend.wait_for(lambda u: u.counts is None).wave == 1
+    # Engine 1 got a request stamped wave 0 while paused in wave 1.
+    engines.report(engine_index=1, start_wave=1)
+    for engine in (0, 1):  # a broadcast: engine 1 sees it too and skips it
+        assert engines.recv_start_wave(engine) == StartDPWave(1, exclude_engine_index=1)
+    update = frontend.wait_for(lambda u: u.counts is None)
+    assert (update.wave, update.running) == (1, True)
+    # Already running: another engine's start_wave for this wave is a no-op.
+    engines.report(engine_index=0, start_wave=1)
+    assert_silent(engines.subs[0], 0.3)
+
+
+def test_frontend_wakes_paused_engines(running2):
+    _, engines, frontend = running2
+    engines.report(engine_index=0, wave_complete=0)
+    assert frontend.wait_for(lambda u: u.counts is None).wave == 1
+    # A request stamped with the finished wave 0: every engine must be told.
+    frontend.send(WakeEngines(wave=0, engine_index=0))
+    assert engines.recv_start_wave(0) == StartDPWave(1, exclude_engine_index=None)
+    update = frontend.wait_for(lambda u: u.counts is None)
+    assert (update.wave, update.running) == (1, True)
+    # Already running: a second wake-up sends nothing.
+    frontend.send(WakeEngines(wave=1, engine_index=1))
+    assert_silent(engines.subs[0], 0.3)
+
+
+def test_stale_counts_do_not_overwrite_newer(running2):
+    _, engines, frontend = running2
+    engines.report(engine_index=0, request_counts=[3, 1], wave=0, step=5)
+    engines.report(engine_index=0, request_counts=[9, 9], wave=0, step=4)  # stale
+    engines.report(engine_index=1, request_counts=[2, 2], wave=0, step=5)  # the marker
+    update = frontend.wait_for(lambda u: u.counts is not None and u.counts[1] == [2, 2])
+    assert update.counts == [[3, 1], [2, 2]]
+    # A newer wave wins over a higher step of an older wave.
+    engines.report(engine_index=0, request_counts=[4, 0], wave=1, step=0)
+    engines.report(engine_index=0, request_counts=[8, 8], wave=0, step=99)  # stale
+    engines.report(engine_index=1, request_counts=[0, 1], wave=1, step=0)  # the marker
+    update = frontend.wait_for(lambda u: u.counts is not None and u.counts[1] == [0, 1])
+    assert update.counts == [[4, 0], [0, 1]]
+
+
+def test_scale_changes_published_counts(running2):
+    _, engines, frontend = running2
+    frontend.send(ScaleEngines(4))
+    update = frontend.wait_for(lambda u: u.counts is not None, timeout=1.0)
+    assert update.counts == [[0, 0]] * 4
+    engines.report(engine_index=3, request_counts=[1, 1], step=1)
+    assert frontend.wait_for(lambda u: bool(u.counts) and u.counts[3] == [1, 1])
+    frontend.send(ScaleEngines(1))
+    update = frontend.wait_for(lambda u: u.counts is not None and len(u.counts) == 1,
+                               timeout=1.0)
+    assert update.counts == [[0, 0]]
+
+
+def test_counts_published_no_faster_than_interval(running2):
+    _, engines, frontend = running2
+    start = time.monotonic()
+    step = 0
+    while time.monotonic() - start < 1.0:  # counts change every 10 ms for 1 s
+        step += 1
+        engines.report(engine_index=step % 2, request_counts=[step, 1], step=step)
+        time.sleep(0.01)
+    times = []
+    while frontend.sock.poll(300):
+        update = frontend.decoder.decode(frontend.sock.recv())
+        if update.counts is not None:
+            times.append(time.monotonic())
+    print(f'{len(times)} count publishes')
+    assert 3 <= len(times) <= 12, times
+    assert update.counts is not None and max(update.counts[0][0], update.counts[1][0]) == step
+
+
+def test_coordinator_exits_when_parent_dies():
+    script = textwrap.dedent("""
+        import sys, time
+        from dpserve.coordinator import DPCoordinator
+        coord = DPCoordinator(1)
+        coord.start()
+        print(coord.proc.pid, flush=True)
+        time.sleep(60)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                              cwd=os.path.dirname(os.path.dirname(__file__)), text=True)
+    child_pid = None
+    try:
+        line = parent.stdout.readline()  # type: ignore[union-attr]
+        assert line.strip().isdigit(), f"parent printed {line!r}"
+        child_pid = int(line)
+        child = psutil.Process(child_pid)
+        assert child.is_running()
+        parent.kill()
+        parent.wait(timeout=5)
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child), "coordinator outlived its parent"
+    finally:
+        parent.kill()
+        parent.wait(timeout=5)
+        if child_pid is not None and psutil.pid_exists(child_pid):
+            try:
+                psutil.Process(child_pid).kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
