@@ -78,7 +78,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    data_parallel_size: int
+    data_parallel_size: int  # engine replicas (`dpserve serve`; the offline LLM runs one)
     threads_per_engine: int | None  # torch CPU threads (None: torch's default)
 
 
@@ -121,8 +121,9 @@ class EngineArgs:
                                               "(default 2048, at least max_num_seqs).")
     max_num_seqs: int = _opt(256, "Most requests running at once.")
     data_parallel_size: int = _opt(1, "Number of engine replicas.")
-    threads_per_engine: int | None = _opt(None, "torch CPU threads per engine "
-                                          "(default: torch's choice).")
+    threads_per_engine: int | None = _opt(None, "torch CPU threads per engine (default: "
+                                          "torch's choice; with data parallel on CPU, "
+                                          "the cores shared out between the engines).")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -190,9 +191,18 @@ class EngineArgs:
         scheduler = SchedulerConfig(max_num_batched_tokens=budget,
                                     max_num_seqs=self.max_num_seqs, max_model_len=max_model_len)
         parallel = ParallelConfig(data_parallel_size=self.data_parallel_size,
-                                  threads_per_engine=self.threads_per_engine)
+                                  threads_per_engine=self._threads_per_engine(device))
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             parallel=parallel, device=device)
+
+    def _threads_per_engine(self, device: str) -> int | None:
+        """The user's choice; on CPU with several (local) engines, a fair share of the cores."""
+        if self.threads_per_engine is not None or device != "cpu" or \
+                self.data_parallel_size == 1:
+            return self.threads_per_engine
+        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count() or 1)
+        return max(1, cores // self.data_parallel_size)
 
     def _validate_plain_options(self) -> None:
         def need(ok: bool, name: str, what: str) -> None:
@@ -213,9 +223,6 @@ class EngineArgs:
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
              "must be at least 1")
         need(self.data_parallel_size >= 1, "data_parallel_size", "must be at least 1")
-        # Not silently ignored: several engines arrive with the data-parallel launcher.
-        need(self.data_parallel_size == 1, "data_parallel_size",
-             "above 1 is not supported yet (one engine per server for now)")
         need(self.threads_per_engine is None or self.threads_per_engine >= 1,
              "threads_per_engine", "must be at least 1")
         if self.kv_cache_memory is not None:

@@ -129,8 +129,9 @@ class EngineInitMetadata(msgspec.Struct, array_like=True, omit_defaults=True, gc
 
     input_addresses: list[str]
     output_addresses: list[str]
-    coordinator_input: str | None = None
-    coordinator_output: str | None = None
+    # The DP coordinator, from the engine's side (None: no coordinator, dp_size 1):
+    coordinator_input: str | None = None  # its engine XPUB; the engine SUBs (READY, waves)
+    coordinator_output: str | None = None  # its report PULL; the engine PUSHes EngineReport
     dp_master_ip: str = "127.0.0.1"
     dp_master_port: int = 0
     dp_size: int = 1

@@ -19,7 +19,8 @@ def test_unknown_option_is_named():
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
     ({"kv_cache_memory": "lots"}, "kv_cache_memory"),
     ({"num_kv_blocks": 0}, "num_kv_blocks"),
-    ({"data_parallel_size": 2}, "data_parallel_size"),
+    ({"data_parallel_size": 0}, "data_parallel_size"),
+    ({"threads_per_engine": 0}, "threads_per_engine"),
 ])
 def test_invalid_option_is_named(kwargs, name):
     with pytest.raises(ConfigError, match=name):
@@ -73,3 +74,25 @@ def test_config_pickles_for_spawned_engines(tiny_llama):
     assert copy == config
     with pytest.raises(TypeError):
         copy.model.hf_config["vocab_size"] = 1  # type: ignore[index]
+
+
+def test_data_parallel_threads_share_the_cores(tiny_llama, monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    config = EngineArgs.from_kwargs(model=str(tiny_llama), data_parallel_size=3,
+                                    device="cpu").create_config()
+    assert config.parallel.data_parallel_size == 3
+    assert config.parallel.threads_per_engine == 2  # 8 cores // 3 engines
+    config = EngineArgs.from_kwargs(model=str(tiny_llama), data_parallel_size=3,
+                                    threads_per_engine=1, device="cpu").create_config()
+    assert config.parallel.threads_per_engine == 1  # the user's choice wins
+    config = EngineArgs.from_kwargs(model=str(tiny_llama), device="cpu").create_config()
+    assert config.parallel.threads_per_engine is None  # one engine: torch's default
+
+
+def test_offline_llm_rejects_data_parallel():
+    from dpserve import LLM
+
+    with pytest.raises(ConfigError, match="data_parallel_size must be 1 for the offline LLM"):
+        LLM(data_parallel_size=2)

@@ -6,7 +6,9 @@ input queue, output queue -> sockets), the busy loop that drives the
 and the parent-death watcher. `run_engine_core` is the multiprocessing target.
 
 Not here: scheduling and the model (`EngineCore`), address allocation and
-process spawning (`dpserve.launcher`), data-parallel waves (a later part).
+process spawning (`dpserve.launcher`), the DP coordinator link (`DPReporter`
+in `dpserve.engine.dp`, held when the init metadata names a coordinator),
+data-parallel waves (a later part).
 
 Sockets of engine `rank` (identity = `engine_identity(rank)`):
 
@@ -37,6 +39,7 @@ import msgspec
 import zmq
 
 from dpserve.config import EngineConfig
+from dpserve.engine.dp import DPReporter
 from dpserve.engine.request import FinishReason
 from dpserve.protocol import (
     ENGINE_CORE_DEAD,
@@ -96,6 +99,7 @@ class EngineCoreProc:
         self._stop_io = threading.Event()
         self._client_of: dict[str, int] = {}  # request_id -> client index, until finished
         self._result_checker = msgspec.msgpack.Encoder()
+        self.dp: DPReporter | None = None  # the DP coordinator link, when dp_size > 1
 
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
@@ -105,7 +109,13 @@ class EngineCoreProc:
             sock.connect(handshake_address)
             init = _say_hello(sock, local, handshake_address)
             self.num_clients = len(init.output_addresses)
+            if init.coordinator_input is not None and init.coordinator_output is not None:
+                # Subscribe now, so the coordinator hears from us while the model loads.
+                self.dp = DPReporter(rank, report_address=init.coordinator_output,
+                                     publish_address=init.coordinator_input)
             self.engine_core = _build_engine_core(config)
+            if self.dp is not None:
+                self.dp.wait_ready()  # every engine is subscribed: reports are heard
             # Start registering with the front-ends before READY: the launcher
             # starts them on READY, and the frames wait in our sockets till then.
             self._start_io_threads(init)
@@ -127,10 +137,19 @@ class EngineCoreProc:
         while True:
             # 1. Take in everything the front-ends sent; block only when idle.
             self._process_input_queue()
+            self._report_load()
             # 2. Step the engine: schedule -> execute -> update.
             outputs = self.engine_core.step()
             # 3. Send each request's delta to the front-end that owns it.
             self._publish(outputs)
+            # 4. DP: tell the coordinator when [waiting, running] changed.
+            if self.dp is not None:
+                self.dp.step_done()
+                self._report_load()
+
+    def _report_load(self) -> None:
+        if self.dp is not None:
+            self.dp.report(self.engine_core.get_request_counts())
 
     def _process_input_queue(self) -> None:
         if not self.engine_core.has_unfinished_requests():
@@ -297,6 +316,8 @@ class EngineCoreProc:
         self.output_queue.put_nowait(None)
         for thread in (self.input_thread, self.output_thread):
             thread.join(timeout=2.0)
+        if self.dp is not None:
+            self.dp.close()
 
 
 def _say_hello(sock: zmq.Socket, local: bool, address: str) -> EngineInitMetadata:

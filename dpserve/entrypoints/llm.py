@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from dpserve.config import EngineArgs, EngineConfig
+from dpserve.config import ConfigError, EngineArgs, EngineConfig
 from dpserve.engine.core import EngineCore
 from dpserve.frontend.output_processor import OutputProcessor
 from dpserve.frontend.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
@@ -35,6 +35,11 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        if kwargs.get("data_parallel_size", 1) != 1:
+            raise ConfigError(
+                f"data_parallel_size must be 1 for the offline LLM (one in-process engine), "
+                f"got {kwargs['data_parallel_size']!r}; serve several engines with "
+                f"`dpserve serve --data-parallel-size N`")
         self.config: EngineConfig = EngineArgs.from_kwargs(model=model, **kwargs).create_config()
         self.tokenizer = load_tokenizer(self.config.model.tokenizer)
         self.engine = EngineCore(self.config)

@@ -1,24 +1,28 @@
 """`dpserve serve`: launch the engine and serve it over OpenAI-compatible HTTP.
 
-Processes (one engine, one API server):
+Processes (one API server; N = --data-parallel-size engines):
 
-    main process  "dpserve::APIServer_0"   launcher + FastAPI/uvicorn
-      |  ROUTER in (bind) / PULL out (bind)        (AsyncEngineClient)
+    main process  "dpserve::APIServer_0"     launcher + FastAPI/uvicorn
+      |  ROUTER in (bind) / PULL out (bind)          (AsyncEngineClient)
       v
-    child         "dpserve::EngineCore_0"  EngineCoreProc (model + KV cache)
+    children      "dpserve::EngineCore_<r>"  EngineCoreProc (model + KV cache), r < N
+    child (N > 1) "dpserve::DPCoordinator"   engines' load counts -> the API server
 
-The launcher resolves the config once, spawns the engine, waits for its
-READY (failing at once, with one line, if it dies), then runs uvicorn. A
-watchdog stops the server when the engine dies (exit code 1); SIGTERM or
-Ctrl-C stop it gracefully (uvicorn drains for up to 2 s, then the exit code
-is 128 + the signal, as usual). Either way every child is shut down
-(terminate -> join -> kill tree) before the process exits.
+The launcher resolves the config once, starts the coordinator (N > 1) and
+then the engines (their init metadata names the coordinator's addresses),
+waits for every READY (failing at once, with one line, if any of them dies),
+then runs uvicorn. A watchdog stops the server when any engine or the
+coordinator dies (exit code 1); SIGTERM or Ctrl-C stop it gracefully
+(uvicorn drains for up to 2 s, then the exit code is 128 + the signal, as
+usual). Either way every child is shut down (terminate -> join -> kill tree)
+before the process exits.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import socket
@@ -44,7 +48,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="Model name clients use (default: the model argument, or "
                              "SmolLM2-135M-Instruct).")
     parser.add_argument("--engine-ready-timeout", type=float, default=600.0,
-                        help="Seconds to wait for the engine to load the model.")
+                        help="Seconds to wait for the engines to load the model.")
     parser.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
                         help="Larger request bodies get HTTP 413.")
     parser.add_argument("--uvicorn-log-level", default="warning",
@@ -74,41 +78,60 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Run the server until SIGTERM/Ctrl-C or the engine dies (exit code 1)."""
+    """Run the server until SIGTERM/Ctrl-C or an engine (or the coordinator) dies (1)."""
+    from dpserve.coordinator import DPCoordinator
     from dpserve.launcher import AddressAllocator, EngineProcManager, EngineStartupError
 
     _check_args(args)
     config = EngineArgs.from_cli(args).create_config()
+    dp_size = config.parallel.data_parallel_size
     _set_title("APIServer_0")
     # Until uvicorn installs its own handlers, SIGTERM unwinds through `finally`.
     signal.signal(signal.SIGTERM, _raise_system_exit)
     alloc = AddressAllocator()
     addrs = alloc.engine_addresses(num_clients=1)
-    manager = EngineProcManager(config, addrs.handshake, num_engines=1)
+    coordinator: DPCoordinator | None = None
+    manager: EngineProcManager | None = None
     try:
-        ready = manager.wait_for_startup(addrs.init_metadata(dp_size=1),
-                                         timeout=args.engine_ready_timeout)
+        if dp_size > 1:  # the coordinator first: engines connect to it while loading
+            coordinator = DPCoordinator(dp_size, alloc,
+                                        startup_timeout_s=args.engine_ready_timeout)
+            coordinator.start()
+            addrs = dataclasses.replace(
+                addrs, coordinator_input=coordinator.engine_publish_address,
+                coordinator_output=coordinator.engine_report_address)
+        others = [coordinator.proc] if coordinator is not None and coordinator.proc else []
+        manager = EngineProcManager(config, addrs.handshake, num_engines=dp_size)
+        ready = manager.wait_for_startup(addrs.init_metadata(dp_size=dp_size),
+                                         timeout=args.engine_ready_timeout, also_watch=others)
         max_model_len = min(r.max_model_len for r in ready.values())
-        return asyncio.run(_serve_http(args, config, addrs, manager, max_model_len))
+        return asyncio.run(_serve_http(
+            args, config, addrs, manager, max_model_len, others,
+            coordinator.front_publish_address if coordinator is not None else None))
     except EngineStartupError as e:
         print(f"dpserve: error: engine failed to start: {e}", file=sys.stderr)
         return 1
     finally:
-        manager.close()
+        if manager is not None:
+            manager.close()
+        if coordinator is not None:
+            coordinator.close()
         alloc.cleanup()
 
 
 async def _serve_http(args: argparse.Namespace, config: EngineConfig, addrs, manager,
-                      max_model_len: int) -> int:
+                      max_model_len: int, others: list, coordinator_address: str | None,
+                      ) -> int:
     import uvicorn
 
     from dpserve.frontend.async_llm import AsyncLLM
     from dpserve.frontend.engine_client import AsyncEngineClient
     from dpserve.server.app import build_app
 
-    client = AsyncEngineClient(addrs.inputs[0], addrs.outputs[0], engine_ranks=(0,),
-                               client_index=0, max_model_len=max_model_len)
-    client.watch_processes(manager.processes)
+    client = AsyncEngineClient(addrs.inputs[0], addrs.outputs[0], engine_ranks=manager.ranks,
+                               client_index=0, max_model_len=max_model_len,
+                               coordinator_address=coordinator_address)
+    client.watch_processes([*manager.processes, *others])  # any death stops the server
     llm = AsyncLLM(config, client)
     name = args.served_model_name or _default_served_name(args.model)
     app = build_app(llm, name, api_key=args.api_key,
@@ -117,15 +140,16 @@ async def _serve_http(args: argparse.Namespace, config: EngineConfig, addrs, man
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S, access_log=False))
     watchdog = asyncio.create_task(_stop_when_dead(llm, server))
-    logger.info("serving %s on http://%s:%d (model %s, max_model_len %d)", name, args.host,
-                args.port, config.model.path, max_model_len)
+    logger.info("serving %s on http://%s:%d (model %s, max_model_len %d, %d engine(s))",
+                name, args.host, args.port, config.model.path, max_model_len,
+                len(manager.ranks))
     try:
         await server.serve()
     finally:
         watchdog.cancel()
         llm.shutdown()
     if llm.is_dead:
-        logger.error("the engine died; the server stopped")
+        logger.error("an engine or the DP coordinator died; the server stopped")
         return 1
     return 0
 

@@ -16,7 +16,8 @@ Lifecycle rules, enforced here:
 * When the engine dies, every request in flight fails at once with
   `EngineDeadError`, and so does every later `generate()`.
 
-Not here: load balancing over several engines, HTTP.
+Not here: load balancing over several engines (the engine client; a request
+may pin an engine with `data_parallel_rank`), HTTP.
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ class IterationStats:
 class StatsListener(Protocol):
     """Gets every engine message's stats (the Prometheus metrics implement it)."""
 
-    def record(self, engine_index: int, scheduler_stats: SchedulerStats | None,
+    def record(self, engine_index: int | None, scheduler_stats: SchedulerStats | None,
                iteration: IterationStats | None) -> None: ...
+    # engine_index None: not from an engine message (a request aborted in the front-end)
 
 
 @dataclass
@@ -134,8 +136,14 @@ class AsyncLLM:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 data_parallel_rank: int | None = None) -> None:
         """Raise RequestError if the engine could never run this request."""
+        ranks = list(getattr(self.client, "engine_ranks", (0,)))
+        if data_parallel_rank is not None and data_parallel_rank not in ranks:
+            raise RequestError(f"data_parallel_rank {data_parallel_rank} is out of range: "
+                               f"this server's engines are {ranks}",
+                               param="data_parallel_rank")
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestError("the prompt must not be empty", param="prompt")
@@ -160,14 +168,16 @@ class AsyncLLM:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, prompt_text: str | None = None,
+                       data_parallel_rank: int | None = None,
                        ) -> AsyncIterator[RequestOutput]:
         """Stream DELTA RequestOutputs for one request until it finishes.
 
-        Raises RequestError (before anything is sent) for a request that can
-        never run, EngineDeadError if the engine dies.
+        `data_parallel_rank` pins the engine that runs it. Raises RequestError
+        (before anything is sent) for a request that can never run,
+        EngineDeadError if the engine dies.
         """
         self._check_alive()
-        self.validate(prompt_token_ids, params)
+        self.validate(prompt_token_ids, params, data_parallel_rank)
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         self._start_output_task()
@@ -177,7 +187,7 @@ class AsyncLLM:
         arrival = time.monotonic()
         engine_requests = self.processor.add_request(
             request_id, prompt_text, list(prompt_token_ids), params, self.eos_token_id,
-            kind=OutputKind.DELTA, arrival_time=arrival)
+            kind=OutputKind.DELTA, arrival_time=arrival, data_parallel_rank=data_parallel_rank)
         tracked = _Tracked(asyncio.Queue(), len(prompt_token_ids), arrival)
         self._requests[request_id] = tracked
         finished = False
@@ -210,7 +220,7 @@ class AsyncLLM:
         if tracked is not None:
             tracked.queue.put_nowait(_ABORTED)  # ends the stream if someone else reads it
         if tracked is not None and not self.is_dead:
-            self._notify(0, None, IterationStats(finished=[FinishedRequestStats(
+            self._notify(None, None, IterationStats(finished=[FinishedRequestStats(
                 "abort", tracked.num_prompt_tokens, tracked.num_generated,
                 time.monotonic() - tracked.arrival)]))
         if engine_ids and not self.is_dead:
@@ -291,7 +301,7 @@ class AsyncLLM:
     def add_stats_listener(self, listener: StatsListener) -> None:
         self._listeners.append(listener)
 
-    def _notify(self, engine_index: int, stats: SchedulerStats | None,
+    def _notify(self, engine_index: int | None, stats: SchedulerStats | None,
                 iteration: IterationStats | None) -> None:
         for listener in self._listeners:
             try:

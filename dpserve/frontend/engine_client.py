@@ -4,9 +4,17 @@ Scope: the front-end ends of the engine sockets (it BINDS a ROUTER for
 requests and a PULL for outputs at its client index's addresses), sending
 ADD / ABORT / UTILITY, handing decoded `EngineCoreOutputs` to the caller
 through `get_output()`, utility calls as futures keyed by call id, and
-engine death. Per-engine state (`EngineState`) is kept so that placement can
-balance over several engines; today it picks the one with the fewest
-requests in flight (or the rank a request pins).
+engine death, and placement over several engines (`EngineState` per engine):
+
+* A request that pins `data_parallel_rank` goes to that engine (a rank this
+  client does not have fails with ValueError).
+* With a DP coordinator (`coordinator_address`, its front publish XPUB): a
+  background task keeps the latest `[waiting, running]` per engine from its
+  `CoordinatorUpdate`s; the request goes to the live engine with the lowest
+  `4*waiting + running`, scanning from this client's own index (ties go to
+  the first), where what this client sent to an engine since the last
+  publish counts as waiting there (reset on each publish), so bursts spread.
+* Without one (one engine): the live engine with the fewest requests in flight.
 
 Not here: tokenising, detokenising, stop strings (the output processor),
 HTTP, process spawning (`dpserve.launcher`).
@@ -45,6 +53,7 @@ import zmq.asyncio
 from dpserve.frontend.errors import EngineDeadError
 from dpserve.protocol import (
     ENGINE_CORE_DEAD,
+    CoordinatorUpdate,
     EngineCoreOutputs,
     EngineCoreRequest,
     RequestType,
@@ -70,6 +79,9 @@ class EngineState:
     identity: bytes
     registered: asyncio.Event = field(default_factory=asyncio.Event)  # its empty frame came
     num_requests: int = 0  # requests sent to it and not yet finished
+    waiting: int = 0  # from the coordinator's last publish
+    running: int = 0  # from the coordinator's last publish
+    sent_since_publish: int = 0  # requests this client sent it since that publish
     dead: bool = False
     stats: SchedulerStats | None = None  # the last figures it sent
 
@@ -80,12 +92,14 @@ class AsyncEngineClient:
     input_address / output_address: this front-end's pair (ZmqAddresses.
     inputs[client_index] / outputs[client_index]); `engine_ranks`: the
     engines that will connect. `register_timeout`: how long a send waits for
-    an engine's registration frame before giving up.
+    an engine's registration frame before giving up. `coordinator_address`:
+    the DP coordinator's front publish address (None: no coordinator).
     """
 
     def __init__(self, input_address: str, output_address: str, *,
                  engine_ranks: Sequence[int] = (0,), client_index: int = 0,
-                 register_timeout: float = 60.0, max_model_len: int | None = None) -> None:
+                 register_timeout: float = 60.0, max_model_len: int | None = None,
+                 coordinator_address: str | None = None) -> None:
         self._loop = asyncio.get_running_loop()  # raises outside an event loop
         self._loop_thread = threading.get_ident()
         self.client_index = client_index
@@ -114,6 +128,17 @@ class AsyncEngineClient:
         self._output.bind(output_address)
         self._tasks = [self._loop.create_task(self._read_registrations()),
                        self._loop.create_task(self._read_outputs())]
+        self.balanced = coordinator_address is not None  # place by the coordinator's loads
+        if coordinator_address is not None:
+            self._coordinator = self._ctx.socket(zmq.XSUB)
+            self._coordinator.setsockopt(zmq.LINGER, 0)
+            self._coordinator.connect(coordinator_address)
+            self._tasks.append(self._loop.create_task(self._read_coordinator()))
+
+    @property
+    def engine_ranks(self) -> list[int]:
+        """The ranks of every engine this client sends to."""
+        return sorted(self.engines)
 
     # ---- requests ------------------------------------------------------------
 
@@ -131,6 +156,7 @@ class AsyncEngineClient:
         engine = self._choose_engine(request)
         self._owner[request.request_id] = engine.rank
         engine.num_requests += 1
+        engine.sent_since_publish += 1
         try:
             await self._send(engine, RequestType.ADD, request)
         except BaseException:
@@ -228,7 +254,7 @@ class AsyncEngineClient:
                 exited = wait_for_any_exit(procs, timeout=0.5)
                 if exited:
                     p = exited[0]
-                    self.mark_dead(f"engine process {p.name} (pid {p.pid}) exited with "
+                    self.mark_dead(f"process {p.name} (pid {p.pid}) exited with "
                                    f"code {p.exitcode}")
                     return
 
@@ -272,14 +298,24 @@ class AsyncEngineClient:
         return live
 
     def _choose_engine(self, request: EngineCoreRequest) -> EngineState:
-        """The pinned rank if any, else the live engine with the fewest requests."""
+        """The pinned rank if any, else the least loaded live engine (module docstring)."""
         if request.data_parallel_rank is not None:
             engine = self.engines.get(request.data_parallel_rank)
             if engine is None or engine.dead:
-                raise ValueError(f"data_parallel_rank {request.data_parallel_rank} is not a "
-                                 f"live engine of this server ({sorted(self.engines)})")
+                raise ValueError(f"data_parallel_rank {request.data_parallel_rank} is out of "
+                                 f"range: this server's live engines are "
+                                 f"{[e.rank for e in self.engines.values() if not e.dead]}")
             return engine
-        return min(self._live_engines(), key=lambda e: (e.num_requests, e.rank))
+        live = self._live_engines()
+        if not self.balanced:
+            return min(live, key=lambda e: (e.num_requests, e.rank))
+        start = self.client_index % len(live)
+        best, best_score = live[start], None
+        for engine in live[start:] + live[:start]:
+            score = 4 * (engine.waiting + engine.sent_since_publish) + engine.running
+            if best_score is None or score < best_score:
+                best, best_score = engine, score
+        return best
 
     def _forget(self, request_id: str) -> None:
         rank = self._owner.pop(request_id, None)
@@ -339,6 +375,25 @@ class AsyncEngineClient:
                 logger.error("undecodable message from an engine dropped: %s", e)
                 continue
             self._dispatch(outputs)
+
+    async def _read_coordinator(self) -> None:
+        """Keep the engines' load figures from the coordinator's publishes."""
+        await self._coordinator.send(b"\x01")  # XSUB: subscribe to everything
+        decoder = msgspec.msgpack.Decoder(CoordinatorUpdate)
+        while True:
+            body = await self._coordinator.recv()
+            try:
+                update = decoder.decode(body)
+            except msgspec.DecodeError as e:
+                logger.error("undecodable message from the DP coordinator dropped: %s", e)
+                continue
+            if update.counts is None:
+                continue  # wave news only: dense-model engines do not use waves
+            for rank, (waiting, running) in enumerate(update.counts):
+                engine = self.engines.get(rank)
+                if engine is not None:
+                    engine.waiting, engine.running = waiting, running
+                    engine.sent_since_publish = 0
 
     def _dispatch(self, outputs: EngineCoreOutputs) -> None:
         engine = self.engines.get(outputs.engine_index)

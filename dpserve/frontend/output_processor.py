@@ -67,9 +67,10 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, eos_token_id: int | None,
-                    kind: OutputKind = OutputKind.FINAL_ONLY,
-                    arrival_time: float = 0.0) -> list[EngineCoreRequest]:
-        """Register a request; returns the engine requests to send (n of them)."""
+                    kind: OutputKind = OutputKind.FINAL_ONLY, arrival_time: float = 0.0,
+                    data_parallel_rank: int | None = None) -> list[EngineCoreRequest]:
+        """Register a request; returns the engine requests to send (n of them),
+        pinned to engine `data_parallel_rank` when given."""
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
         completions, engine_requests = [], []
@@ -85,8 +86,9 @@ class OutputProcessor:
                 stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
             completions.append(_Completion(i, child_id, detok,
                                            logprobs=[] if params.logprobs is not None else None))
-            engine_requests.append(EngineCoreRequest(child_id, prompt_token_ids, child_params,
-                                                     eos_token_id, arrival_time))
+            engine_requests.append(EngineCoreRequest(
+                child_id, prompt_token_ids, child_params, eos_token_id, arrival_time,
+                data_parallel_rank=data_parallel_rank))
         state = _RequestState(request_id, prompt, prompt_token_ids, params, kind, completions)
         self._states[request_id] = state
         for c in completions:

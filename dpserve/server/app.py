@@ -2,7 +2,8 @@
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models (behind the API
 key when one is set), /health (200; 503 once the engine is dead), /metrics
-(Prometheus), /version. Every error, whatever raised it, leaves as an
+(Prometheus), /version. The `X-data-parallel-rank: k` header pins a request
+to engine k (a bad value is a 400). Every error, whatever raised it, leaves as an
 OpenAI-shaped body `{"error": {"message", "type", "param", "code"}}` with a
 4xx status for bad input, never a 500. A client that disconnects, streaming
 or not, has its request aborted in the engine.
@@ -41,6 +42,7 @@ from dpserve.server.protocol import (
 from dpserve.server.serving import OpenAIServing, to_api_error
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
+DP_RANK_HEADER = "X-data-parallel-rank"
 _M = TypeVar("_M", bound=BaseModel)
 
 
@@ -62,12 +64,13 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
         body = await _parse(request, CompletionRequest, max_request_body_bytes)
-        return await _respond(request, serving.create_completion(body))
+        return await _respond(request, serving.create_completion(body, _dp_rank(request)))
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest, max_request_body_bytes)
-        return await _respond(request, serving.create_chat_completion(body))
+        return await _respond(request, serving.create_chat_completion(body,
+                                                                      _dp_rank(request)))
 
     @v1.get("/models")
     async def models() -> ModelList:
@@ -114,6 +117,18 @@ def _bearer_check(api_key: str) -> Any:
                            "<key>'.", type="invalid_request_error", code="invalid_api_key")
 
     return check
+
+
+def _dp_rank(request: Request) -> int | None:
+    """The engine a request pins with `X-data-parallel-rank` (None: any engine)."""
+    value = request.headers.get(DP_RANK_HEADER)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise APIError(400, f"{DP_RANK_HEADER} must be an integer engine rank, got "
+                       f"{value!r}", param=DP_RANK_HEADER) from None
 
 
 async def _parse(request: Request, model: type[_M], limit: int) -> _M:

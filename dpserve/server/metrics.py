@@ -4,7 +4,9 @@
 brings the engine's `SchedulerStats` (request counts, KV-cache usage,
 prefix-cache counters) and the front-end's `IterationStats` (tokens, first
 token and inter-token latencies, finished requests). Engine gauges carry an
-`engine` label (the engine index), so data parallel adds series, not metrics.
+`engine` label (the engine index), so data parallel adds series, not metrics;
+`dpserve:engine_requests_finished` counts finished requests per engine (how
+the load was spread).
 Each instance has its own registry: no module-global state.
 """
 
@@ -64,6 +66,9 @@ class ServerMetrics:
                                       "up in the prefix cache.", e, registry=r)
         self.prefix_hits = Counter("dpserve:prefix_cache_hits", "Prompt tokens found in the "
                                    "prefix cache.", e, registry=r)
+        self.engine_finished = Counter("dpserve:engine_requests_finished", "Requests "
+                                       "finished by an engine (one per completion).", e,
+                                       registry=r)
         self.preemptions = Counter("dpserve:num_preemptions", "Requests preempted.", e,
                                    registry=r)
         for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e):
@@ -73,12 +78,16 @@ class ServerMetrics:
         # engine index -> last cumulative (queries, hits, preemptions) seen
         self._last: dict[int, tuple[int, int, int]] = {}
 
-    def record(self, engine_index: int, scheduler_stats: SchedulerStats | None,
+    def record(self, engine_index: int | None, scheduler_stats: SchedulerStats | None,
                iteration: IterationStats | None) -> None:
-        if scheduler_stats is not None:
+        """One engine message's stats (engine_index None: not from an engine)."""
+        if engine_index is not None and scheduler_stats is not None:
             self._record_engine(engine_index, scheduler_stats)
         if iteration is not None:
             self._record_iteration(iteration)
+            if engine_index is not None and iteration.finished:
+                self.engine_finished.labels(self.model_name, str(engine_index)).inc(
+                    len(iteration.finished))
 
     def _record_engine(self, engine_index: int, s: SchedulerStats) -> None:
         labels = (self.model_name, str(engine_index))

@@ -77,7 +77,10 @@ class OpenAIServing:
 
     # ---- /v1/completions -----------------------------------------------------------
 
-    async def create_completion(self, req: CompletionRequest) -> BaseModel | AsyncIterator[str]:
+    async def create_completion(self, req: CompletionRequest,
+                                data_parallel_rank: int | None = None,
+                                ) -> BaseModel | AsyncIterator[str]:
+        """`data_parallel_rank` (the X-data-parallel-rank header) pins the engine."""
         self._check_model(req.model)
         params = self._sampling_params(req, max_tokens=16 if req.max_tokens is None
                                        else req.max_tokens, logprobs=req.logprobs)
@@ -86,7 +89,7 @@ class OpenAIServing:
         prompts = [(p, self.llm.encode(p)) if isinstance(p, str) else (None, list(p))
                    for p in batch]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = self._start(request_id, prompts, params)
+        streams = self._start(request_id, prompts, params, data_parallel_rank)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._completion_stream(request_id, streams, params, include_usage)
@@ -122,6 +125,7 @@ class OpenAIServing:
     # ---- /v1/chat/completions ------------------------------------------------------
 
     async def create_chat_completion(self, req: ChatCompletionRequest,
+                                     data_parallel_rank: int | None = None,
                                      ) -> BaseModel | AsyncIterator[str]:
         self._check_model(req.model)
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
@@ -134,7 +138,8 @@ class OpenAIServing:
         prompt_ids = self._render_chat(req)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            streams = self._start(request_id, [(None, prompt_ids)], params)
+            streams = self._start(request_id, [(None, prompt_ids)], params,
+                                  data_parallel_rank)
         except RequestError as e:
             raise RequestError(str(e), "messages" if e.param == "prompt" else e.param,
                                e.code) from None
@@ -214,11 +219,12 @@ class OpenAIServing:
             raise RequestError(f"{param} {rest}", param=param) from None
 
     def _start(self, request_id: str, prompts: Sequence[tuple[str | None, list[int]]],
-               params: SamplingParams) -> list[AsyncIterator[RequestOutput]]:
+               params: SamplingParams, data_parallel_rank: int | None = None,
+               ) -> list[AsyncIterator[RequestOutput]]:
         """Validate every prompt, then open one generate() stream per prompt."""
         for _, ids in prompts:
-            self.llm.validate(ids, params)
-        return [self.llm.generate(ids, params, f"{request_id}-{i}", text)
+            self.llm.validate(ids, params, data_parallel_rank)
+        return [self.llm.generate(ids, params, f"{request_id}-{i}", text, data_parallel_rank)
                 for i, (text, ids) in enumerate(prompts)]
 
     async def _collect(self, streams: list[AsyncIterator[RequestOutput]],

@@ -1,0 +1,178 @@
+"""Data parallel over real processes: `dpserve serve --data-parallel-size 2` (one
+API server, two engines, the DP coordinator) hit over HTTP: load spread by the
+coordinator's counts, results equal to one offline engine, rank pinning with
+`X-data-parallel-rank`, and a SIGTERM that leaves no process behind; then the
+front-end's placement against a scripted coordinator."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+
+import httpx
+import msgspec
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+from test_serve_process import _all_gone, _descendants, serve
+
+from dpserve import LLM, SamplingParams
+from dpserve.frontend.engine_client import AsyncEngineClient
+from dpserve.launcher import AddressAllocator
+from dpserve.protocol import CoordinatorUpdate, EngineCoreRequest
+
+PROMPTS = ["Hello world", "Once upon a time", "def add(x, y):", "The quick brown fox",
+           "1 2 3 4"]
+
+
+@pytest.fixture(scope="module")
+def dp_server(tiny_llama):
+    with serve(str(tiny_llama), "--data-parallel-size", "2", "--threads-per-engine", "1",
+               "--max-model-len", "256") as (proc, url):
+        yield proc, url, str(tiny_llama), _descendants(proc.pid)
+
+
+def _finished_by_engine(url: str) -> dict[int, float]:
+    """engine rank -> requests it finished (dpserve:engine_requests_finished)."""
+    text = httpx.get(url + "/metrics", timeout=5).text
+    pattern = re.compile(r'^dpserve:engine_requests_finished_total\{(.*)\} (\S+)$')
+    counts: dict[int, float] = {}
+    for line in text.splitlines():
+        m = pattern.match(line)
+        if m:
+            engine = int(re.search(r'engine="(\d+)"', m.group(1)).group(1))
+            counts[engine] = counts.get(engine, 0.0) + float(m.group(2))
+    return counts
+
+
+async def _complete_all(url: str, model: str, prompts: list[str], *, max_tokens: int,
+                        concurrency: int = 16, rank: int | None = None) -> list[str]:
+    headers = {"X-data-parallel-rank": str(rank)} if rank is not None else {}
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(client: httpx.AsyncClient, prompt: str) -> str:
+        async with limit:
+            resp = await client.post(url + "/v1/completions", headers=headers, json={
+                "model": model, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0})
+            assert resp.status_code == 200, resp.text
+            return resp.json()["choices"][0]["text"]
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        return await asyncio.gather(*(one(client, p) for p in prompts))
+
+
+def test_load_is_spread_over_both_engines(dp_server):
+    _, url, model, _ = dp_server
+    before = _finished_by_engine(url)
+    prompts = [f"Once upon a time {i}" for i in range(200)]
+    asyncio.run(_complete_all(url, model, prompts, max_tokens=4))
+    after = _finished_by_engine(url)
+    served = {e: after.get(e, 0) - before.get(e, 0) for e in (0, 1)}
+    assert sum(served.values()) == 200
+    assert all(n > 200 / 3 for n in served.values()), served
+
+
+def test_greedy_results_equal_one_offline_engine(dp_server):
+    _, url, model, _ = dp_server
+    threads = torch.get_num_threads()
+    try:  # the engines run one thread each: the same arithmetic
+        expected = [o.outputs[0].text for o in LLM(model, threads_per_engine=1).generate(
+            PROMPTS, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)]
+    finally:
+        torch.set_num_threads(threads)
+    for rank in (None, 0, 1):
+        got = asyncio.run(_complete_all(url, model, PROMPTS, max_tokens=8, rank=rank))
+        assert got == expected, f"rank {rank}"
+
+
+def test_rank_header_pins_the_engine(dp_server):
+    _, url, model, _ = dp_server
+    before = _finished_by_engine(url)
+    asyncio.run(_complete_all(url, model, [f"pinned {i}" for i in range(12)], max_tokens=2,
+                              rank=1))
+    after = _finished_by_engine(url)
+    assert after.get(1, 0) - before.get(1, 0) == 12
+    assert after.get(0, 0) == before.get(0, 0)
+
+
+@pytest.mark.parametrize("value", ["2", "-1", "one"])
+def test_bad_rank_header_is_a_400(dp_server, value):
+    _, url, model, _ = dp_server
+    for route, body in (("/v1/completions", {"prompt": "Hi"}),
+                        ("/v1/chat/completions",
+                         {"messages": [{"role": "user", "content": "Hi"}]})):
+        resp = httpx.post(url + route, headers={"X-data-parallel-rank": value}, timeout=10,
+                          json={"model": model, "max_tokens": 2, "stream": True, **body})
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert "rank" in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_sigterm_stops_every_process(dp_server):
+    # Last in this module: it stops the shared server.
+    proc, url, _, children = dp_server
+    names = {p.name() for p in children if p.is_running()}
+    assert {"EngineCore_0", "EngineCore_1", "DPCoordinator"} <= {
+        n.removeprefix("dpserve::") for n in names}, names
+    assert httpx.get(url + "/health", timeout=5).status_code == 200
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(15) is not None
+    assert _all_gone(children, timeout=10), [p for p in children if p.is_running()]
+
+
+def test_client_places_by_the_coordinators_counts():
+    """The front-end's choice, against a scripted coordinator publish socket."""
+
+    async def run() -> None:
+        alloc = AddressAllocator()
+        ctx = zmq.asyncio.Context()
+        front = ctx.socket(zmq.XPUB)
+        front.setsockopt(zmq.XPUB_VERBOSE, 1)  # as the coordinator: every subscription
+        front_address = alloc.new_address("coord-front")
+        front.bind(front_address)
+        addrs = alloc.engine_addresses(num_clients=1)
+        clients = [AsyncEngineClient(addrs.inputs[0], addrs.outputs[0], engine_ranks=(0, 1),
+                                     client_index=0, coordinator_address=front_address)]
+        other = alloc.engine_addresses(num_clients=1)
+        clients.append(AsyncEngineClient(other.inputs[0], other.outputs[0],
+                                         engine_ranks=(0, 1), client_index=1,
+                                         coordinator_address=front_address))
+        try:
+            for _ in clients:
+                assert await asyncio.wait_for(front.recv(), 5) == b"\x01"  # subscribed
+
+            def choose(client: AsyncEngineClient, rank: int | None = None) -> int:
+                request = EngineCoreRequest("r", [1], SamplingParams(),
+                                            data_parallel_rank=rank)
+                return client._choose_engine(request).rank
+
+            async def publish(counts: list[list[int]]) -> None:
+                await front.send(msgspec.msgpack.encode(CoordinatorUpdate(counts, 0, False)))
+                for _ in range(100):
+                    await asyncio.sleep(0.01)
+                    if all([[e.waiting, e.running] for e in c.engines.values()] == counts
+                           for c in clients):
+                        return
+                raise AssertionError("the clients did not take the publish")
+
+            # No figures yet: ties go to the client's own index.
+            assert [choose(c) for c in clients] == [0, 1]
+            await publish([[2, 0], [0, 3]])  # scores 8 and 3
+            assert [choose(c) for c in clients] == [1, 1]
+            clients[0].engines[1].sent_since_publish = 2  # sent since: 4*2 + 3 = 11 > 8
+            assert choose(clients[0]) == 0
+            await publish([[2, 0], [0, 3]])  # a publish resets what was sent since
+            assert clients[0].engines[1].sent_since_publish == 0 and choose(clients[0]) == 1
+            assert choose(clients[0], rank=0) == 0  # a pinned rank wins
+            with pytest.raises(ValueError, match="out of range"):
+                choose(clients[0], rank=2)
+        finally:
+            for c in clients:
+                await c.aclose()
+            ctx.destroy(linger=0)
+            alloc.cleanup()
+
+    asyncio.run(run())
