@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 
 from dpserve.config import ConfigError, EngineArgs
+from dpserve.logging_utils import setup_logging
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -81,9 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     _serve_parser(sub)
     _bench_parser(sub)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(processName)s "
-                        "[%(name)s] %(message)s", stream=sys.stderr)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per HTTP request
+    setup_logging()
     try:
         return args.func(args)
     except (ConfigError, ValueError) as e:

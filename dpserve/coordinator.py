@@ -40,6 +40,7 @@ import msgspec
 import zmq
 
 from dpserve.launcher import AddressAllocator, shutdown
+from dpserve.logging_utils import name_process
 from dpserve.protocol import (
     COORDINATOR_READY,
     CoordinatorRequest,
@@ -378,7 +379,7 @@ class DPCoordinatorProc:
 def run_coordinator(num_engines: int, front_publish_address: str, engine_report_address: str,
                     engine_publish_address: str, parent_pid: int, **settings: Any) -> None:
     """Process target: exit 0 on a stop signal or parent death, 1 on a failure."""
-    _name_process()
+    name_process("DPCoordinator")
     coordinator: DPCoordinatorProc | None = None
     exit_code = 0
     try:
@@ -399,18 +400,3 @@ def run_coordinator(num_engines: int, front_publish_address: str, engine_report_
             coordinator.close()
     logger.info("DP coordinator exiting (code %d)", exit_code)
     sys.exit(exit_code)
-
-
-def _name_process() -> None:
-    multiprocessing.current_process().name = "DPCoordinator"
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle("dpserve::DPCoordinator")
-    except ImportError:  # optional nicety
-        pass
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=os.environ.get("DPSERVE_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
-            format="%(asctime)s %(levelname)s %(processName)s pid=%(process)d "
-                   "[%(name)s] %(message)s")

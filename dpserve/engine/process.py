@@ -41,6 +41,7 @@ import zmq
 from dpserve.config import EngineConfig
 from dpserve.engine.dp import DPReporter
 from dpserve.engine.request import FinishReason
+from dpserve.logging_utils import name_process
 from dpserve.protocol import (
     ENGINE_CORE_DEAD,
     EngineCoreOutput,
@@ -386,7 +387,7 @@ def run_engine_core(config: EngineConfig, rank: int, handshake_address: str,
     start-up failure or a fatal error, which is logged with its traceback and,
     once serving, announced with ENGINE_CORE_DEAD on every output socket.
     """
-    _name_process(rank)
+    name_process(f"EngineCore_{rank}")
     _install_signal_handlers()
     parent = multiprocessing.parent_process()  # None when not started by multiprocessing
     _start_parent_watcher(parent.pid if parent is not None else os.getppid())
@@ -408,22 +409,6 @@ def run_engine_core(config: EngineConfig, rank: int, handshake_address: str,
         if proc is not None:
             proc.shutdown()
     sys.exit(exit_code)
-
-
-def _name_process(rank: int) -> None:
-    name = f"EngineCore_{rank}"
-    multiprocessing.current_process().name = name
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(f"dpserve::{name}")
-    except ImportError:  # optional nicety
-        pass
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=os.environ.get("DPSERVE_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
-            format="%(asctime)s %(levelname)s %(processName)s pid=%(process)d "
-                   "[%(name)s] %(message)s")
 
 
 def _install_signal_handlers() -> None:

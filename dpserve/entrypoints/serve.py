@@ -29,6 +29,7 @@ import socket
 import sys
 
 from dpserve.config import EngineArgs, EngineConfig
+from dpserve.logging_utils import name_process
 
 logger = logging.getLogger("dpserve.serve")
 
@@ -85,7 +86,7 @@ def run_serve(args: argparse.Namespace) -> int:
     _check_args(args)
     config = EngineArgs.from_cli(args).create_config()
     dp_size = config.parallel.data_parallel_size
-    _set_title("APIServer_0")
+    name_process("APIServer_0")
     # Until uvicorn installs its own handlers, SIGTERM unwinds through `finally`.
     signal.signal(signal.SIGTERM, _raise_system_exit)
     alloc = AddressAllocator()
@@ -171,15 +172,3 @@ def _default_served_name(model: str | None) -> str:
 
 def _raise_system_exit(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
-
-
-def _set_title(role: str) -> None:
-    import multiprocessing
-
-    multiprocessing.current_process().name = role
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(f"dpserve::{role}")
-    except ImportError:
-        pass
