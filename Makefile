@@ -28,7 +28,7 @@ format: setup
 	$(VENV)/bin/ruff format dpserve tests bench
 
 serve: setup
-	$(VENV)/bin/dpserve serve --host 127.0.0.1 --port 8000
+	$(VENV)/bin/dpserve serve --host 127.0.0.1 --port 8000 --data-parallel-size 2
 
 generate: setup
 	$(VENV)/bin/dpserve generate --chat --max-tokens 64 --prompt "$(PROMPT)"

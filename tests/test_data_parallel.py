@@ -176,3 +176,17 @@ def test_client_places_by_the_coordinators_counts():
             alloc.cleanup()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("victim", ["EngineCore_1", "DPCoordinator"])
+def test_a_killed_process_stops_the_dp_server(tiny_llama, victim):
+    # For now one death stops everything (routing around a dead engine comes later):
+    # the server must notice, exit non-zero and leave no process behind.
+    with serve(str(tiny_llama), "--data-parallel-size", "2", "--threads-per-engine", "1",
+               "--max-model-len", "256") as (proc, url):
+        children = _descendants(proc.pid)
+        target = [p for p in children if p.name().removeprefix("dpserve::") == victim]
+        assert len(target) == 1, [p.name() for p in children]
+        target[0].send_signal(signal.SIGKILL)
+        assert proc.wait(15) != 0
+        assert _all_gone(children, timeout=10), [p for p in children if p.is_running()]
