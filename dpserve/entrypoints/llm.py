@@ -43,9 +43,9 @@ class LLM:
         self.config: EngineConfig = EngineArgs.from_kwargs(model=model, **kwargs).create_config()
         self.tokenizer = load_tokenizer(self.config.model.tokenizer)
         self.engine = EngineCore(self.config)
-        self.eos_token_id, self._extra_eos_ids = eos_token_ids(
+        self.eos_token_id, extra_eos_ids = eos_token_ids(
             self.tokenizer, dict(self.config.model.hf_config))
-        self._processor = OutputProcessor(self.tokenizer)
+        self._processor = OutputProcessor(self.tokenizer, self.eos_token_id, extra_eos_ids)
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -106,13 +106,8 @@ class LLM:
 
     def _add(self, text: str | None, token_ids: list[int], params: SamplingParams) -> str:
         request_id = str(next(self._counter))
-        if self._extra_eos_ids and not params.ignore_eos:
-            import msgspec
-
-            params = msgspec.structs.replace(
-                params, stop_token_ids=list(params.stop_token_ids) + self._extra_eos_ids)
         engine_requests = self._processor.add_request(
-            request_id, text, token_ids, params, self.eos_token_id, arrival_time=time.monotonic())
+            request_id, text, token_ids, params, arrival_time=time.monotonic())
         try:
             for req in engine_requests:
                 self.engine.add_request(req)

@@ -111,12 +111,12 @@ class AsyncLLM:
         self.client = client
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
             config.model.tokenizer)
-        self.eos_token_id, self._extra_eos_ids = eos_token_ids(
+        self.eos_token_id, extra_eos_ids = eos_token_ids(
             self.tokenizer, dict(config.model.hf_config))
         self.vocab_size = int(config.model.hf_config["vocab_size"])
         self.max_model_len = int(getattr(client, "max_model_len", None)
                                  or config.model.max_model_len)
-        self.processor = OutputProcessor(self.tokenizer)
+        self.processor = OutputProcessor(self.tokenizer, self.eos_token_id, extra_eos_ids)
         self.scheduler_stats: dict[int, SchedulerStats] = {}  # engine index -> latest
         self._requests: dict[str, _Tracked] = {}
         self._listeners: list[StatsListener] = []
@@ -181,13 +181,10 @@ class AsyncLLM:
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         self._start_output_task()
-        if self._extra_eos_ids and not params.ignore_eos:
-            params = msgspec.structs.replace(
-                params, stop_token_ids=list(params.stop_token_ids) + self._extra_eos_ids)
         arrival = time.monotonic()
         engine_requests = self.processor.add_request(
-            request_id, prompt_text, list(prompt_token_ids), params, self.eos_token_id,
-            kind=OutputKind.DELTA, arrival_time=arrival, data_parallel_rank=data_parallel_rank)
+            request_id, prompt_text, list(prompt_token_ids), params, kind=OutputKind.DELTA,
+            arrival_time=arrival, data_parallel_rank=data_parallel_rank)
         tracked = _Tracked(asyncio.Queue(), len(prompt_token_ids), arrival)
         self._requests[request_id] = tracked
         finished = False

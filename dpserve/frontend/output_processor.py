@@ -60,34 +60,44 @@ class ProcessedOutputs:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any) -> None:
+    """`eos_token_id` ends every request (unless ignore_eos); `extra_eos_ids`
+    (models with several end tokens) are added to each request's stop ids."""
+
+    def __init__(self, tokenizer: Any, eos_token_id: int | None = None,
+                 extra_eos_ids: list[int] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.extra_eos_ids = list(extra_eos_ids or [])
         self._states: dict[str, _RequestState] = {}
         self._by_engine_id: dict[str, tuple[_RequestState, _Completion]] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, eos_token_id: int | None,
-                    kind: OutputKind = OutputKind.FINAL_ONLY, arrival_time: float = 0.0,
+                    params: SamplingParams, kind: OutputKind = OutputKind.FINAL_ONLY,
+                    arrival_time: float = 0.0,
                     data_parallel_rank: int | None = None) -> list[EngineCoreRequest]:
         """Register a request; returns the engine requests to send (n of them),
         pinned to engine `data_parallel_rank` when given."""
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
+        engine_params = params
+        if self.extra_eos_ids and not params.ignore_eos:
+            engine_params = _with(params, stop_token_ids=list(params.stop_token_ids)
+                                  + self.extra_eos_ids)
         completions, engine_requests = [], []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}-{i}"
-            child_params = params
+            child_params = engine_params
             if params.n > 1:
                 # Each child samples on its own; a seeded parent stays reproducible.
                 seed = None if params.seed is None else params.seed + i
-                child_params = _with(params, n=1, seed=seed)
+                child_params = _with(engine_params, n=1, seed=seed)
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
             completions.append(_Completion(i, child_id, detok,
                                            logprobs=[] if params.logprobs is not None else None))
             engine_requests.append(EngineCoreRequest(
-                child_id, prompt_token_ids, child_params, eos_token_id, arrival_time,
+                child_id, prompt_token_ids, child_params, self.eos_token_id, arrival_time,
                 data_parallel_rank=data_parallel_rank))
         state = _RequestState(request_id, prompt, prompt_token_ids, params, kind, completions)
         self._states[request_id] = state
