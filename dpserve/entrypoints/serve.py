@@ -52,6 +52,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="Seconds to wait for the engines to load the model.")
     parser.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
                         help="Larger request bodies get HTTP 413.")
+    parser.add_argument("--load-balance", default="least-loaded",
+                        choices=["least-loaded", "round-robin"],
+                        help="How the API server places requests on engines: the lowest "
+                             "4*waiting + running (from the DP coordinator), or in turn.")
     parser.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="Log level of uvicorn's own logger.")
@@ -131,7 +135,8 @@ async def _serve_http(args: argparse.Namespace, config: EngineConfig, addrs, man
 
     client = AsyncEngineClient(addrs.inputs[0], addrs.outputs[0], engine_ranks=manager.ranks,
                                client_index=0, max_model_len=max_model_len,
-                               coordinator_address=coordinator_address)
+                               coordinator_address=coordinator_address,
+                               load_balance=args.load_balance)
     client.watch_processes([*manager.processes, *others])  # any death stops the server
     llm = AsyncLLM(config, client)
     name = args.served_model_name or _default_served_name(args.model)

@@ -15,6 +15,8 @@ engine death, and placement over several engines (`EngineState` per engine):
   the first), where what this client sent to an engine since the last
   publish counts as waiting there (reset on each publish), so bursts spread.
 * Without one (one engine): the live engine with the fewest requests in flight.
+* `load_balance="round-robin"`: live engines in turn from this client's own
+  index, blind to load (a baseline for benchmarks, and what simple balancers do).
 
 Not here: tokenising, detokenising, stop strings (the output processor),
 HTTP, process spawning (`dpserve.launcher`).
@@ -64,6 +66,8 @@ from dpserve.protocol import (
 
 logger = logging.getLogger(__name__)
 
+LOAD_BALANCE_POLICIES = ("least-loaded", "round-robin")
+
 _DEAD = object()  # the output-queue item that stands for "the engines are dead"
 
 
@@ -99,7 +103,11 @@ class AsyncEngineClient:
     def __init__(self, input_address: str, output_address: str, *,
                  engine_ranks: Sequence[int] = (0,), client_index: int = 0,
                  register_timeout: float = 60.0, max_model_len: int | None = None,
-                 coordinator_address: str | None = None) -> None:
+                 coordinator_address: str | None = None,
+                 load_balance: str = "least-loaded") -> None:
+        if load_balance not in LOAD_BALANCE_POLICIES:
+            raise ValueError(f"load_balance must be one of {', '.join(LOAD_BALANCE_POLICIES)}, "
+                             f"got {load_balance!r}")
         self._loop = asyncio.get_running_loop()  # raises outside an event loop
         self._loop_thread = threading.get_ident()
         self.client_index = client_index
@@ -129,6 +137,8 @@ class AsyncEngineClient:
         self._tasks = [self._loop.create_task(self._read_registrations()),
                        self._loop.create_task(self._read_outputs())]
         self.balanced = coordinator_address is not None  # place by the coordinator's loads
+        self.load_balance = load_balance
+        self._turn = client_index  # round-robin position
         if coordinator_address is not None:
             self._coordinator = self._ctx.socket(zmq.XSUB)
             self._coordinator.setsockopt(zmq.LINGER, 0)
@@ -307,6 +317,9 @@ class AsyncEngineClient:
                                  f"{[e.rank for e in self.engines.values() if not e.dead]}")
             return engine
         live = self._live_engines()
+        if self.load_balance == "round-robin":
+            self._turn += 1
+            return live[(self._turn - 1) % len(live)]
         if not self.balanced:
             return min(live, key=lambda e: (e.num_requests, e.rank))
         start = self.client_index % len(live)
