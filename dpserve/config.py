@@ -80,6 +80,10 @@ class SchedulerConfig:
 class ParallelConfig:
     data_parallel_size: int  # engine replicas (`dpserve serve`; the offline LLM runs one)
     threads_per_engine: int | None  # torch CPU threads (None: torch's default)
+    # Engines step together in request waves (dummy batches, periodic all-reduce):
+    # forced by the user, or needed by the model (expert-parallel MoE).
+    data_parallel_lockstep: bool = False
+    data_parallel_sync_interval: int = 32  # lockstep: steps between "any work left?" all-reduces
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,12 @@ class EngineArgs:
     threads_per_engine: int | None = _opt(None, "torch CPU threads per engine (default: "
                                           "torch's choice; with data parallel on CPU, "
                                           "the cores shared out between the engines).")
+    data_parallel_lockstep: bool = _opt(False, "Step all engines together in request waves "
+                                        "(dummy batches on idle engines, a periodic "
+                                        "all-reduce), as expert-parallel MoE models need; "
+                                        "on by itself for such models.")
+    data_parallel_sync_interval: int = _opt(32, "In lockstep mode, engines all-reduce "
+                                            "'any unfinished work' every this many steps.")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -190,8 +200,12 @@ class EngineArgs:
         budget = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
         scheduler = SchedulerConfig(max_num_batched_tokens=budget,
                                     max_num_seqs=self.max_num_seqs, max_model_len=max_model_len)
-        parallel = ParallelConfig(data_parallel_size=self.data_parallel_size,
-                                  threads_per_engine=self._threads_per_engine(device))
+        parallel = ParallelConfig(
+            data_parallel_size=self.data_parallel_size,
+            threads_per_engine=self._threads_per_engine(device),
+            data_parallel_lockstep=(self.data_parallel_lockstep or _is_moe(hf_config))
+            and self.data_parallel_size > 1,
+            data_parallel_sync_interval=self.data_parallel_sync_interval)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             parallel=parallel, device=device)
 
@@ -225,6 +239,8 @@ class EngineArgs:
         need(self.data_parallel_size >= 1, "data_parallel_size", "must be at least 1")
         need(self.threads_per_engine is None or self.threads_per_engine >= 1,
              "threads_per_engine", "must be at least 1")
+        need(self.data_parallel_sync_interval >= 1, "data_parallel_sync_interval",
+             "must be at least 1")
         if self.kv_cache_memory is not None:
             parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
 
@@ -259,6 +275,11 @@ def _resolve_device(device: str) -> str:
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device 'cuda' was asked for but torch sees no CUDA device")
     return device
+
+
+def _is_moe(hf_config: Mapping[str, Any]) -> bool:
+    """Mixture-of-experts models (their expert-parallel ranks must step together)."""
+    return any(hf_config.get(k) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
 
 
 def _model_context_length(hf_config: Mapping[str, Any]) -> int:

@@ -261,7 +261,7 @@ class DPCoordinatorProc:
                 self._on_front_frames(self.front.recv_multipart())
             # 3. Engines: load counts and wave news.
             if self.reports in events:
-                self._on_engine_report(self._report_decoder.decode(self.reports.recv()))
+                self._on_report_frames(self.reports.recv_multipart())
             # 4. Engine subscriptions after start-up (e.g. scaled-up engines): noted only.
             if self.engines in events:
                 logger.info("engine subscription change after start-up: %r",
@@ -323,6 +323,16 @@ class DPCoordinatorProc:
         self._publish_counts()
 
     # ---- engines ----------------------------------------------------------------
+
+    def _on_report_frames(self, frames: list[bytes]) -> None:
+        try:
+            if len(frames) != 1:
+                raise ValueError(f"{len(frames)} frames, expected 1")
+            report = self._report_decoder.decode(frames[0])
+        except (ValueError, msgspec.DecodeError) as e:
+            logger.error("dropping a bad report from an engine: %s", e)
+            return
+        self._on_engine_report(report)
 
     def _on_engine_report(self, report: EngineReport) -> None:
         index = report.engine_index

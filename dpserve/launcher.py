@@ -69,15 +69,17 @@ class ZmqAddresses:
     outputs: tuple[str, ...]  # [num_clients] front-end PULL (outputs back)
     coordinator_input: str | None = None
     coordinator_output: str | None = None
+    # Where DP rank 0 hosts the TCP store of the engines' all-reduce group (lockstep).
+    dp_master_ip: str = "127.0.0.1"
+    dp_master_port: int = 0
 
-    def init_metadata(self, dp_size: int = 1, dp_master_ip: str = "127.0.0.1",
-                      dp_master_port: int = 0) -> EngineInitMetadata:
+    def init_metadata(self, dp_size: int = 1) -> EngineInitMetadata:
         """What the launcher tells each engine after its HELLO."""
         return EngineInitMetadata(
             input_addresses=list(self.inputs), output_addresses=list(self.outputs),
             coordinator_input=self.coordinator_input,
-            coordinator_output=self.coordinator_output, dp_master_ip=dp_master_ip,
-            dp_master_port=dp_master_port, dp_size=dp_size)
+            coordinator_output=self.coordinator_output, dp_master_ip=self.dp_master_ip,
+            dp_master_port=self.dp_master_port, dp_size=dp_size)
 
 
 class AddressAllocator:
@@ -112,13 +114,15 @@ class AddressAllocator:
 
     def engine_addresses(self, num_clients: int = 1,
                          with_coordinator: bool = False) -> ZmqAddresses:
-        """Handshake, per-front-end input/output and optional coordinator addresses."""
+        """Handshake, per-front-end input/output, optional coordinator addresses, and
+        a free TCP port on `host` (127.0.0.1 for ipc) for the DP group's store."""
         return ZmqAddresses(
             handshake=self.new_address("handshake"),
             inputs=tuple(self.new_address(f"input{i}") for i in range(num_clients)),
             outputs=tuple(self.new_address(f"output{i}") for i in range(num_clients)),
             coordinator_input=self.new_address("coord-in") if with_coordinator else None,
-            coordinator_output=self.new_address("coord-out") if with_coordinator else None)
+            coordinator_output=self.new_address("coord-out") if with_coordinator else None,
+            dp_master_ip=self.host, dp_master_port=self._free_port())
 
     def cleanup(self) -> None:
         """Remove the ipc dir (idempotent)."""

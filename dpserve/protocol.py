@@ -90,6 +90,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     prefix_cache_hits: int  # tokens found there, cumulative
     num_preemptions: int  # cumulative
     num_free_blocks: int
+    wave: int = 0  # the engine's DP request wave (lockstep; set by the engine process)
 
 
 class UtilityCall(msgspec.Struct, array_like=True, gc=False):

@@ -325,9 +325,11 @@ def test_addresses_are_unique_and_cleaned_up():
     assert not os.path.exists(a.ipc_dir) and not os.path.exists(b.ipc_dir)
     tcp = AddressAllocator(local_only=False).engine_addresses(3)
     ports = [addr.rsplit(":", 1)[1] for addr in (tcp.handshake, *tcp.inputs, *tcp.outputs)]
-    assert len(set(ports)) == len(ports) == 7
+    ports.append(str(tcp.dp_master_port))  # the DP group's TCP store
+    assert len(set(ports)) == len(ports) == 8
     meta = x.init_metadata(dp_size=2)
     assert meta.input_addresses == list(x.inputs) and meta.dp_size == 2
+    assert meta.dp_master_port == x.dp_master_port > 0
 
 
 def test_startup_wait_is_bounded():

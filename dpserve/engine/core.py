@@ -35,6 +35,7 @@ class EngineCore:
         self.runner.initialize_kv_cache(self.num_kv_blocks)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks)
         self.vocab_size = int(config.model.hf_config["vocab_size"])
+        self.num_forward_passes = 0  # model executions by step(), cumulative
         logger.info("engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens)",
                     time.monotonic() - start, self.num_kv_blocks, config.cache.block_size,
                     self.num_kv_blocks * config.cache.block_size)
@@ -80,8 +81,10 @@ class EngineCore:
         # 1. Schedule: which requests compute how many tokens this step.
         scheduler_output = self.scheduler.schedule()
         # 2. Execute: one forward pass over all of them, then sample.
-        runner_output = (self.runner.execute(scheduler_output)
-                         if not scheduler_output.is_empty else _EMPTY_OUTPUT)
+        runner_output = _EMPTY_OUTPUT
+        if not scheduler_output.is_empty:
+            runner_output = self.runner.execute(scheduler_output)
+            self.num_forward_passes += 1
         # 3. Update: append tokens, check stops, free finished requests.
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 

@@ -1,61 +1,97 @@
-"""DPReporter: one data-parallel engine's link to the DP coordinator.
+"""DPLink: the data-parallel part of one engine process (held by `EngineCoreProc`).
 
-Scope (dense models: engines step independently): connect to the
-coordinator, wait for its COORDINATOR_READY (every engine has subscribed),
-then report this engine's `[waiting, running]` counts as `EngineReport`s,
-only when they changed. `EngineCoreProc` holds one when `dp_size > 1`.
+Scope: this engine's link to the DP coordinator, and, in lockstep mode, the
+request waves, dummy batches and the periodic all-reduce that keep every
+engine stepping together. `EngineCoreProc` holds one when `dp_size > 1`
+(composition: the engine process is the same class with or without it).
 
-Not here: request waves, dummy batches and the all-reduce that lockstep
-(MoE) engines need; START_DP_WAVE messages are left unread on the SUB
-socket for now (the coordinator only sends them after a wake-up, which
-dense-model front-ends never ask for).
+Load (every mode): after each change, report `(waiting, running)` with this
+engine's `(step, wave)` to the coordinator as an `EngineReport`.
+
+Lockstep (`ParallelConfig.data_parallel_lockstep`; expert-parallel MoE needs
+it, `--data-parallel-lockstep` forces it). The engines are either *running*
+a wave (every engine steps, with a dummy batch when it has nothing to do) or
+*paused* (all idle). While running, every `sync_interval` steps the engines
+all-reduce "does any engine have unfinished work?" over their own gloo
+group; when none has, the wave ends everywhere at the same all-reduce: rank
+0 tells the coordinator `wave_complete=w` and every engine moves to w+1,
+paused. A front-end stamps each request with the wave it last saw:
+* a newer wave than ours: adopt it;
+* an older one while we are paused: that wave is over and the others may
+  be paused too, so ask the coordinator to start ours (`start_wave`);
+* START_DP_WAVE(w, skip) from the coordinator starts wave w here unless we
+  are the engine to skip (it already got the request that started it).
+Invariant: all engines run the same number of all-reduces per wave (they
+leave a wave on the same one), so their collectives always match.
 
 Sockets (the coordinator binds both; see `dpserve.coordinator`):
-    report   PUSH -> coordinator PULL   EngineReport
-    publish  SUB  <- coordinator XPUB   COORDINATOR_READY, later START_DP_WAVE
-
-Both are used from the engine's main thread only (ZMQ sockets are not
-thread-safe); a report is one small non-blocking send.
+    report   PUSH -> coordinator PULL   EngineReport (main thread)
+    publish  SUB  <- coordinator XPUB   COORDINATOR_READY, then START_DP_WAVE;
+             read here until READY, then handed to the engine's input thread
+DP group (lockstep only): a gloo process group over a TCP store that rank 0
+hosts at the DP master address and port from the init metadata.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
+from collections.abc import Callable
 
 import msgspec
 import zmq
 
-from dpserve.protocol import COORDINATOR_READY, EngineReport
+from dpserve.protocol import COORDINATOR_READY, EngineReport, StartDPWave
 
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 120.0  # wait for COORDINATOR_READY (all engines subscribed)
+GROUP_TIMEOUT_S = 600.0  # wait for every rank to join the DP group (they may still load)
+SYNC_TIMEOUT_S = 300.0  # one all-reduce; peers may be deep in a long wave of big steps
 
 
-class DPReporter:
-    """Reports one engine's request counts to the coordinator; see the module docstring.
+class DPLink:
+    """One engine's data-parallel part; see the module docstring.
 
     Connect at construction (so the subscription travels while the model
-    loads), `wait_ready()` before serving, `report()` after each change.
+    loads); `wait_ready()` then `join_group()` before serving; then the
+    engine calls `on_request` / `on_start_wave` for inputs, `after_step`
+    after each step, `report` after each change.
     """
 
-    def __init__(self, rank: int, report_address: str, publish_address: str) -> None:
+    def __init__(self, rank: int, dp_size: int, report_address: str, publish_address: str,
+                 *, lockstep: bool = False, sync_interval: int = 32,
+                 master_ip: str = "127.0.0.1", master_port: int = 0) -> None:
         self.rank = rank
+        self.dp_size = dp_size
+        self.lockstep = lockstep
+        self.sync_interval = sync_interval
+        self.master = (master_ip, master_port)
+        self.wave = 0  # the wave this engine is in (lockstep)
+        self.running = False  # lockstep: in a running wave (else paused)
+        self.dummy_batches = 0  # forward passes run only to keep in step
+        self.all_reduces = 0
+        self._steps_since_sync = 0
+        self._group = None  # torch.distributed ProcessGroupGloo (lockstep)
+        self._store = None  # keeps the TCP store (rank 0: its server) alive
         self._ctx = zmq.Context()
         self._report = self._ctx.socket(zmq.PUSH)
         self._report.setsockopt(zmq.LINGER, 0)
         self._report.connect(report_address)
-        self._publish = self._ctx.socket(zmq.SUB)
+        self._publish: zmq.Socket | None = self._ctx.socket(zmq.SUB)
         self._publish.setsockopt(zmq.LINGER, 0)
         self._publish.setsockopt(zmq.SUBSCRIBE, b"")
         self._publish.connect(publish_address)
         self._encoder = msgspec.msgpack.Encoder()
-        self._last_counts: tuple[int, int] | None = None
+        self._last_counts: tuple[int, int, int] | None = None  # (waiting, running, wave)
         self._step = 0  # steps run so far: orders this engine's reports at the coordinator
+
+    # ---- start-up ----------------------------------------------------------------
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
         """Block until the coordinator says READY; TimeoutError after `timeout` s."""
+        assert self._publish is not None
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -68,22 +104,121 @@ class DPReporter:
                 return
             logger.debug("engine %d: ignoring coordinator message before READY", self.rank)
 
+    def join_group(self, timeout: float = GROUP_TIMEOUT_S) -> None:
+        """Lockstep: join the DP gloo group (a collective: every rank must call it)."""
+        if not self.lockstep:
+            return
+        import torch.distributed as dist
+
+        host, port = self.master
+        logger.info("engine %d: joining the DP group at %s:%d", self.rank, host, port)
+        self._store = dist.TCPStore(host, port, self.dp_size, is_master=self.rank == 0,
+                                    timeout=datetime.timedelta(seconds=timeout),
+                                    wait_for_workers=False)
+        self._group = dist.ProcessGroupGloo(
+            dist.PrefixStore("dpserve-dp", self._store), self.rank, self.dp_size,
+            datetime.timedelta(seconds=SYNC_TIMEOUT_S))
+        self._all_reduce_any(False)  # returns once every rank has joined
+
+    def take_publish_socket(self) -> zmq.Socket:
+        """Hand the coordinator SUB socket to the thread that reads inputs from now on."""
+        assert self._publish is not None, "the publish socket was already handed over"
+        sock, self._publish = self._publish, None
+        return sock
+
+    # ---- waves (lockstep) -------------------------------------------------------------
+
+    def on_request(self, request_wave: int) -> None:
+        """A request stamped with the wave its front-end last saw has arrived."""
+        if not self.lockstep or request_wave == self.wave:
+            return
+        if request_wave > self.wave:
+            self.wave = request_wave
+        elif not self.running:
+            # That wave is over and the other engines may be paused: have the
+            # coordinator start ours everywhere (we start it ourselves by stepping).
+            self._send(EngineReport(self.rank, wave=self.wave, start_wave=self.wave))
+
+    def on_start_wave(self, message: StartDPWave) -> None:
+        """START_DP_WAVE from the coordinator."""
+        if not self.lockstep or message.exclude_engine_index == self.rank:
+            return
+        if message.wave >= self.wave:
+            self.wave = message.wave
+            if not self.running:
+                logger.debug("engine %d: starting wave %d", self.rank, message.wave)
+                self.running = True
+
+    def must_step(self) -> bool:
+        """Lockstep: this engine must keep stepping (a wave runs) even with no work."""
+        return self.running
+
+    def after_step(self, executed: bool, has_work: bool,
+                   run_dummy_batch: Callable[[], None]) -> None:
+        """Lockstep bookkeeping after one engine step (does nothing otherwise)."""
+        if not self.lockstep:
+            return
+        if not executed:
+            if not has_work and not self.running:
+                return  # paused and idle
+            run_dummy_batch()  # running: the other ranks' collectives need our step
+            self.dummy_batches += 1
+        self.running = self._any_unfinished(has_work)
+        if not self.running:
+            logger.debug("engine %d: wave %d finished", self.rank, self.wave)
+            if self.rank == 0:
+                self._send(EngineReport(self.rank, wave=self.wave, wave_complete=self.wave))
+            self.wave += 1
+
+    def _any_unfinished(self, has_work: bool) -> bool:
+        """True until the every-`sync_interval`-steps all-reduce says no rank has work."""
+        self._steps_since_sync += 1
+        if self._steps_since_sync < self.sync_interval:
+            return True
+        self._steps_since_sync = 0
+        return self._all_reduce_any(has_work)
+
+    def _all_reduce_any(self, flag: bool) -> bool:
+        import torch
+
+        assert self._group is not None, "join_group() first"
+        tensor = torch.tensor([int(flag)], dtype=torch.int32)
+        self._group.allreduce([tensor]).wait()
+        self.all_reduces += 1
+        return bool(tensor.item())
+
+    # ---- load reports -------------------------------------------------------------------
+
     def step_done(self) -> None:
         """Count one engine step (reports carry the step they were taken after)."""
         self._step += 1
 
     def report(self, counts: tuple[int, int]) -> None:
-        """Send `(waiting, running)` if it differs from the last counts sent."""
-        if counts == self._last_counts:
+        """Send `(waiting, running)` with `(step, wave)` if counts or wave changed."""
+        key = (*counts, self.wave)
+        if key == self._last_counts:
             return
-        self._last_counts = counts
-        body = self._encoder.encode(EngineReport(
-            engine_index=self.rank, request_counts=list(counts), step=self._step, wave=0))
-        try:
-            self._report.send(body, flags=zmq.NOBLOCK)
-        except zmq.Again:  # the coordinator is stuck or gone; the launcher watches it
+        if self._send(EngineReport(self.rank, request_counts=list(counts), step=self._step,
+                                   wave=self.wave)):
+            self._last_counts = key
+        else:
             self._last_counts = None  # try again next time
-            logger.warning("engine %d: could not queue a load report", self.rank)
+
+    def state(self) -> dict[str, int | bool]:
+        """What the engine's `get_dp_state` utility call answers."""
+        return dict(rank=self.rank, lockstep=self.lockstep, wave=self.wave,
+                    running=self.running, dummy_batches=self.dummy_batches,
+                    all_reduces=self.all_reduces, steps=self._step)
+
+    def _send(self, report: EngineReport) -> bool:
+        try:
+            self._report.send(self._encoder.encode(report), flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:  # the coordinator is stuck or gone; the launcher watches it
+            logger.warning("engine %d: could not queue a report to the DP coordinator",
+                           self.rank)
+            return False
 
     def close(self) -> None:
+        self._group = self._store = None
         self._ctx.destroy(linger=0)

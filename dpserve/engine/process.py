@@ -6,9 +6,9 @@ input queue, output queue -> sockets), the busy loop that drives the
 and the parent-death watcher. `run_engine_core` is the multiprocessing target.
 
 Not here: scheduling and the model (`EngineCore`), address allocation and
-process spawning (`dpserve.launcher`), the DP coordinator link (`DPReporter`
-in `dpserve.engine.dp`, held when the init metadata names a coordinator),
-data-parallel waves (a later part).
+process spawning (`dpserve.launcher`), the data-parallel part (`DPLink` in
+`dpserve.engine.dp`: coordinator link, lockstep waves; held when the init
+metadata names a coordinator).
 
 Sockets of engine `rank` (identity = `engine_identity(rank)`):
 
@@ -16,6 +16,8 @@ Sockets of engine `rank` (identity = `engine_identity(rank)`):
     input i    DEALER -> front-end i ROUTER  [RequestType byte, msgpack body]; first an
                empty frame so the ROUTER learns (and can route to) this engine
     output i   PUSH   -> front-end i PULL    one msgpack EngineCoreOutputs per message
+    DP (dp_size > 1): see `DPLink`; its coordinator SUB socket is read by the
+               input thread, which queues START_DP_WAVE like a front-end request
 
 A dying engine sends the two frames [ENGINE_CORE_DEAD, identity] on every
 output socket, so a front-end with several engines knows which one died.
@@ -39,7 +41,7 @@ import msgspec
 import zmq
 
 from dpserve.config import EngineConfig
-from dpserve.engine.dp import DPReporter
+from dpserve.engine.dp import DPLink
 from dpserve.engine.request import FinishReason
 from dpserve.logging_utils import name_process
 from dpserve.protocol import (
@@ -51,6 +53,7 @@ from dpserve.protocol import (
     HandshakeHello,
     HandshakeReady,
     RequestType,
+    StartDPWave,
     UtilityCall,
     UtilityOutput,
     engine_identity,
@@ -74,6 +77,8 @@ FAULT_FORWARD_ENV = "DPSERVE_FAULT_FORWARD_AT"
 # Utility calls may run any public EngineCore method except the request path,
 # whose outputs would bypass the routing in the busy loop.
 _NOT_UTILITIES = frozenset({"add_request", "abort_requests", "step"})
+# Utility calls answered by the process itself rather than its EngineCore.
+_PROC_UTILITIES = frozenset({"get_dp_state"})
 
 _IO_FAILED = "io-thread-failed"  # internal input-queue tag: an IO thread died
 
@@ -100,7 +105,7 @@ class EngineCoreProc:
         self._stop_io = threading.Event()
         self._client_of: dict[str, int] = {}  # request_id -> client index, until finished
         self._result_checker = msgspec.msgpack.Encoder()
-        self.dp: DPReporter | None = None  # the DP coordinator link, when dp_size > 1
+        self.dp: DPLink | None = None  # the data-parallel part, when dp_size > 1
 
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
@@ -112,11 +117,16 @@ class EngineCoreProc:
             self.num_clients = len(init.output_addresses)
             if init.coordinator_input is not None and init.coordinator_output is not None:
                 # Subscribe now, so the coordinator hears from us while the model loads.
-                self.dp = DPReporter(rank, report_address=init.coordinator_output,
-                                     publish_address=init.coordinator_input)
+                parallel = config.parallel
+                self.dp = DPLink(rank, init.dp_size, report_address=init.coordinator_output,
+                                 publish_address=init.coordinator_input,
+                                 lockstep=parallel.data_parallel_lockstep,
+                                 sync_interval=parallel.data_parallel_sync_interval,
+                                 master_ip=init.dp_master_ip, master_port=init.dp_master_port)
             self.engine_core = _build_engine_core(config)
             if self.dp is not None:
                 self.dp.wait_ready()  # every engine is subscribed: reports are heard
+                self.dp.join_group()  # lockstep: the all-reduce group (waits for all ranks)
             # Start registering with the front-ends before READY: the launcher
             # starts them on READY, and the frames wait in our sockets till then.
             self._start_io_threads(init)
@@ -135,17 +145,23 @@ class EngineCoreProc:
 
     def run_busy_loop(self) -> None:
         """Serve until SystemExit (a signal) or an exception (fatal)."""
+        core = self.engine_core
         while True:
             # 1. Take in everything the front-ends sent; block only when idle.
             self._process_input_queue()
             self._report_load()
             # 2. Step the engine: schedule -> execute -> update.
-            outputs = self.engine_core.step()
+            forward_passes = core.num_forward_passes
+            outputs = core.step()
             # 3. Send each request's delta to the front-end that owns it.
             self._publish(outputs)
-            # 4. DP: tell the coordinator when [waiting, running] changed.
+            # 4. DP: lockstep bookkeeping (dummy batch, all-reduce, wave end),
+            #    then tell the coordinator when [waiting, running] or the wave changed.
             if self.dp is not None:
                 self.dp.step_done()
+                self.dp.after_step(executed=core.num_forward_passes > forward_passes,
+                                   has_work=core.has_unfinished_requests(),
+                                   run_dummy_batch=core.execute_dummy_batch)
                 self._report_load()
 
     def _report_load(self) -> None:
@@ -153,7 +169,9 @@ class EngineCoreProc:
             self.dp.report(self.engine_core.get_request_counts())
 
     def _process_input_queue(self) -> None:
-        if not self.engine_core.has_unfinished_requests():
+        idle = not self.engine_core.has_unfinished_requests() and not (
+            self.dp is not None and self.dp.must_step())
+        if idle:
             try:  # nothing to step: wait, but not forever
                 self._handle(*self.input_queue.get(timeout=_IDLE_WAIT_S))
             except queue.Empty:
@@ -172,6 +190,9 @@ class EngineCoreProc:
             self._publish(self.engine_core.abort_requests(body))
         elif request_type is RequestType.UTILITY:
             self._call_utility(body, client_index)
+        elif request_type is RequestType.START_DP_WAVE:
+            if self.dp is not None:
+                self.dp.on_start_wave(body)
         elif request_type == _IO_FAILED:
             raise RuntimeError(f"engine IO thread failed: {body}")
         else:
@@ -186,6 +207,8 @@ class EngineCoreProc:
                 client = source  # answer where it came from
                 raise ValueError(f"client_index {request.client_index} is out of range "
                                  f"(this engine serves {self.num_clients} front-ends)")
+            if self.dp is not None:
+                self.dp.on_request(request.current_wave)
             self.engine_core.add_request(request)
         except ValueError as e:
             logger.warning("rejected request %s: %s", request.request_id, e)
@@ -198,7 +221,8 @@ class EngineCoreProc:
         """Run `EngineCore.<method>(*args)`; a failure is reported, never fatal."""
         out = UtilityOutput(call.call_id)
         try:
-            method = getattr(self.engine_core, call.method, None)
+            owner = self if call.method in _PROC_UTILITIES else self.engine_core
+            method = getattr(owner, call.method, None)
             if call.method.startswith("_") or call.method in _NOT_UTILITIES or \
                     not callable(method):
                 raise AttributeError(f"the engine has no utility method {call.method!r}")
@@ -227,15 +251,23 @@ class EngineCoreProc:
             self._send(client, outs)
 
     def _send(self, client: int, outputs: list[EngineCoreOutput]) -> None:
+        stats = self.engine_core.get_stats()
+        if self.dp is not None:
+            stats.wave = self.dp.wave
         self.output_queue.put_nowait((client, EngineCoreOutputs(
-            engine_index=self.rank, outputs=outputs,
-            scheduler_stats=self.engine_core.get_stats(), timestamp=time.monotonic())))
+            engine_index=self.rank, outputs=outputs, scheduler_stats=stats,
+            timestamp=time.monotonic())))
+
+    def get_dp_state(self) -> dict[str, int | bool] | None:
+        """Utility: this engine's DP state (wave, dummy batches...); None without DP."""
+        return self.dp.state() if self.dp is not None else None
 
     # ---- IO threads --------------------------------------------------------
 
     def _start_io_threads(self, init: EngineInitMetadata) -> None:
+        coordinator = self.dp.take_publish_socket() if self.dp is not None else None
         self.input_thread = threading.Thread(
-            target=self._guarded, args=(self._input_loop, init.input_addresses),
+            target=self._guarded, args=(self._input_loop, init.input_addresses, coordinator),
             name=f"EngineCore_{self.rank}_input", daemon=True)
         self.output_thread = threading.Thread(
             target=self._guarded, args=(self._output_loop, init.output_addresses),
@@ -243,22 +275,29 @@ class EngineCoreProc:
         self.input_thread.start()
         self.output_thread.start()
 
-    def _guarded(self, loop: Any, addresses: list[str]) -> None:
+    def _guarded(self, loop: Any, *args: Any) -> None:
         """Run an IO loop; if it dies, tell the busy loop (which then dies loudly)."""
         try:
-            loop(addresses)
+            loop(*args)
         except Exception as e:
             logger.exception("%s failed", threading.current_thread().name)
             self.input_queue.put_nowait((_IO_FAILED, f"{type(e).__name__}: {e}", -1))
 
-    def _input_loop(self, addresses: list[str]) -> None:
-        """Sockets -> input queue: decode by the one-byte type tag."""
+    def _input_loop(self, addresses: list[str], coordinator: zmq.Socket | None) -> None:
+        """Sockets -> input queue: decode by the one-byte type tag.
+
+        `coordinator`: the DP coordinator's SUB socket (START_DP_WAVE), handed
+        over by `DPLink`; its messages are queued with client index -1.
+        """
         decoders = {RequestType.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
                     RequestType.ABORT: msgspec.msgpack.Decoder(list[str]),
                     RequestType.UTILITY: msgspec.msgpack.Decoder(UtilityCall)}
+        coordinator_decoders = {RequestType.START_DP_WAVE: msgspec.msgpack.Decoder(StartDPWave)}
         with zmq.Context() as ctx:
             poller = zmq.Poller()
             index_of: dict[zmq.Socket, int] = {}
+            if coordinator is not None:
+                poller.register(coordinator, zmq.POLLIN)
             for i, address in enumerate(addresses):
                 sock = ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.IDENTITY, self.identity)
@@ -270,6 +309,12 @@ class EngineCoreProc:
             while not self._stop_io.is_set():
                 for sock, _ in poller.poll(_POLL_MS):
                     frames = sock.recv_multipart()
+                    if sock is coordinator:
+                        item = _decode_request(frames, coordinator_decoders,
+                                               "the DP coordinator")
+                        if item is not None:
+                            self.input_queue.put_nowait((*item, -1))
+                        continue
                     item = _decode_request(frames, decoders)
                     if item is not None:
                         self.input_queue.put_nowait((*item, index_of[sock]))
@@ -356,7 +401,8 @@ def _maybe_inject_forward_fault(engine_core: EngineCore) -> None:
     logger.warning("TEST-ONLY fault injection: forward #%d will raise", fail_at)
 
 
-def _decode_request(frames: list[bytes], decoders: dict) -> tuple[RequestType, Any] | None:
+def _decode_request(frames: list[bytes], decoders: dict,
+                    source: str = "a front-end") -> tuple[RequestType, Any] | None:
     """[type byte, body] -> (type, decoded body); None (logged) for a bad message."""
     try:
         request_type = RequestType(frames[0])
@@ -365,7 +411,7 @@ def _decode_request(frames: list[bytes], decoders: dict) -> tuple[RequestType, A
             raise ValueError(f"{request_type.name} with {len(frames)} frames is not served")
         return request_type, decoder.decode(frames[1])
     except (ValueError, IndexError, msgspec.DecodeError) as e:  # ValidationError is a DecodeError
-        logger.error("dropping a bad message from a front-end: %s", e)
+        logger.error("dropping a bad message from %s: %s", source, e)
         return None
 
 

@@ -15,6 +15,10 @@ engine death, and placement over several engines (`EngineState` per engine):
   the first), where what this client sent to an engine since the last
   publish counts as waiting there (reset on each publish), so bursts spread.
 * Without one (one engine): the live engine with the fewest requests in flight.
+* Waves: each request carries the wave this client last heard of from the
+  coordinator. In lockstep mode (`lockstep=True`), a request sent while the
+  coordinator said "paused" is followed by `WakeEngines(wave, engine)` so the
+  coordinator starts the wave on every other engine.
 * `load_balance="round-robin"`: live engines in turn from this client's own
   index, blind to load (a baseline for benchmarks, and what simple balancers do).
 
@@ -61,6 +65,7 @@ from dpserve.protocol import (
     RequestType,
     SchedulerStats,
     UtilityCall,
+    WakeEngines,
     engine_identity,
 )
 
@@ -104,7 +109,7 @@ class AsyncEngineClient:
                  engine_ranks: Sequence[int] = (0,), client_index: int = 0,
                  register_timeout: float = 60.0, max_model_len: int | None = None,
                  coordinator_address: str | None = None,
-                 load_balance: str = "least-loaded") -> None:
+                 load_balance: str = "least-loaded", lockstep: bool = False) -> None:
         if load_balance not in LOAD_BALANCE_POLICIES:
             raise ValueError(f"load_balance must be one of {', '.join(LOAD_BALANCE_POLICIES)}, "
                              f"got {load_balance!r}")
@@ -138,6 +143,9 @@ class AsyncEngineClient:
                        self._loop.create_task(self._read_outputs())]
         self.balanced = coordinator_address is not None  # place by the coordinator's loads
         self.load_balance = load_balance
+        self.lockstep = lockstep and coordinator_address is not None
+        self.current_wave = 0  # the request wave, from the coordinator
+        self.engines_running = False  # the coordinator's last word (or our own wake-up)
         self._turn = client_index  # round-robin position
         if coordinator_address is not None:
             self._coordinator = self._ctx.socket(zmq.XSUB)
@@ -156,11 +164,13 @@ class AsyncEngineClient:
         """Send a request to an engine (`engine_of(request_id)` says which).
 
         The request's `client_index` is set to this client's, so that its
-        outputs come back here.
+        outputs come back here, and its `current_wave` to the wave it last heard of.
         """
         self._check_alive()
-        if request.client_index != self.client_index:
-            request = msgspec.structs.replace(request, client_index=self.client_index)
+        if (request.client_index, request.current_wave) != (self.client_index,
+                                                            self.current_wave):
+            request = msgspec.structs.replace(request, client_index=self.client_index,
+                                              current_wave=self.current_wave)
         if request.request_id in self._owner:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         engine = self._choose_engine(request)
@@ -172,6 +182,12 @@ class AsyncEngineClient:
         except BaseException:
             self._forget(request.request_id)
             raise
+        if self.lockstep and not self.engines_running:
+            # The engines are paused: our engine starts by itself, the
+            # coordinator starts the others. Until it says otherwise, assume running.
+            self.engines_running = True
+            await self._coordinator.send(self._encoder.encode(
+                WakeEngines(request.current_wave, engine.rank)))
 
     def engine_of(self, request_id: str) -> int | None:
         """The rank of the engine running a request in flight (None: not in flight)."""
@@ -400,8 +416,9 @@ class AsyncEngineClient:
             except msgspec.DecodeError as e:
                 logger.error("undecodable message from the DP coordinator dropped: %s", e)
                 continue
+            self.current_wave, self.engines_running = update.wave, update.running
             if update.counts is None:
-                continue  # wave news only: dense-model engines do not use waves
+                continue  # wave news only
             for rank, (waiting, running) in enumerate(update.counts):
                 engine = self.engines.get(rank)
                 if engine is not None:
