@@ -89,11 +89,13 @@ class EngineCoreProc:
     Construction does the whole start-up: handshake (HELLO -> init
     metadata), build the EngineCore (model + KV cache), start the IO threads
     (they connect and register with every front-end), then send READY.
+    Without a handshake address (Ray actors) `init` is given and the READY
+    message is only kept, as `self.ready`, for the caller.
     `run_busy_loop()` runs until SystemExit (signals) or a fatal error.
     """
 
-    def __init__(self, config: EngineConfig, rank: int, handshake_address: str,
-                 local: bool = True) -> None:
+    def __init__(self, config: EngineConfig, rank: int, handshake_address: str | None,
+                 local: bool = True, init: EngineInitMetadata | None = None) -> None:
         self.config = config
         self.rank = rank
         self.identity = engine_identity(rank)
@@ -107,39 +109,52 @@ class EngineCoreProc:
         self._result_checker = msgspec.msgpack.Encoder()
         self.dp: DPLink | None = None  # the data-parallel part, when dp_size > 1
 
+        if handshake_address is None:  # addresses known before start (Ray actors)
+            if init is None:
+                raise ValueError("an engine without a handshake address needs its init metadata")
+            self.ready = self._start(init, local)
+        else:
+            self.ready = self._start_with_handshake(handshake_address, local)
+        logger.info("engine %d ready: %d KV blocks, serving %d front-end(s)", rank,
+                    self.engine_core.num_kv_blocks, self.num_clients)
+
+    def _start_with_handshake(self, handshake_address: str, local: bool) -> HandshakeReady:
+        """HELLO -> init metadata -> start -> READY, over a DEALER to the launcher."""
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         linger_ms = 0  # on failure, do not wait to flush anything
         try:
             sock.setsockopt(zmq.IDENTITY, self.identity)
             sock.connect(handshake_address)
-            init = _say_hello(sock, local, handshake_address)
-            self.num_clients = len(init.output_addresses)
-            if init.coordinator_input is not None and init.coordinator_output is not None:
-                # Subscribe now, so the coordinator hears from us while the model loads.
-                parallel = config.parallel
-                self.dp = DPLink(rank, init.dp_size, report_address=init.coordinator_output,
-                                 publish_address=init.coordinator_input,
-                                 lockstep=parallel.data_parallel_lockstep,
-                                 sync_interval=parallel.data_parallel_sync_interval,
-                                 master_ip=init.dp_master_ip, master_port=init.dp_master_port)
-            self.engine_core = _build_engine_core(config)
-            if self.dp is not None:
-                self.dp.wait_ready()  # every engine is subscribed: reports are heard
-                self.dp.join_group()  # lockstep: the all-reduce group (waits for all ranks)
-            # Start registering with the front-ends before READY: the launcher
-            # starts them on READY, and the frames wait in our sockets till then.
-            self._start_io_threads(init)
-            max_len = self.engine_core.scheduler.max_model_len  # capped to the KV cache size
-            sock.send(msgspec.msgpack.encode(HandshakeReady(
-                local=local, num_kv_blocks=self.engine_core.num_kv_blocks,
-                max_model_len=max_len)))
+            ready = self._start(_say_hello(sock, local, handshake_address), local)
+            sock.send(msgspec.msgpack.encode(ready))
             linger_ms = 5000
         finally:
             sock.close(linger=linger_ms)
             ctx.term()  # returns once READY is delivered (or the linger ran out)
-        logger.info("engine %d ready: %d KV blocks, serving %d front-end(s)", rank,
-                    self.engine_core.num_kv_blocks, self.num_clients)
+        return ready
+
+    def _start(self, init: EngineInitMetadata, local: bool) -> HandshakeReady:
+        """Build the engine and connect it as `init` says; return the READY message."""
+        self.num_clients = len(init.output_addresses)
+        if init.coordinator_input is not None and init.coordinator_output is not None:
+            # Subscribe now, so the coordinator hears from us while the model loads.
+            parallel = self.config.parallel
+            self.dp = DPLink(self.rank, init.dp_size, report_address=init.coordinator_output,
+                             publish_address=init.coordinator_input,
+                             lockstep=parallel.data_parallel_lockstep,
+                             sync_interval=parallel.data_parallel_sync_interval,
+                             master_ip=init.dp_master_ip, master_port=init.dp_master_port)
+        self.engine_core = _build_engine_core(self.config)
+        if self.dp is not None:
+            self.dp.wait_ready()  # every engine is subscribed: reports are heard
+            self.dp.join_group()  # lockstep: the all-reduce group (waits for all ranks)
+        # Start registering with the front-ends before READY: the launcher
+        # starts them on READY, and the frames wait in our sockets till then.
+        self._start_io_threads(init)
+        return HandshakeReady(local=local, num_kv_blocks=self.engine_core.num_kv_blocks,
+                              # capped to what the KV cache holds
+                              max_model_len=self.engine_core.scheduler.max_model_len)
 
     # ---- the busy loop ---------------------------------------------------
 
