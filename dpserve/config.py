@@ -24,6 +24,8 @@ from typing import Any
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _DEFAULT_CPU_KV_BYTES = 2 << 30
+_DP_BACKENDS = ("mp", "ray")
+_PACK_STRATEGIES = ("strict", "fill", "span")
 
 
 class ConfigError(ValueError):
@@ -84,6 +86,33 @@ class ParallelConfig:
     # forced by the user, or needed by the model (expert-parallel MoE).
     data_parallel_lockstep: bool = False
     data_parallel_sync_interval: int = 32  # lockstep: steps between "any work left?" all-reduces
+    # Where the engines run (see DESIGN "Launch modes"). This host runs ranks
+    # [start_rank, start_rank + size_local); the others run on other hosts.
+    data_parallel_size_local: int = 1
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str = "127.0.0.1"  # the head's address: handshake, coordinator
+    data_parallel_rpc_port: int = 29550  # the head's handshake / rendezvous port
+    data_parallel_rank: int | None = None  # external LB: this server fronts this rank only
+    data_parallel_hybrid_lb: bool = False  # API servers balance over this host's engines
+    data_parallel_backend: str = "mp"  # "mp": local processes; "ray": Ray actors
+    data_parallel_pack_strategy: str = "strict"  # Ray: how ranks are packed onto nodes
+    data_parallel_secret: str | None = field(default=None, repr=False)  # data-plane key
+    ray_address: str | None = None  # Ray: join this cluster (None: start a local one)
+
+    @property
+    def local_ranks(self) -> list[int]:
+        """The DP ranks whose engines this host runs."""
+        start = self.data_parallel_start_rank
+        return list(range(start, start + self.data_parallel_size_local))
+
+    @property
+    def has_remote_engines(self) -> bool:
+        return self.data_parallel_size_local < self.data_parallel_size
+
+    @property
+    def local_lb(self) -> bool:
+        """Each host's API servers front that host's engines only (external or hybrid LB)."""
+        return self.data_parallel_rank is not None or self.data_parallel_hybrid_lb
 
 
 @dataclass(frozen=True)
@@ -134,6 +163,30 @@ class EngineArgs:
                                         "on by itself for such models.")
     data_parallel_sync_interval: int = _opt(32, "In lockstep mode, engines all-reduce "
                                             "'any unfinished work' every this many steps.")
+    data_parallel_size_local: int | None = _opt(None, "Engines on this host (default: all "
+                                                "of them; 1 with --data-parallel-rank).")
+    data_parallel_start_rank: int | None = _opt(None, "DP rank of this host's first engine "
+                                                "(default 0; R with --data-parallel-rank).")
+    data_parallel_address: str = _opt("127.0.0.1", "Address of the head host (rank 0): "
+                                      "remote engines and hosts connect to it, and its "
+                                      "data-plane sockets bind to it only.")
+    data_parallel_rpc_port: int = _opt(29550, "Head's port for engine handshakes and the "
+                                       "coordinator rendezvous (external/hybrid LB).")
+    data_parallel_rank: int | None = _opt(None, "External load balancing: this server runs "
+                                          "and fronts DP rank R only.")
+    data_parallel_hybrid_lb: bool = _opt(False, "Hybrid load balancing: each host's API "
+                                         "servers balance over that host's engines only.")
+    data_parallel_backend: str = _opt("mp", "Run engines as local processes (mp) or Ray "
+                                      "actors (ray; pip install dpserve[ray]).",
+                                      choices=_DP_BACKENDS)
+    data_parallel_pack_strategy: str = _opt("strict", "Ray: how ranks are placed on nodes.",
+                                            choices=_PACK_STRATEGIES)
+    data_parallel_secret: str | None = _opt(None, "Shared secret for the data plane "
+                                            "(CURVE keys derived from it): processes "
+                                            "without it cannot join (default: "
+                                            "$DPSERVE_DP_SECRET; none = open).")
+    ray_address: str | None = _opt(None, "Ray: join this cluster (default: start a local "
+                                   "one).")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -205,23 +258,47 @@ class EngineArgs:
             threads_per_engine=self._threads_per_engine(device),
             data_parallel_lockstep=(self.data_parallel_lockstep or _is_moe(hf_config))
             and self.data_parallel_size > 1,
-            data_parallel_sync_interval=self.data_parallel_sync_interval)
+            data_parallel_sync_interval=self.data_parallel_sync_interval,
+            data_parallel_size_local=self._size_local(),
+            data_parallel_start_rank=self._start_rank(),
+            data_parallel_address=self.data_parallel_address,
+            data_parallel_rpc_port=self.data_parallel_rpc_port,
+            data_parallel_rank=self.data_parallel_rank,
+            data_parallel_hybrid_lb=self.data_parallel_hybrid_lb,
+            data_parallel_backend=self.data_parallel_backend,
+            data_parallel_pack_strategy=self.data_parallel_pack_strategy,
+            data_parallel_secret=(self.data_parallel_secret
+                                  or os.environ.get("DPSERVE_DP_SECRET") or None),
+            ray_address=self.ray_address)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             parallel=parallel, device=device)
 
     def _threads_per_engine(self, device: str) -> int | None:
         """The user's choice; on CPU with several (local) engines, a fair share of the cores."""
+        local = self._size_local()
         if self.threads_per_engine is not None or device != "cpu" or \
                 self.data_parallel_size == 1:
             return self.threads_per_engine
         cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                  else os.cpu_count() or 1)
-        return max(1, cores // self.data_parallel_size)
+        return max(1, cores // local)
+
+    def _size_local(self) -> int:
+        if self.data_parallel_size_local is not None:
+            return self.data_parallel_size_local
+        return 1 if self.data_parallel_rank is not None else self.data_parallel_size
+
+    def _start_rank(self) -> int:
+        if self.data_parallel_start_rank is not None:
+            return self.data_parallel_start_rank
+        return self.data_parallel_rank if self.data_parallel_rank is not None else 0
+
+    def _need(self, ok: bool, name: str, what: str) -> None:
+        if not ok:
+            raise ConfigError(f"{name} {what}, got {getattr(self, name)!r}")
 
     def _validate_plain_options(self) -> None:
-        def need(ok: bool, name: str, what: str) -> None:
-            if not ok:
-                raise ConfigError(f"{name} {what}, got {getattr(self, name)!r}")
+        need = self._need
 
         need(self.dtype in _DTYPES, "dtype", f"must be one of {', '.join(_DTYPES)}")
         need(self.device in _DEVICES, "device", f"must be one of {', '.join(_DEVICES)}")
@@ -241,8 +318,45 @@ class EngineArgs:
              "threads_per_engine", "must be at least 1")
         need(self.data_parallel_sync_interval >= 1, "data_parallel_sync_interval",
              "must be at least 1")
+        self._validate_placement()
         if self.kv_cache_memory is not None:
             parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
+
+
+    def _validate_placement(self) -> None:
+        """The multi-host options: which ranks run here, and how hosts find each other."""
+        size = self.data_parallel_size
+        need = self._need
+        rank = self.data_parallel_rank
+        need(rank is None or 0 <= rank < size, "data_parallel_rank",
+             f"must be in [0, data_parallel_size={size})")
+        local, start = self._size_local(), self._start_rank()
+        need(1 <= local <= size, "data_parallel_size_local",
+             f"must be in [1, data_parallel_size={size}]")
+        need(0 <= start and start + local <= size, "data_parallel_start_rank",
+             f"plus data_parallel_size_local ({local}) must fit in data_parallel_size={size}")
+        if rank is not None:
+            need(local == 1, "data_parallel_size_local",
+                 "must be 1 with data_parallel_rank (one engine per server)")
+            need(start == rank, "data_parallel_start_rank",
+                 f"must equal data_parallel_rank ({rank})")
+            need(not self.data_parallel_hybrid_lb, "data_parallel_hybrid_lb",
+                 "cannot be combined with data_parallel_rank")
+        need(1 <= self.data_parallel_rpc_port <= 65535, "data_parallel_rpc_port",
+             "must be in [1, 65535]")
+        need(bool(self.data_parallel_address.strip()), "data_parallel_address",
+             "must not be empty")
+        need(self.data_parallel_backend in _DP_BACKENDS, "data_parallel_backend",
+             f"must be one of {', '.join(_DP_BACKENDS)}")
+        need(self.data_parallel_pack_strategy in _PACK_STRATEGIES,
+             "data_parallel_pack_strategy", f"must be one of {', '.join(_PACK_STRATEGIES)}")
+        if self.data_parallel_backend == "ray":
+            need(local == size and start == 0 and not self.data_parallel_hybrid_lb
+                 and rank is None, "data_parallel_backend",
+                 "'ray' places every rank itself (no --data-parallel-size-local, "
+                 "--data-parallel-start-rank, --data-parallel-rank or hybrid LB)")
+        if self.data_parallel_secret is not None and len(self.data_parallel_secret) < 8:
+            raise ConfigError("data_parallel_secret must be at least 8 characters")
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,

@@ -51,6 +51,7 @@ from dpserve.protocol import (
     StartDPWave,
     WakeEngines,
 )
+from dpserve.security import secure
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +65,16 @@ class DPCoordinator:
 
     Addresses are allocated per instance from `allocator` (its own ipc one
     when None; pass `AddressAllocator(local_only=False, host=...)` for tcp).
+    With `remote_host`, each socket also binds a tcp:// address on that host
+    (the `remote_*` attributes) for engines and front-ends on other hosts.
+    `publish_counts=False` (external LB) publishes wave news only.
     `close()`, garbage collection and interpreter exit stop the process once.
     """
 
     def __init__(self, num_engines: int, allocator: AddressAllocator | None = None, *,
-                 stats_interval_s: float = 0.1, idle_publish_s: float = 5.0,
-                 startup_timeout_s: float = 600.0) -> None:
+                 remote_host: str | None = None, publish_counts: bool = True,
+                 secret: str | None = None, stats_interval_s: float = 0.1,
+                 idle_publish_s: float = 5.0, startup_timeout_s: float = 600.0) -> None:
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         owned = allocator is None
@@ -78,7 +83,12 @@ class DPCoordinator:
         self.front_publish_address = allocator.new_address("coord-front")
         self.engine_report_address = allocator.new_address("coord-report")
         self.engine_publish_address = allocator.new_address("coord-engines")
-        self._settings = dict(stats_interval_s=stats_interval_s,
+        tcp = AddressAllocator(local_only=False, host=remote_host) if remote_host else None
+        self.remote_front_publish_address = tcp.new_address("") if tcp else None
+        self.remote_engine_report_address = tcp.new_address("") if tcp else None
+        self.remote_engine_publish_address = tcp.new_address("") if tcp else None
+        self._settings = dict(publish_counts=publish_counts, secret=secret,
+                              stats_interval_s=stats_interval_s,
                               idle_publish_s=idle_publish_s,
                               startup_timeout_s=startup_timeout_s)
         self.proc: BaseProcess | None = None
@@ -94,9 +104,12 @@ class DPCoordinator:
         self.proc = ctx.Process(
             target=run_coordinator, name="DPCoordinator",
             kwargs=dict(num_engines=self.num_engines, parent_pid=os.getpid(),
-                        front_publish_address=self.front_publish_address,
-                        engine_report_address=self.engine_report_address,
-                        engine_publish_address=self.engine_publish_address,
+                        front_publish_address=_both(self.front_publish_address,
+                                                    self.remote_front_publish_address),
+                        engine_report_address=_both(self.engine_report_address,
+                                                    self.remote_engine_report_address),
+                        engine_publish_address=_both(self.engine_publish_address,
+                                                     self.remote_engine_publish_address),
                         **self._settings))
         self._procs.append(self.proc)
         self.proc.start()
@@ -110,6 +123,10 @@ class DPCoordinator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _both(local: str, remote: str | None) -> list[str]:
+    return [local] if remote is None else [local, remote]
 
 
 def _stop(procs: list[BaseProcess], allocator: AddressAllocator | None) -> None:
@@ -173,10 +190,12 @@ class _LoadTable:
 class DPCoordinatorProc:
     """The coordinator's sockets and loop (runs inside the coordinator process)."""
 
-    def __init__(self, num_engines: int, front_publish_address: str,
-                 engine_report_address: str, engine_publish_address: str, *,
-                 parent_pid: int, stats_interval_s: float = 0.1,
-                 idle_publish_s: float = 5.0, startup_timeout_s: float = 600.0) -> None:
+    def __init__(self, num_engines: int, front_publish_address: str | list[str],
+                 engine_report_address: str | list[str],
+                 engine_publish_address: str | list[str], *, parent_pid: int,
+                 publish_counts: bool = True, secret: str | None = None,
+                 stats_interval_s: float = 0.1, idle_publish_s: float = 5.0,
+                 startup_timeout_s: float = 600.0) -> None:
         self.loads = _LoadTable(num_engines)
         self.wave = 0  # the current request wave
         self.running = False  # engines are in a running wave (else paused)
@@ -185,6 +204,8 @@ class DPCoordinatorProc:
         self.stats_interval_s = stats_interval_s
         self.idle_publish_s = idle_publish_s
         self.startup_timeout_s = startup_timeout_s
+        self.publish_counts = publish_counts
+        self.secret = secret
         self.stop_requested = False
         self._last_publish = 0.0
         self._report_decoder = msgspec.msgpack.Decoder(EngineReport)
@@ -201,10 +222,11 @@ class DPCoordinatorProc:
         os.set_blocking(wake_w, False)
         signal.set_wakeup_fd(wake_w)
 
-    def _bind(self, kind: int, address: str) -> zmq.Socket:
-        sock = self.ctx.socket(kind)
+    def _bind(self, kind: int, addresses: str | list[str]) -> zmq.Socket:
+        sock = secure(self.ctx.socket(kind), "server", self.secret)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(address)
+        for address in [addresses] if isinstance(addresses, str) else addresses:
+            sock.bind(address)
         return sock
 
     def close(self) -> None:
@@ -381,13 +403,17 @@ class DPCoordinatorProc:
         self.front.send(msgspec.msgpack.encode(CoordinatorUpdate(None, self.wave, self.running)))
 
     def _publish_counts(self) -> None:
-        update = CoordinatorUpdate(self.loads.take(), self.wave, self.running)
+        counts = self.loads.take()
+        update = CoordinatorUpdate(counts if self.publish_counts else None, self.wave,
+                                   self.running)
         self.front.send(msgspec.msgpack.encode(update))
         self._last_publish = time.monotonic()
 
 
-def run_coordinator(num_engines: int, front_publish_address: str, engine_report_address: str,
-                    engine_publish_address: str, parent_pid: int, **settings: Any) -> None:
+def run_coordinator(num_engines: int, front_publish_address: str | list[str],
+                    engine_report_address: str | list[str],
+                    engine_publish_address: str | list[str], parent_pid: int,
+                    **settings: Any) -> None:
     """Process target: exit 0 on a stop signal or parent death, 1 on a failure."""
     name_process("DPCoordinator")
     coordinator: DPCoordinatorProc | None = None

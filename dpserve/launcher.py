@@ -20,6 +20,7 @@ dies while starting fails the launch at once, naming it and its exit code.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import enum
 import functools
 import logging
@@ -34,6 +35,7 @@ from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from multiprocessing import connection
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 import msgspec
 import psutil
@@ -41,6 +43,7 @@ import zmq
 
 from dpserve.config import EngineConfig
 from dpserve.protocol import EngineInitMetadata, HandshakeHello, HandshakeReady
+from dpserve.security import secure
 
 logger = logging.getLogger(__name__)
 
@@ -61,25 +64,59 @@ class ZmqAddresses:
     """Where the sockets of one serving instance live (picklable, plain strings).
 
     The launcher binds `handshake`; front-end i binds `inputs[i]` (ROUTER)
-    and `outputs[i]` (PULL); engines connect to all of them.
+    and `outputs[i]` (PULL); engines connect to all of them. Engines on this
+    host use these ipc:// addresses; when some run on other hosts, each
+    socket also binds the tcp:// address of the `remote_*` twin, and remote
+    engines are told those (`init_metadata(local=False)`).
     """
 
     handshake: str
     inputs: tuple[str, ...]  # [num_clients] front-end ROUTER (requests in)
     outputs: tuple[str, ...]  # [num_clients] front-end PULL (outputs back)
-    coordinator_input: str | None = None
-    coordinator_output: str | None = None
+    coordinator_input: str | None = None  # the coordinator's engine XPUB
+    coordinator_output: str | None = None  # the coordinator's report PULL
     # Where DP rank 0 hosts the TCP store of the engines' all-reduce group (lockstep).
     dp_master_ip: str = "127.0.0.1"
     dp_master_port: int = 0
+    remote_handshake: str | None = None
+    remote_inputs: tuple[str, ...] | None = None
+    remote_outputs: tuple[str, ...] | None = None
+    remote_coordinator_input: str | None = None
+    remote_coordinator_output: str | None = None
 
-    def init_metadata(self, dp_size: int = 1) -> EngineInitMetadata:
-        """What the launcher tells each engine after its HELLO."""
+    def init_metadata(self, dp_size: int = 1, local: bool = True) -> EngineInitMetadata:
+        """What the launcher tells each engine (on this host or not) after its HELLO."""
+        if local:
+            inputs, outputs = self.inputs, self.outputs
+            coordinator = (self.coordinator_input, self.coordinator_output)
+        else:
+            if self.remote_inputs is None or self.remote_outputs is None:
+                raise ValueError("these addresses have no tcp:// twins for remote engines")
+            inputs, outputs = self.remote_inputs, self.remote_outputs
+            coordinator = (self.remote_coordinator_input, self.remote_coordinator_output)
         return EngineInitMetadata(
-            input_addresses=list(self.inputs), output_addresses=list(self.outputs),
-            coordinator_input=self.coordinator_input,
-            coordinator_output=self.coordinator_output, dp_master_ip=self.dp_master_ip,
-            dp_master_port=self.dp_master_port, dp_size=dp_size)
+            input_addresses=list(inputs), output_addresses=list(outputs),
+            coordinator_input=coordinator[0], coordinator_output=coordinator[1],
+            dp_master_ip=self.dp_master_ip, dp_master_port=self.dp_master_port,
+            dp_size=dp_size)
+
+    def input_binds(self, client: int) -> list[str]:
+        """Every address front-end `client` binds its ROUTER to."""
+        return [self.inputs[client], *([self.remote_inputs[client]] if self.remote_inputs
+                                       else [])]
+
+    def output_binds(self, client: int) -> list[str]:
+        """Every address front-end `client` binds its PULL to."""
+        return [self.outputs[client], *([self.remote_outputs[client]] if self.remote_outputs
+                                        else [])]
+
+    def with_coordinator(self, coordinator: Any) -> ZmqAddresses:
+        """These addresses, naming a started `DPCoordinator`'s engine sockets."""
+        return dataclasses.replace(
+            self, coordinator_input=coordinator.engine_publish_address,
+            coordinator_output=coordinator.engine_report_address,
+            remote_coordinator_input=coordinator.remote_engine_publish_address,
+            remote_coordinator_output=coordinator.remote_engine_report_address)
 
 
 class AddressAllocator:
@@ -110,12 +147,25 @@ class AddressAllocator:
         self._count += 1
         if self.ipc_dir is not None:
             return f"ipc://{self.ipc_dir}/{name}-{self._count}"
-        return f"tcp://{self.host}:{self._free_port()}"
+        return f"tcp://{_host_for_url(self.host)}:{self._free_port()}"
 
-    def engine_addresses(self, num_clients: int = 1,
-                         with_coordinator: bool = False) -> ZmqAddresses:
+    def engine_addresses(self, num_clients: int = 1, with_coordinator: bool = False,
+                         remote_host: str | None = None,
+                         rpc_port: int | None = None) -> ZmqAddresses:
         """Handshake, per-front-end input/output, optional coordinator addresses, and
-        a free TCP port on `host` (127.0.0.1 for ipc) for the DP group's store."""
+        a free TCP port on `host` (127.0.0.1 for ipc) for the DP group's store.
+
+        remote_host: engines on other hosts will connect: add tcp:// twins on
+        that address (the handshake on `rpc_port`); the DP store moves there too.
+        """
+        if remote_host is not None:
+            tcp = AddressAllocator(local_only=False, host=remote_host)
+            return dataclasses.replace(
+                self.engine_addresses(num_clients, with_coordinator),
+                remote_handshake=f"tcp://{_host_for_url(remote_host)}:{rpc_port}",
+                remote_inputs=tuple(tcp.new_address("") for _ in range(num_clients)),
+                remote_outputs=tuple(tcp.new_address("") for _ in range(num_clients)),
+                dp_master_ip=remote_host, dp_master_port=tcp._free_port())
         return ZmqAddresses(
             handshake=self.new_address("handshake"),
             inputs=tuple(self.new_address(f"input{i}") for i in range(num_clients)),
@@ -140,6 +190,10 @@ class AddressAllocator:
         raise RuntimeError(f"could not find a free TCP port on {self.host}")
 
 
+def _host_for_url(host: str) -> str:
+    return f"[{host}]" if ":" in host else host  # IPv6 literals go in brackets
+
+
 def _remove_dir(path: str | None, owner_pid: int) -> None:
     if path is not None and os.getpid() == owner_pid:  # never from a forked child
         shutil.rmtree(path, ignore_errors=True)
@@ -156,16 +210,20 @@ class EngineProcManager:
     """
 
     def __init__(self, config: EngineConfig, handshake_address: str, num_engines: int = 1,
-                 start_rank: int = 0, local: bool = True) -> None:
-        from dpserve.engine.process import run_engine_core
+                 start_rank: int = 0, local: bool = True,
+                 handshake_timeout: float | None = None) -> None:
+        from dpserve.engine.process import HANDSHAKE_TIMEOUT_S, run_engine_core
 
         ctx = multiprocessing.get_context("spawn")
         self.handshake_address = handshake_address
+        self.secret = config.parallel.data_parallel_secret
         self.ranks = list(range(start_rank, start_rank + num_engines))
         self.processes: list[BaseProcess] = [
             ctx.Process(target=run_engine_core, name=f"EngineCore_{rank}",
                         kwargs=dict(config=config, rank=rank,
-                                    handshake_address=handshake_address, local=local))
+                                    handshake_address=handshake_address, local=local,
+                                    handshake_timeout=handshake_timeout
+                                    or HANDSHAKE_TIMEOUT_S))
             for rank in self.ranks]
         self._finalizer = weakref.finalize(self, shutdown, self.processes)
         try:
@@ -176,10 +234,17 @@ class EngineProcManager:
             raise
 
     def wait_for_startup(self, init: EngineInitMetadata, timeout: float = 600.0,
-                         also_watch: Sequence[BaseProcess] = ()) -> dict[int, HandshakeReady]:
-        """Run the handshake with all these engines; see `wait_for_engine_startup`."""
-        return wait_for_engine_startup(self.handshake_address, init, self.ranks,
-                                       [*self.processes, *also_watch], timeout=timeout)
+                         also_watch: Sequence[BaseProcess] = (), *,
+                         remote_ranks: Sequence[int] = (),
+                         remote_init: EngineInitMetadata | None = None,
+                         remote_handshake: str | None = None) -> dict[int, HandshakeReady]:
+        """Run the handshake with these engines, and with `remote_ranks` (engines of
+        other hosts, at `remote_handshake`); see `wait_for_engine_startup`."""
+        addresses = [self.handshake_address, *([remote_handshake] if remote_handshake else [])]
+        return wait_for_engine_startup(addresses, init, [*self.ranks, *remote_ranks],
+                                       [*self.processes, *also_watch], timeout=timeout,
+                                       remote_ranks=remote_ranks, remote_init=remote_init,
+                                       secret=self.secret)
 
     def finished_procs(self) -> dict[str, int]:
         """Name -> exit code of every process that has exited."""
@@ -203,27 +268,35 @@ class _Pending:
     ready: HandshakeReady | None = field(default=None, repr=False)
 
 
-def wait_for_engine_startup(handshake_address: str, init: EngineInitMetadata,
+def wait_for_engine_startup(handshake_address: str | Sequence[str], init: EngineInitMetadata,
                             ranks: Sequence[int], procs: Sequence[BaseProcess] = (), *,
                             timeout: float = 600.0, remote_ranks: Container[int] = (),
-                            ) -> dict[int, HandshakeReady]:
-    """Bind a ROUTER at `handshake_address` and walk every engine to READY.
+                            remote_init: EngineInitMetadata | None = None,
+                            secret: str | None = None) -> dict[int, HandshakeReady]:
+    """Bind a ROUTER at `handshake_address` (one or several) and walk every
+    engine to READY.
 
     `procs` are local processes whose death fails the start-up at once (the
     engines, and e.g. the coordinator). `remote_ranks` are engines on other
-    hosts (they say local=False). Returns rank -> its READY message
-    (num_kv_blocks, max_model_len). Raises EngineStartupError on a death,
-    a bad message or when `timeout` seconds pass.
+    hosts (they say local=False, and get `remote_init`); a rank whose HELLO
+    says otherwise is rejected. Returns rank -> its READY message
+    (num_kv_blocks, max_model_len). Raises EngineStartupError on a death, a
+    rejected engine or when `timeout` seconds pass; a frame that is not a
+    handshake message at all is dropped with a log line.
     """
     engines = {r: _Pending(r, local=r not in remote_ranks) for r in ranks}
     hello_decoder = msgspec.msgpack.Decoder(HandshakeHello)
     ready_decoder = msgspec.msgpack.Decoder(HandshakeReady)
-    init_bytes = msgspec.msgpack.encode(init)
+    init_bytes = {True: msgspec.msgpack.encode(init),
+                  False: msgspec.msgpack.encode(remote_init or init)}
     deadline = time.monotonic() + timeout
     next_progress_log = time.monotonic() + _PROGRESS_LOG_S
+    addresses = [handshake_address] if isinstance(handshake_address, str) else handshake_address
     with zmq.Context() as ctx, ctx.socket(zmq.ROUTER) as sock:
+        secure(sock, "server", secret)
         sock.setsockopt(zmq.LINGER, 1000)
-        sock.bind(handshake_address)
+        for address in addresses:
+            sock.bind(address)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         for proc in procs:
@@ -241,49 +314,52 @@ def wait_for_engine_startup(handshake_address: str, init: EngineInitMetadata,
             if fired:
                 _raise_for_dead([p for p in procs if p.sentinel in fired], engines)
             if sock in events:
-                identity, body = _recv_pair(sock)
-                reply = _advance(engines, identity, body, hello_decoder, ready_decoder)
-                if reply:
-                    sock.send_multipart([identity, init_bytes])
+                frames = sock.recv_multipart()
+                reply = _advance(engines, frames, hello_decoder, ready_decoder)
+                if reply is not None:
+                    sock.send_multipart([frames[0], init_bytes[reply]])
     logger.info("all %d engine(s) ready", len(engines))
     return {r: e.ready for r, e in sorted(engines.items())}  # type: ignore[misc]
 
 
-def _recv_pair(sock: zmq.Socket) -> tuple[bytes, bytes]:
-    frames = sock.recv_multipart()
-    if len(frames) != 2:
-        raise EngineStartupError(f"handshake message of {len(frames)} frames, expected 2")
-    return frames[0], frames[1]
-
-
-def _advance(engines: dict[int, _Pending], identity: bytes, body: bytes,
+def _advance(engines: dict[int, _Pending], frames: list[bytes],
              hello_decoder: msgspec.msgpack.Decoder,
-             ready_decoder: msgspec.msgpack.Decoder) -> bool:
-    """Move one engine a state on; True when it must be sent the init metadata."""
+             ready_decoder: msgspec.msgpack.Decoder) -> bool | None:
+    """Move one engine a state on. Returns whether it is local when it must be
+    sent its init metadata, else None. Junk is logged and dropped."""
+    if len(frames) != 2 or len(frames[0]) != 2:
+        logger.error("dropping a handshake message of %d frames (expected 2, from an "
+                     "engine identity)", len(frames))
+        return None
+    identity, body = frames
     rank = int.from_bytes(identity, "little")
     engine = engines.get(rank)
     if engine is None:
-        raise EngineStartupError(f"handshake message from unexpected engine rank {rank}")
+        logger.error("dropping a handshake message from unexpected engine rank %d", rank)
+        return None
     decoder = hello_decoder if engine.state is StartupState.NEW else ready_decoder
     try:
         msg = decoder.decode(body)
     except msgspec.DecodeError as e:
-        raise EngineStartupError(f"engine {rank}: bad handshake message in state "
-                                 f"{engine.state.value}: {e}") from e
+        logger.error("engine %d: dropping a bad handshake message in state %s: %s", rank,
+                     engine.state.value, e)
+        return None
     if msg.local != engine.local:
         raise EngineStartupError(
             f"engine {rank} says it is {'local' if msg.local else 'remote'}, expected "
             f"{'local' if engine.local else 'remote'}")
     if engine.state is StartupState.NEW:
         engine.state = StartupState.CONNECTED
-        logger.info("engine %d connected; loading the model", rank)
-        return True
+        logger.info("engine %d (%s) connected; loading the model", rank,
+                    "local" if engine.local else "remote")
+        return engine.local
     if engine.state is StartupState.CONNECTED:
         engine.state, engine.ready = StartupState.READY, msg
         logger.info("engine %d ready: %d KV blocks, max_model_len %d", rank,
                     msg.num_kv_blocks, msg.max_model_len)
-        return False
-    raise EngineStartupError(f"engine {rank}: unexpected handshake message when READY")
+        return None
+    logger.error("engine %d: dropping a handshake message after READY", rank)
+    return None
 
 
 def _raise_for_dead(dead_procs: list[BaseProcess], engines: dict[int, _Pending]) -> None:

@@ -43,6 +43,7 @@ import msgspec
 import zmq
 
 from dpserve.protocol import COORDINATOR_READY, EngineReport, StartDPWave
+from dpserve.security import secure
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ class DPLink:
 
     def __init__(self, rank: int, dp_size: int, report_address: str, publish_address: str,
                  *, lockstep: bool = False, sync_interval: int = 32,
-                 master_ip: str = "127.0.0.1", master_port: int = 0) -> None:
+                 master_ip: str = "127.0.0.1", master_port: int = 0,
+                 secret: str | None = None) -> None:
         self.rank = rank
         self.dp_size = dp_size
         self.lockstep = lockstep
@@ -76,10 +78,10 @@ class DPLink:
         self._group = None  # torch.distributed ProcessGroupGloo (lockstep)
         self._store = None  # keeps the TCP store (rank 0: its server) alive
         self._ctx = zmq.Context()
-        self._report = self._ctx.socket(zmq.PUSH)
+        self._report = secure(self._ctx.socket(zmq.PUSH), "client", secret)
         self._report.setsockopt(zmq.LINGER, 0)
         self._report.connect(report_address)
-        self._publish: zmq.Socket | None = self._ctx.socket(zmq.SUB)
+        self._publish: zmq.Socket | None = secure(self._ctx.socket(zmq.SUB), "client", secret)
         self._publish.setsockopt(zmq.LINGER, 0)
         self._publish.setsockopt(zmq.SUBSCRIBE, b"")
         self._publish.connect(publish_address)

@@ -58,6 +58,7 @@ from dpserve.protocol import (
     UtilityOutput,
     engine_identity,
 )
+from dpserve.security import secure
 
 if TYPE_CHECKING:
     from dpserve.engine.core import EngineCore
@@ -81,6 +82,9 @@ _NOT_UTILITIES = frozenset({"add_request", "abort_requests", "step"})
 _PROC_UTILITIES = frozenset({"get_dp_state"})
 
 _IO_FAILED = "io-thread-failed"  # internal input-queue tag: an IO thread died
+_PEER_LOST = "front-end-lost"  # internal input-queue tag: a remote engine lost its front-end
+_PEER_LOST_S = 3.0  # a remote engine stops when a front-end is unreachable this long
+_HEARTBEAT_MS = 1000  # ZMQ heartbeats on a remote engine's input sockets (dead hosts)
 
 
 class EngineCoreProc:
@@ -95,9 +99,13 @@ class EngineCoreProc:
     """
 
     def __init__(self, config: EngineConfig, rank: int, handshake_address: str | None,
-                 local: bool = True, init: EngineInitMetadata | None = None) -> None:
+                 local: bool = True, init: EngineInitMetadata | None = None,
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT_S) -> None:
         self.config = config
         self.rank = rank
+        self.local = local  # on the launcher's host (else: watch the front-ends' links)
+        self.secret = config.parallel.data_parallel_secret
+        self.handshake_timeout = handshake_timeout
         self.identity = engine_identity(rank)
         # (type, decoded body, index of the front-end it came from)
         self.input_queue: queue.Queue[tuple[Any, Any, int]] = queue.Queue()
@@ -124,9 +132,11 @@ class EngineCoreProc:
         sock = ctx.socket(zmq.DEALER)
         linger_ms = 0  # on failure, do not wait to flush anything
         try:
+            secure(sock, "client", self.secret)
             sock.setsockopt(zmq.IDENTITY, self.identity)
             sock.connect(handshake_address)
-            ready = self._start(_say_hello(sock, local, handshake_address), local)
+            init = _say_hello(sock, local, handshake_address, self.handshake_timeout)
+            ready = self._start(init, local)
             sock.send(msgspec.msgpack.encode(ready))
             linger_ms = 5000
         finally:
@@ -141,7 +151,7 @@ class EngineCoreProc:
             # Subscribe now, so the coordinator hears from us while the model loads.
             parallel = self.config.parallel
             self.dp = DPLink(self.rank, init.dp_size, report_address=init.coordinator_output,
-                             publish_address=init.coordinator_input,
+                             publish_address=init.coordinator_input, secret=self.secret,
                              lockstep=parallel.data_parallel_lockstep,
                              sync_interval=parallel.data_parallel_sync_interval,
                              master_ip=init.dp_master_ip, master_port=init.dp_master_port)
@@ -210,6 +220,9 @@ class EngineCoreProc:
                 self.dp.on_start_wave(body)
         elif request_type == _IO_FAILED:
             raise RuntimeError(f"engine IO thread failed: {body}")
+        elif request_type == _PEER_LOST:
+            logger.warning("engine %d: %s; shutting down", self.rank, body)
+            raise SystemExit(0)
         else:
             logger.warning("ignoring request type %r (not handled by this engine)",
                            request_type)
@@ -311,18 +324,27 @@ class EngineCoreProc:
         with zmq.Context() as ctx:
             poller = zmq.Poller()
             index_of: dict[zmq.Socket, int] = {}
+            links = _FrontEndLinks(addresses)  # remote engines: are the front-ends there?
             if coordinator is not None:
                 poller.register(coordinator, zmq.POLLIN)
             for i, address in enumerate(addresses):
-                sock = ctx.socket(zmq.DEALER)
+                sock = secure(ctx.socket(zmq.DEALER), "client", self.secret)
                 sock.setsockopt(zmq.IDENTITY, self.identity)
                 sock.setsockopt(zmq.LINGER, 0)
+                if not self.local:
+                    links.watch(sock, i, poller)
                 sock.connect(address)
                 sock.send(b"")  # register: now the front-end's ROUTER can route to us
                 poller.register(sock, zmq.POLLIN)
                 index_of[sock] = i
             while not self._stop_io.is_set():
+                lost = links.lost_for_good()
+                if lost is not None:
+                    self.input_queue.put_nowait((_PEER_LOST, lost, -1))
+                    break
                 for sock, _ in poller.poll(_POLL_MS):
+                    if links.handles(sock):
+                        continue
                     frames = sock.recv_multipart()
                     if sock is coordinator:
                         item = _decode_request(frames, coordinator_decoders,
@@ -333,6 +355,7 @@ class EngineCoreProc:
                     item = _decode_request(frames, decoders)
                     if item is not None:
                         self.input_queue.put_nowait((*item, index_of[sock]))
+            links.close()
             for sock in index_of:
                 sock.close()
 
@@ -343,7 +366,7 @@ class EngineCoreProc:
         with zmq.Context() as ctx:  # leaving it waits for the flush (linger)
             sockets = []
             for address in addresses:
-                sock = ctx.socket(zmq.PUSH)
+                sock = secure(ctx.socket(zmq.PUSH), "client", self.secret)
                 sock.setsockopt(zmq.LINGER, DEAD_LINGER_MS)
                 sock.connect(address)
                 sockets.append(sock)
@@ -381,12 +404,64 @@ class EngineCoreProc:
             self.dp.close()
 
 
-def _say_hello(sock: zmq.Socket, local: bool, address: str) -> EngineInitMetadata:
+def _say_hello(sock: zmq.Socket, local: bool, address: str,
+               timeout: float) -> EngineInitMetadata:
     sock.send(msgspec.msgpack.encode(HandshakeHello(local=local)))
-    if not sock.poll(timeout=int(HANDSHAKE_TIMEOUT_S * 1000)):
+    if not sock.poll(timeout=int(timeout * 1000)):
         raise TimeoutError(f"no init metadata from the launcher at {address} within "
-                           f"{HANDSHAKE_TIMEOUT_S:.0f} s of HELLO")
+                           f"{timeout:g} s of HELLO (is the head running there, with the "
+                           f"same data-parallel secret?)")
     return msgspec.msgpack.decode(sock.recv(), type=EngineInitMetadata)
+
+
+class _FrontEndLinks:
+    """A remote engine's watch on its front-end connections (ZMQ socket monitors).
+
+    A front-end that stays disconnected (its host stopped, crashed or is
+    unreachable: heartbeats time out) for `_PEER_LOST_S` means the head is
+    gone, and a remote engine has no parent there to watch: it stops.
+    """
+
+    def __init__(self, addresses: list[str]) -> None:
+        self.addresses = addresses
+        self._monitors: dict[zmq.Socket, tuple[zmq.Socket, int]] = {}  # monitor -> (sock, i)
+        self._down_since: dict[int, float] = {}
+
+    def watch(self, sock: zmq.Socket, index: int, poller: zmq.Poller) -> None:
+        """Call before `sock.connect`."""
+        sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * _HEARTBEAT_MS)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        poller.register(monitor, zmq.POLLIN)
+        self._monitors[monitor] = (sock, index)
+
+    def handles(self, sock: zmq.Socket) -> bool:
+        """Take a monitor event if `sock` is a monitor; False for other sockets."""
+        if sock not in self._monitors:
+            return False
+        from zmq.utils.monitor import recv_monitor_message
+
+        event = recv_monitor_message(sock)["event"]
+        index = self._monitors[sock][1]
+        if event == zmq.EVENT_DISCONNECTED:
+            self._down_since.setdefault(index, time.monotonic())
+        elif event == zmq.EVENT_CONNECTED:
+            self._down_since.pop(index, None)
+        return True
+
+    def lost_for_good(self) -> str | None:
+        """A message naming a front-end down for `_PEER_LOST_S`, else None."""
+        now = time.monotonic()
+        for index, since in self._down_since.items():
+            if now - since >= _PEER_LOST_S:
+                return (f"front-end {index} at {self.addresses[index]} unreachable for "
+                        f"{now - since:.0f} s")
+        return None
+
+    def close(self) -> None:
+        for monitor, (sock, _) in self._monitors.items():
+            sock.disable_monitor()
+            monitor.close()
 
 
 def _build_engine_core(config: EngineConfig) -> EngineCore:
@@ -441,7 +516,7 @@ def _send_nowait(sock: zmq.Socket, frames: list[bytes]) -> None:
 
 
 def run_engine_core(config: EngineConfig, rank: int, handshake_address: str,
-                    local: bool = True) -> None:
+                    local: bool = True, handshake_timeout: float = HANDSHAKE_TIMEOUT_S) -> None:
     """Multiprocessing target: start one engine and serve until told to stop.
 
     Exit code 0 after SIGTERM/SIGINT (or when the parent dies); 1 after a
@@ -455,7 +530,8 @@ def run_engine_core(config: EngineConfig, rank: int, handshake_address: str,
     proc: EngineCoreProc | None = None
     exit_code = 0
     try:
-        proc = EngineCoreProc(config, rank, handshake_address, local)
+        proc = EngineCoreProc(config, rank, handshake_address, local,
+                              handshake_timeout=handshake_timeout)
         proc.run_busy_loop()
     except SystemExit:
         logger.info("engine %d shutting down", rank)

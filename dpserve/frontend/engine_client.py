@@ -68,6 +68,7 @@ from dpserve.protocol import (
     WakeEngines,
     engine_identity,
 )
+from dpserve.security import secure
 
 logger = logging.getLogger(__name__)
 
@@ -99,17 +100,20 @@ class AsyncEngineClient:
     """Send requests to engines and receive their outputs, over asyncio ZMQ.
 
     input_address / output_address: this front-end's pair (ZmqAddresses.
-    inputs[client_index] / outputs[client_index]); `engine_ranks`: the
+    inputs[client_index] / outputs[client_index]; a list binds each, e.g.
+    ipc for local engines and tcp for remote ones); `engine_ranks`: the
     engines that will connect. `register_timeout`: how long a send waits for
     an engine's registration frame before giving up. `coordinator_address`:
     the DP coordinator's front publish address (None: no coordinator).
     """
 
-    def __init__(self, input_address: str, output_address: str, *,
+    def __init__(self, input_address: str | Sequence[str],
+                 output_address: str | Sequence[str], *,
                  engine_ranks: Sequence[int] = (0,), client_index: int = 0,
                  register_timeout: float = 60.0, max_model_len: int | None = None,
                  coordinator_address: str | None = None,
-                 load_balance: str = "least-loaded", lockstep: bool = False) -> None:
+                 load_balance: str = "least-loaded", lockstep: bool = False,
+                 secret: str | None = None) -> None:
         if load_balance not in LOAD_BALANCE_POLICIES:
             raise ValueError(f"load_balance must be one of {', '.join(LOAD_BALANCE_POLICIES)}, "
                              f"got {load_balance!r}")
@@ -132,13 +136,14 @@ class AsyncEngineClient:
         self._watch_stop = threading.Event()
 
         self._ctx = zmq.asyncio.Context()
-        self._input = self._ctx.socket(zmq.ROUTER)
+        self._input = secure(self._ctx.socket(zmq.ROUTER), "server", secret)
         self._input.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: error, not a drop
         self._input.setsockopt(zmq.LINGER, 0)
-        self._input.bind(input_address)
-        self._output = self._ctx.socket(zmq.PULL)
+        self._output = secure(self._ctx.socket(zmq.PULL), "server", secret)
         self._output.setsockopt(zmq.LINGER, 0)
-        self._output.bind(output_address)
+        for sock, addresses in ((self._input, input_address), (self._output, output_address)):
+            for address in [addresses] if isinstance(addresses, str) else addresses:
+                sock.bind(address)
         self._tasks = [self._loop.create_task(self._read_registrations()),
                        self._loop.create_task(self._read_outputs())]
         self.balanced = coordinator_address is not None  # place by the coordinator's loads
@@ -148,7 +153,7 @@ class AsyncEngineClient:
         self.engines_running = False  # the coordinator's last word (or our own wake-up)
         self._turn = client_index  # round-robin position
         if coordinator_address is not None:
-            self._coordinator = self._ctx.socket(zmq.XSUB)
+            self._coordinator = secure(self._ctx.socket(zmq.XSUB), "client", secret)
             self._coordinator.setsockopt(zmq.LINGER, 0)
             self._coordinator.connect(coordinator_address)
             self._tasks.append(self._loop.create_task(self._read_coordinator()))
