@@ -198,3 +198,26 @@ class ScaleEngines(msgspec.Struct, tag="scale", array_like=True, gc=False):
 
 
 CoordinatorRequest = WakeEngines | ScaleEngines
+
+
+# ---- rendezvous (external / hybrid load balancing) ------------------------------
+#
+# The head (rank 0's host) answers on tcp://<data-parallel-address>:<rpc port>
+# (its ROUTER; other hosts' launchers connect a DEALER): where the coordinator is.
+
+
+class RendezvousRequest(msgspec.Struct, array_like=True, gc=False):
+    """A host's launcher -> the head: I run ranks [start_rank, start_rank + size_local)."""
+
+    start_rank: int
+    size_local: int
+
+
+class RendezvousReply(msgspec.Struct, array_like=True, gc=False):
+    """The head -> a host's launcher: the coordinator's tcp addresses and the DP store."""
+
+    coordinator_input: str  # its engine XPUB (engines SUB)
+    coordinator_output: str  # its report PULL (engines PUSH)
+    coordinator_front: str  # its front XPUB (API servers XSUB)
+    dp_master_ip: str
+    dp_master_port: int

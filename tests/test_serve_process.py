@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 
@@ -28,18 +29,24 @@ def _free_port() -> int:
 
 
 @contextmanager
-def serve(model: str, *extra: str, env: dict[str, str] | None = None, timeout: float = 120):
-    """Start `dpserve serve`, wait for /health, yield (process, base_url); always clean up."""
+def serve(model: str, *extra: str, env: dict[str, str] | None = None, timeout: float = 120,
+          host: str = "127.0.0.1"):
+    """Start `dpserve serve`, wait for /health, yield (process, base_url); always clean up.
+
+    The server's output goes to a temporary file: `output(proc)` reads it.
+    """
     port = _free_port()
+    log = tempfile.NamedTemporaryFile("w+", prefix="dpserve-serve-", suffix=".log")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dpserve.cli", "serve", model, "--port", str(port), *extra],
-        env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True)
-    url = f"http://127.0.0.1:{port}"
+        [sys.executable, "-m", "dpserve.cli", "serve", model, "--host", host, "--port",
+         str(port), *extra],
+        env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc.log = log  # type: ignore[attr-defined]
+    url = f"http://{host}:{port}"
     try:
         deadline = time.monotonic() + timeout
         while True:
-            assert proc.poll() is None, f"server exited early:\n{proc.stdout.read()[-3000:]}"
+            assert proc.poll() is None, f"server exited early:\n{output(proc)[-3000:]}"
             assert time.monotonic() < deadline, "server did not become healthy in time"
             try:
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
@@ -50,6 +57,13 @@ def serve(model: str, *extra: str, env: dict[str, str] | None = None, timeout: f
         yield proc, url
     finally:
         _stop(proc)
+        log.close()
+
+
+def output(proc: subprocess.Popen) -> str:
+    """Everything a process started by `serve` has written so far."""
+    with open(proc.log.name) as f:  # type: ignore[attr-defined]
+        return f.read()
 
 
 def _stop(proc: subprocess.Popen) -> None:
