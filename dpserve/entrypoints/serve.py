@@ -1,21 +1,35 @@
-"""`dpserve serve`: launch the engine and serve it over OpenAI-compatible HTTP.
+"""`dpserve serve`: launch the engines and serve them over OpenAI-compatible HTTP.
 
-Processes (one API server; N = --data-parallel-size engines):
+Processes (N = --data-parallel-size engines, M = --api-server-count API servers):
 
+    M == 1:
     main process  "dpserve::APIServer_0"     launcher + FastAPI/uvicorn
-      |  ROUTER in (bind) / PULL out (bind)          (AsyncEngineClient)
+    M > 1:
+    main process  "dpserve::Launcher"        launcher only; watches every process
+    children      "dpserve::APIServer_<i>"   FastAPI/uvicorn, i < M (entrypoints/api_server.py)
+    ------
+      |  API server i: ROUTER inputs[i] (bind) / PULL outputs[i] (bind)  (AsyncEngineClient)
       v
     children      "dpserve::EngineCore_<r>"  EngineCoreProc (model + KV cache), r < N
-    child (N > 1) "dpserve::DPCoordinator"   engines' load counts -> the API server
+    child (N > 1) "dpserve::DPCoordinator"   engines' load counts -> every API server
 
-The launcher resolves the config once, starts the coordinator (N > 1) and
-then the engines (their init metadata names the coordinator's addresses),
-waits for every READY (failing at once, with one line, if any of them dies),
-then runs uvicorn. A watchdog stops the server when any engine or the
-coordinator dies (exit code 1); SIGTERM or Ctrl-C stop it gracefully
-(uvicorn drains for up to 2 s, then the exit code is 128 + the signal, as
-usual). Either way every child is shut down (terminate -> join -> kill tree)
-before the process exits.
+The launcher validates the options and binds host:port once, before loading
+anything (so a port in use fails at once, and no other process can take it
+while the engines load); every API server serves on that one socket. It
+resolves the config once, starts the coordinator (N > 1) and then the engines
+(their init metadata names the coordinator's and all M API servers'
+addresses) and waits for every READY (failing at once, with one line, if any
+of them dies). Then, with M == 1, it runs uvicorn itself; with M > 1 it
+starts the M API-server processes, waits for all of them to be ready (one
+line if any fails), lets them serve and watches every process.
+
+Any engine, the coordinator or an API server dying stops the server with exit
+code 1 (in-flight requests fail with a 503 first); SIGTERM or Ctrl-C stop it
+gracefully (uvicorn drains for up to 2 s, then the exit code is 128 + the
+signal, as usual). Either way every child is shut down (terminate -> join ->
+kill tree), API servers first, before the launcher exits. With M > 1 the
+API servers' Prometheus values live in a private PROMETHEUS_MULTIPROC_DIR
+that the launcher removes at exit.
 """
 
 from __future__ import annotations
@@ -24,16 +38,24 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
+from collections.abc import Sequence
+from multiprocessing import connection
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
 
-from dpserve.config import EngineArgs, EngineConfig
+from dpserve.config import ConfigError, EngineArgs, EngineConfig
 from dpserve.logging_utils import name_process
 
-logger = logging.getLogger("dpserve.serve")
+if TYPE_CHECKING:
+    from dpserve.entrypoints.api_server import APIServerOptions, APIServerSpec
 
-_GRACEFUL_SHUTDOWN_S = 2
+logger = logging.getLogger("dpserve.serve")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +78,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         choices=["least-loaded", "round-robin"],
                         help="How the API server places requests on engines: the lowest "
                              "4*waiting + running (from the DP coordinator), or in turn.")
+    parser.add_argument("--api-server-count", type=int, default=1,
+                        help="API-server processes sharing the one listening socket (1: the "
+                             "API server runs in the main process).")
     parser.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="Log level of uvicorn's own logger.")
@@ -63,8 +88,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    from dpserve.config import ConfigError
-
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     if args.engine_ready_timeout <= 0:
@@ -73,33 +96,60 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.max_request_body_bytes < 1024:
         raise ConfigError(f"--max-request-body-bytes must be at least 1024, got "
                           f"{args.max_request_body_bytes}")
-    # Fail before loading any model if the address cannot be listened on.
+    if args.api_server_count < 1:
+        raise ConfigError(f"--api-server-count must be at least 1, got "
+                          f"{args.api_server_count}")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind host:port for every API server (they listen on it when they serve).
+
+    SO_REUSEADDR only (restarts are not blocked by old TIME_WAIT connections),
+    never SO_REUSEPORT: no other process can listen on the port while this
+    socket is open.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        with socket.create_server((args.host, args.port), reuse_port=False):
-            pass
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
     except OSError as e:
-        raise ConfigError(f"--port {args.port} on {args.host} cannot be used: "
+        sock.close()
+        raise ConfigError(f"--port {port} on {host} cannot be used: "
                           f"{e.strerror or e}") from None
+    return sock
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Run the server until SIGTERM/Ctrl-C or an engine (or the coordinator) dies (1)."""
+    """Run the server until SIGTERM/Ctrl-C or a dpserve process dies (1)."""
     from dpserve.coordinator import DPCoordinator
+    from dpserve.entrypoints.api_server import (
+        APIServerOptions,
+        APIServerSpec,
+        APIServerStartupError,
+    )
     from dpserve.launcher import AddressAllocator, EngineProcManager, EngineStartupError
 
     _check_args(args)
-    config = EngineArgs.from_cli(args).create_config()
-    dp_size = config.parallel.data_parallel_size
-    name_process("APIServer_0")
-    # Until uvicorn installs its own handlers, SIGTERM unwinds through `finally`.
-    signal.signal(signal.SIGTERM, _raise_system_exit)
-    alloc = AddressAllocator()
-    addrs = alloc.engine_addresses(num_clients=1)
+    sock = _bind(args.host, args.port)  # before loading anything: fail fast, hold the port
+    num_api_servers = args.api_server_count
     coordinator: DPCoordinator | None = None
     manager: EngineProcManager | None = None
+    alloc: AddressAllocator | None = None
     try:
+        config = EngineArgs.from_cli(args).create_config()
+        dp_size = config.parallel.data_parallel_size
+        name_process("APIServer_0" if num_api_servers == 1 else "Launcher")
+        # Until the serving phase installs its own handlers, a stop signal
+        # unwinds through `finally`.
+        signal.signal(signal.SIGTERM, _raise_system_exit)
+        if num_api_servers > 1:
+            signal.signal(signal.SIGINT, _raise_system_exit)
+        alloc = AddressAllocator()
+        addrs = alloc.engine_addresses(num_clients=num_api_servers)
         if dp_size > 1:  # the coordinator first: engines connect to it while loading
             coordinator = DPCoordinator(dp_size, alloc,
+                                        secret=config.parallel.data_parallel_secret,
                                         startup_timeout_s=args.engine_ready_timeout)
             coordinator.start()
             addrs = dataclasses.replace(
@@ -110,69 +160,128 @@ def run_serve(args: argparse.Namespace) -> int:
         ready = manager.wait_for_startup(addrs.init_metadata(dp_size=dp_size),
                                          timeout=args.engine_ready_timeout, also_watch=others)
         max_model_len = min(r.max_model_len for r in ready.values())
-        return asyncio.run(_serve_http(
-            args, config, addrs, manager, max_model_len, others,
-            coordinator.front_publish_address if coordinator is not None else None))
+        front = coordinator.front_publish_address if coordinator is not None else None
+        specs = [APIServerSpec(i, addrs.inputs[i], addrs.outputs[i], tuple(manager.ranks),
+                               max_model_len, front) for i in range(num_api_servers)]
+        options = APIServerOptions.from_args(args)
+        engine_procs = [*manager.processes, *others]
+        if num_api_servers == 1:
+            return _serve_in_process(options, config, specs[0], sock, engine_procs)
+        return _run_api_servers(options, config, specs, sock, engine_procs)
     except EngineStartupError as e:
-        print(f"dpserve: error: engine failed to start: {e}", file=sys.stderr)
-        return 1
+        error = f"engine failed to start: {e}"
+    except APIServerStartupError as e:
+        error = f"API server failed to start: {e}"
     finally:
         if manager is not None:
             manager.close()
         if coordinator is not None:
             coordinator.close()
-        alloc.cleanup()
+        if alloc is not None:
+            alloc.cleanup()
+        sock.close()
+    print(f"dpserve: error: {error}", file=sys.stderr)  # last, after the children's logs
+    return 1
 
 
-async def _serve_http(args: argparse.Namespace, config: EngineConfig, addrs, manager,
-                      max_model_len: int, others: list, coordinator_address: str | None,
-                      ) -> int:
-    import uvicorn
+def _serve_in_process(options: APIServerOptions, config: EngineConfig,
+                      spec: APIServerSpec, sock: socket.socket,
+                      engine_procs: list[BaseProcess]) -> int:
+    """M == 1: API server 0 runs here; an engine or coordinator death stops it (1)."""
+    from dpserve.entrypoints.api_server import serve_http
 
-    from dpserve.frontend.async_llm import AsyncLLM
-    from dpserve.frontend.engine_client import AsyncEngineClient
-    from dpserve.server.app import build_app
+    async def on_ready(client, server) -> None:
+        client.watch_processes(engine_procs)  # any death stops the server
+        _log_serving(options, config, spec, sock, 1)
 
-    client = AsyncEngineClient(addrs.inputs[0], addrs.outputs[0], engine_ranks=manager.ranks,
-                               client_index=0, max_model_len=max_model_len,
-                               coordinator_address=coordinator_address,
-                               load_balance=args.load_balance)
-    client.watch_processes([*manager.processes, *others])  # any death stops the server
-    llm = AsyncLLM(config, client)
-    name = args.served_model_name or _default_served_name(args.model)
-    app = build_app(llm, name, api_key=args.api_key,
-                    max_request_body_bytes=args.max_request_body_bytes)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-        timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S, access_log=False))
-    watchdog = asyncio.create_task(_stop_when_dead(llm, server))
-    logger.info("serving %s on http://%s:%d (model %s, max_model_len %d, %d engine(s))",
-                name, args.host, args.port, config.model.path, max_model_len,
-                len(manager.ranks))
+    return asyncio.run(serve_http(options, config, spec, sock, on_ready))
+
+
+def _run_api_servers(options: APIServerOptions, config: EngineConfig,
+                     specs: list[APIServerSpec], sock: socket.socket,
+                     engine_procs: list[BaseProcess]) -> int:
+    """M > 1: start the API-server processes, then watch every process.
+
+    Returns 128 + the signal after SIGTERM/SIGINT, 1 when any process died.
+    """
+    from dpserve.entrypoints.api_server import APIServerProcManager
+
+    metrics_dir = tempfile.mkdtemp(prefix="dpserve-metrics-")
+    api: APIServerProcManager | None = None
+    stop: _StopSignal | None = None
     try:
-        await server.serve()
-    finally:
-        watchdog.cancel()
-        llm.shutdown()
-    if llm.is_dead:
-        logger.error("an engine or the DP coordinator died; the server stopped")
+        api = APIServerProcManager(options, config, specs, sock, metrics_dir)
+        api.wait_for_startup(also_watch=engine_procs)
+        stop = _StopSignal()
+        api.start_serving()
+        _log_serving(options, config, specs[0], sock, len(specs))
+        exited = _watch(stop, [*engine_procs, *api.processes])
+        if stop.signum is not None:
+            logger.info("signal %d: stopping", stop.signum)
+            return 128 + stop.signum
+        reason = "; ".join(f"process {p.name} (pid {p.pid}) exited with code {p.exitcode}"
+                           for p in exited)
+        logger.error("%s; stopping the server", reason)
+        api.stop_after_death(reason)
         return 1
-    return 0
+    finally:
+        if api is not None:
+            api.close()  # API servers first: they drain while the engines still run
+        if stop is not None:
+            stop.restore()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-async def _stop_when_dead(llm, server) -> None:
-    while not server.should_exit:
-        if llm.is_dead:
-            # Give in-flight requests a moment to receive their error, then stop.
-            await asyncio.sleep(0.5)
-            server.should_exit = True
-            return
-        await asyncio.sleep(0.1)
+class _StopSignal:
+    """The launcher's SIGTERM/SIGINT while serving: remember it, wake `_watch`."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.fd, self._write_fd = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._write_fd, False)
+        self._old_wakeup_fd = signal.set_wakeup_fd(self._write_fd)
+        self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.signum = signum  # the wakeup fd wakes the loop
+
+    def drain(self) -> None:
+        try:
+            os.read(self.fd, 512)
+        except BlockingIOError:
+            pass
+
+    def restore(self) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+        signal.set_wakeup_fd(self._old_wakeup_fd)
+        os.close(self.fd)
+        os.close(self._write_fd)
 
 
-def _default_served_name(model: str | None) -> str:
-    # As vLLM does: clients name the model the way the server was given it.
-    return model if model is not None else "SmolLM2-135M-Instruct"
+def _watch(stop: _StopSignal, procs: Sequence[BaseProcess]) -> list[BaseProcess]:
+    """Block until a stop signal ([]) or until any of `procs` exits (those that did)."""
+    by_sentinel = {p.sentinel: p for p in procs}
+    while stop.signum is None:
+        ready = connection.wait([*by_sentinel, stop.fd], timeout=5.0)
+        if stop.fd in ready:
+            stop.drain()
+        exited = [by_sentinel[s] for s in ready if s in by_sentinel]
+        if exited and stop.signum is None:
+            for proc in exited:
+                proc.join(timeout=1.0)  # reap: exitcode becomes known
+            return exited
+    return []
+
+
+def _log_serving(options: APIServerOptions, config: EngineConfig, spec: APIServerSpec,
+                 sock: socket.socket, num_api_servers: int) -> None:
+    host, port = sock.getsockname()[:2]
+    logger.info("serving %s on http://%s:%d (model %s, max_model_len %d, %d engine(s), "
+                "%d API server(s))", options.served_model_name, host, port,
+                config.model.path, spec.max_model_len, len(spec.engine_ranks),
+                num_api_servers)
 
 
 def _raise_system_exit(signum: int, frame: object) -> None:

@@ -47,14 +47,16 @@ _M = TypeVar("_M", bound=BaseModel)
 
 
 def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
-              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              api_server_index: int = 0) -> FastAPI:
     """An OpenAI-compatible app over `async_llm`; `api_key` defaults to $DPSERVE_API_KEY.
 
     The app does not own `async_llm`: whoever built it shuts it down.
+    `api_server_index` labels this API server's series in /metrics.
     """
     api_key = api_key or os.environ.get("DPSERVE_API_KEY") or None
     serving = OpenAIServing(async_llm, served_model_name)
-    metrics = ServerMetrics(served_model_name)
+    metrics = ServerMetrics(served_model_name, api_server_index=api_server_index)
     async_llm.add_stats_listener(metrics)
     app = FastAPI(title="dpserve", version=__version__)
     app.state.serving, app.state.metrics = serving, metrics

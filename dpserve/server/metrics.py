@@ -1,4 +1,4 @@
-"""Prometheus metrics of one API server.
+"""Prometheus metrics of the API servers.
 
 `ServerMetrics` is a `StatsListener` of `AsyncLLM`: every engine message
 brings the engine's `SchedulerStats` (request counts, KV-cache usage,
@@ -6,11 +6,30 @@ prefix-cache counters) and the front-end's `IterationStats` (tokens, first
 token and inter-token latencies, finished requests). Engine gauges carry an
 `engine` label (the engine index), so data parallel adds series, not metrics;
 `dpserve:engine_requests_finished` counts finished requests per engine (how
-the load was spread).
-Each instance has its own registry: no module-global state.
+the load was spread), `dpserve:api_server_requests_finished` per API server.
+
+One API server (the main process): each instance has its own registry, no
+module-global state. Several API-server processes (`--api-server-count`):
+PROMETHEUS_MULTIPROC_DIR is set before prometheus_client is imported, every
+process writes its values to files there and a scrape, answered by any one
+of them, merges them all:
+
+* counters and histograms are summed over the API servers;
+* engine gauges take the most recent value any API server was sent
+  (multiprocess_mode "mostrecent");
+* the engine's own cumulative counters (prefix-cache queries and hits,
+  preemptions) reach an API server only with its own requests' outputs, so
+  per-process increments would count one engine's work once per API server:
+  each process records the cumulative figure in a "max" gauge, shown on
+  scrape as the counter it stands for (same name, `_total`). Invariant: an
+  engine's cumulative figures only grow (an engine never restarts in place).
 """
 
 from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -19,10 +38,14 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
+    values,
 )
+from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 
-from dpserve.frontend.async_llm import IterationStats
-from dpserve.protocol import SchedulerStats
+if TYPE_CHECKING:
+    from dpserve.frontend.async_llm import IterationStats
+    from dpserve.protocol import SchedulerStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -30,14 +53,26 @@ _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 3
                 50.0, 60.0, 120.0, 240.0, 480.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+# Engine-cumulative counters: name -> help. Multiprocess: a "max" gauge named
+# name + _CUMULATIVE holds the figure; `_MultiProcessExport` shows it as the counter.
+_ENGINE_TOTALS = {
+    "dpserve:prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+    "dpserve:prefix_cache_hits": "Prompt tokens found in the prefix cache.",
+    "dpserve:num_preemptions": "Requests preempted.",
+}
+_CUMULATIVE = ":engine_cumulative"
 
 
 class ServerMetrics:
     """All dpserve metrics, named `dpserve:*`, in a registry of their own."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, api_server_index: int = 0) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
+        self.api_server_index = api_server_index
+        self.multiprocess_dir = _multiprocess_dir()
         r, m = self.registry, ["model_name"]
         e = ["model_name", "engine"]
         self.request_success = Counter("dpserve:request_success", "Finished requests (one per "
@@ -53,30 +88,39 @@ class ServerMetrics:
                              "outputs of one request.", m, buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("dpserve:e2e_request_latency_seconds", "Arrival to finish.", m,
                              buckets=_E2E_BUCKETS, registry=r)
+        latest = dict(registry=r, multiprocess_mode="mostrecent")  # ignored by one process
         self.running = Gauge("dpserve:num_requests_running", "Requests running in the engine.",
-                             e, registry=r)
+                             e, **latest)
         self.waiting = Gauge("dpserve:num_requests_waiting", "Requests waiting in the engine.",
-                             e, registry=r)
+                             e, **latest)
         self.kv_usage = Gauge("dpserve:kv_cache_usage_perc", "Fraction of KV-cache blocks in "
-                              "use (0-1).", e, registry=r)
+                              "use (0-1).", e, **latest)
         self.prefix_hit_rate = Gauge("dpserve:prefix_cache_hit_rate", "Prompt tokens found "
                                      "in the prefix cache / tokens looked up, since start.",
-                                     e, registry=r)
-        self.prefix_queries = Counter("dpserve:prefix_cache_queries", "Prompt tokens looked "
-                                      "up in the prefix cache.", e, registry=r)
-        self.prefix_hits = Counter("dpserve:prefix_cache_hits", "Prompt tokens found in the "
-                                   "prefix cache.", e, registry=r)
+                                     e, **latest)
+        # [3] prefix-cache queries, hits, preemptions: Counters, or "max" Gauges (multiprocess)
+        self.engine_totals: list[Counter | Gauge] = [
+            Counter(name, doc, e, registry=r) if self.multiprocess_dir is None else
+            Gauge(name + _CUMULATIVE, doc, e, registry=r, multiprocess_mode="max")
+            for name, doc in _ENGINE_TOTALS.items()]
+        self.prefix_queries, self.prefix_hits, self.preemptions = self.engine_totals
         self.engine_finished = Counter("dpserve:engine_requests_finished", "Requests "
                                        "finished by an engine (one per completion).", e,
                                        registry=r)
-        self.preemptions = Counter("dpserve:num_preemptions", "Requests preempted.", e,
-                                   registry=r)
+        self.api_server_finished = Counter("dpserve:api_server_requests_finished", "Requests "
+                                           "finished by an API server (one per completion).",
+                                           m + ["api_server"], registry=r)
         for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e):
             metric.labels(model_name)  # show zeros before the first request
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)
+        self.api_server_finished.labels(model_name, str(api_server_index))
         # engine index -> last cumulative (queries, hits, preemptions) seen
         self._last: dict[int, tuple[int, int, int]] = {}
+        self._export: CollectorRegistry | None = None
+        if self.multiprocess_dir is not None:
+            self._export = CollectorRegistry(auto_describe=False)
+            self._export.register(_MultiProcessExport(self.multiprocess_dir))
 
     def record(self, engine_index: int | None, scheduler_stats: SchedulerStats | None,
                iteration: IterationStats | None) -> None:
@@ -98,9 +142,12 @@ class ServerMetrics:
         self.prefix_hit_rate.labels(*labels).set(s.prefix_cache_hits / queries if queries
                                                  else 0.0)
         now = (queries, s.prefix_cache_hits, s.num_preemptions)
+        if self.multiprocess_dir is not None:
+            for gauge, value in zip(self.engine_totals, now):
+                gauge.labels(*labels).set(value)  # type: ignore[union-attr]
+            return
         last = self._last.get(engine_index, (0, 0, 0))
-        for counter, new, old in zip((self.prefix_queries, self.prefix_hits, self.preemptions),
-                                     now, last):
+        for counter, new, old in zip(self.engine_totals, now, last):
             # Cumulative in the engine; a restarted engine starts again from 0.
             counter.labels(*labels).inc(new - old if new >= old else new)
         self._last[engine_index] = now
@@ -118,7 +165,40 @@ class ServerMetrics:
         for f in it.finished:
             self.request_success.labels(name, f.finish_reason).inc()
             self.e2e.labels(name).observe(f.e2e_latency)
+        if it.finished:
+            self.api_server_finished.labels(name, str(self.api_server_index)).inc(
+                len(it.finished))
 
     def render(self) -> bytes:
-        """The text exposition format, for GET /metrics."""
-        return generate_latest(self.registry)
+        """The text exposition format, for GET /metrics (all API servers' values)."""
+        return generate_latest(self._export if self._export is not None else self.registry)
+
+
+class _MultiProcessExport:
+    """Every API server's values from the multiprocess dir; engine-cumulative
+    "max" gauges are shown as the counters they stand for."""
+
+    def __init__(self, path: str) -> None:
+        self._files = MultiProcessCollector(None, path)
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._files.collect():
+            name = metric.name.removesuffix(_CUMULATIVE)
+            if name == metric.name:
+                yield metric
+                continue
+            counter = Metric(name, metric.documentation, "counter")
+            for sample in metric.samples:
+                counter.add_sample(name + "_total", sample.labels, sample.value)
+            yield counter
+
+
+def _multiprocess_dir() -> str | None:
+    """$PROMETHEUS_MULTIPROC_DIR when prometheus_client runs in multiprocess mode."""
+    path = os.environ.get(MULTIPROC_DIR_ENV)
+    if path is None:
+        return None
+    if not getattr(values.ValueClass, "_multiprocess", False):
+        raise RuntimeError(f"{MULTIPROC_DIR_ENV} was set after prometheus_client was "
+                           f"imported: set it first (it picks multiprocess mode on import)")
+    return path

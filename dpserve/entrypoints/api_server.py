@@ -1,0 +1,398 @@
+"""API servers: the HTTP front-end of `dpserve serve`, in the main process or in M of its own.
+
+Scope: `serve_http` (one API server: AsyncEngineClient -> AsyncLLM ->
+FastAPI app -> uvicorn on a socket the launcher bound), the process target
+`run_api_server` for `--api-server-count M > 1`, and `APIServerProcManager`,
+the launcher's side of those processes (spawn, start-up handshake, stop).
+
+Not here: binding the listening socket, engines, the coordinator and the
+watch loop over every process (`dpserve.entrypoints.serve`), the HTTP routes
+(`dpserve.server.app`).
+
+Processes and sockets with M API servers (i < M):
+
+    launcher  "dpserve::Launcher"      binds host:port once (no listen), spawns:
+    child     "dpserve::APIServer_<i>" gets a duplicate of that socket (multiprocessing
+                                       passes its fd); uvicorn listens/accepts on it, the
+                                       kernel hands each new connection to one of the M
+      ROUTER inputs[i] (bind) / PULL outputs[i] (bind)   its own engine sockets, client
+                                       index i (outputs come back by `client_index`)
+      XSUB -> coordinator front XPUB   (N > 1) its own subscription; placement scans
+                                       the engines from its own index
+      Pipe <-> launcher                `ControlMessage`s, below
+
+Start-up handshake over the pipe (every wait bounded, every wait watching the
+other side):
+
+    child:    build client, AsyncLLM, app  --READY--> (or --FAILED(reason)--> exit 1)
+    launcher: all M READY (or the first FAILED / death / timeout fails the launch)
+              --SERVE--> to each: now they serve, so the port opens with all M up
+    later:    --STOPPING(reason)--> when any dpserve process died: fail in-flight
+              requests with the reason (503), exit 1
+
+An API server stops on SIGTERM/SIGINT (uvicorn drains for up to 2 s), when
+its engines die (ENGINE_CORE_DEAD, or STOPPING from the launcher), or when
+the launcher is gone (pipe closed, or re-parented: polled every second).
+
+Metrics: each child sets PROMETHEUS_MULTIPROC_DIR (the launcher's private
+dir) before prometheus_client is imported, so every scrape sums all M; see
+`dpserve.server.metrics`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing import connection
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING, Literal
+
+from dpserve.config import EngineConfig
+from dpserve.launcher import shutdown
+from dpserve.logging_utils import name_process
+
+if TYPE_CHECKING:
+    import socket
+
+    import uvicorn
+
+    from dpserve.frontend.async_llm import AsyncLLM
+    from dpserve.frontend.engine_client import AsyncEngineClient
+
+logger = logging.getLogger(__name__)
+
+GRACEFUL_SHUTDOWN_S = 2  # uvicorn drains requests this long after SIGTERM
+API_SERVER_READY_TIMEOUT_S = 120.0  # build + handshake, either side
+_PARENT_POLL_S = 1.0
+_PARENT_GRACE_S = 10.0  # an orphan that asked itself to stop hard-exits after this
+
+# Test-only fault injection: API server <index> fails while starting.
+FAULT_START_ENV = "DPSERVE_FAULT_API_SERVER_START"
+
+
+class APIServerStartupError(RuntimeError):
+    """An API server process failed, died or timed out while starting."""
+
+
+@dataclass(frozen=True)
+class APIServerOptions:
+    """The HTTP options every API server shares (from the `dpserve serve` flags)."""
+
+    served_model_name: str
+    api_key: str | None
+    max_request_body_bytes: int
+    load_balance: str  # "least-loaded" | "round-robin"
+    uvicorn_log_level: str
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> APIServerOptions:
+        return cls(served_model_name=args.served_model_name or _default_served_name(args.model),
+                   api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes,
+                   load_balance=args.load_balance, uvicorn_log_level=args.uvicorn_log_level)
+
+
+@dataclass(frozen=True)
+class APIServerSpec:
+    """What API server `index` needs to reach the engines (picklable, plain values)."""
+
+    index: int  # its client index: engines route its outputs by it
+    input_address: str  # ZmqAddresses.inputs[index], bound by this API server
+    output_address: str  # ZmqAddresses.outputs[index], bound by this API server
+    engine_ranks: tuple[int, ...]
+    max_model_len: int  # the engines' limit (min over their READY)
+    coordinator_address: str | None  # the DP coordinator's front XPUB (None: no coordinator)
+
+
+@dataclass(frozen=True)
+class ControlMessage:
+    """Launcher <-> API server process, over its pipe (see the module docstring)."""
+
+    kind: Literal["ready", "failed", "serve", "stopping"]
+    detail: str = ""  # failed / stopping: why
+
+
+# on_ready(client, server): runs once everything is built, before uvicorn serves.
+OnReady = Callable[["AsyncEngineClient", "uvicorn.Server"], Awaitable[None]]
+
+
+async def serve_http(options: APIServerOptions, config: EngineConfig, spec: APIServerSpec,
+                     sock: socket.socket, on_ready: OnReady) -> int:
+    """Serve HTTP on `sock` until told to stop (0) or the engines die (1).
+
+    SIGTERM/SIGINT: uvicorn drains, then raises the signal again, so the
+    caller's handler decides (`dpserve serve` exits with 128 + the signal).
+    """
+    import uvicorn
+
+    from dpserve.frontend.async_llm import AsyncLLM
+    from dpserve.frontend.engine_client import AsyncEngineClient
+    from dpserve.server.app import build_app
+
+    client = AsyncEngineClient(spec.input_address, spec.output_address,
+                               engine_ranks=spec.engine_ranks, client_index=spec.index,
+                               max_model_len=spec.max_model_len,
+                               coordinator_address=spec.coordinator_address,
+                               load_balance=options.load_balance,
+                               lockstep=config.parallel.data_parallel_lockstep,
+                               secret=config.parallel.data_parallel_secret)
+    llm: AsyncLLM | None = None
+    died = False
+    try:
+        llm = AsyncLLM(config, client)
+        app = build_app(llm, options.served_model_name, api_key=options.api_key,
+                        max_request_body_bytes=options.max_request_body_bytes,
+                        api_server_index=spec.index)
+        # log_config=None: uvicorn's loggers use ours, so its lines name the process too.
+        server = uvicorn.Server(uvicorn.Config(
+            app, log_level=options.uvicorn_log_level, log_config=None, access_log=False,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+        await on_ready(client, server)
+        watchdog = asyncio.create_task(_stop_when_dead(llm, server))
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            watchdog.cancel()
+        died = llm.is_dead  # before shutdown(), which marks the client dead too
+    finally:
+        if llm is not None:
+            llm.shutdown()
+        else:
+            client.shutdown()
+    if died:
+        logger.error("stopped: %s", client.dead_reason or "the engines are dead")
+        return 1
+    return 0
+
+
+async def _stop_when_dead(llm: AsyncLLM, server: uvicorn.Server) -> None:
+    while not server.should_exit:
+        if llm.is_dead:
+            # Give in-flight requests a moment to receive their error, then stop.
+            await asyncio.sleep(0.5)
+            server.should_exit = True
+            return
+        await asyncio.sleep(0.1)
+
+
+def _default_served_name(model: str | None) -> str:
+    # As vLLM does: clients name the model the way the server was given it.
+    return model if model is not None else "SmolLM2-135M-Instruct"
+
+
+# ---- the API server process -------------------------------------------------------
+
+
+def run_api_server(options: APIServerOptions, config: EngineConfig, spec: APIServerSpec,
+                   sock: socket.socket, conn: connection.Connection, parent_pid: int,
+                   metrics_dir: str) -> None:
+    """Process target `APIServer_<index>`: exit 128 + the signal after SIGTERM/SIGINT,
+    0 when the launcher is gone, 1 on a failure or when the engines die."""
+    name_process(f"APIServer_{spec.index}")
+    # Before prometheus_client is imported: it picks multiprocess mode on import.
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    # Until uvicorn installs its own handlers, a stop signal unwinds through `finally`.
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    signal.signal(signal.SIGINT, _raise_system_exit)
+    _start_parent_watcher(parent_pid)
+    link = _LauncherLink(conn, spec.index)
+    exit_code = 1
+    try:
+        exit_code = asyncio.run(serve_http(options, config, spec, sock, link.on_ready))
+    except SystemExit as e:  # a stop signal
+        exit_code = e.code if isinstance(e.code, int) else 1
+    except Exception as e:
+        if link.reported_ready:
+            logger.exception("API server %d failed", spec.index)
+        else:
+            logger.error("API server %d failed to start: %s", spec.index, e, exc_info=True)
+            link.report_failure(f"{type(e).__name__}: {e}")
+    finally:
+        conn.close()
+    logger.info("API server %d exiting (code %d)", spec.index, exit_code)
+    # Everything this process owns is closed by now: skip the interpreter's
+    # teardown, which takes seconds once torch (via the tokenizer) is loaded.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
+
+
+class _LauncherLink:
+    """An API server process's end of its pipe to the launcher."""
+
+    def __init__(self, conn: connection.Connection, index: int) -> None:
+        self.conn = conn
+        self.index = index
+        self.reported_ready = False
+
+    async def on_ready(self, client: AsyncEngineClient, server: uvicorn.Server) -> None:
+        """Say READY, wait (bounded) for SERVE, then listen for STOPPING."""
+        if os.environ.get(FAULT_START_ENV) == str(self.index):
+            raise RuntimeError(f"injected start-up failure ({FAULT_START_ENV})")
+        self.conn.send(ControlMessage("ready"))
+        self.reported_ready = True
+        logger.info("API server %d ready (client index %d); waiting for the launcher",
+                    self.index, client.client_index)
+        loop = asyncio.get_running_loop()
+        readable = loop.create_future()
+        loop.add_reader(self.conn.fileno(), lambda: readable.done() or readable.set_result(None))
+        try:  # a closed pipe (the launcher died) is readable too: recv() raises EOFError
+            await asyncio.wait_for(readable, API_SERVER_READY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no SERVE from the launcher within "
+                               f"{API_SERVER_READY_TIMEOUT_S:.0f} s of READY") from None
+        finally:
+            loop.remove_reader(self.conn.fileno())
+        message = self.conn.recv()
+        if message.kind != "serve":
+            raise RuntimeError(f"expected SERVE from the launcher, got {message.kind}")
+        loop.add_reader(self.conn.fileno(), self._on_message, loop, client, server)
+
+    def _on_message(self, loop: asyncio.AbstractEventLoop, client: AsyncEngineClient,
+                    server: uvicorn.Server) -> None:
+        try:
+            message = self.conn.recv()
+        except (EOFError, OSError):
+            loop.remove_reader(self.conn.fileno())
+            logger.error("the launcher is gone; stopping")
+            server.should_exit = True
+            return
+        if message.kind == "stopping":
+            client.mark_dead(message.detail)  # fails in-flight requests; then we exit 1
+
+    def report_failure(self, reason: str) -> None:
+        try:
+            self.conn.send(ControlMessage("failed", reason))
+        except OSError:
+            pass  # the launcher is gone: nobody to tell
+
+
+def _start_parent_watcher(parent_pid: int) -> None:
+    """When the launcher dies (we get re-parented): SIGTERM ourselves, later exit hard."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(_PARENT_POLL_S)
+        logger.warning("launcher process %d is gone; shutting down", parent_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(_PARENT_GRACE_S)
+        logger.error("still alive %.0f s after the launcher died; exiting hard",
+                     _PARENT_GRACE_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watcher", daemon=True).start()
+
+
+def _raise_system_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+# ---- the launcher's side ---------------------------------------------------------------
+
+
+class APIServerProcManager:
+    """Spawns `APIServer_<i>` for each spec, all serving on `sock`, and tears them down.
+
+    Cleanup is tied to a `weakref.finalize`: `close()`, garbage collection and
+    interpreter exit all run `shutdown(processes)` once.
+    """
+
+    def __init__(self, options: APIServerOptions, config: EngineConfig,
+                 specs: Sequence[APIServerSpec], sock: socket.socket,
+                 metrics_dir: str) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.processes: list[BaseProcess] = []
+        self._conns: list[connection.Connection] = []  # [M] the launcher's pipe ends
+        child_ends = []
+        for spec in specs:
+            parent_end, child_end = ctx.Pipe()
+            self._conns.append(parent_end)
+            child_ends.append(child_end)
+            self.processes.append(ctx.Process(
+                target=run_api_server, name=f"APIServer_{spec.index}",
+                kwargs=dict(options=options, config=config, spec=spec, sock=sock,
+                            conn=child_end, parent_pid=os.getpid(), metrics_dir=metrics_dir)))
+        self._finalizer = weakref.finalize(self, _stop, self.processes, self._conns)
+        try:
+            for proc in self.processes:
+                proc.start()
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            for end in child_ends:
+                end.close()  # theirs now: a child's death closes its pipe
+
+    def wait_for_startup(self, timeout: float = API_SERVER_READY_TIMEOUT_S,
+                         also_watch: Sequence[BaseProcess] = ()) -> None:
+        """Wait until every API server says READY.
+
+        Raises APIServerStartupError on the first FAILED, the death of an API
+        server or of a process in `also_watch` (engines, coordinator), or
+        when `timeout` seconds pass.
+        """
+        waiting = dict(zip(self._conns, self.processes))
+        sentinels = {p.sentinel: p for p in [*self.processes, *also_watch]}
+        deadline = time.monotonic() + timeout
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                names = ", ".join(p.name for p in waiting.values())
+                raise APIServerStartupError(f"not ready after {timeout:.0f} s: {names}")
+            ready = connection.wait([*waiting, *sentinels], timeout=min(left, 1.0))
+            for conn in [c for c in ready if c in waiting]:  # a FAILED beats its exit
+                proc = waiting.pop(conn)  # type: ignore[call-overload]
+                try:
+                    message = conn.recv()  # type: ignore[union-attr]
+                except EOFError:
+                    raise APIServerStartupError(_died(proc)) from None
+                if message.kind == "failed":
+                    raise APIServerStartupError(f"{proc.name}: {message.detail}")
+            dead = [sentinels[s] for s in ready if s in sentinels]
+            if dead:
+                raise APIServerStartupError(", ".join(_died(p) for p in dead))
+        logger.info("all %d API servers ready", len(self.processes))
+
+    def start_serving(self) -> None:
+        """Tell every API server to start serving (after `wait_for_startup`)."""
+        for conn in self._conns:
+            conn.send(ControlMessage("serve"))
+
+    def stop_after_death(self, reason: str, timeout: float = 3.0) -> None:
+        """A dpserve process died: let each API server fail its requests with `reason`
+        and exit (up to `timeout` s), then shut down what is left."""
+        for conn, proc in zip(self._conns, self.processes):
+            if proc.is_alive():
+                try:
+                    conn.send(ControlMessage("stopping", reason))
+                except OSError:
+                    pass  # it is exiting anyway
+        deadline = time.monotonic() + timeout
+        for proc in self.processes:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.close()
+
+    def close(self) -> None:
+        """terminate -> join -> kill the tree, for every API server (idempotent)."""
+        self._finalizer()
+
+
+def _stop(procs: list[BaseProcess], conns: list[connection.Connection]) -> None:
+    shutdown(procs)
+    for conn in conns:
+        conn.close()
+
+
+def _died(proc: BaseProcess) -> str:
+    proc.join(timeout=1.0)  # reap it, so its exit code is known
+    return f"{proc.name} (pid {proc.pid}) exited with code {proc.exitcode} during start-up"

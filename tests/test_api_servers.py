@@ -1,0 +1,224 @@
+"""Several API servers over real processes: `dpserve serve --api-server-count 2` (a
+launcher, two API-server processes on one listening socket, engines, the DP
+coordinator) hit over HTTP with a new connection per request: both API servers
+serve, /metrics adds up over them, greedy text equals one offline engine, and a
+SIGTERM, a killed API server or one that fails to start leaves no process behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+import torch
+from test_serve_process import _all_gone, _descendants, serve
+
+from dpserve import LLM, SamplingParams
+
+PROMPTS = ["Hello world", "Once upon a time", "def add(x, y):", "The quick brown fox",
+           "1 2 3 4"]
+DP_ARGS = ("--threads-per-engine", "1", "--max-model-len", "256")
+
+
+@pytest.fixture(scope="module")
+def two_api_servers(tiny_llama):
+    with serve(str(tiny_llama), "--data-parallel-size", "2", "--api-server-count", "2",
+               *DP_ARGS) as (proc, url):
+        yield proc, url, str(tiny_llama), _descendants(proc.pid)
+
+
+def _names(procs) -> set[str]:
+    return {p.name().removeprefix("dpserve::") for p in procs if p.is_running()}
+
+
+def _counts(text: str, metric: str, label: str) -> dict[str, float]:
+    """label value -> the metric's value summed over its other labels."""
+    pattern = re.compile(rf'^{re.escape(metric)}\{{(.*)\}} (\S+)$')
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        m = pattern.match(line)
+        if m:
+            key = re.search(rf'{label}="([^"]*)"', m.group(1)).group(1)
+            counts[key] = counts.get(key, 0.0) + float(m.group(2))
+    return counts
+
+
+async def _complete_new_connections(url: str, model: str, prompts: list[str]) -> list[str]:
+    """Greedy completions, 8 at a time, each on a new connection (no keep-alive)."""
+    limit = asyncio.Semaphore(8)
+    no_reuse = httpx.Limits(max_keepalive_connections=0)
+
+    async def one(client: httpx.AsyncClient, prompt: str) -> str:
+        async with limit:
+            resp = await client.post(url + "/v1/completions", json={
+                "model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0})
+            assert resp.status_code == 200, resp.text
+            return resp.json()["choices"][0]["text"]
+
+    async with httpx.AsyncClient(timeout=60, limits=no_reuse) as client:
+        return await asyncio.gather(*(one(client, p) for p in prompts))
+
+
+def test_processes_are_named(two_api_servers):
+    proc, _, _, children = two_api_servers
+    assert _names(children) >= {"APIServer_0", "APIServer_1", "EngineCore_0", "EngineCore_1",
+                                "DPCoordinator"}
+    assert psutil.Process(proc.pid).name() == "dpserve::Launcher"
+
+
+def test_both_serve_equal_text_and_metrics_add_up(two_api_servers):
+    _, url, model, _ = two_api_servers
+    threads = torch.get_num_threads()
+    try:  # the engines run one thread each: the same arithmetic
+        expected = [o.outputs[0].text for o in LLM(model, threads_per_engine=1).generate(
+            PROMPTS, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)]
+    finally:
+        torch.set_num_threads(threads)
+    prompts = PROMPTS * 8  # 40 requests
+    got = asyncio.run(_complete_new_connections(url, model, prompts))
+    assert got == expected * 8
+    # Each scrape is answered by whichever API server accepts it: all show the totals.
+    for _ in range(6):
+        text = httpx.get(url + "/metrics", headers={"Connection": "close"}, timeout=5).text
+        by_server = _counts(text, "dpserve:api_server_requests_finished_total", "api_server")
+        assert set(by_server) == {"0", "1"} and sum(by_server.values()) == 40, by_server
+        assert all(n > 0 for n in by_server.values()), f"one API server served all: {by_server}"
+        assert sum(_counts(text, "dpserve:request_success_total", "finished_reason")
+                   .values()) == 40
+        assert sum(_counts(text, "dpserve:engine_requests_finished_total", "engine")
+                   .values()) == 40
+        ttft_count = _counts(text, "dpserve:time_to_first_token_seconds_count", "model_name")
+        assert sum(ttft_count.values()) == 40
+        assert _counts(text, "dpserve:num_requests_running", "engine") == {"0": 0, "1": 0}
+        queries = _counts(text, "dpserve:prefix_cache_queries_total", "engine")
+        assert set(queries) == {"0", "1"} and all(q > 0 for q in queries.values())
+
+
+def test_sigterm_stops_every_process(two_api_servers):
+    # Last of the tests on the shared server: it stops it.
+    proc, url, _, children = two_api_servers
+    assert httpx.get(url + "/health", timeout=5).status_code == 200
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(15) == 128 + signal.SIGTERM
+    assert _all_gone(children, timeout=10), [p for p in children if p.is_running()]
+
+
+def test_a_killed_api_server_stops_the_server(tiny_llama):
+    with serve(str(tiny_llama), "--api-server-count", "2", "--threads-per-engine",
+               "1") as (proc, url):
+        children = _descendants(proc.pid)
+        target = [p for p in children if p.name() == "dpserve::APIServer_1"]
+        assert len(target) == 1, [p.name() for p in children]
+        body = {"model": str(tiny_llama), "prompt": "Hello", "max_tokens": 1000,
+                "stream": True, "ignore_eos": True}  # the tiny model's context is 1024
+
+        async def load() -> None:
+            # Streams on both API servers: every one must end (an error, or a dropped
+            # connection on the killed one) soon after the kill, none may hang.
+            limits = httpx.Limits(max_keepalive_connections=0)
+            async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+                async def one() -> None:
+                    try:
+                        async with client.stream("POST", url + "/v1/completions",
+                                                 json=body) as resp:
+                            assert resp.status_code == 200
+                            async for _ in resp.aiter_lines():
+                                pass
+                    except httpx.HTTPError:
+                        pass
+
+                tasks = [asyncio.create_task(one()) for _ in range(6)]
+                await asyncio.sleep(1.0)
+                start = time.monotonic()
+                target[0].send_signal(signal.SIGKILL)
+                await asyncio.gather(*tasks)
+                assert time.monotonic() - start < 10
+
+        asyncio.run(load())
+        assert proc.wait(15) == 1
+        assert _all_gone(children, timeout=10), [p for p in children if p.is_running()]
+
+
+def test_an_api_server_that_fails_to_start_fails_the_launch(tiny_llama, tmp_path):
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dpserve.cli", "serve", str(tiny_llama), "--port", "0",
+             "--api-server-count", "2", *DP_ARGS],
+            env={**os.environ, "DPSERVE_FAULT_API_SERVER_START": "1"}, stderr=stderr,
+            stdout=subprocess.DEVNULL)
+    seen: dict[int, psutil.Process] = {}  # every descendant it had
+    names: set[str] = set()
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        for p in _descendants(proc.pid):
+            seen[p.pid] = p
+            try:
+                names.add(p.name())
+            except psutil.NoSuchProcess:
+                pass
+        time.sleep(0.2)
+    assert proc.wait(5) == 1
+    last = log.read_text().strip().splitlines()[-1]
+    assert last.startswith("dpserve: error: API server failed to start: APIServer_1: "
+                           "RuntimeError: injected"), log.read_text()[-3000:]
+    assert "dpserve::APIServer_1" in names, names
+    assert _all_gone(list(seen.values()), timeout=10)
+
+
+# One API-server process's metrics (argv: its index, engine 0's running count, then
+# engine 0's cumulative prefix-cache queries as it saw them); one finished request.
+_RECORD = """
+import sys
+from types import SimpleNamespace as Fake
+
+from dpserve.protocol import SchedulerStats
+from dpserve.server.metrics import ServerMetrics
+
+index, running, *queries = map(int, sys.argv[1:])
+metrics = ServerMetrics("tiny", api_server_index=index)
+for q in queries:
+    metrics.record(0, SchedulerStats(0, running, 0.5, q, q // 2, 0, 10), None)
+metrics.record(0, None, Fake(num_prompt_tokens=4, num_generation_tokens=3,
+                             time_to_first_tokens=[0.1], inter_token_latencies=[0.05],
+                             finished=[Fake(finish_reason="stop", e2e_latency=0.2)]))
+sys.stdout.write(metrics.render().decode())
+"""
+
+
+def test_multiprocess_metrics_merge_api_servers(tmp_path):
+    """Counters sum over API-server processes; an engine's own cumulative counters
+    count once however many API servers saw them; gauges take the latest value."""
+
+    def run(*argv: int) -> str:
+        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+        return subprocess.run([sys.executable, "-c", _RECORD, *map(str, argv)], env=env,
+                              capture_output=True, text=True, check=True, timeout=60).stdout
+
+    run(0, 3, 10, 30)  # API server 0 saw engine 0 at 10, then 30 queries
+    text = run(1, 1, 20, 40)  # API server 1 saw it in between, and last at 40; it scrapes
+    assert _counts(text, "dpserve:prefix_cache_queries_total", "engine") == {"0": 40}
+    assert _counts(text, "dpserve:prefix_cache_hits_total", "engine") == {"0": 20}
+    assert "# TYPE dpserve:prefix_cache_queries_total counter" in text
+    assert _counts(text, "dpserve:num_requests_running", "engine") == {"0": 1}  # the latest
+    assert _counts(text, "dpserve:api_server_requests_finished_total", "api_server") == {
+        "0": 1, "1": 1}
+    assert _counts(text, "dpserve:generation_tokens_total", "model_name") == {"tiny": 6}
+    assert _counts(text, "dpserve:e2e_request_latency_seconds_count", "model_name") == {
+        "tiny": 2}
+    assert "cumulative" not in text  # the stand-in gauges never show
+
+
+def test_api_server_count_must_be_positive():
+    proc = subprocess.run([sys.executable, "-m", "dpserve.cli", "serve", "--api-server-count",
+                           "0"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--api-server-count" in lines[0], proc.stderr
