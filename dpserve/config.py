@@ -80,7 +80,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    data_parallel_size: int  # engine replicas (`dpserve serve`; the offline LLM runs one)
+    data_parallel_size: int  # engine replicas, on every host together
     threads_per_engine: int | None  # torch CPU threads (None: torch's default)
     # Engines step together in request waves (dummy batches, periodic all-reduce):
     # forced by the user, or needed by the model (expert-parallel MoE).

@@ -89,10 +89,3 @@ def test_data_parallel_threads_share_the_cores(tiny_llama, monkeypatch):
     assert config.parallel.threads_per_engine == 1  # the user's choice wins
     config = EngineArgs.from_kwargs(model=str(tiny_llama), device="cpu").create_config()
     assert config.parallel.threads_per_engine is None  # one engine: torch's default
-
-
-def test_offline_llm_rejects_data_parallel():
-    from dpserve import LLM
-
-    with pytest.raises(ConfigError, match="data_parallel_size must be 1 for the offline LLM"):
-        LLM(data_parallel_size=2)

@@ -1,91 +1,197 @@
 """The offline API: `LLM(...).generate(prompts, params)`, shaped like vLLM's.
 
-It drives an in-process `EngineCore` directly; the server drives the same
-core through sockets. Tokenising, chat templates, detokenising and stop
-strings happen here, in the front-end, not in the engine.
+One engine (`data_parallel_size=1`, the default): the LLM drives an
+in-process `EngineCore` directly; no threads, no processes.
+
+Data parallel (`data_parallel_size=N`, N > 1): the LLM starts N engine
+processes and the DP coordinator exactly as `dpserve serve` does
+(`launch_engines`) and spreads its requests over them with the
+server's load-balancing `AsyncEngineClient`, whose asyncio loop runs on a
+thread the LLM owns (`SyncEngineClient`, a thin sync adapter). A request may
+pin an engine with `data_parallel_rank`.
+
+Both engines offer the LLM the same small sync surface (`_Engine`:
+add_request / abort_requests / has_unfinished_requests / step), so request
+building, the generate loop, output processing (detokenising, stop strings,
+n > 1, logprobs: `OutputProcessor`) and clean-up are one code path.
+Tokenising, chat templates, detokenising and stop strings happen here, in
+the front-end, not in the engine.
+
+Lifecycle (N > 1): `shutdown()`, leaving a `with LLM(...) as llm:` block,
+garbage collection and interpreter exit all stop every process
+(terminate -> join -> kill); the engines and the coordinator also exit by
+themselves when this process dies. When any of them dies, `generate()`
+raises `EngineDeadError`, stops the others, and every later call raises it
+again. Every wait is bounded and checks that the processes are alive.
+
+Scripts that use N > 1 need the usual `if __name__ == "__main__":` guard:
+the engine processes are spawned, and spawning re-imports the main module.
 """
 
 from __future__ import annotations
 
+import asyncio
+import atexit
+import concurrent.futures
+import contextlib
 import itertools
 import logging
+import operator
+import queue
+import threading
 import time
+import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
-from dpserve.config import ConfigError, EngineArgs, EngineConfig
-from dpserve.engine.core import EngineCore
+from dpserve.config import ConfigError, EngineArgs, EngineConfig, ParallelConfig
+from dpserve.entrypoints.engines import EngineLaunch, launch_engines
+from dpserve.frontend.errors import EngineDeadError
 from dpserve.frontend.output_processor import OutputProcessor
 from dpserve.frontend.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
 from dpserve.outputs import RequestOutput
+from dpserve.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from dpserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from dpserve.frontend.engine_client import AsyncEngineClient
 
 logger = logging.getLogger(__name__)
 
 # A prompt is text, or {"prompt_token_ids": [...]} (optionally with "prompt").
 PromptType = str | dict[str, Any]
 
+_POLL_S = 0.5  # longest wait for engine outputs before checking the processes are alive
+_CALL_TIMEOUT_S = 60.0  # a send or utility call through the client's loop
+_CLOSE_TIMEOUT_S = 5.0  # closing the client and its loop thread
+_SEND_BATCH = 64  # requests handed to the client's loop per round trip
+
+
+class _Engine(Protocol):
+    """What the LLM drives: `EngineCore` itself (N == 1) or `SyncEngineClient` (N > 1)."""
+
+    def add_request(self, request: EngineCoreRequest) -> None: ...  # ValueError: can never run
+    def abort_requests(self, request_ids: list[str]) -> Any: ...  # unknown ids are ignored
+    def has_unfinished_requests(self) -> bool: ...
+    def step(self) -> list[EngineCoreOutput]: ...  # the next outputs (may be empty)
+    def reset_prefix_cache(self) -> bool: ...
+
 
 class LLM:
-    """Generate text offline with one engine.
+    """Generate text offline with one engine, or N engine processes.
 
     `LLM()` serves the built-in default model; every engine option
     (see `EngineArgs`, or `dpserve generate --help`) is a keyword argument,
     and unknown ones fail with a message naming them.
+    `data_parallel_size=N` (N > 1) runs N engine processes (module docstring);
+    call `shutdown()` or use `with LLM(...) as llm:` to stop them early.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        if kwargs.get("data_parallel_size", 1) != 1:
-            raise ConfigError(
-                f"data_parallel_size must be 1 for the offline LLM (one in-process engine), "
-                f"got {kwargs['data_parallel_size']!r}; serve several engines with "
-                f"`dpserve serve --data-parallel-size N`")
         self.config: EngineConfig = EngineArgs.from_kwargs(model=model, **kwargs).create_config()
+        _check_offline_parallel(self.config.parallel)
+        self.data_parallel_size = self.config.parallel.data_parallel_size
         self.tokenizer = load_tokenizer(self.config.model.tokenizer)
-        self.engine = EngineCore(self.config)
         self.eos_token_id, extra_eos_ids = eos_token_ids(
             self.tokenizer, dict(self.config.model.hf_config))
         self._processor = OutputProcessor(self.tokenizer, self.eos_token_id, extra_eos_ids)
         self._counter = itertools.count()
+        self.engine: _Engine | None
+        if self.data_parallel_size == 1:
+            from dpserve.engine.core import EngineCore
+
+            self.engine = EngineCore(self.config)
+            self._finalizer: weakref.finalize | None = None
+        else:
+            engines = launch_engines(self.config, num_clients=1)
+            try:
+                client = SyncEngineClient(engines, self.config)
+            except BaseException:
+                engines.close()
+                raise
+            self.engine = client
+            self._finalizer = weakref.finalize(self, client.shutdown)
+            # Also before multiprocessing's exit hook, which would join the engines forever.
+            atexit.register(self._finalizer)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate completions for `prompts`, returned in the same order."""
+                 use_tqdm: bool = True,
+                 data_parallel_rank: int | Sequence[int | None] | None = None,
+                 ) -> list[RequestOutput]:
+        """Generate completions for `prompts`, returned in the same order.
+
+        `data_parallel_rank` pins the engine that runs each prompt: one rank
+        for all, or one (or None) per prompt. Unpinned prompts go to the
+        least-loaded engine.
+        """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
         params = self._params_list(sampling_params, len(prompts))
-        ids = []
-        for prompt, p in zip(prompts, params):
-            text, token_ids = self._tokenize(prompt)
-            ids.append(self._add(text, token_ids, p))
+        ranks = self._ranks_list(data_parallel_rank, len(prompts))
+        ids: list[str] = []
+        with self._cleanup_on_error(ids):
+            for prompt, p, rank in zip(prompts, params, ranks):
+                text, token_ids = self._tokenize(prompt)
+                ids.append(self._add(text, token_ids, p, rank))
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None,
+             data_parallel_rank: int | Sequence[int | None] | None = None,
+             ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params = self._params_list(sampling_params, len(conversations))
-        ids = []
-        for conv, p in zip(conversations, params):
-            token_ids = apply_chat_template(self.tokenizer, list(conv), add_generation_prompt,
-                                            chat_template)
-            ids.append(self._add(self.tokenizer.decode(token_ids), token_ids, p))
+        ranks = self._ranks_list(data_parallel_rank, len(conversations))
+        ids: list[str] = []
+        with self._cleanup_on_error(ids):
+            for conv, p, rank in zip(conversations, params, ranks):
+                token_ids = apply_chat_template(self.tokenizer, list(conv),
+                                                add_generation_prompt, chat_template)
+                ids.append(self._add(self.tokenizer.decode(token_ids), token_ids, p, rank))
         return self._run(ids, use_tqdm)
 
     def reset_prefix_cache(self) -> bool:
-        return self.engine.reset_prefix_cache()
+        """Forget cached prefixes (in every engine); False if requests still hold blocks."""
+        return self._live_engine().reset_prefix_cache()
 
-    def get_stats(self) -> Any:
-        return self.engine.get_stats()
+    def get_stats(self, data_parallel_rank: int = 0) -> SchedulerStats:
+        """A scheduler snapshot of one engine (`data_parallel_rank`, default 0)."""
+        self._check_rank(data_parallel_rank)
+        engine = self._live_engine()
+        if isinstance(engine, SyncEngineClient):
+            return engine.get_stats(data_parallel_rank)
+        return engine.get_stats()  # type: ignore[attr-defined]
+
+    def shutdown(self) -> None:
+        """Stop the engine processes (N > 1) or drop the engine (N == 1); idempotent.
+
+        Later calls raise RuntimeError.
+        """
+        if self._finalizer is not None:
+            self._finalizer()
+            atexit.unregister(self._finalizer)
+        self.engine = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     # ---- internals -------------------------------------------------------
+
+    def _live_engine(self) -> _Engine:
+        if self.engine is None:
+            raise RuntimeError("this LLM was shut down")
+        return self.engine
 
     def _params_list(self, params: Any, n: int) -> list[SamplingParams]:
         if params is None:
@@ -97,37 +203,81 @@ class LLM:
             raise ValueError(f"got {n} prompts but {len(params)} sampling params")
         return params
 
+    def _ranks_list(self, ranks: Any, n: int) -> list[int | None]:
+        if ranks is None or isinstance(ranks, int):
+            ranks = [ranks] * n
+        ranks = list(ranks)
+        if len(ranks) != n:
+            raise ValueError(f"got {n} prompts but {len(ranks)} data_parallel_rank values")
+        for rank in ranks:
+            self._check_rank(rank)
+        return ranks
+
+    def _check_rank(self, rank: Any) -> None:
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
+                                 or not 0 <= rank < self.data_parallel_size):
+            raise ValueError(f"data_parallel_rank {rank!r} is out of range: this LLM's "
+                             f"engines are 0..{self.data_parallel_size - 1}")
+
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            try:  # plain ints (numpy ones too), for the engine and the wire
+                ids = [operator.index(t) for t in prompt["prompt_token_ids"]]
+            except TypeError:
+                raise ValueError("prompt token ids must be integers") from None
+            return prompt.get("prompt"), ids
         raise ValueError("a prompt must be a string or a dict with 'prompt_token_ids'")
 
-    def _add(self, text: str | None, token_ids: list[int], params: SamplingParams) -> str:
+    def _add(self, text: str | None, token_ids: list[int], params: SamplingParams,
+             data_parallel_rank: int | None = None) -> str:
+        """Register one request with the output processor and send it to the engine."""
+        engine = self._live_engine()
         request_id = str(next(self._counter))
         engine_requests = self._processor.add_request(
-            request_id, text, token_ids, params, arrival_time=time.monotonic())
+            request_id, text, token_ids, params, arrival_time=time.monotonic(),
+            data_parallel_rank=data_parallel_rank)
         try:
             for req in engine_requests:
-                self.engine.add_request(req)
-        except ValueError:
-            self._processor.abort_request(request_id)
-            self.engine.abort_requests([r.request_id for r in engine_requests])
+                engine.add_request(req)
+        except BaseException:
+            self._abort([request_id])
             raise
         return request_id
 
+    def _abort(self, request_ids: list[str]) -> None:
+        """Forget requests here and abort them in the engine (the engine stays usable)."""
+        engine_ids = [e for rid in request_ids for e in self._processor.engine_request_ids(rid)]
+        for rid in request_ids:
+            self._processor.abort_request(rid)
+        if engine_ids and self.engine is not None:
+            self.engine.abort_requests(engine_ids)
+
+    @contextlib.contextmanager
+    def _cleanup_on_error(self, request_ids: list[str]):
+        """A failure while adding a batch (bad prompt, Ctrl-C) aborts the ones added."""
+        try:
+            yield
+        except BaseException:
+            self._abort(request_ids)
+            raise
+
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self._live_engine()
         finished: dict[str, RequestOutput] = {}
         bar = _progress(len(request_ids), use_tqdm)
         generated, start = 0, time.monotonic()
         try:
-            while self.engine.has_unfinished_requests():
-                engine_outputs = self.engine.step()
+            while engine.has_unfinished_requests():
+                # 1. Step (in-process) or wait for the engines' next outputs (N > 1).
+                engine_outputs = engine.step()
                 generated += sum(len(o.new_token_ids) for o in engine_outputs)
+                # 2. Detokenise, stop strings, n > 1 fan-in; stop-string hits end in the engine.
                 processed = self._processor.process_outputs(engine_outputs)
                 if processed.reqs_to_abort:
-                    self.engine.abort_requests(processed.reqs_to_abort)
+                    engine.abort_requests(processed.reqs_to_abort)
+                # 3. Collect finished requests.
                 for out in processed.request_outputs:
                     if out.finished:
                         finished[out.request_id] = out
@@ -138,15 +288,28 @@ class LLM:
                                         refresh=False)
         except BaseException:
             # Leave the engine clean for the next call (e.g. after Ctrl-C).
-            pending = [r for r in request_ids if r not in finished]
-            for rid in pending:
-                self.engine.abort_requests(self._processor.engine_request_ids(rid))
-                self._processor.abort_request(rid)
+            self._abort([r for r in request_ids if r not in finished])
             raise
         finally:
             if bar is not None:
                 bar.close()
         return [finished[r] for r in request_ids]
+
+
+def _check_offline_parallel(parallel: ParallelConfig) -> None:
+    """The offline LLM runs every engine on this host, as local processes, behind itself."""
+    for ok, option, why in (
+            (not parallel.has_remote_engines, "data_parallel_size_local",
+             "every engine runs on this host"),
+            (parallel.data_parallel_rank is None, "data_parallel_rank",
+             "no external load balancing; pin ranks with generate(data_parallel_rank=...)"),
+            (not parallel.data_parallel_hybrid_lb, "data_parallel_hybrid_lb",
+             "no hybrid load balancing"),
+            (parallel.data_parallel_backend == "mp", "data_parallel_backend",
+             "engines run as local processes ('mp')")):
+        if not ok:
+            raise ConfigError(f"{option} is not supported by the offline LLM ({why}); "
+                              f"use `dpserve serve` for multi-host launches")
 
 
 def _progress(total: int, enabled: bool):
@@ -155,3 +318,235 @@ def _progress(total: int, enabled: bool):
     from tqdm import tqdm
 
     return tqdm(total=total, desc="Generating", unit="req", dynamic_ncols=True)
+
+
+# ---- engine processes (N > 1) ---------------------------------------------------
+
+
+class SyncEngineClient:
+    """A sync adapter over `AsyncEngineClient`, shaped like `EngineCore` for the LLM.
+
+    It owns `engines` (stopped by `shutdown()`) and an asyncio loop on a
+    daemon thread, where the client lives; one task there moves every engine
+    message to a thread-safe queue that `step()` reads. Requests are checked
+    here as `EngineCore.add_request` would (an engine process answers a bad
+    request with a bare abort), then placed by the client: a pinned
+    `data_parallel_rank`, else the least-loaded engine by the coordinator's
+    counts. Not thread-safe: one caller thread at a time (as `EngineCore`).
+
+    Death: an engine or the coordinator exiting, or ENGINE_CORE_DEAD, makes
+    `step()` (and every later call) raise `EngineDeadError`, after stopping
+    everything. Every wait is bounded (`_POLL_S`, `_CALL_TIMEOUT_S`).
+    """
+
+    def __init__(self, engines: EngineLaunch, config: EngineConfig) -> None:
+        self.engines = engines
+        self.ranks = list(engines.ranks)
+        self.max_model_len = engines.max_model_len  # the engines' limit (KV-capped)
+        self._parallel = config.parallel
+        self._config_max_len = config.model.max_model_len
+        self._vocab_size = int(config.model.hf_config["vocab_size"])
+        self._in_flight: set[str] = set()  # engine request ids added and not finished
+        self._unsent: list[EngineCoreRequest] = []  # added, not yet handed to the client
+        self._outputs: queue.SimpleQueue[EngineCoreOutputs | EngineDeadError] = (
+            queue.SimpleQueue())
+        self._death: EngineDeadError | None = None  # set once: dead or shut down
+        self.client: AsyncEngineClient | None = None
+        self._pump: asyncio.Task[None] | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever,
+                                        name="dpserve-llm-client", daemon=True)
+        self._thread.start()
+        try:
+            self.client = self._call(self._open())
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- EngineCore's request surface ---------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request for an engine; ValueError (nothing queued) if it can never run.
+
+        Requests go out in batches of `_SEND_BATCH` (one loop round trip each),
+        and at the latest on the next `step()`.
+        """
+        self._check_alive()
+        _check_prompt(request.request_id, request.prompt_token_ids, self._config_max_len,
+                      self.max_model_len, self._vocab_size)
+        self._unsent.append(request)
+        self._in_flight.add(request.request_id)
+        if len(self._unsent) >= _SEND_BATCH:
+            self._send_unsent()
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort requests in their engines; they stop counting as unfinished at once."""
+        aborted = set(request_ids)
+        self._in_flight -= aborted
+        self._unsent = [r for r in self._unsent if r.request_id not in aborted]
+        if self._death is None and request_ids:
+            with contextlib.suppress(EngineDeadError):  # dead engines have nothing to abort
+                self._call(self._client().abort_requests(list(request_ids)))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._in_flight)
+
+    def step(self) -> list[EngineCoreOutput]:
+        """The outputs of every engine message that came in; [] after `_POLL_S` without one."""
+        self._check_alive()
+        self._send_unsent()
+        try:
+            items = [self._outputs.get(timeout=_POLL_S)]
+        except queue.Empty:
+            self._check_processes()
+            return []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                items.append(self._outputs.get_nowait())
+        outputs: list[EngineCoreOutput] = []
+        for item in items:
+            if isinstance(item, EngineDeadError):
+                if not outputs:
+                    self._die(str(item))
+                self._outputs.put(item)  # first hand over what came before the death
+                break
+            outputs.extend(item.outputs)
+        for out in outputs:
+            if out.finished:
+                self._in_flight.discard(out.request_id)
+        return outputs
+
+    def _send_unsent(self) -> None:
+        if self._unsent:
+            batch, self._unsent = self._unsent, []
+            self._call(self._add_all(batch))
+
+    async def _add_all(self, requests: list[EngineCoreRequest]) -> None:
+        for request in requests:  # placed one by one: a burst spreads over the engines
+            await self._client().add_request(request)
+
+    # ---- utility calls ---------------------------------------------------------------
+
+    def get_stats(self, rank: int = 0) -> SchedulerStats:
+        self._check_alive()
+        return self._call(self._client().call_utility("get_stats", engine=rank,
+                                                      result_type=SchedulerStats))
+
+    def reset_prefix_cache(self) -> bool:
+        self._check_alive()
+        return all([self._call(self._client().call_utility("reset_prefix_cache", engine=r))
+                    for r in self.ranks])
+
+    # ---- death and shutdown -------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Close the client, stop its loop thread and every process (idempotent)."""
+        if self._death is None:
+            self._death = EngineDeadError("the LLM's engines were shut down")
+        try:
+            self._close_loop()
+        finally:
+            self.engines.close()
+
+    def _check_alive(self) -> None:
+        if self._death is not None:
+            raise self._death
+
+    def _check_processes(self) -> None:
+        """Between waits: the processes, the client and its loop thread are alive."""
+        exited = [p for p in self.engines.processes if p.exitcode is not None]
+        if exited:
+            p = exited[0]
+            self._die(f"process {p.name} (pid {p.pid}) exited with code {p.exitcode}")
+        if self.client is not None and self.client.dead:
+            self._die(self.client.dead_reason or "the engine client is dead")
+        if not self._thread.is_alive() or (self._pump is not None and self._pump.done()):
+            self._die("the engine client's loop thread stopped")
+
+    def _die(self, reason: str) -> NoReturn:
+        """Stop everything, then raise (and keep raising) EngineDeadError(reason)."""
+        if self._death is None:
+            logger.error("data-parallel engines dead: %s; stopping every process", reason)
+            self._death = EngineDeadError(reason)
+            self.shutdown()
+        raise self._death
+
+    # ---- the loop thread --------------------------------------------------------------------
+
+    def _client(self) -> AsyncEngineClient:
+        assert self.client is not None
+        return self.client
+
+    def _call(self, coro: Any, timeout: float = _CALL_TIMEOUT_S) -> Any:
+        """Run a coroutine on the client's loop and wait (bounded) for its result."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout)
+        except EngineDeadError as e:  # e.g. an engine died while requests were being added
+            self._die(str(e))
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            self._check_processes()
+            raise TimeoutError(f"the engine client did not answer within {timeout:.0f} s "
+                               f"(engines alive)") from None
+
+    async def _open(self) -> AsyncEngineClient:
+        from dpserve.frontend.engine_client import AsyncEngineClient
+
+        client = AsyncEngineClient(self.engines.input_binds(0), self.engines.output_binds(0),
+                                   engine_ranks=self.ranks,
+                                   client_index=0, max_model_len=self.max_model_len,
+                                   coordinator_address=self.engines.coordinator_address,
+                                   lockstep=self._parallel.data_parallel_lockstep,
+                                   secret=self._parallel.data_parallel_secret)
+        client.watch_processes(self.engines.processes)
+        self._pump = asyncio.get_running_loop().create_task(self._pump_outputs(client))
+        return client
+
+    async def _pump_outputs(self, client: AsyncEngineClient) -> None:
+        """Loop thread: every engine message (then the death, if any) to `_outputs`."""
+        while True:
+            try:
+                self._outputs.put(await client.get_output())
+            except EngineDeadError as e:
+                self._outputs.put(e)
+                return
+
+    async def _aclose(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+        if self.client is not None:
+            await self.client.aclose()
+
+    def _close_loop(self) -> None:
+        loop = self._loop
+        if loop.is_closed():
+            return
+        if threading.get_ident() == self._thread.ident:  # e.g. collected on the loop thread
+            if self.client is not None:
+                self.client.shutdown()
+            loop.stop()
+            return
+        if self._thread.is_alive():
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(self._aclose(), loop).result(_CLOSE_TIMEOUT_S)
+            loop.call_soon_threadsafe(loop.stop)
+            self._thread.join(_CLOSE_TIMEOUT_S)
+        if not loop.is_running():
+            loop.close()
+
+
+def _check_prompt(request_id: str, ids: list[int], config_max_len: int, engine_max_len: int,
+                  vocab_size: int) -> None:
+    """Raise ValueError as `EngineCore.add_request` / `Scheduler.add_request` would."""
+    if not ids:
+        raise ValueError("prompt must contain at least one token")
+    if len(ids) >= config_max_len:
+        raise ValueError(f"prompt has {len(ids)} tokens; the model's context is "
+                         f"{config_max_len} tokens (max_model_len), which leaves no room to "
+                         f"generate")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+    if len(ids) > engine_max_len:
+        raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens exceeds the "
+                         f"KV cache size ({engine_max_len} tokens)")

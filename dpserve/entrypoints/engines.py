@@ -1,0 +1,206 @@
+"""Starting a host's engines, and the coordinator, for `dpserve serve` and the offline LLM.
+
+Scope: `launch_engines(config, num_clients)` runs the start-up of one host
+in every launch mode (DESIGN "Launch modes") and returns an `EngineLaunch`
+that holds what it started: the engine processes (or Ray actors), the DP
+coordinator, the rendezvous, the addresses the front-ends bind.
+`run_headless` is `dpserve serve --headless`: engines only, for a head.
+
+    one host (default)   N local engines; coordinator when N > 1; ipc:// only
+    head + headless      the head runs ranks [0, L) and binds tcp:// twins of
+                         its sockets on --data-parallel-address; headless hosts
+                         handshake at tcp://address:rpc_port (local=False)
+    external / hybrid    every host runs its own API servers over its own ranks;
+    (local_lb)           rank 0's host also runs the coordinator (tcp) and the
+                         rendezvous at tcp://address:rpc_port, which tells the
+                         other hosts' launchers where the coordinator is
+    ray                  every rank is a Ray actor (`dpserve.ray_backend`); all
+                         data-plane addresses are tcp:// on --data-parallel-address
+
+Not here: the API servers (`dpserve.entrypoints.api_server`), the HTTP
+socket and the watch loop (`dpserve.entrypoints.serve`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING, Any
+
+from dpserve.config import ConfigError, EngineConfig
+from dpserve.launcher import (
+    AddressAllocator,
+    EngineProcManager,
+    RendezvousServer,
+    ZmqAddresses,
+    ask_rendezvous,
+    url_host,
+)
+from dpserve.protocol import HandshakeReady, RendezvousReply, RendezvousRequest
+
+if TYPE_CHECKING:
+    from dpserve.coordinator import DPCoordinator
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class EngineLaunch:
+    """What `launch_engines` started on this host; `close()` stops it all (idempotent)."""
+
+    allocator: AddressAllocator
+    addresses: ZmqAddresses | None = None
+    manager: Any = None  # EngineProcManager, or RayEngineManager
+    coordinator: DPCoordinator | None = None
+    rendezvous: RendezvousServer | None = None
+    ready: dict[int, HandshakeReady] = dataclasses.field(default_factory=dict)
+    ranks: tuple[int, ...] = ()  # the engines this host's front-ends send to
+    coordinator_address: str | None = None  # the coordinator's front XPUB, for front-ends
+
+    @property
+    def processes(self) -> list[BaseProcess]:
+        """Local processes to watch: the engines (mp backend), then the coordinator."""
+        procs = list(getattr(self.manager, "processes", []))
+        if self.coordinator is not None and self.coordinator.proc is not None:
+            procs.append(self.coordinator.proc)
+        return procs
+
+    @property
+    def max_model_len(self) -> int:
+        """The engines' limit: the config's, capped by the smallest KV cache."""
+        return min(r.max_model_len for r in self.ready.values())
+
+    def input_binds(self, client: int) -> tuple[str, ...]:
+        assert self.addresses is not None
+        return tuple(self.addresses.input_binds(client))
+
+    def output_binds(self, client: int) -> tuple[str, ...]:
+        assert self.addresses is not None
+        return tuple(self.addresses.output_binds(client))
+
+    def close(self) -> None:
+        try:
+            if self.manager is not None:
+                self.manager.close()
+        finally:
+            if self.rendezvous is not None:
+                self.rendezvous.close()
+            if self.coordinator is not None:
+                self.coordinator.close()
+            self.allocator.cleanup()
+
+
+def launch_engines(config: EngineConfig, num_clients: int = 1,
+                   ready_timeout: float = 600.0) -> EngineLaunch:
+    """Start this host's part (see the module docstring) and wait for READY.
+
+    Raises `EngineStartupError` when a process dies or `ready_timeout`
+    passes; on any failure (Ctrl-C included) everything started is stopped.
+    """
+    p = config.parallel
+    if not p.local_lb and p.data_parallel_start_rank != 0:
+        raise ConfigError(f"data_parallel_start_rank {p.data_parallel_start_rank} needs "
+                          f"--headless (engines for a head) or --data-parallel-hybrid-lb")
+    launch = EngineLaunch(AddressAllocator())
+    try:
+        if p.data_parallel_backend == "ray":
+            _launch_ray(launch, config, num_clients, ready_timeout)
+        elif p.local_lb:
+            _launch_local_lb(launch, config, num_clients, ready_timeout)
+        else:
+            _launch_head(launch, config, num_clients, ready_timeout)
+    except BaseException:
+        launch.close()
+        raise
+    return launch
+
+
+def _start_coordinator(launch: EngineLaunch, config: EngineConfig, ready_timeout: float, *,
+                       remote: bool, publish_counts: bool = True) -> DPCoordinator:
+    from dpserve.coordinator import DPCoordinator
+
+    p = config.parallel
+    coordinator = DPCoordinator(p.data_parallel_size, launch.allocator,
+                                remote_host=p.data_parallel_address if remote else None,
+                                publish_counts=publish_counts, secret=p.data_parallel_secret,
+                                startup_timeout_s=ready_timeout)
+    launch.coordinator = coordinator
+    coordinator.start()
+    launch.coordinator_address = coordinator.front_publish_address
+    return coordinator
+
+
+def _launch_head(launch: EngineLaunch, config: EngineConfig, num_clients: int,
+                 ready_timeout: float) -> None:
+    """One host, or the head of head + headless hosts."""
+    p = config.parallel
+    size, local = p.data_parallel_size, p.data_parallel_size_local
+    remote = p.has_remote_engines
+    addrs = launch.allocator.engine_addresses(
+        num_clients, remote_host=p.data_parallel_address if remote else None,
+        rpc_port=p.data_parallel_rpc_port)
+    if size > 1:  # the coordinator first: engines connect to it while loading
+        addrs = addrs.with_coordinator(_start_coordinator(launch, config, ready_timeout,
+                                                          remote=remote))
+    launch.addresses = addrs
+    logger.info("starting %d local engine(s)%s", local,
+                f"; waiting for {size - local} remote one(s) at {addrs.remote_handshake}"
+                if remote else "")
+    launch.manager = EngineProcManager(config, addrs.handshake, num_engines=local)
+    coordinator = [launch.coordinator.proc] if launch.coordinator else []
+    launch.ready = launch.manager.wait_for_startup(
+        addrs.init_metadata(dp_size=size), timeout=ready_timeout, also_watch=coordinator,
+        remote_ranks=range(local, size),
+        remote_init=addrs.init_metadata(dp_size=size, local=False) if remote else None,
+        remote_handshake=addrs.remote_handshake)
+    launch.ranks = tuple(range(size))
+
+
+def _launch_local_lb(launch: EngineLaunch, config: EngineConfig, num_clients: int,
+                     ready_timeout: float) -> None:
+    """External (--data-parallel-rank) or hybrid LB: this host's engines, its front-ends."""
+    p = config.parallel
+    size = p.data_parallel_size
+    rendezvous = (f"tcp://{url_host(p.data_parallel_address)}:{p.data_parallel_rpc_port}")
+    addrs = launch.allocator.engine_addresses(num_clients)
+    if p.data_parallel_start_rank == 0:  # this host leads: coordinator + rendezvous
+        coordinator = _start_coordinator(
+            launch, config, ready_timeout, remote=True,
+            publish_counts=p.data_parallel_rank is None)  # external LB: waves only
+        tcp = AddressAllocator(local_only=False, host=p.data_parallel_address)
+        reply = RendezvousReply(
+            coordinator_input=coordinator.remote_engine_publish_address,
+            coordinator_output=coordinator.remote_engine_report_address,
+            coordinator_front=coordinator.remote_front_publish_address,
+            dp_master_ip=p.data_parallel_address, dp_master_port=tcp.free_port())
+        launch.rendezvous = RendezvousServer(rendezvous, reply, size,
+                                             secret=p.data_parallel_secret)
+        addrs = dataclasses.replace(addrs.with_coordinator(coordinator),
+                                    dp_master_ip=reply.dp_master_ip,
+                                    dp_master_port=reply.dp_master_port)
+    else:
+        logger.info("asking the head at %s where the DP coordinator is", rendezvous)
+        reply = ask_rendezvous(rendezvous, RendezvousRequest(p.data_parallel_start_rank,
+                                                             p.data_parallel_size_local),
+                               timeout=ready_timeout, secret=p.data_parallel_secret)
+        addrs = dataclasses.replace(addrs, coordinator_input=reply.coordinator_input,
+                                    coordinator_output=reply.coordinator_output,
+                                    dp_master_ip=reply.dp_master_ip,
+                                    dp_master_port=reply.dp_master_port)
+        launch.coordinator_address = reply.coordinator_front
+    launch.addresses = addrs
+    launch.manager = EngineProcManager(config, addrs.handshake,
+                                       num_engines=p.data_parallel_size_local,
+                                       start_rank=p.data_parallel_start_rank)
+    coordinator_procs = [launch.coordinator.proc] if launch.coordinator else []
+    launch.ready = launch.manager.wait_for_startup(addrs.init_metadata(dp_size=size),
+                                                   timeout=ready_timeout,
+                                                   also_watch=coordinator_procs)
+    launch.ranks = tuple(p.local_ranks)
+
+
+def _launch_ray(launch: EngineLaunch, config: EngineConfig, num_clients: int,
+                ready_timeout: float) -> None:
+    raise ConfigError("data_parallel_backend 'ray' is not wired in yet")
+
