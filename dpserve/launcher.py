@@ -154,7 +154,7 @@ class AddressAllocator:
         self._count += 1
         if self.ipc_dir is not None:
             return f"ipc://{self.ipc_dir}/{name}-{self._count}"
-        return f"tcp://{_host_for_url(self.host)}:{self._free_port()}"
+        return f"tcp://{url_host(self.host)}:{self._free_port()}"
 
     def engine_addresses(self, num_clients: int = 1, with_coordinator: bool = False,
                          remote_host: str | None = None,
@@ -169,10 +169,10 @@ class AddressAllocator:
             tcp = AddressAllocator(local_only=False, host=remote_host)
             return dataclasses.replace(
                 self.engine_addresses(num_clients, with_coordinator),
-                remote_handshake=f"tcp://{_host_for_url(remote_host)}:{rpc_port}",
+                remote_handshake=f"tcp://{url_host(remote_host)}:{rpc_port}",
                 remote_inputs=tuple(tcp.new_address("") for _ in range(num_clients)),
                 remote_outputs=tuple(tcp.new_address("") for _ in range(num_clients)),
-                dp_master_ip=remote_host, dp_master_port=tcp._free_port())
+                dp_master_ip=remote_host, dp_master_port=tcp.free_port())
         return ZmqAddresses(
             handshake=self.new_address("handshake"),
             inputs=tuple(self.new_address(f"input{i}") for i in range(num_clients)),
@@ -186,6 +186,10 @@ class AddressAllocator:
         atexit.unregister(self._remove_dir)
         self._remove_dir()
 
+    def free_port(self) -> int:
+        """A TCP port on `host` that was free when asked for (never one handed out before)."""
+        return self._free_port()
+
     def _free_port(self) -> int:
         for _ in range(100):
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -197,8 +201,9 @@ class AddressAllocator:
         raise RuntimeError(f"could not find a free TCP port on {self.host}")
 
 
-def _host_for_url(host: str) -> str:
-    return f"[{host}]" if ":" in host else host  # IPv6 literals go in brackets
+def url_host(host: str) -> str:
+    """`host` as it goes in a tcp:// URL (IPv6 literals in brackets)."""
+    return f"[{host}]" if ":" in host else host
 
 
 def _remove_dir(path: str | None, owner_pid: int) -> None:

@@ -535,9 +535,11 @@ def run_engine_core(config: EngineConfig, rank: int, handshake_address: str,
         proc.run_busy_loop()
     except SystemExit:
         logger.info("engine %d shutting down", rank)
-    except BaseException:
+    except BaseException as e:
         exit_code = 1
-        if proc is None:
+        if proc is None and isinstance(e, TimeoutError):  # a peer never came: no traceback
+            logger.error("engine %d failed to start: %s", rank, e)
+        elif proc is None:
             logger.exception("engine %d failed to start", rank)
         else:
             logger.exception("engine %d hit a fatal error", rank)

@@ -106,8 +106,10 @@ class APIServerSpec:
     """What API server `index` needs to reach the engines (picklable, plain values)."""
 
     index: int  # its client index: engines route its outputs by it
-    input_address: str  # ZmqAddresses.inputs[index], bound by this API server
-    output_address: str  # ZmqAddresses.outputs[index], bound by this API server
+    # What this API server binds: ZmqAddresses.input_binds(index) / output_binds(index)
+    # (ipc for this host's engines, plus tcp twins when engines run elsewhere).
+    input_address: str | tuple[str, ...]
+    output_address: str | tuple[str, ...]
     engine_ranks: tuple[int, ...]
     max_model_len: int  # the engines' limit (min over their READY)
     coordinator_address: str | None  # the DP coordinator's front XPUB (None: no coordinator)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import os
 import shutil
@@ -81,6 +80,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-server-count", type=int, default=1,
                         help="API-server processes sharing the one listening socket (1: the "
                              "API server runs in the main process).")
+    parser.add_argument("--headless", action="store_true",
+                        help="Run this host's engines for a head elsewhere (with "
+                             "--data-parallel-start-rank, --data-parallel-size-local and the "
+                             "head's --data-parallel-address/--data-parallel-rpc-port); no "
+                             "API server.")
     parser.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="Log level of uvicorn's own logger.")
@@ -122,66 +126,86 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/Ctrl-C or a dpserve process dies (1)."""
-    from dpserve.coordinator import DPCoordinator
     from dpserve.entrypoints.api_server import (
         APIServerOptions,
         APIServerSpec,
         APIServerStartupError,
     )
-    from dpserve.launcher import AddressAllocator, EngineProcManager, EngineStartupError
+    from dpserve.entrypoints.engines import EngineLaunch, launch_engines
+    from dpserve.launcher import EngineStartupError
 
     _check_args(args)
+    if args.headless:
+        return run_headless(args)
     sock = _bind(args.host, args.port)  # before loading anything: fail fast, hold the port
     num_api_servers = args.api_server_count
-    coordinator: DPCoordinator | None = None
-    manager: EngineProcManager | None = None
-    alloc: AddressAllocator | None = None
+    launch: EngineLaunch | None = None
     try:
         config = EngineArgs.from_cli(args).create_config()
-        dp_size = config.parallel.data_parallel_size
         name_process("APIServer_0" if num_api_servers == 1 else "Launcher")
         # Until the serving phase installs its own handlers, a stop signal
         # unwinds through `finally`.
         signal.signal(signal.SIGTERM, _raise_system_exit)
         if num_api_servers > 1:
             signal.signal(signal.SIGINT, _raise_system_exit)
-        alloc = AddressAllocator()
-        addrs = alloc.engine_addresses(num_clients=num_api_servers)
-        if dp_size > 1:  # the coordinator first: engines connect to it while loading
-            coordinator = DPCoordinator(dp_size, alloc,
-                                        secret=config.parallel.data_parallel_secret,
-                                        startup_timeout_s=args.engine_ready_timeout)
-            coordinator.start()
-            addrs = dataclasses.replace(
-                addrs, coordinator_input=coordinator.engine_publish_address,
-                coordinator_output=coordinator.engine_report_address)
-        others = [coordinator.proc] if coordinator is not None and coordinator.proc else []
-        manager = EngineProcManager(config, addrs.handshake, num_engines=dp_size)
-        ready = manager.wait_for_startup(addrs.init_metadata(dp_size=dp_size),
-                                         timeout=args.engine_ready_timeout, also_watch=others)
-        max_model_len = min(r.max_model_len for r in ready.values())
-        front = coordinator.front_publish_address if coordinator is not None else None
-        specs = [APIServerSpec(i, addrs.inputs[i], addrs.outputs[i], tuple(manager.ranks),
-                               max_model_len, front) for i in range(num_api_servers)]
+        launch = launch_engines(config, num_api_servers, ready_timeout=args.engine_ready_timeout)
+        specs = [APIServerSpec(i, launch.input_binds(i), launch.output_binds(i), launch.ranks,
+                               launch.max_model_len, launch.coordinator_address)
+                 for i in range(num_api_servers)]
         options = APIServerOptions.from_args(args)
-        engine_procs = [*manager.processes, *others]
         if num_api_servers == 1:
-            return _serve_in_process(options, config, specs[0], sock, engine_procs)
-        return _run_api_servers(options, config, specs, sock, engine_procs)
+            return _serve_in_process(options, config, specs[0], sock, launch.processes)
+        return _run_api_servers(options, config, specs, sock, launch.processes)
     except EngineStartupError as e:
         error = f"engine failed to start: {e}"
     except APIServerStartupError as e:
         error = f"API server failed to start: {e}"
     finally:
-        if manager is not None:
-            manager.close()
-        if coordinator is not None:
-            coordinator.close()
-        if alloc is not None:
-            alloc.cleanup()
+        if launch is not None:
+            launch.close()
         sock.close()
     print(f"dpserve: error: {error}", file=sys.stderr)  # last, after the children's logs
     return 1
+
+
+def run_headless(args: argparse.Namespace) -> int:
+    """`--headless`: this host's engines for a head elsewhere; no API server.
+
+    Exits when its engines exit (they stop when the head goes away): 0 if
+    they all stopped cleanly, 1 otherwise; 128 + the signal on SIGTERM/SIGINT.
+    """
+    from dpserve.launcher import EngineProcManager, url_host
+
+    config = EngineArgs.from_cli(args).create_config()
+    p = config.parallel
+    if p.local_lb:
+        raise ConfigError("--headless hosts run engines for a head's balancer; they take no "
+                          "--data-parallel-rank or --data-parallel-hybrid-lb")
+    if p.data_parallel_start_rank == 0:
+        raise ConfigError("--headless needs --data-parallel-start-rank > 0 (rank 0 runs on "
+                          "the head)")
+    name_process("Headless")
+    head = f"tcp://{url_host(p.data_parallel_address)}:{p.data_parallel_rpc_port}"
+    logger.info("headless: engines %s for the head at %s", p.local_ranks, head)
+    stop = _StopSignal()
+    manager = EngineProcManager(config, head, num_engines=p.data_parallel_size_local,
+                                start_rank=p.data_parallel_start_rank, local=False,
+                                handshake_timeout=args.engine_ready_timeout)
+    try:
+        exited = _watch(stop, manager.processes)
+        if stop.signum is not None:
+            return 128 + stop.signum
+        failed = [f"{e.name} exited with code {e.exitcode}" for e in exited if e.exitcode]
+        if failed:
+            print(f"dpserve: error: {'; '.join(failed)} (see its log above)", file=sys.stderr)
+            return 1
+        logger.info("headless: %s stopped (the head went away)",
+                    ", ".join(e.name for e in exited))
+        return 0
+    finally:
+        manager.close()
+        stop.restore()
+
 
 
 def _serve_in_process(options: APIServerOptions, config: EngineConfig,

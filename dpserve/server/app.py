@@ -87,6 +87,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
+        # The DP wave, as this API server last heard it from the coordinator.
+        metrics.set_wave(getattr(async_llm.client, "current_wave", 0))
         return Response(metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     @app.get("/version")

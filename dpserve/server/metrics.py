@@ -95,6 +95,8 @@ class ServerMetrics:
                              e, **latest)
         self.kv_usage = Gauge("dpserve:kv_cache_usage_perc", "Fraction of KV-cache blocks in "
                               "use (0-1).", e, **latest)
+        self.engine_wave = Gauge("dpserve:engine_wave", "The engine's data-parallel request "
+                                 "wave when it last sent outputs (lockstep).", e, **latest)
         self.prefix_hit_rate = Gauge("dpserve:prefix_cache_hit_rate", "Prompt tokens found "
                                      "in the prefix cache / tokens looked up, since start.",
                                      e, **latest)
@@ -107,6 +109,8 @@ class ServerMetrics:
         self.engine_finished = Counter("dpserve:engine_requests_finished", "Requests "
                                        "finished by an engine (one per completion).", e,
                                        registry=r)
+        self.wave = Gauge("dpserve:dp_wave", "The data-parallel request wave (lockstep; "
+                          "from the DP coordinator).", registry=r, multiprocess_mode="max")
         self.api_server_finished = Counter("dpserve:api_server_requests_finished", "Requests "
                                            "finished by an API server (one per completion).",
                                            m + ["api_server"], registry=r)
@@ -138,6 +142,7 @@ class ServerMetrics:
         self.running.labels(*labels).set(s.num_running)
         self.waiting.labels(*labels).set(s.num_waiting)
         self.kv_usage.labels(*labels).set(s.kv_cache_usage)
+        self.engine_wave.labels(*labels).set(s.wave)
         queries = s.prefix_cache_queries
         self.prefix_hit_rate.labels(*labels).set(s.prefix_cache_hits / queries if queries
                                                  else 0.0)
@@ -168,6 +173,9 @@ class ServerMetrics:
         if it.finished:
             self.api_server_finished.labels(name, str(self.api_server_index)).inc(
                 len(it.finished))
+
+    def set_wave(self, wave: int) -> None:
+        self.wave.set(wave)
 
     def render(self) -> bytes:
         """The text exposition format, for GET /metrics (all API servers' values)."""
