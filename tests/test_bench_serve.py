@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import socket
 import threading
 import time
@@ -211,6 +212,40 @@ def test_prompts_are_seeded_and_config_validated() -> None:
         BenchConfig(concurrency=0)
     with pytest.raises(ValueError, match="endpoint"):
         BenchConfig(endpoint="embeddings")
+
+
+def test_prompt_mix_exact_proportions_seeded_order() -> None:
+    config = BenchConfig(prompt_mix="16:4,64:1", vocab_size=500)
+    prompts = make_prompts(config, 20, seed=3)
+    lengths = [len(p) for p in prompts]
+    assert sorted(lengths) == [16] * 16 + [64] * 4  # exact: 20 is a multiple of 4 + 1
+    assert make_prompts(config, 20, seed=3) == prompts  # same seed, same sequence
+    assert [len(p) for p in make_prompts(config, 20, seed=4)] != lengths  # shuffled by seed
+    assert lengths != [16, 16, 16, 16, 64] * 4
+    chat = BenchConfig(endpoint="chat", prompt_mix="3:1,7:1")
+    assert sorted(len(p.split()) for p in make_prompts(chat, 4, seed=0)) == [3, 3, 7, 7]
+    # Without a mix the prompts are what they always were (comparable across versions).
+    plain = BenchConfig(prompt_len=16, vocab_size=500)
+    rng = random.Random(7)
+    assert make_prompts(plain, 2, seed=7) == [[rng.randrange(100, 500) for _ in range(16)]
+                                              for _ in range(2)]
+    for bad in ("", "16", "16:0", "16:4,x:1", "16:4:2", "0:1"):
+        with pytest.raises(ValueError, match="prompt_mix"):
+            BenchConfig(prompt_mix=bad)
+
+
+def test_prompt_mix_from_cli_reaches_the_server(tmp_path) -> None:
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    md = tmp_path / "B.md"
+    with FakeOpenAIServer(first_token_delay=0.01) as server:
+        args = parser.parse_args(["--base-url", server.base_url, "--num-prompts", "6",
+                                  "--concurrency", "2", "--output-len", "2", "--warmup", "0",
+                                  "--prompt-mix", "8:2,40:1", "--append-md", str(md)])
+        assert main(args) == 0
+    assert sorted(len(b["prompt"]) for b in server.bodies) == [8, 8, 8, 8, 40, 40]
+    assert "mixed 8:2,40:1 prompt -> 2 output tokens" in md.read_text()
+    assert main(parser.parse_args(["--prompt-mix", "8:2,40"])) == 2
 
 
 def test_main_reports_unreachable_server(capsys) -> None:

@@ -7,7 +7,10 @@ between content chunks (ITL), the end-to-end latency and the output tokens from
 the final usage chunk. Every request asks for exactly `output_len` tokens
 (`max_tokens` + `ignore_eos`, temperature 0). Completions prompts are lists of
 seeded random token ids in [100, vocab_size), so prompt lengths are exact; chat
-prompts are random common words (about one token each).
+prompts are random common words (about one token each). `prompt_mix` mixes
+prompt lengths in fixed proportions (e.g. `16:4,1024:1`: four 16-token prompts
+per 1024-token one) in a seeded random order, the same for every run with the
+same seed.
 
 Bounded: each request has a `timeout`, the whole run (model discovery, warm-up
 and measurement) a `max_duration`; requests cut off by it count as failed and
@@ -59,6 +62,9 @@ class BenchConfig:
     num_prompts: int = _opt(64, "Measured requests.")
     concurrency: int = _opt(16, "Requests kept in flight at once.")
     prompt_len: int = _opt(128, "Prompt tokens per request (chat: words, about one token each).")
+    prompt_mix: str | None = _opt(None, "Mixed prompt lengths instead of prompt_len, as "
+                                  "LEN:WEIGHT,... (e.g. 16:4,1024:1 = four 16-token prompts "
+                                  "per 1024-token one, in a seeded random order).")
     output_len: int = _opt(64, "Output tokens per request (max_tokens, with ignore_eos).")
     vocab_size: int = _opt(49152, "Prompt token ids are drawn from [100, vocab_size).")
     seed: int = _opt(0, "Seed of the random prompts.")
@@ -76,6 +82,13 @@ class BenchConfig:
                 raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
         if min(self.timeout, self.max_duration) <= 0:
             raise ValueError("timeout and max_duration must be positive")
+        if self.prompt_mix is not None:
+            parse_prompt_mix(self.prompt_mix)
+
+    @property
+    def prompt_desc(self) -> str:
+        """The prompt length for reports: '128' or 'mixed 16:4,1024:1'."""
+        return f"mixed {self.prompt_mix}" if self.prompt_mix else str(self.prompt_len)
 
     @property
     def root(self) -> str:
@@ -147,13 +160,40 @@ class BenchResult:
         return out
 
 
+def parse_prompt_mix(text: str) -> list[tuple[int, int]]:
+    """'16:4,1024:1' -> [(16, 4), (1024, 1)]: (prompt length, weight) pairs; ValueError."""
+    try:
+        mix = [(int(n), int(w)) for n, w in (part.split(":") for part in text.split(","))]
+    except ValueError:  # a part that is not two integers
+        mix = []
+    if not mix or min(min(m) for m in mix) < 1:
+        raise ValueError(f"prompt_mix must be LEN:WEIGHT,... with positive integers "
+                         f"(e.g. 16:4,1024:1), got {text!r}")
+    return mix
+
+
+def prompt_lengths(config: BenchConfig, num: int, rng: random.Random) -> list[int]:
+    """`num` prompt lengths: prompt_len, or prompt_mix's lengths in its proportions.
+
+    With a mix, the pattern (each length repeated by its weight) is cycled to `num`
+    entries, so the proportions are exact when `num` is a multiple of the summed
+    weights, and then shuffled by `rng`.
+    """
+    if config.prompt_mix is None:
+        return [config.prompt_len] * num
+    pattern = [n for n, w in parse_prompt_mix(config.prompt_mix) for _ in range(w)]
+    lengths = [pattern[i % len(pattern)] for i in range(num)]
+    rng.shuffle(lengths)
+    return lengths
+
+
 def make_prompts(config: BenchConfig, num: int, seed: int) -> list[list[int]] | list[str]:
     """Seeded prompts: token-id lists for completions, random words for chat."""
     rng = random.Random(seed)
+    lengths = prompt_lengths(config, num, rng)
     if config.endpoint == "completions":
-        return [[rng.randrange(100, config.vocab_size) for _ in range(config.prompt_len)]
-                for _ in range(num)]
-    return [" ".join(rng.choice(_WORDS) for _ in range(config.prompt_len)) for _ in range(num)]
+        return [[rng.randrange(100, config.vocab_size) for _ in range(n)] for n in lengths]
+    return [" ".join(rng.choice(_WORDS) for _ in range(n)) for n in lengths]
 
 
 def _body(config: BenchConfig, model: str, prompt: list[int] | str) -> dict[str, Any]:
@@ -310,7 +350,7 @@ def format_report(res: BenchResult) -> str:
         "=============== dpserve bench serve ===============",
         f"Target:                     {res.model} at {c.url}",
         f"Workload:                   {c.num_prompts} requests, concurrency {c.concurrency}, "
-        f"{c.prompt_len} -> {c.output_len} tokens",
+        f"{c.prompt_desc} -> {c.output_len} tokens",
         f"Completed / failed / unsent: {res.completed} / {res.failed} / {res.not_sent}",
         f"Duration (s):               {res.duration_s:.2f}",
         f"Request throughput (req/s): {res.request_throughput:.2f}",
@@ -356,7 +396,7 @@ def format_markdown(res: BenchResult, command: str) -> str:
         f"- machine: {machine()}",
         f"- command: `{command}`",
         f"- target: {res.model} at {c.url}",
-        f"- workload: {c.num_prompts} requests, concurrency {c.concurrency}, {c.prompt_len} "
+        f"- workload: {c.num_prompts} requests, concurrency {c.concurrency}, {c.prompt_desc} "
         f"prompt -> {c.output_len} output tokens, ignore_eos, temperature 0, "
         f"{c.warmup} warm-up",
         f"- completed {res.completed}, failed {res.failed}, not sent {res.not_sent} "
