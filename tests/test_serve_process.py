@@ -44,20 +44,26 @@ def serve(model: str, *extra: str, env: dict[str, str] | None = None, timeout: f
     proc.log = log  # type: ignore[attr-defined]
     url = f"http://{host}:{port}"
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            assert proc.poll() is None, f"server exited early:\n{output(proc)[-3000:]}"
-            assert time.monotonic() < deadline, "server did not become healthy in time"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(proc, url, timeout, describe=lambda: output(proc))
         yield proc, url
     finally:
         _stop(proc)
         log.close()
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, describe=lambda: "") -> None:
+    """Poll `url`/health until 200; fail (with `describe()`) if `proc` exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, f"server exited early:\n{describe()[-3000:]}"
+        assert time.monotonic() < deadline, \
+            f"server did not become healthy in time:\n{describe()[-3000:]}"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
 
 
 def output(proc: subprocess.Popen) -> str:
@@ -216,8 +222,9 @@ def test_port_in_use_fails_before_loading(tiny_llama):
 def test_sigterm_under_load_stops_everything(tiny_llama):
     with serve(str(tiny_llama)) as (proc, url):
         children = _descendants(proc.pid)
-        body = {"model": str(tiny_llama), "prompt": "Hello", "max_tokens": 2000,
+        body = {"model": str(tiny_llama), "prompt": "Hello", "max_tokens": 1000,
                 "stream": True, "ignore_eos": True}
+        chunks: list[int] = []
 
         async def load() -> None:
             async with httpx.AsyncClient(timeout=30) as client:
@@ -225,8 +232,9 @@ def test_sigterm_under_load_stops_everything(tiny_llama):
                     try:
                         async with client.stream("POST", url + "/v1/completions",
                                                  json=body) as resp:
-                            async for _ in resp.aiter_lines():
-                                pass
+                            assert resp.status_code == 200
+                            async for line in resp.aiter_lines():
+                                chunks.append(len(line))
                     except httpx.HTTPError:
                         pass
 
@@ -238,5 +246,6 @@ def test_sigterm_under_load_stops_everything(tiny_llama):
                 assert time.monotonic() - start < 5
 
         asyncio.run(load())
+        assert len(chunks) > 8  # the streams were under way when the signal came
         assert proc.wait(5) is not None
         assert _all_gone(children, timeout=5)
