@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +71,13 @@ class EngineLaunch:
     def max_model_len(self) -> int:
         """The engines' limit: the config's, capped by the smallest KV cache."""
         return min(r.max_model_len for r in self.ready.values())
+
+    def watch_actors(self, on_exit: Callable[[str], None]) -> None:
+        """Call `on_exit(reason)` once when an engine that is not a local process
+        (a Ray actor) stops; local processes are watched by their sentinels."""
+        watch = getattr(self.manager, "watch_engines", None)
+        if watch is not None:
+            watch(on_exit)
 
     def input_binds(self, client: int) -> tuple[str, ...]:
         assert self.addresses is not None
@@ -202,5 +210,24 @@ def _launch_local_lb(launch: EngineLaunch, config: EngineConfig, num_clients: in
 
 def _launch_ray(launch: EngineLaunch, config: EngineConfig, num_clients: int,
                 ready_timeout: float) -> None:
-    raise ConfigError("data_parallel_backend 'ray' is not wired in yet")
+    """Every rank a Ray actor; front-ends and coordinator here, tcp twins for the actors."""
+    from dpserve.launcher import EngineStartupError
+    from dpserve.ray_backend import RayEngineManager, RayPlacementError
+
+    p = config.parallel
+    size = p.data_parallel_size
+    addrs = launch.allocator.engine_addresses(
+        num_clients, remote_host=p.data_parallel_address, rpc_port=p.data_parallel_rpc_port)
+    if size > 1:  # the coordinator first: engines connect to it while loading
+        addrs = addrs.with_coordinator(_start_coordinator(launch, config, ready_timeout,
+                                                          remote=True))
+    launch.addresses = addrs
+    coordinator = [launch.coordinator.proc] if launch.coordinator else []
+    try:
+        launch.manager = RayEngineManager(config, addrs.init_metadata(dp_size=size,
+                                                                      local=False))
+        launch.ready = launch.manager.wait_for_startup(ready_timeout, also_watch=coordinator)
+    except RayPlacementError as e:
+        raise EngineStartupError(str(e)) from None
+    launch.ranks = tuple(range(size))
 

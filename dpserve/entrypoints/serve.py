@@ -53,6 +53,7 @@ from dpserve.logging_utils import name_process
 
 if TYPE_CHECKING:
     from dpserve.entrypoints.api_server import APIServerOptions, APIServerSpec
+    from dpserve.entrypoints.engines import EngineLaunch
 
 logger = logging.getLogger("dpserve.serve")
 
@@ -131,7 +132,7 @@ def run_serve(args: argparse.Namespace) -> int:
         APIServerSpec,
         APIServerStartupError,
     )
-    from dpserve.entrypoints.engines import EngineLaunch, launch_engines
+    from dpserve.entrypoints.engines import launch_engines
     from dpserve.launcher import EngineStartupError
 
     _check_args(args)
@@ -154,8 +155,8 @@ def run_serve(args: argparse.Namespace) -> int:
                  for i in range(num_api_servers)]
         options = APIServerOptions.from_args(args)
         if num_api_servers == 1:
-            return _serve_in_process(options, config, specs[0], sock, launch.processes)
-        return _run_api_servers(options, config, specs, sock, launch.processes)
+            return _serve_in_process(options, config, specs[0], sock, launch)
+        return _run_api_servers(options, config, specs, sock, launch)
     except EngineStartupError as e:
         error = f"engine failed to start: {e}"
     except APIServerStartupError as e:
@@ -209,13 +210,13 @@ def run_headless(args: argparse.Namespace) -> int:
 
 
 def _serve_in_process(options: APIServerOptions, config: EngineConfig,
-                      spec: APIServerSpec, sock: socket.socket,
-                      engine_procs: list[BaseProcess]) -> int:
+                      spec: APIServerSpec, sock: socket.socket, launch: EngineLaunch) -> int:
     """M == 1: API server 0 runs here; an engine or coordinator death stops it (1)."""
     from dpserve.entrypoints.api_server import serve_http
 
     async def on_ready(client, server) -> None:
-        client.watch_processes(engine_procs)  # any death stops the server
+        client.watch_processes(launch.processes)  # any death stops the server
+        launch.watch_actors(client.mark_dead)
         _log_serving(options, config, spec, sock, 1)
 
     return asyncio.run(serve_http(options, config, spec, sock, on_ready))
@@ -223,7 +224,7 @@ def _serve_in_process(options: APIServerOptions, config: EngineConfig,
 
 def _run_api_servers(options: APIServerOptions, config: EngineConfig,
                      specs: list[APIServerSpec], sock: socket.socket,
-                     engine_procs: list[BaseProcess]) -> int:
+                     launch: EngineLaunch) -> int:
     """M > 1: start the API-server processes, then watch every process.
 
     Returns 128 + the signal after SIGTERM/SIGINT, 1 when any process died.
@@ -233,18 +234,20 @@ def _run_api_servers(options: APIServerOptions, config: EngineConfig,
     metrics_dir = tempfile.mkdtemp(prefix="dpserve-metrics-")
     api: APIServerProcManager | None = None
     stop: _StopSignal | None = None
+    engine_procs = launch.processes
     try:
         api = APIServerProcManager(options, config, specs, sock, metrics_dir)
         api.wait_for_startup(also_watch=engine_procs)
         stop = _StopSignal()
+        launch.watch_actors(stop.engine_died)
         api.start_serving()
         _log_serving(options, config, specs[0], sock, len(specs))
         exited = _watch(stop, [*engine_procs, *api.processes])
         if stop.signum is not None:
             logger.info("signal %d: stopping", stop.signum)
             return 128 + stop.signum
-        reason = "; ".join(f"process {p.name} (pid {p.pid}) exited with code {p.exitcode}"
-                           for p in exited)
+        reason = stop.death or "; ".join(
+            f"process {p.name} (pid {p.pid}) exited with code {p.exitcode}" for p in exited)
         logger.error("%s; stopping the server", reason)
         api.stop_after_death(reason)
         return 1
@@ -261,6 +264,7 @@ class _StopSignal:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.death: str | None = None  # set by engine_died
         self.fd, self._write_fd = os.pipe()
         os.set_blocking(self.fd, False)
         os.set_blocking(self._write_fd, False)
@@ -269,6 +273,14 @@ class _StopSignal:
 
     def _handle(self, signum: int, frame: object) -> None:
         self.signum = signum  # the wakeup fd wakes the loop
+
+    def engine_died(self, reason: str) -> None:
+        """An engine that is not a local process (a Ray actor) stopped: wake `_watch`."""
+        self.death = reason
+        try:
+            os.write(self._write_fd, b"!")
+        except OSError:
+            pass
 
     def drain(self) -> None:
         try:
@@ -285,9 +297,10 @@ class _StopSignal:
 
 
 def _watch(stop: _StopSignal, procs: Sequence[BaseProcess]) -> list[BaseProcess]:
-    """Block until a stop signal ([]) or until any of `procs` exits (those that did)."""
+    """Block until a stop signal or an engine death reported to `stop` ([]), or until
+    any of `procs` exits (those that did)."""
     by_sentinel = {p.sentinel: p for p in procs}
-    while stop.signum is None:
+    while stop.signum is None and stop.death is None:
         ready = connection.wait([*by_sentinel, stop.fd], timeout=5.0)
         if stop.fd in ready:
             stop.drain()

@@ -1,0 +1,641 @@
+"""The Ray backend: data-parallel engines as Ray actors, one placement group per rank.
+
+Scope: connecting to Ray (join a cluster, or start a local instance),
+planning where each DP rank runs (`plan_placement`, pure), one STRICT_PACK
+placement group per rank pinned to its node, the engine actors
+(`EngineCoreActor`: an `EngineCoreProc` without the socket handshake),
+waiting for them to start (bounded, with a liveness check), watching their
+run refs and tearing everything down. `RayEngineManager` plays the role of
+`EngineProcManager` + `wait_for_engine_startup` for `--data-parallel-backend ray`.
+
+Not here: addresses (`dpserve.launcher.AddressAllocator`), the coordinator,
+the front-ends. `import ray` happens only when a manager is built
+(`pip install dpserve[ray]`).
+
+Launch order (the launcher's side):
+    1. addresses: `AddressAllocator(local_only=False, host=ip)`, where `ip` is
+       the DP master address (this host, a Ray node); every socket the
+       engines connect to is tcp:// on `ip` (actors may run on other hosts);
+    2. the coordinator (DP > 1), on that allocator; its addresses go into the
+       init metadata together with the front-ends' and the DP master ip/port;
+    3. `RayEngineManager(config, init)`: connect, place, create the actors
+       (each builds its engine: model, KV cache, coordinator link, front-end
+       registration);
+    4. `wait_for_startup()` -> rank -> HandshakeReady; then the front-ends
+       bind their sockets and serve; `watch_engines(callback)` reports a
+       rank whose run ended (death, fatal error) so the launcher can stop;
+    5. `close()`: kill the actors, remove the placement groups, leave Ray
+       as found (shut down / disconnected if the manager connected it).
+
+Resources per rank (one placement group, STRICT_PACK = one node):
+    CPU engines:  [{"CPU": threads_per_engine or 1}]; the actor takes it all.
+    CUDA engines: [{"GPU": 1}] per device of the engine, then {"CPU": threads
+                  or 1}; the actor takes the GPU bundle (Ray then sets
+                  CUDA_VISIBLE_DEVICES for it), the CPU bundle reserves the
+                  engine's host threads on the same node.
+
+Pack strategies (nodes are ordered: the DP master's node first, then the
+others by IP and node id; rank 0 always runs on the master node, where the
+launcher and coordinator run and where rank 0 hosts the lockstep group's
+store at the DP master address; a node's room is how many ranks its free
+resources hold):
+    fill    nodes in order, each filled to its room before the next one.
+    strict  every node used runs the same number of ranks, contiguous
+            (`ranks_per_node`, default: the master node's room; the last
+            node may run fewer); a node with less room than that is skipped.
+            Each node then runs a fixed rank range, as per-node front-ends need.
+    span    one rank per node, nodes in order: DP=N needs N nodes.
+Planning uses the nodes' free resources; when the ranks fit only counting
+resources in use now (another job's, or a view not yet updated), the plan
+counts everything and Ray gets `placement_timeout` seconds to place it. A
+rank that does not fit even then fails at once, before any placement group
+is made; a placement group not placed in time fails the start too. Both
+messages say what a rank needs, what is missing and what each node has.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import math
+import os
+import re
+import signal
+import sys
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from dpserve.config import EngineConfig
+from dpserve.launcher import EngineStartupError
+from dpserve.logging_utils import name_process
+from dpserve.protocol import EngineInitMetadata, HandshakeReady
+
+logger = logging.getLogger(__name__)
+
+PACK_STRATEGIES = ("strict", "fill", "span")
+NODE_ID_LABEL = "ray.io/node-id"  # Ray's built-in node label (bundle label selectors)
+_EPS = 1e-6  # Ray resources are fixed-point floats
+_POLL_S = 0.5
+_PROGRESS_LOG_S = 10.0
+_MAX_ERROR_CHARS = 500
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its error messages
+
+
+class RayPlacementError(RuntimeError):
+    """A DP rank cannot be placed on the Ray cluster (the message says what is missing)."""
+
+
+def check_pack_strategy(strategy: str) -> str:
+    if strategy not in PACK_STRATEGIES:
+        raise ValueError(f"data_parallel_pack_strategy must be one of "
+                         f"{', '.join(PACK_STRATEGIES)}, got {strategy!r}")
+    return strategy
+
+
+# ---- planning (pure) -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RayNode:
+    """One alive Ray node as the planner sees it."""
+
+    node_id: str  # hex
+    ip: str
+    total: dict[str, float]  # resource -> amount the node has
+    available: dict[str, float]  # resource -> amount free now
+
+    def describe(self, need: dict[str, float], left: dict[str, float],
+                 master: bool = False) -> str:
+        """`node 1a2b3c4d (10.0.0.5, DP master): CPU 0 of 8` (what is left of each need)."""
+        have = ", ".join(f"{k} {left.get(k, 0.0):g} of {self.total[k]:g}" if k in self.total
+                         else f"no {k}" for k in need)
+        return f"node {self.node_id[:8]} ({self.ip}{', DP master' if master else ''}): {have}"
+
+
+def engine_bundles(config: EngineConfig) -> list[dict[str, float]]:
+    """The placement-group bundles of one DP rank (module docstring)."""
+    cpus = float(config.parallel.threads_per_engine or 1)
+    if config.device == "cuda":
+        return [{"GPU": 1.0}, {"CPU": cpus}]  # one device per engine (no tensor parallel)
+    return [{"CPU": cpus}]
+
+
+def rank_needs(bundles: Sequence[dict[str, float]]) -> dict[str, float]:
+    """What one rank needs on one node: its bundles added up."""
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for key, amount in bundle.items():
+            need[key] = need.get(key, 0.0) + amount
+    return need
+
+
+def room(free: dict[str, float], need: dict[str, float]) -> int:
+    """How many ranks needing `need` fit in `free`."""
+    counts = [math.floor(free.get(k, 0.0) / v + _EPS) for k, v in need.items() if v > 0]
+    return max(0, min(counts)) if counts else 0
+
+
+def plan_placement(nodes: Sequence[RayNode], master_id: str, need: dict[str, float],
+                   num_ranks: int, strategy: str, *, ranks_per_node: int | None = None,
+                   use_total: bool = False) -> list[RayNode]:
+    """The node of each rank 0..num_ranks-1 (module docstring: pack strategies).
+
+    Plans on the nodes' free resources (`use_total`: on all they have).
+    Raises RayPlacementError naming the first rank that does not fit, what it
+    needs and what every node has left.
+    """
+    check_pack_strategy(strategy)
+    master = next((n for n in nodes if n.node_id == master_id), None)
+    if master is None:
+        raise RayPlacementError(f"the DP master node {master_id[:8]} is not an alive Ray node")
+    order = [master, *sorted((n for n in nodes if n is not master),
+                             key=lambda n: (n.ip, n.node_id))]
+    free = {n.node_id: dict(n.total if use_total else n.available) for n in order}
+    per_node = {"fill": None, "span": 1, "strict": ranks_per_node}[strategy]
+    if strategy == "strict" and per_node is None:
+        per_node = min(room(free[master.node_id], need), num_ranks) or 1
+    plan: list[RayNode] = []
+    for node in order:
+        left = num_ranks - len(plan)
+        fits = room(free[node.node_id], need)
+        if per_node is None:  # fill: as many as fit
+            take = min(fits, left)
+        else:  # strict/span: its whole share, or none
+            share = min(per_node, left)
+            take = share if fits >= share else 0
+        if node is master and take == 0:
+            break  # rank 0 runs on the master node, or nowhere
+        for _ in range(take):
+            plan.append(node)
+            for key, amount in need.items():
+                free[node.node_id][key] = free[node.node_id].get(key, 0.0) - amount
+    if len(plan) < num_ranks:
+        raise RayPlacementError(_unplaceable(len(plan), order, free, need, strategy, per_node,
+                                             use_total))
+    return plan
+
+
+def _unplaceable(rank: int, order: list[RayNode], left: dict[str, dict[str, float]],
+                 need: dict[str, float], strategy: str, per_node: int | None,
+                 use_total: bool) -> str:
+    rule = {"fill": "", "span": ", one rank per node",
+            "strict": f", {per_node} rank(s) per node"}[strategy]
+    where = "on the DP master node (where the launcher runs)" if rank == 0 else "on one node"
+    missing = ", ".join(sorted({k for n in order for k, v in need.items()
+                                if left[n.node_id].get(k, 0.0) + _EPS < v}))
+    if not missing:  # strict/span: room enough, but not for a whole share on a new node
+        missing = f"another node (the cluster has {len(order)})"
+    counted = "counting everything the cluster has" if use_total else "free now"
+    after = f"after ranks 0-{rank - 1}" if rank else "before any rank"
+    nodes = "; ".join(n.describe(need, left[n.node_id], i == 0) for i, n in enumerate(order))
+    return (f"cannot place DP rank {rank} (pack strategy {strategy!r}{rule}): it needs "
+            f"{need} {where}; missing: {missing}. Left per "
+            f"node {after} ({counted}): {nodes}")
+
+
+# ---- the engine actor ----------------------------------------------------------------
+
+
+class EngineCoreActor:
+    """One DP engine inside a Ray actor: an `EngineCoreProc` built from given
+    init metadata (no socket handshake: the addresses are known in advance).
+
+    Construction starts the engine (model, KV cache, coordinator link,
+    front-end registration); `ready()` then answers what READY would carry;
+    `run()` serves until the actor is killed, SIGTERM (Ray: SystemExit), a
+    remote engine losing its front-ends, or a fatal error, which is announced
+    with ENGINE_CORE_DEAD on every output socket and re-raised (the run ref fails).
+    """
+
+    def __init__(self, config: EngineConfig, rank: int, init: EngineInitMetadata,
+                 local: bool) -> None:
+        from dpserve.engine.process import EngineCoreProc
+
+        _name_actor_process(rank)
+        self.rank = rank
+        self.proc = EngineCoreProc(config, rank, None, local=local, init=init)
+
+    def __repr__(self) -> str:  # Ray prefixes the actor's log lines with this
+        return f"EngineCore_{self.rank}"
+
+    def ready(self) -> dict[str, Any]:
+        """The READY data as plain values, plus where the engine runs."""
+        import ray
+
+        r = self.proc.ready
+        return dict(local=r.local, num_kv_blocks=r.num_kv_blocks, max_model_len=r.max_model_len,
+                    node_id=ray.get_runtime_context().get_node_id(), pid=os.getpid())
+
+    def run(self) -> None:
+        """The busy loop (what `run_engine_core` does in a process)."""
+        _name_actor_process(self.rank)  # Ray retitles the process for each task
+        try:
+            self.proc.run_busy_loop()
+        except (SystemExit, KeyboardInterrupt):
+            logger.info("engine %d shutting down", self.rank)
+            raise
+        except BaseException:
+            logger.exception("engine %d hit a fatal error", self.rank)
+            self.proc.send_engine_dead()
+            raise
+        finally:
+            self.proc.shutdown()
+
+
+def _name_actor_process(rank: int) -> None:
+    """`dpserve::EngineCore_<rank>` in ps, and in every log line. A Ray worker's
+    title belongs to Ray's own setproctitle (the setproctitle package cannot
+    change it there), which restores its title after each task."""
+    name_process(f"EngineCore_{rank}")
+    try:
+        from ray import _raylet
+
+        _raylet.setproctitle(f"dpserve::EngineCore_{rank}")
+    except (ImportError, AttributeError):  # not in a Ray worker, or Ray moved it
+        pass
+
+
+# ---- the manager ---------------------------------------------------------------------
+
+
+@dataclass
+class _RayState:
+    """What teardown needs (shared with the finalizer, which must not hold the manager)."""
+
+    owns_connection: bool = False  # this manager called ray.init
+    actors: list[Any] = field(default_factory=list)
+    placement_groups: list[Any] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+    watcher: threading.Thread | None = None
+
+
+class RayEngineManager:
+    """Starts the DP engines as Ray actors and tears them down (module docstring).
+
+    `init`: what every engine connects to; all addresses tcp://. The other
+    options default to the config's (`ray_address`, `data_parallel_address`
+    = this host's IP = the DP master address, `data_parallel_pack_strategy`).
+    `placement_timeout`: how long Ray may take to place the placement groups.
+    `runtime_env`: passed to the actors (e.g. env_vars, py_modules).
+    `close()`, garbage collection and interpreter exit tear down once.
+    """
+
+    def __init__(self, config: EngineConfig, init: EngineInitMetadata, *,
+                 ray_address: str | None = None, node_ip: str | None = None,
+                 pack_strategy: str | None = None, ranks_per_node: int | None = None,
+                 placement_timeout: float = 60.0,
+                 runtime_env: dict[str, Any] | None = None) -> None:
+        parallel = config.parallel
+        self.pack_strategy = check_pack_strategy(
+            parallel.data_parallel_pack_strategy if pack_strategy is None else pack_strategy)
+        if ranks_per_node is not None and ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be at least 1, got {ranks_per_node}")
+        _check_tcp(init)
+        self.ranks = list(range(parallel.data_parallel_size))
+        if init.dp_size != len(self.ranks):
+            raise ValueError(f"init metadata says dp_size={init.dp_size}, the config "
+                             f"{len(self.ranks)}")
+        self.node_ip = node_ip or parallel.data_parallel_address
+        self.bundles = engine_bundles(config)
+        self.node_of: dict[int, RayNode] = {}  # rank -> its node
+        self.master_node_id = ""
+        self.engine_info: dict[int, dict[str, Any]] = {}  # rank -> EngineCoreActor.ready()
+        self.exit_reasons: dict[int, str] = {}  # rank -> why its run ended
+        self.started_ray = False
+        self._ready_refs: dict[Any, int] = {}
+        self._run_refs: dict[Any, int] = {}
+        self._state = _RayState()
+        self._finalizer = weakref.finalize(self, _teardown, self._state)
+        try:
+            how = connect_ray(ray_address or parallel.ray_address, self.node_ip)
+            self._state.owns_connection = how != "existing"
+            self.started_ray = how == "started"  # close() shuts this instance down
+            self._place(ranks_per_node, placement_timeout)
+            self._create_actors(config, init, runtime_env)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- start-up ----------------------------------------------------------------
+
+    def _place(self, ranks_per_node: int | None, timeout: float) -> None:
+        """Plan, then one STRICT_PACK placement group per rank pinned to its node."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        nodes = _cluster_nodes()
+        master = _master_node(nodes, self.node_ip, ray.get_runtime_context().get_node_id())
+        self.master_node_id = master.node_id
+        need = rank_needs(self.bundles)
+        args = (nodes, master.node_id, need, len(self.ranks), self.pack_strategy)
+        try:
+            plan = plan_placement(*args, ranks_per_node=ranks_per_node)
+        except RayPlacementError as busy:  # maybe resources in use (or a stale view): wait
+            plan = plan_placement(*args, ranks_per_node=ranks_per_node, use_total=True)
+            logger.info("placing on resources in use now, waiting up to %.0f s: %s",
+                        timeout, busy)
+        tag = uuid.uuid4().hex[:8]
+        for rank, node in zip(self.ranks, plan):
+            self.node_of[rank] = node
+            self._state.placement_groups.append(placement_group(
+                self.bundles, strategy="STRICT_PACK", name=f"dpserve-{tag}-dp{rank}",
+                bundle_label_selector=[{NODE_ID_LABEL: node.node_id}] * len(self.bundles)))
+        refs = {pg.ready(): rank for rank, pg in zip(self.ranks, self._state.placement_groups)}
+        _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+        if pending:
+            raise RayPlacementError(self._not_placed(sorted(refs[r] for r in pending), need,
+                                                     timeout))
+        logger.info("placed %d DP rank(s) (%s): %s", len(self.ranks), self.pack_strategy,
+                    ", ".join(f"{r}->{n.node_id[:8]}" for r, n in self.node_of.items()))
+
+    def _not_placed(self, ranks: list[int], need: dict[str, float], timeout: float) -> str:
+        free = {n.node_id: n.available for n in _cluster_nodes()}
+        nodes = "; ".join(f"rank {r} -> " + self.node_of[r].describe(
+            need, free.get(self.node_of[r].node_id, {}),
+            self.node_of[r].node_id == self.master_node_id) for r in ranks)
+        return (f"Ray did not place DP rank(s) {ranks} within {timeout:.0f} s: each needs "
+                f"{need} on its node, which has free now: {nodes}")
+
+    def _create_actors(self, config: EngineConfig, init: EngineInitMetadata,
+                       runtime_env: dict[str, Any] | None) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        actor_class = ray.remote(EngineCoreActor)
+        cuda = config.device == "cuda"  # the actor takes the GPU bundle, else the CPU one
+        for rank, pg in zip(self.ranks, self._state.placement_groups):
+            options: dict[str, Any] = dict(
+                num_cpus=0 if cuda else self.bundles[0]["CPU"], num_gpus=1 if cuda else 0,
+                max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=0))
+            if runtime_env is not None:
+                options["runtime_env"] = runtime_env
+            local = self.node_of[rank].node_id == self.master_node_id
+            actor = actor_class.options(**options).remote(config, rank, init, local)
+            self._state.actors.append(actor)
+            self._ready_refs[actor.ready.remote()] = rank
+
+    def wait_for_startup(self, timeout: float = 600.0,
+                         also_watch: Sequence[BaseProcess] = ()) -> dict[int, HandshakeReady]:
+        """Wait until every engine is ready, then start their busy loops.
+
+        `also_watch`: local processes (e.g. the coordinator) whose death fails
+        the start-up at once. Returns rank -> READY data. Raises
+        EngineStartupError when an actor dies (naming its rank and the cause),
+        a watched process exits, or `timeout` seconds pass.
+        """
+        import ray
+
+        if self._run_refs or not self._ready_refs:
+            raise RuntimeError("wait_for_startup() runs once, after construction")
+        ready: dict[int, HandshakeReady] = {}
+        deadline = time.monotonic() + timeout
+        next_log = time.monotonic() + _PROGRESS_LOG_S
+        pending = list(self._ready_refs)
+        while pending:
+            _raise_for_dead_procs(also_watch, ready, self.ranks)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EngineStartupError(f"engines not ready after {timeout:.0f} s: "
+                                         f"{self._describe(ready)}")
+            if time.monotonic() >= next_log:
+                logger.info("waiting for engines: %s", self._describe(ready))
+                next_log += _PROGRESS_LOG_S
+            done, pending = ray.wait(pending, num_returns=1, timeout=min(left, _POLL_S))
+            for ref in done:
+                rank = self._ready_refs[ref]
+                try:
+                    info = ray.get(ref)
+                except Exception as e:
+                    raise EngineStartupError(
+                        f"engine {rank} (Ray actor on node {self.node_of[rank].node_id[:8]}) "
+                        f"died during start-up: {_short(e)}") from None
+                self.engine_info[rank] = info
+                ready[rank] = HandshakeReady(local=info["local"],
+                                             num_kv_blocks=info["num_kv_blocks"],
+                                             max_model_len=info["max_model_len"])
+                logger.info("engine %d ready on node %s: %d KV blocks", rank,
+                            info["node_id"][:8], info["num_kv_blocks"])
+        for rank, actor in zip(self.ranks, self._state.actors):
+            self._run_refs[actor.run.remote()] = rank
+        return dict(sorted(ready.items()))
+
+    def _describe(self, ready: dict[int, HandshakeReady]) -> str:
+        return ", ".join(f"rank {r} {'READY' if r in ready else 'loading the model'} "
+                         f"(node {self.node_of[r].node_id[:8]})" for r in self.ranks)
+
+    # ---- watching ------------------------------------------------------------------
+
+    @property
+    def local_ranks(self) -> list[int]:
+        """The ranks on the DP master node (this host)."""
+        return [r for r in self.ranks if self.node_of[r].node_id == self.master_node_id]
+
+    def wait_for_any_exit(self, timeout: float | None = None) -> list[int]:
+        """Block until a running engine's busy loop ends (or `timeout` s pass);
+        return the ranks that ended since the last call (why: `exit_reasons`).
+        [] at once when no engine runs. Use this or `watch_engines`, not both."""
+        import ray
+
+        refs = [ref for ref, rank in self._run_refs.items() if rank not in self.exit_reasons]
+        if not refs:
+            return []
+        done, _ = ray.wait(refs, num_returns=1, timeout=timeout)
+        if done:  # collect every other one that ended too
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        ended = []
+        for ref in done:
+            rank = self._run_refs[ref]
+            try:
+                ray.get(ref)
+                reason = "its busy loop returned"
+            except Exception as e:
+                reason = _short(e)
+            self.exit_reasons[rank] = reason
+            ended.append(rank)
+        return sorted(ended)
+
+    def watch_engines(self, on_exit: Callable[[str], None]) -> None:
+        """Call `on_exit(reason)` once, from a thread, when any engine stops
+        (e.g. `AsyncEngineClient.mark_dead`, or the launcher's stop)."""
+        if self._state.watcher is not None:
+            raise RuntimeError("the engines are already watched")
+        stop = self._state.stop
+
+        def watch() -> None:
+            while not stop.is_set():
+                try:
+                    ended = self.wait_for_any_exit(timeout=_POLL_S)
+                except Exception as e:  # e.g. Ray shut down under us
+                    if not stop.is_set():
+                        on_exit(f"lost track of the Ray engines: {type(e).__name__}: {e}")
+                    return
+                if ended and not stop.is_set():
+                    on_exit("; ".join(f"engine {r} (Ray actor) stopped: "
+                                      f"{self.exit_reasons[r]}" for r in ended))
+                    return
+
+        self._state.watcher = threading.Thread(target=watch, name="ray-engine-watcher",
+                                               daemon=True)
+        self._state.watcher.start()
+
+    def close(self) -> None:
+        """Kill the actors, remove the placement groups, shut Ray down or
+        disconnect if this manager connected it (idempotent)."""
+        self._finalizer()
+
+    def __enter__(self) -> RayEngineManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _teardown(state: _RayState) -> None:
+    state.stop.set()
+    if state.watcher is not None and state.watcher is not threading.current_thread():
+        state.watcher.join(timeout=2 * _POLL_S + 1)
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return  # never connected, or Ray already shut down (its atexit hook runs first)
+    from ray.util.placement_group import remove_placement_group
+
+    for actor in state.actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception as e:  # already dead, or the cluster is gone
+            logger.debug("could not kill an engine actor: %s", e)
+    for pg in state.placement_groups:
+        try:
+            remove_placement_group(pg)
+        except Exception as e:
+            logger.warning("could not remove placement group %s: %s", pg.id.hex(), e)
+    state.actors.clear()
+    state.placement_groups.clear()
+    if state.owns_connection:
+        state.owns_connection = False
+        ray.shutdown()
+
+
+# ---- connecting and looking at the cluster ----------------------------------------------
+
+
+def connect_ray(address: str | None, node_ip: str) -> str:
+    """Connect this process to Ray: "existing" (it already was: that connection
+    is used), "joined" (`address` given: that cluster, attached to the node at
+    `node_ip`, this host) or "started" (a local instance on `node_ip`, with the
+    dashboard off and, unless the environment says otherwise, usage stats off).
+    """
+    import ray
+
+    if ray.is_initialized():
+        logger.info("using this process's existing Ray connection")
+        return "existing"
+    if _is_loopback(node_ip):
+        _keep_ray_on_loopback()
+    kwargs: dict[str, Any] = dict(_node_ip_address=node_ip, logging_level=logging.WARNING,
+                                  log_to_driver=True)  # engine logs show up here
+    if address is None:
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        kwargs.update(address="local", include_dashboard=False)
+        logger.info("starting a local Ray instance on %s", node_ip)
+    else:
+        kwargs.update(address=address)
+        logger.info("joining the Ray cluster at %s", address)
+    with _keep_sigterm_handler():
+        ray.init(**kwargs)
+    return "joined" if address is not None else "started"
+
+
+@contextmanager
+def _keep_sigterm_handler():
+    """ray.init replaces the process's SIGTERM handler; the launcher keeps its own."""
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if main and old is not None:
+            signal.signal(signal.SIGTERM, old)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _keep_ray_on_loopback() -> None:
+    """Ray swaps a loopback address (in ray.init's address and node IP) for the
+    host's outward IP, so that other hosts could reach it; a launcher on
+    127.0.0.1 means loopback only. Ray's switch for that is its "no
+    multi-host cluster" flag (env RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read at
+    import), so set the flag itself: ray may already be imported."""
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def _cluster_nodes() -> list[RayNode]:
+    import ray
+
+    try:  # not public API; without it, plan on the totals (resources in use are waited for)
+        from ray._private.state import available_resources_per_node
+
+        free = available_resources_per_node()
+    except (ImportError, AttributeError) as e:
+        logger.warning("cannot read the nodes' free resources (%s); using their totals", e)
+        free = {n["NodeID"]: n["Resources"] for n in ray.nodes()}
+    return [RayNode(n["NodeID"], n["NodeManagerAddress"], dict(n["Resources"]),
+                    dict(free.get(n["NodeID"], {})))
+            for n in ray.nodes() if n.get("Alive")]
+
+
+def _master_node(nodes: list[RayNode], ip: str, own_node_id: str) -> RayNode:
+    """The node whose IP is the DP master address; this process's own if several."""
+    matches = [n for n in nodes if n.ip == ip]
+    if not matches:
+        raise RayPlacementError(
+            f"no Ray node has the DP master address {ip} (nodes: "
+            f"{', '.join(sorted({n.ip for n in nodes}))}); run the launcher on a node of "
+            f"the cluster and pass that node's IP as the DP master address")
+    return next((n for n in matches if n.node_id == own_node_id), matches[0])
+
+
+def _check_tcp(init: EngineInitMetadata) -> None:
+    addresses = [*init.input_addresses, *init.output_addresses, init.coordinator_input,
+                 init.coordinator_output]
+    for address in addresses:
+        if address is not None and not address.startswith("tcp://"):
+            raise ValueError(f"Ray engines may run on other hosts: every address in the "
+                             f"init metadata must be tcp://, got {address!r} (use "
+                             f"AddressAllocator(local_only=False, host=<this host's IP>))")
+
+
+def _raise_for_dead_procs(procs: Sequence[BaseProcess], ready: dict[int, HandshakeReady],
+                          ranks: list[int]) -> None:
+    dead = [p for p in procs if p.exitcode is not None]
+    if dead:
+        names = ", ".join(f"{p.name} (pid {p.pid}, exit code {p.exitcode})" for p in dead)
+        raise EngineStartupError(f"process died during start-up: {names}; engines ready: "
+                                 f"{sorted(ready)} of {ranks}")
+
+
+def _short(error: BaseException) -> str:
+    """One line for a Ray error: the engine's own exception where Ray carries it
+    (the actor's log, forwarded here, has the traceback)."""
+    cause = getattr(error, "cause", None)  # RayTaskError: what the method raised
+    if isinstance(cause, BaseException):
+        return f"{type(cause).__name__}: {cause}"[:_MAX_ERROR_CHARS]
+    lines = [line for line in _ANSI.sub("", str(error)).splitlines() if line.strip()]
+    if getattr(error, "_actor_init_failed", False) and lines:  # the last line: the exception
+        return f"its constructor raised {lines[-1].strip()}"[:_MAX_ERROR_CHARS]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:_MAX_ERROR_CHARS]

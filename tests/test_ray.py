@@ -1,0 +1,435 @@
+"""The Ray backend (`dpserve.ray_backend`): the placement planner on made-up
+nodes (milliseconds), then a real two-node Ray cluster on loopback (each node
+declares one CPU and a resource of its own) with real engine actors on a tiny
+model: one engine per node serving a front-end client over tcp, ranks that
+cannot be placed failing fast with what is missing, a bounded placement
+wait, and a local Ray instance whose engine hits a fatal error. After each
+manager closes, no actor, placement group or process of it is left."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from dpserve import SamplingParams
+from dpserve.config import EngineArgs, EngineConfig
+from dpserve.coordinator import DPCoordinator
+from dpserve.frontend.engine_client import AsyncEngineClient
+from dpserve.frontend.errors import EngineDeadError
+from dpserve.launcher import AddressAllocator, EngineStartupError, ZmqAddresses
+from dpserve.protocol import EngineCoreRequest
+from dpserve.ray_backend import (
+    RayEngineManager,
+    RayNode,
+    RayPlacementError,
+    check_pack_strategy,
+    connect_ray,
+    plan_placement,
+)
+
+ray = pytest.importorskip("ray")
+
+HOST = "127.0.0.1"
+START_TIMEOUT = 120.0
+PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12]]
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+# ---- the planner, on made-up nodes --------------------------------------------------------
+
+
+def _node(name: str, ip: str, cpus: float, **extra: float) -> RayNode:
+    total = {"CPU": cpus, **extra}
+    return RayNode(name * 8, ip, total, dict(total))
+
+
+MASTER = _node("m", "10.0.0.1", 4)
+SMALL = _node("s", "10.0.0.2", 2)  # ordered by IP after the master
+BIG = _node("b", "10.0.0.3", 8)
+NODES = [BIG, SMALL, MASTER]
+CPU1 = {"CPU": 1.0}
+
+
+def _plan(num_ranks: int, strategy: str, **kw) -> list[str]:
+    return [n.node_id[0] for n in plan_placement(NODES, MASTER.node_id, CPU1, num_ranks,
+                                                 strategy, **kw)]
+
+
+def test_fill_fills_nodes_in_order_master_first():
+    assert _plan(8, "fill") == list("mmmmssbb")
+    assert _plan(3, "fill") == list("mmm")
+
+
+def test_strict_runs_the_same_number_per_node_and_skips_small_nodes():
+    # The master holds 4: so does every node used; SMALL (room 2) is skipped.
+    assert _plan(8, "strict") == list("mmmmbbbb")
+    assert _plan(5, "strict", ranks_per_node=2) == list("mmssb")
+    assert _plan(6, "strict") == list("mmmmss")  # the rest (2) fits on SMALL
+
+
+def test_span_puts_one_rank_per_node():
+    assert _plan(3, "span") == list("msb")
+    with pytest.raises(RayPlacementError, match=r"rank 3 .*one rank per node"):
+        _plan(4, "span")
+
+
+def test_rank_that_does_not_fit_names_what_is_missing():
+    with pytest.raises(RayPlacementError) as e:
+        _plan(15, "fill")
+    msg = str(e.value)
+    assert "cannot place DP rank 14" in msg and "missing: CPU" in msg
+    assert "node mmmmmmmm (10.0.0.1, DP master): CPU 0 of 4" in msg
+    with pytest.raises(RayPlacementError, match=r"rank 0 .*missing: GPU.*no GPU"):
+        plan_placement(NODES, MASTER.node_id, {"GPU": 1.0, "CPU": 1.0}, 1, "fill")
+
+
+def test_rank_zero_must_run_on_the_master_node():
+    busy_master = RayNode(MASTER.node_id, MASTER.ip, MASTER.total, {"CPU": 0.0})
+    for strategy in ("fill", "strict", "span"):
+        with pytest.raises(RayPlacementError, match="rank 0 .*DP master node"):
+            plan_placement([busy_master, BIG], MASTER.node_id, CPU1, 1, strategy)
+    # Counting everything the nodes have, it fits (resources in use are waited for).
+    assert plan_placement([busy_master, BIG], MASTER.node_id, CPU1, 1, "fill",
+                          use_total=True) == [busy_master]
+
+
+@pytest.mark.parametrize("bad", ["pack", "", "STRICT"])
+def test_pack_strategy_is_validated(bad, tiny_llama):
+    with pytest.raises(ValueError, match="data_parallel_pack_strategy must be one of "
+                                         "strict, fill, span"):
+        check_pack_strategy(bad)
+    with pytest.raises(ValueError, match="data_parallel_pack_strategy"):
+        plan_placement(NODES, MASTER.node_id, CPU1, 1, bad)
+    # The manager refuses it before connecting to Ray.
+    with pytest.raises(ValueError, match="data_parallel_pack_strategy"):
+        RayEngineManager(_config(tiny_llama, 1), _tcp_addresses().init_metadata(),
+                         pack_strategy=bad)
+    assert not ray.is_initialized()
+
+
+def test_init_metadata_must_use_tcp(tiny_llama):
+    addrs = AddressAllocator()  # ipc://
+    try:
+        with pytest.raises(ValueError, match="must be tcp://"):
+            RayEngineManager(_config(tiny_llama, 1), addrs.engine_addresses().init_metadata())
+    finally:
+        addrs.cleanup()
+    assert not ray.is_initialized()
+
+
+# ---- a real two-node cluster on loopback ----------------------------------------------------
+
+
+def _config(model, dp: int, **kw) -> EngineConfig:
+    return EngineArgs(model=str(model), data_parallel_size=dp, threads_per_engine=1,
+                      max_model_len=256, num_kv_blocks=64, data_parallel_backend="ray",
+                      **kw).create_config()
+
+
+def _tcp_addresses() -> ZmqAddresses:
+    return AddressAllocator(local_only=False, host=HOST).engine_addresses(1)
+
+
+def _descendants() -> list[psutil.Process]:
+    """This process's descendants, less multiprocessing's resource tracker (it lives
+    as long as this process once a spawned process, e.g. the coordinator, was started)."""
+    procs = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "resource_tracker" not in " ".join(p.cmdline()):
+                procs.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return procs
+
+
+def _all_gone(procs: list[psutil.Process | int], timeout: float = 15.0) -> list[str]:
+    """Wait (bounded) for `procs` to exit; return those still running (zombies count as gone)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for p in procs:
+            try:
+                p = psutil.Process(p) if isinstance(p, int) else p
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(f"{p.pid} {' '.join(p.cmdline())[:100]}")
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """Two Ray nodes on 127.0.0.1, one CPU each: "head" (the driver's) and "worker"."""
+    from ray.cluster_utils import Cluster
+
+    from dpserve.ray_backend import _keep_ray_on_loopback
+
+    _keep_ray_on_loopback()
+    node = dict(num_cpus=1, node_ip_address=HOST, object_store_memory=80 << 20)
+    with pytest.MonkeyPatch.context() as env:  # the cluster's processes see these
+        env.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        cluster = Cluster(initialize_head=True, head_node_args=dict(
+            include_dashboard=False, resources={"head": 1}, **node))
+        try:
+            cluster.add_node(resources={"worker": 1}, **node)
+        except BaseException:
+            cluster.shutdown()
+            raise
+    yield cluster
+    if ray.is_initialized():
+        ray.shutdown()
+    procs = _descendants()
+    cluster.shutdown()
+    left = _all_gone(procs)
+    assert not left, f"Ray processes left behind: {left}"
+
+
+def _node_with(resource: str) -> str:
+    return next(n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"])
+
+
+def _live_placement_groups() -> list[str]:
+    return [pg["name"] for pg in ray.util.placement_group_table().values()
+            if pg["state"] != "REMOVED"]
+
+
+def _live_actors() -> list[str]:
+    return [a["ActorClassName"] for a in ray._private.state.actors().values()
+            if a["State"] != "DEAD"]
+
+
+def _wait_until(check, timeout: float = 15.0):
+    deadline = time.monotonic() + timeout
+    while not (result := check()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return result
+
+
+def _offline_greedy(config: EngineConfig, prompts: list[list[int]]) -> list[list[int]]:
+    """The same requests on one in-process EngineCore (the oracle)."""
+    import torch
+
+    from dpserve.engine.core import EngineCore
+
+    threads = torch.get_num_threads()
+    try:
+        core = EngineCore(dataclasses.replace(
+            config, parallel=dataclasses.replace(config.parallel, data_parallel_size=1)))
+        for i, ids in enumerate(prompts):
+            core.add_request(EngineCoreRequest(f"o{i}", ids, GREEDY))
+        tokens: dict[str, list[int]] = {f"o{i}": [] for i in range(len(prompts))}
+        while core.has_unfinished_requests():
+            for out in core.step():
+                tokens[out.request_id] += out.new_token_ids
+        return [tokens[f"o{i}"] for i in range(len(prompts))]
+    finally:
+        torch.set_num_threads(threads)
+
+
+async def _generate(client: AsyncEngineClient, prompts: list[list[int]], tag: str,
+                    rank: int | None) -> tuple[list[list[int]], set[int]]:
+    """Greedy completions of `prompts` (pinned to `rank` if given), and the engines used."""
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    engines = set()
+    for rid, prompt in zip(ids, prompts):
+        await client.add_request(EngineCoreRequest(rid, prompt, GREEDY, data_parallel_rank=rank))
+        engines.add(client.engine_of(rid))
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    finished: set[str] = set()
+    while len(finished) < len(ids):
+        outputs = await asyncio.wait_for(client.get_output(), 30)
+        for out in outputs.outputs:
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                finished.add(out.request_id)
+    return [tokens[rid] for rid in ids], engines
+
+
+async def _serve_on_two_nodes(config: EngineConfig) -> tuple[RayEngineManager, dict]:
+    alloc = AddressAllocator(local_only=False, host=HOST)
+    coordinator = DPCoordinator(2, alloc)
+    manager = client = None
+    try:
+        coordinator.start()
+        addrs = alloc.engine_addresses(1).with_coordinator(coordinator)
+        manager = RayEngineManager(config, addrs.init_metadata(dp_size=2), node_ip=HOST,
+                                   placement_timeout=30)
+        ready = await asyncio.to_thread(manager.wait_for_startup, START_TIMEOUT,
+                                        [coordinator.proc])
+        client = AsyncEngineClient(addrs.inputs[0], addrs.outputs[0], engine_ranks=manager.ranks,
+                                   coordinator_address=coordinator.front_publish_address,
+                                   max_model_len=min(r.max_model_len for r in ready.values()))
+        manager.watch_engines(client.mark_dead)
+        client.watch_processes([coordinator.proc])
+        results = {rank: await _generate(client, PROMPTS, f"r{rank}", rank) for rank in (0, 1)}
+        results[None] = await _generate(client, PROMPTS * 2, "any", None)
+        seen = dict(results=results, ready=ready, live_pgs=_live_placement_groups(),
+                    live_actors=_live_actors(), titles=[
+                        psutil.Process(manager.engine_info[r]["pid"]).cmdline()[0]
+                        for r in (0, 1)])
+        # A SIGKILLed engine: its run ref fails, the watcher tells the client.
+        os.kill(manager.engine_info[1]["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not client.dead and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        seen["dead_reason"] = client.dead_reason
+        return manager, seen
+    finally:
+        if client is not None:
+            await client.aclose()
+        if manager is not None:
+            manager.close()
+        coordinator.close()
+
+
+def test_one_engine_per_node_serves_a_client(ray_cluster, tiny_llama):
+    config = _config(tiny_llama, 2)
+    assert connect_ray(ray_cluster.address, HOST) == "joined"  # ours: the manager keeps it
+    try:
+        manager, seen = asyncio.run(_serve_on_two_nodes(config))
+        head, worker = _node_with("head"), _node_with("worker")
+        # Rank 0 on the driver's (master) node, rank 1 on the other one.
+        assert manager.master_node_id == ray.get_runtime_context().get_node_id() == head
+        assert [manager.node_of[r].node_id for r in (0, 1)] == [head, worker]
+        assert [manager.engine_info[r]["node_id"] for r in (0, 1)] == [head, worker]
+        assert manager.local_ranks == [0]
+        assert [seen["ready"][r].local for r in (0, 1)] == [True, False]
+        assert len(seen["live_pgs"]) == 2 and seen["live_actors"] == ["EngineCoreActor"] * 2
+        assert seen["titles"] == ["dpserve::EngineCore_0", "dpserve::EngineCore_1"]
+        # Greedy: both ranks give what one offline engine gives, wherever requests go.
+        expected = _offline_greedy(config, PROMPTS)
+        assert all(len(t) == GREEDY.max_tokens for t in expected)
+        results = seen["results"]
+        assert results[0] == (expected, {0}) and results[1] == (expected, {1})
+        assert results[None] == (expected * 2, {0, 1})
+        assert seen["dead_reason"].startswith("engine 1 (Ray actor) stopped: ActorDiedError")
+        assert manager.exit_reasons.keys() == {1}
+        # Closed: no actor, placement group or engine process is left.
+        assert _wait_until(lambda: not _live_actors()), _live_actors()
+        assert not _live_placement_groups()
+        assert not _all_gone([manager.engine_info[r]["pid"] for r in (0, 1)])
+        assert ray.is_initialized()  # the manager did not connect Ray: it stays connected
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.parametrize("case", ["dp3_on_two_cpus", "gpu_nobody_has"])
+def test_a_rank_that_cannot_be_placed_fails_fast(ray_cluster, tiny_llama, case):
+    config = _config(tiny_llama, 3 if case == "dp3_on_two_cpus" else 1)
+    if case == "gpu_nobody_has":
+        config = dataclasses.replace(config, device="cuda")
+    addrs = _tcp_addresses()
+    start = time.monotonic()
+    with pytest.raises(RayPlacementError) as e:
+        RayEngineManager(config, addrs.init_metadata(dp_size=config.parallel.data_parallel_size),
+                         ray_address=ray_cluster.address, node_ip=HOST)
+    assert time.monotonic() - start < 20
+    msg = str(e.value)
+    if case == "dp3_on_two_cpus":
+        assert "cannot place DP rank 2" in msg and "missing: CPU" in msg, msg
+        assert msg.count("CPU 0 of 1") == 2, msg  # what each node has
+    else:
+        assert "cannot place DP rank 0" in msg and "missing: GPU" in msg, msg
+        assert msg.count("no GPU") == 2, msg
+    assert not ray.is_initialized()  # the manager connected, so it disconnected
+
+
+def test_an_engine_that_fails_to_start_fails_the_start_up(ray_cluster, tiny_llama):
+    config = _config(tiny_llama, 1)
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model,
+                                                                   path="/nonexistent/model"))
+    with RayEngineManager(config, _tcp_addresses().init_metadata(),
+                          ray_address=ray_cluster.address, node_ip=HOST) as manager:
+        start = time.monotonic()
+        with pytest.raises(EngineStartupError, match=r"engine 0 \(Ray actor on node \w+\) died "
+                           r"during start-up: its constructor raised [\w.]+Error: "
+                           r".*/nonexistent/model"):
+            manager.wait_for_startup(timeout=START_TIMEOUT)
+        assert time.monotonic() - start < 30
+    assert not ray.is_initialized()
+
+
+def test_the_placement_wait_is_bounded(ray_cluster, tiny_llama):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    assert connect_ray(ray_cluster.address, HOST) == "joined"
+    try:  # something else holds the worker node's CPU
+        blocker = placement_group([{"CPU": 1}], strategy="STRICT_PACK", name="blocker",
+                                  bundle_label_selector=[{"ray.io/node-id":
+                                                          _node_with("worker")}])
+        assert blocker.wait(10)
+        start = time.monotonic()
+        with pytest.raises(RayPlacementError, match=r"did not place DP rank\(s\) \[1\] within "
+                                                    r"2 s.*CPU 0 of 1"):
+            RayEngineManager(_config(tiny_llama, 2), _tcp_addresses().init_metadata(dp_size=2),
+                             node_ip=HOST, placement_timeout=2)
+        assert time.monotonic() - start < 10
+        assert _live_placement_groups() == ["blocker"]  # the manager removed its own
+        remove_placement_group(blocker)
+    finally:
+        ray.shutdown()
+
+
+def test_local_ray_instance_and_an_engine_that_dies(tiny_llama):
+    """No address: a local Ray instance of its own, shut down by close(). The
+    engine's first forward raises: ENGINE_CORE_DEAD reaches the client and
+    the run ref reports the rank."""
+    before = {p.pid for p in _descendants()}
+    addrs = _tcp_addresses()
+
+    async def run() -> tuple[RayEngineManager, str, list[psutil.Process]]:
+        manager = RayEngineManager(_config(tiny_llama, 1), addrs.init_metadata(), node_ip=HOST,
+                                   runtime_env={"env_vars": {"DPSERVE_FAULT_FORWARD_AT": "1"}})
+        try:
+            assert manager.started_ray and ray.is_initialized()
+            await asyncio.to_thread(manager.wait_for_startup, START_TIMEOUT)
+            spawned = [p for p in _descendants() if p.pid not in before]  # Ray's and the actor
+            async with AsyncEngineClient(addrs.inputs[0], addrs.outputs[0]) as client:
+                with pytest.raises(EngineDeadError, match=r"engine 0 .*ENGINE_CORE_DEAD"):
+                    await _generate(client, PROMPTS[:1], "doomed", None)
+            ended = await asyncio.to_thread(manager.wait_for_any_exit, 30)
+            assert ended == [0] and manager.wait_for_any_exit(0) == []
+            return manager, manager.exit_reasons[0], spawned
+        finally:
+            manager.close()
+
+    manager, reason, spawned = asyncio.run(run())
+    assert "injected fault" in reason
+    assert not ray.is_initialized()  # it started Ray, so close() shut it down
+    manager.close()  # idempotent
+    assert len(spawned) > 3  # gcs, raylet, agents, the engine's worker...
+    left = _all_gone(spawned)
+    assert not left, f"the local Ray instance left processes behind: {left}"
+
+
+def test_dpserve_serve_with_the_ray_backend(tiny_llama):
+    """`dpserve serve --data-parallel-backend ray`: a local Ray instance, two engine
+    actors behind one endpoint; after SIGTERM no process (Ray's included) remains."""
+    import httpx
+    from test_data_parallel import _complete_all, _finished_by_engine
+    from test_serve_process import _all_gone as all_gone
+    from test_serve_process import _descendants as descendants
+    from test_serve_process import serve
+
+    model = str(tiny_llama)
+    with serve(model, "--data-parallel-size", "2", "--data-parallel-backend", "ray",
+               "--threads-per-engine", "1", "--max-model-len", "256",
+               timeout=180) as (proc, url):
+        children = descendants(proc.pid)
+        assert any(c.name() == "dpserve::EngineCore_1" for c in descendants(proc.pid))
+        asyncio.run(_complete_all(url, model, [f"p{i}" for i in range(16)], max_tokens=4))
+        served = _finished_by_engine(url)
+        assert served.get(0, 0) > 0 and served.get(1, 0) > 0, served
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) is not None
+    assert all_gone(children, timeout=15), [p for p in children if p.is_running()]
