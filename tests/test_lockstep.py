@@ -63,8 +63,9 @@ async def _serve_bursts(model: str, lockstep: bool, bursts: int) -> tuple[list[d
                     await asyncio.sleep(0.02)
             else:
                 await asyncio.sleep(0.3)
-        states = [await client.call_utility("get_dp_state", engine=r) for r in (0, 1)]
-        return states, client.current_wave
+        by_rank = await client.call_utility_all("get_dp_state")
+        assert sorted(by_rank) == [0, 1]
+        return [by_rank[0], by_rank[1]], client.current_wave
     finally:
         if client is not None:
             await client.aclose()

@@ -155,6 +155,7 @@ class EngineCoreProc:
                              lockstep=parallel.data_parallel_lockstep,
                              sync_interval=parallel.data_parallel_sync_interval,
                              master_ip=init.dp_master_ip, master_port=init.dp_master_port)
+        _choose_device(self.config, self.rank)
         self.engine_core = _build_engine_core(self.config)
         if self.dp is not None:
             self.dp.wait_ready()  # every engine is subscribed: reports are heard
@@ -462,6 +463,24 @@ class _FrontEndLinks:
         for monitor, (sock, _) in self._monitors.items():
             sock.disable_monitor()
             monitor.close()
+
+
+def _choose_device(config: EngineConfig, rank: int) -> None:
+    """CUDA: the engine of local rank r (r-th on this host) uses visible device r.
+
+    Under Ray each actor sees only its own GPU, so that is device 0.
+    """
+    if config.device != "cuda":
+        return
+    import torch
+
+    local_rank = rank - config.parallel.data_parallel_start_rank
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        logger.warning("engine %d: local rank %d but only %d CUDA device(s) visible; "
+                       "sharing device %d", rank, local_rank, count, local_rank % count)
+    torch.cuda.set_device(local_rank % count)
+    logger.info("engine %d: CUDA device %d", rank, local_rank % count)
 
 
 def _build_engine_core(config: EngineConfig) -> EngineCore:

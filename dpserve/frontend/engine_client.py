@@ -242,6 +242,15 @@ class AsyncEngineClient:
             raise UtilityCallError(out.failure_message)
         return out.result if result_type is None else msgspec.convert(out.result, result_type)
 
+    async def call_utility_all(self, method: str, *args: Any, timeout: float = 30.0,
+                               result_type: Any = None) -> dict[int, Any]:
+        """`call_utility` on every live engine at once: rank -> its result."""
+        live = [e.rank for e in self._live_engines()]
+        results = await asyncio.gather(*(
+            self.call_utility(method, *args, engine=rank, timeout=timeout,
+                              result_type=result_type) for rank in live))
+        return dict(zip(live, results))
+
     async def get_output(self) -> EngineCoreOutputs:
         """The next outputs message from any engine (one engine, one front-end).
 
