@@ -7,8 +7,10 @@ this process. Every receive has a timeout; coordinators are always closed.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Callable, Iterator
@@ -285,8 +287,10 @@ def test_coordinator_exits_when_parent_dies():
         print(coord.proc.pid, flush=True)
         time.sleep(60)
     """)
+    tmp = tempfile.mkdtemp(prefix="dps-")  # the killed parent cannot clean its ipc dir
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                              cwd=os.path.dirname(os.path.dirname(__file__)), text=True)
+                              cwd=os.path.dirname(os.path.dirname(__file__)), text=True,
+                              env={**os.environ, "TMPDIR": tmp})
     child_pid = None
     try:
         line = parent.stdout.readline()  # type: ignore[union-attr]
@@ -308,6 +312,7 @@ def test_coordinator_exits_when_parent_dies():
                 psutil.Process(child_pid).kill()
             except psutil.NoSuchProcess:
                 pass
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _alive(proc: psutil.Process) -> bool:
