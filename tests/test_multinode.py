@@ -19,7 +19,7 @@ from contextlib import ExitStack
 import httpx
 import pytest
 from test_data_parallel import _complete_all, _finished_by_engine
-from test_serve_process import _all_gone, _descendants, _free_port, serve, wait_healthy
+from test_serve_process import _all_gone, _descendants, _free_port, _stop, serve, wait_healthy
 
 COMMON = ("--threads-per-engine", "1", "--max-model-len", "256", "--num-kv-blocks", "64")
 
@@ -35,16 +35,6 @@ def _start(model: str, *args: str) -> tuple[subprocess.Popen, tempfile._Temporar
 def _read(log) -> str:
     with open(log.name) as f:
         return f.read()
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 def _dp_args(size: int, rpc_port: int, *extra: str) -> list[str]:
@@ -77,7 +67,7 @@ def test_head_and_headless_host(tiny_llama):
         assert headless.wait(20) is not None, _read(log)[-2000:]
         assert _all_gone(children, timeout=10), [p for p in children if p.is_running()]
     finally:
-        _stop(headless)
+        _stop(headless, 15)
         log.close()
 
 
@@ -95,7 +85,7 @@ def test_headless_host_without_a_head_fails_clearly(tiny_llama):
         assert f"tcp://127.0.0.1:{rpc}" in out and "within 3 s" in out, out[-2000:]
         assert "Traceback" not in out.splitlines()[-1]
     finally:
-        _stop(proc)
+        _stop(proc, 15)
         log.close()
 
 
@@ -111,7 +101,7 @@ def test_external_lb_one_server_per_rank_waves_in_step(tiny_llama):
                                "--data-parallel-lockstep", "--data-parallel-sync-interval", "4",
                                *_dp_args(2, rpc))
             stack.callback(log.close)
-            stack.callback(_stop, proc)
+            stack.callback(_stop, proc, 15)
             procs.append((proc, log))
         urls = [f"http://{h}:{p}" for h, p in zip(hosts, ports)]
         for (proc, log), url in zip(procs, urls):
@@ -152,7 +142,7 @@ def test_hybrid_lb_each_host_balances_over_its_engines(tiny_llama):
                                "--data-parallel-hybrid-lb", "--data-parallel-size-local",
                                local, "--data-parallel-start-rank", start, *_dp_args(3, rpc))
             stack.callback(log.close)
-            stack.callback(_stop, proc)
+            stack.callback(_stop, proc, 15)
             procs.append((proc, log))
         urls = [f"http://{host}:{port}" for (host, _, _), port in zip(layout, ports)]
         for (proc, log), url in zip(procs, urls):

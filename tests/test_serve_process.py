@@ -72,11 +72,11 @@ def output(proc: subprocess.Popen) -> str:
         return f.read()
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def _stop(proc: subprocess.Popen, timeout: float = 10) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(10)
+            proc.wait(timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)

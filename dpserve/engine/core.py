@@ -22,6 +22,18 @@ logger = logging.getLogger(__name__)
 _EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
 
+def check_prompt(ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    """Raise ValueError if a prompt can never run (empty, too long, bad token ids)."""
+    if not ids:
+        raise ValueError("prompt must contain at least one token")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"prompt has {len(ids)} tokens; the model's context is "
+                         f"{max_model_len} tokens (max_model_len), which leaves no room to "
+                         f"generate")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         from dpserve.model.runner import ModelRunner
@@ -45,15 +57,7 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request; raises ValueError if it can never run."""
         ids = request.prompt_token_ids
-        max_len = self.config.model.max_model_len
-        if not ids:
-            raise ValueError("prompt must contain at least one token")
-        if len(ids) >= max_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is "
-                             f"{max_len} tokens (max_model_len), which leaves no room to "
-                             f"generate")
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        check_prompt(ids, self.config.model.max_model_len, self.vocab_size)
         self.scheduler.add_request(Request(
             request.request_id, ids, request.sampling_params,
             eos_token_id=request.eos_token_id, arrival_time=request.arrival_time or None))

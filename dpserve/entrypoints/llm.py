@@ -539,14 +539,9 @@ class SyncEngineClient:
 def _check_prompt(request_id: str, ids: list[int], config_max_len: int, engine_max_len: int,
                   vocab_size: int) -> None:
     """Raise ValueError as `EngineCore.add_request` / `Scheduler.add_request` would."""
-    if not ids:
-        raise ValueError("prompt must contain at least one token")
-    if len(ids) >= config_max_len:
-        raise ValueError(f"prompt has {len(ids)} tokens; the model's context is "
-                         f"{config_max_len} tokens (max_model_len), which leaves no room to "
-                         f"generate")
-    if min(ids) < 0 or max(ids) >= vocab_size:
-        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+    from dpserve.engine.core import check_prompt
+
+    check_prompt(ids, config_max_len, vocab_size)
     if len(ids) > engine_max_len:
         raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens exceeds the "
                          f"KV cache size ({engine_max_len} tokens)")
