@@ -156,11 +156,11 @@ class AddressAllocator:
             return f"ipc://{self.ipc_dir}/{name}-{self._count}"
         return f"tcp://{url_host(self.host)}:{self._free_port()}"
 
-    def engine_addresses(self, num_clients: int = 1, with_coordinator: bool = False,
-                         remote_host: str | None = None,
+    def engine_addresses(self, num_clients: int = 1, remote_host: str | None = None,
                          rpc_port: int | None = None) -> ZmqAddresses:
-        """Handshake, per-front-end input/output, optional coordinator addresses, and
-        a free TCP port on `host` (127.0.0.1 for ipc) for the DP group's store.
+        """Handshake and per-front-end input/output addresses, and a free TCP port
+        on `host` (127.0.0.1 for ipc) for the DP group's store. The coordinator's
+        come from the coordinator itself (`ZmqAddresses.with_coordinator`).
 
         remote_host: engines on other hosts will connect: add tcp:// twins on
         that address (the handshake on `rpc_port`); the DP store moves there too.
@@ -168,7 +168,7 @@ class AddressAllocator:
         if remote_host is not None:
             tcp = AddressAllocator(local_only=False, host=remote_host)
             return dataclasses.replace(
-                self.engine_addresses(num_clients, with_coordinator),
+                self.engine_addresses(num_clients),
                 remote_handshake=f"tcp://{url_host(remote_host)}:{rpc_port}",
                 remote_inputs=tuple(tcp.new_address("") for _ in range(num_clients)),
                 remote_outputs=tuple(tcp.new_address("") for _ in range(num_clients)),
@@ -177,8 +177,6 @@ class AddressAllocator:
             handshake=self.new_address("handshake"),
             inputs=tuple(self.new_address(f"input{i}") for i in range(num_clients)),
             outputs=tuple(self.new_address(f"output{i}") for i in range(num_clients)),
-            coordinator_input=self.new_address("coord-in") if with_coordinator else None,
-            coordinator_output=self.new_address("coord-out") if with_coordinator else None,
             dp_master_ip=self.host, dp_master_port=self._free_port())
 
     def cleanup(self) -> None:

@@ -30,7 +30,6 @@ class RequestType(bytes, enum.Enum):
     ABORT = b"\x01"
     UTILITY = b"\x02"
     START_DP_WAVE = b"\x03"  # coordinator -> engines: join wave N
-    EXECUTOR_FAILED = b"\x04"  # internal: the model executor died
 
 
 # Sent by a dying engine on every output socket instead of EngineCoreOutputs,
@@ -115,10 +114,6 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
     utility_output: UtilityOutput | None = None
-    finished_requests: list[str] | None = None
-    # Data-parallel waves (used from the DP issue on).
-    wave_complete: int | None = None
-    start_wave: int | None = None
 
 
 class HandshakeHello(msgspec.Struct, array_like=True, gc=False):
@@ -142,7 +137,6 @@ class HandshakeReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     local: bool
     num_kv_blocks: int
     max_model_len: int
-    dp_stats_address: str | None = None
 
 
 # ---- DP coordinator (dpserve.coordinator) -------------------------------------

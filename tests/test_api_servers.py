@@ -17,10 +17,8 @@ import time
 import httpx
 import psutil
 import pytest
-import torch
+from test_data_parallel import offline_greedy_texts
 from test_serve_process import _all_gone, _descendants, serve
-
-from dpserve import LLM, SamplingParams
 
 PROMPTS = ["Hello world", "Once upon a time", "def add(x, y):", "The quick brown fox",
            "1 2 3 4"]
@@ -75,12 +73,7 @@ def test_processes_are_named(two_api_servers):
 
 def test_both_serve_equal_text_and_metrics_add_up(two_api_servers):
     _, url, model, _ = two_api_servers
-    threads = torch.get_num_threads()
-    try:  # the engines run one thread each: the same arithmetic
-        expected = [o.outputs[0].text for o in LLM(model, threads_per_engine=1).generate(
-            PROMPTS, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)]
-    finally:
-        torch.set_num_threads(threads)
+    expected = offline_greedy_texts(model, PROMPTS, max_tokens=8)
     prompts = PROMPTS * 8  # 40 requests
     got = asyncio.run(_complete_new_connections(url, model, prompts))
     assert got == expected * 8

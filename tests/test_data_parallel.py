@@ -34,6 +34,16 @@ def dp_server(tiny_llama):
         yield proc, url, str(tiny_llama), _descendants(proc.pid)
 
 
+def offline_greedy_texts(model: str, prompts: list[str], max_tokens: int) -> list[str]:
+    """Greedy completions from one in-process engine on one thread, as each DP engine runs."""
+    threads = torch.get_num_threads()
+    try:  # the engines run one thread each: the same arithmetic
+        return [o.outputs[0].text for o in LLM(model, threads_per_engine=1).generate(
+            prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)]
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _finished_by_engine(url: str) -> dict[int, float]:
     """engine rank -> requests it finished (dpserve:engine_requests_finished)."""
     text = httpx.get(url + "/metrics", timeout=5).text
@@ -77,12 +87,7 @@ def test_load_is_spread_over_both_engines(dp_server):
 
 def test_greedy_results_equal_one_offline_engine(dp_server):
     _, url, model, _ = dp_server
-    threads = torch.get_num_threads()
-    try:  # the engines run one thread each: the same arithmetic
-        expected = [o.outputs[0].text for o in LLM(model, threads_per_engine=1).generate(
-            PROMPTS, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)]
-    finally:
-        torch.set_num_threads(threads)
+    expected = offline_greedy_texts(model, PROMPTS, max_tokens=8)
     for rank in (None, 0, 1):
         got = asyncio.run(_complete_all(url, model, PROMPTS, max_tokens=8, rank=rank))
         assert got == expected, f"rank {rank}"

@@ -314,9 +314,9 @@ def _alive(proc: psutil.Process) -> bool:
 
 def test_addresses_are_unique_and_cleaned_up():
     a, b = AddressAllocator(), AddressAllocator()
-    x, y = a.engine_addresses(2, with_coordinator=True), b.engine_addresses(2)
-    names = [x.handshake, *x.inputs, *x.outputs, x.coordinator_input, x.coordinator_output,
-             y.handshake, *y.inputs, *y.outputs]
+    x, y = a.engine_addresses(2), b.engine_addresses(2)
+    names = [x.handshake, *x.inputs, *x.outputs, a.new_address("coord-in"),
+             a.new_address("coord-out"), y.handshake, *y.inputs, *y.outputs]
     assert len(set(names)) == len(names) and all(n.startswith("ipc://") for n in names)
     assert a.ipc_dir != b.ipc_dir and os.path.isdir(a.ipc_dir)
     a.cleanup()

@@ -7,16 +7,14 @@ publishes the next wave); in the default mode they step independently."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 
 import pytest
 
 from dpserve import SamplingParams
 from dpserve.config import EngineArgs
-from dpserve.coordinator import DPCoordinator
+from dpserve.entrypoints.engines import launch_engines
 from dpserve.frontend.engine_client import AsyncEngineClient
-from dpserve.launcher import AddressAllocator, EngineProcManager
 from dpserve.protocol import EngineCoreRequest
 
 START_TIMEOUT = 120.0
@@ -29,22 +27,14 @@ async def _serve_bursts(model: str, lockstep: bool, bursts: int) -> tuple[list[d
     config = EngineArgs(model=model, data_parallel_size=2, data_parallel_lockstep=lockstep,
                         data_parallel_sync_interval=SYNC_INTERVAL, threads_per_engine=1,
                         max_model_len=256, num_kv_blocks=64).create_config()
-    alloc = AddressAllocator()
-    coordinator = DPCoordinator(2, alloc)
-    manager = None
+    launch = await asyncio.to_thread(launch_engines, config, 1, START_TIMEOUT)
     client = None
     try:
-        coordinator.start()
-        addrs = dataclasses.replace(alloc.engine_addresses(1),
-                                    coordinator_input=coordinator.engine_publish_address,
-                                    coordinator_output=coordinator.engine_report_address)
-        manager = EngineProcManager(config, addrs.handshake, num_engines=2)
-        await asyncio.to_thread(manager.wait_for_startup, addrs.init_metadata(dp_size=2),
-                                START_TIMEOUT, [coordinator.proc])
-        client = AsyncEngineClient(addrs.inputs[0], addrs.outputs[0], engine_ranks=(0, 1),
-                                   coordinator_address=coordinator.front_publish_address,
+        client = AsyncEngineClient(launch.input_binds(0), launch.output_binds(0),
+                                   engine_ranks=launch.ranks,
+                                   coordinator_address=launch.coordinator_address,
                                    lockstep=config.parallel.data_parallel_lockstep)
-        client.watch_processes([*manager.processes, coordinator.proc])
+        client.watch_processes(launch.processes)
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         for burst in range(bursts):
             ids = [f"b{burst}-{i}" for i in range(3)]
@@ -69,10 +59,7 @@ async def _serve_bursts(model: str, lockstep: bool, bursts: int) -> tuple[list[d
     finally:
         if client is not None:
             await client.aclose()
-        if manager is not None:
-            manager.close()
-        coordinator.close()
-        alloc.cleanup()
+        launch.close()
 
 
 def test_lockstep_engines_move_through_waves_together(tiny_llama):

@@ -18,7 +18,7 @@ import zmq
 
 from dpserve import SamplingParams
 from dpserve.config import EngineArgs
-from dpserve.coordinator import DPCoordinator
+from dpserve.entrypoints.engines import launch_engines
 from dpserve.frontend.engine_client import AsyncEngineClient
 from dpserve.launcher import (
     AddressAllocator,
@@ -107,18 +107,14 @@ def test_junk_handshake_frames_are_dropped(tiny_llama):
 async def _fuzz_while_serving(model: str) -> None:
     config = EngineArgs(model=model, data_parallel_size=2, threads_per_engine=1,
                         max_model_len=256, num_kv_blocks=64).create_config()
-    alloc = AddressAllocator()
-    coordinator = DPCoordinator(2, alloc)
-    manager = client = None
+    launch = await asyncio.to_thread(launch_engines, config, 1, START_TIMEOUT)
+    addrs, coordinator = launch.addresses, launch.coordinator
+    client = None
     try:
-        coordinator.start()
-        addrs = alloc.engine_addresses(1).with_coordinator(coordinator)
-        manager = EngineProcManager(config, addrs.handshake, num_engines=2)
-        await asyncio.to_thread(manager.wait_for_startup, addrs.init_metadata(dp_size=2),
-                                START_TIMEOUT, [coordinator.proc])
-        client = AsyncEngineClient(addrs.inputs[0], addrs.outputs[0], engine_ranks=(0, 1),
-                                   coordinator_address=coordinator.front_publish_address)
-        client.watch_processes([*manager.processes, coordinator.proc])
+        client = AsyncEngineClient(launch.input_binds(0), launch.output_binds(0),
+                                   engine_ranks=launch.ranks,
+                                   coordinator_address=launch.coordinator_address)
+        client.watch_processes(launch.processes)
         params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
         ids = [f"r{i}" for i in range(8)]
         for i, rid in enumerate(ids):
@@ -147,7 +143,7 @@ async def _fuzz_while_serving(model: str) -> None:
                 if o.finished:
                     finished[o.request_id] = tokens[o.request_id]
         assert all(n == 24 for n in finished.values()), finished
-        assert all(p.is_alive() for p in [*manager.processes, coordinator.proc])
+        assert all(p.is_alive() for p in launch.processes) and len(launch.processes) == 3
         assert not client.dead
         # And the processes still serve after the storm.
         await client.add_request(EngineCoreRequest("after", [5, 6, 7], params))
@@ -158,10 +154,7 @@ async def _fuzz_while_serving(model: str) -> None:
     finally:
         if client is not None:
             await client.aclose()
-        if manager is not None:
-            manager.close()
-        coordinator.close()
-        alloc.cleanup()
+        launch.close()
 
 
 def test_fuzzed_sockets_crash_nothing_and_requests_finish(tiny_llama):

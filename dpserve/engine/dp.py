@@ -151,10 +151,6 @@ class DPLink:
                 logger.debug("engine %d: starting wave %d", self.rank, message.wave)
                 self.running = True
 
-    def must_step(self) -> bool:
-        """Lockstep: this engine must keep stepping (a wave runs) even with no work."""
-        return self.running
-
     def after_step(self, executed: bool, has_work: bool,
                    run_dummy_batch: Callable[[], None]) -> None:
         """Lockstep bookkeeping after one engine step (does nothing otherwise)."""

@@ -195,8 +195,9 @@ class EngineCoreProc:
             self.dp.report(self.engine_core.get_request_counts())
 
     def _process_input_queue(self) -> None:
+        # Lockstep: a running wave keeps every engine stepping, work or not.
         idle = not self.engine_core.has_unfinished_requests() and not (
-            self.dp is not None and self.dp.must_step())
+            self.dp is not None and self.dp.running)
         if idle:
             try:  # nothing to step: wait, but not forever
                 self._handle(*self.input_queue.get(timeout=_IDLE_WAIT_S))
