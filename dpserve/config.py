@@ -21,15 +21,15 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from dpserve.errors import ConfigError
+
+__all__ = ["ConfigError", "EngineArgs", "EngineConfig"]
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _DEFAULT_CPU_KV_BYTES = 2 << 30
 _DP_BACKENDS = ("mp", "ray")
 _PACK_STRATEGIES = ("strict", "fill", "span")
-
-
-class ConfigError(ValueError):
-    """A bad option; the message names it."""
 
 
 @dataclass(frozen=True)
@@ -401,13 +401,6 @@ def _model_context_length(hf_config: Mapping[str, Any]) -> int:
         if hf_config.get(key):
             return int(hf_config[key])
     return 2048
-
-
-def default_cache_dir() -> Path:
-    """Where dpserve keeps converted models ($DPSERVE_CACHE or ~/.cache/dpserve)."""
-    root = os.environ.get("DPSERVE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dpserve")
-    return Path(root)
 
 
 def replace(config: Any, **changes: Any) -> Any:

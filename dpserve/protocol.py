@@ -19,8 +19,18 @@ from typing import Any
 
 import msgspec
 
-from dpserve.engine.request import FinishReason
 from dpserve.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended (on the wire as its int value; `str()` is the OpenAI name)."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+
+    def __str__(self) -> str:
+        return self.name.lower()
 
 
 class RequestType(bytes, enum.Enum):
@@ -139,7 +149,7 @@ class HandshakeReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     max_model_len: int
 
 
-# ---- DP coordinator (dpserve.coordinator) -------------------------------------
+# ---- DP coordinator (dpserve.launch.coordinator) -------------------------------------
 #
 # Engine publish socket (coordinator XPUB -> engine SUB, each subscribed to b""):
 #     first COORDINATOR_READY (one frame), once every engine has subscribed;

@@ -20,8 +20,8 @@ import psutil
 import pytest
 import zmq
 
-from dpserve.coordinator import DPCoordinator, _LoadTable
-from dpserve.launcher import AddressAllocator
+from dpserve.launch.addresses import AddressAllocator
+from dpserve.launch.coordinator import DPCoordinator, _LoadTable
 from dpserve.protocol import (
     COORDINATOR_READY,
     CoordinatorUpdate,
@@ -281,7 +281,7 @@ def test_counts_published_no_faster_than_interval(running2):
 def test_coordinator_exits_when_parent_dies():
     script = textwrap.dedent("""
         import sys, time
-        from dpserve.coordinator import DPCoordinator
+        from dpserve.launch.coordinator import DPCoordinator
         coord = DPCoordinator(1)
         coord.start()
         print(coord.proc.pid, flush=True)

@@ -20,7 +20,7 @@ from test_serve_process import _all_gone, _descendants, serve
 
 from dpserve import LLM, SamplingParams
 from dpserve.frontend.engine_client import AsyncEngineClient
-from dpserve.launcher import AddressAllocator
+from dpserve.launch.addresses import AddressAllocator
 from dpserve.protocol import CoordinatorUpdate, EngineCoreRequest
 
 PROMPTS = ["Hello world", "Once upon a time", "def add(x, y):", "The quick brown fox",

@@ -25,18 +25,18 @@ import zmq
 
 from dpserve.config import EngineArgs
 from dpserve.engine.process import FAULT_FORWARD_ENV
-from dpserve.engine.request import FinishReason
 from dpserve.frontend.engine_client import AsyncEngineClient, UtilityCallError
 from dpserve.frontend.errors import EngineDeadError
-from dpserve.launcher import (
-    AddressAllocator,
-    EngineProcManager,
-    EngineStartupError,
-    shutdown,
-    wait_for_any_exit,
-    wait_for_engine_startup,
+from dpserve.launch.addresses import AddressAllocator
+from dpserve.launch.engines import EngineProcManager, EngineStartupError, wait_for_engine_startup
+from dpserve.launch.process import shutdown, wait_for_any_exit
+from dpserve.protocol import (
+    EngineCoreRequest,
+    FinishReason,
+    HandshakeReady,
+    SchedulerStats,
+    engine_identity,
 )
-from dpserve.protocol import EngineCoreRequest, HandshakeReady, SchedulerStats, engine_identity
 from dpserve.sampling_params import SamplingParams
 
 ENGINE_KW = dict(max_model_len=256, num_kv_blocks=64, threads_per_engine=1)
@@ -263,7 +263,8 @@ def test_sigterm_exits_cleanly_and_shutdown_leaves_nothing(engine_config):
 _ORPHAN_SCRIPT = """
 import sys, time
 from dpserve.config import EngineArgs
-from dpserve.launcher import AddressAllocator, EngineProcManager
+from dpserve.launch.addresses import AddressAllocator
+from dpserve.launch.engines import EngineProcManager
 config = EngineArgs(model=sys.argv[1], max_model_len=64, num_kv_blocks=8,
                     threads_per_engine=1).create_config()
 addrs = AddressAllocator().engine_addresses(1)

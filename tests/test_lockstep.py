@@ -13,8 +13,8 @@ import pytest
 
 from dpserve import SamplingParams
 from dpserve.config import EngineArgs
-from dpserve.entrypoints.engines import launch_engines
 from dpserve.frontend.engine_client import AsyncEngineClient
+from dpserve.launch.host import launch_engines
 from dpserve.protocol import EngineCoreRequest
 
 START_TIMEOUT = 120.0

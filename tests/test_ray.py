@@ -1,4 +1,4 @@
-"""The Ray backend (`dpserve.ray_backend`): the placement planner on made-up
+"""The Ray backend (`dpserve.launch.ray_backend`): the placement planner on made-up
 nodes (milliseconds), then a real two-node Ray cluster on loopback (each node
 declares one CPU and a resource of its own) with real engine actors on a tiny
 model: one engine per node serving a front-end client over tcp, ranks that
@@ -19,12 +19,12 @@ import pytest
 
 from dpserve import SamplingParams
 from dpserve.config import EngineArgs, EngineConfig
-from dpserve.coordinator import DPCoordinator
 from dpserve.frontend.engine_client import AsyncEngineClient
 from dpserve.frontend.errors import EngineDeadError
-from dpserve.launcher import AddressAllocator, EngineStartupError, ZmqAddresses
-from dpserve.protocol import EngineCoreRequest
-from dpserve.ray_backend import (
+from dpserve.launch.addresses import AddressAllocator, ZmqAddresses
+from dpserve.launch.coordinator import DPCoordinator
+from dpserve.launch.engines import EngineStartupError
+from dpserve.launch.ray_backend import (
     RayEngineManager,
     RayNode,
     RayPlacementError,
@@ -32,6 +32,7 @@ from dpserve.ray_backend import (
     connect_ray,
     plan_placement,
 )
+from dpserve.protocol import EngineCoreRequest
 
 ray = pytest.importorskip("ray")
 
@@ -171,7 +172,7 @@ def ray_cluster():
     """Two Ray nodes on 127.0.0.1, one CPU each: "head" (the driver's) and "worker"."""
     from ray.cluster_utils import Cluster
 
-    from dpserve.ray_backend import _keep_ray_on_loopback
+    from dpserve.launch.ray_backend import _keep_ray_on_loopback
 
     _keep_ray_on_loopback()
     node = dict(num_cpus=1, node_ip_address=HOST, object_store_memory=80 << 20)

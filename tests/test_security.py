@@ -18,16 +18,11 @@ import zmq
 
 from dpserve import SamplingParams
 from dpserve.config import EngineArgs
-from dpserve.entrypoints.engines import launch_engines
 from dpserve.frontend.engine_client import AsyncEngineClient
-from dpserve.launcher import (
-    AddressAllocator,
-    EngineProcManager,
-    EngineStartupError,
-    RendezvousServer,
-    ask_rendezvous,
-    wait_for_engine_startup,
-)
+from dpserve.launch.addresses import AddressAllocator
+from dpserve.launch.engines import EngineProcManager, EngineStartupError, wait_for_engine_startup
+from dpserve.launch.host import launch_engines
+from dpserve.launch.rendezvous import RendezvousServer, ask_rendezvous
 from dpserve.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,

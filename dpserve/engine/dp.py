@@ -24,7 +24,7 @@ paused. A front-end stamps each request with the wave it last saw:
 Invariant: all engines run the same number of all-reduces per wave (they
 leave a wave on the same one), so their collectives always match.
 
-Sockets (the coordinator binds both; see `dpserve.coordinator`):
+Sockets (the coordinator binds both; see `dpserve.launch.coordinator`):
     report   PUSH -> coordinator PULL   EngineReport (main thread)
     publish  SUB  <- coordinator XPUB   COORDINATOR_READY, then START_DP_WAVE;
              read here until READY, then handed to the engine's input thread

@@ -6,7 +6,7 @@ input queue, output queue -> sockets), the busy loop that drives the
 and the parent-death watcher. `run_engine_core` is the multiprocessing target.
 
 Not here: scheduling and the model (`EngineCore`), address allocation and
-process spawning (`dpserve.launcher`), the data-parallel part (`DPLink` in
+process spawning (`dpserve.launch`), the data-parallel part (`DPLink` in
 `dpserve.engine.dp`: coordinator link, lockstep waves; held when the init
 metadata names a coordinator).
 
@@ -42,7 +42,7 @@ import zmq
 
 from dpserve.config import EngineConfig
 from dpserve.engine.dp import DPLink
-from dpserve.engine.request import FinishReason
+from dpserve.launch.process import start_parent_watcher
 from dpserve.logging_utils import name_process
 from dpserve.protocol import (
     ENGINE_CORE_DEAD,
@@ -50,6 +50,7 @@ from dpserve.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineInitMetadata,
+    FinishReason,
     HandshakeHello,
     HandshakeReady,
     RequestType,
@@ -69,8 +70,6 @@ HANDSHAKE_TIMEOUT_S = 120.0  # wait for the launcher's init metadata
 DEAD_LINGER_MS = 4000  # how long closing output sockets may take to flush
 _IDLE_WAIT_S = 0.5  # the busy loop's longest block on an empty input queue
 _POLL_MS = 100  # IO threads look at the stop flag this often
-_PARENT_POLL_S = 1.0
-_PARENT_GRACE_S = 10.0  # after asking itself to stop, an orphan hard-exits after this
 
 # Test-only fault injection: the engine's N-th model execution raises.
 FAULT_FORWARD_ENV = "DPSERVE_FAULT_FORWARD_AT"
@@ -546,7 +545,7 @@ def run_engine_core(config: EngineConfig, rank: int, handshake_address: str,
     name_process(f"EngineCore_{rank}")
     _install_signal_handlers()
     parent = multiprocessing.parent_process()  # None when not started by multiprocessing
-    _start_parent_watcher(parent.pid if parent is not None else os.getppid())
+    start_parent_watcher(parent.pid if parent is not None else os.getppid(), f"engine {rank}")
     proc: EngineCoreProc | None = None
     exit_code = 0
     try:
@@ -582,19 +581,3 @@ def _install_signal_handlers() -> None:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
-
-
-def _start_parent_watcher(parent_pid: int) -> None:
-    """Exit when the parent dies (we get re-parented): SIGTERM ourselves, then,
-    if the main thread is stuck, hard-exit after a grace period."""
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(_PARENT_POLL_S)
-        logger.warning("parent process %d is gone; shutting down", parent_pid)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(_PARENT_GRACE_S)
-        logger.error("still alive %.0f s after the parent died; exiting hard", _PARENT_GRACE_S)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watcher", daemon=True).start()

@@ -11,7 +11,10 @@ from __future__ import annotations
 import enum
 import time
 
+from dpserve.protocol import FinishReason
 from dpserve.sampling_params import SamplingParams
+
+__all__ = ["FinishReason", "Request", "RequestStatus"]
 
 
 class RequestStatus(enum.IntEnum):
@@ -26,15 +29,6 @@ class RequestStatus(enum.IntEnum):
     @property
     def finished(self) -> bool:
         return self >= RequestStatus.FINISHED_STOPPED
-
-
-class FinishReason(enum.IntEnum):
-    STOP = 0
-    LENGTH = 1
-    ABORT = 2
-
-    def __str__(self) -> str:
-        return self.name.lower()
 
 
 _FINISH_REASONS = {

@@ -44,21 +44,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import multiprocessing
 import os
 import signal
 import sys
-import threading
-import time
-import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from multiprocessing import connection
-from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from dpserve.config import EngineConfig
-from dpserve.launcher import shutdown
+from dpserve.launch.api_servers import API_SERVER_READY_TIMEOUT_S, ControlMessage
+from dpserve.launch.process import start_parent_watcher
 from dpserve.logging_utils import name_process
 
 if TYPE_CHECKING:
@@ -72,16 +68,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GRACEFUL_SHUTDOWN_S = 2  # uvicorn drains requests this long after SIGTERM
-API_SERVER_READY_TIMEOUT_S = 120.0  # build + handshake, either side
-_PARENT_POLL_S = 1.0
-_PARENT_GRACE_S = 10.0  # an orphan that asked itself to stop hard-exits after this
 
 # Test-only fault injection: API server <index> fails while starting.
 FAULT_START_ENV = "DPSERVE_FAULT_API_SERVER_START"
-
-
-class APIServerStartupError(RuntimeError):
-    """An API server process failed, died or timed out while starting."""
 
 
 @dataclass(frozen=True)
@@ -113,14 +102,6 @@ class APIServerSpec:
     engine_ranks: tuple[int, ...]
     max_model_len: int  # the engines' limit (min over their READY)
     coordinator_address: str | None  # the DP coordinator's front XPUB (None: no coordinator)
-
-
-@dataclass(frozen=True)
-class ControlMessage:
-    """Launcher <-> API server process, over its pipe (see the module docstring)."""
-
-    kind: Literal["ready", "failed", "serve", "stopping"]
-    detail: str = ""  # failed / stopping: why
 
 
 # on_ready(client, server): runs once everything is built, before uvicorn serves.
@@ -205,7 +186,7 @@ def run_api_server(options: APIServerOptions, config: EngineConfig, spec: APISer
     # Until uvicorn installs its own handlers, a stop signal unwinds through `finally`.
     signal.signal(signal.SIGTERM, _raise_system_exit)
     signal.signal(signal.SIGINT, _raise_system_exit)
-    _start_parent_watcher(parent_pid)
+    start_parent_watcher(parent_pid, f"API server {spec.index}")
     link = _LauncherLink(conn, spec.index)
     exit_code = 1
     try:
@@ -279,122 +260,5 @@ class _LauncherLink:
             pass  # the launcher is gone: nobody to tell
 
 
-def _start_parent_watcher(parent_pid: int) -> None:
-    """When the launcher dies (we get re-parented): SIGTERM ourselves, later exit hard."""
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(_PARENT_POLL_S)
-        logger.warning("launcher process %d is gone; shutting down", parent_pid)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(_PARENT_GRACE_S)
-        logger.error("still alive %.0f s after the launcher died; exiting hard",
-                     _PARENT_GRACE_S)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watcher", daemon=True).start()
-
-
 def _raise_system_exit(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
-
-
-# ---- the launcher's side ---------------------------------------------------------------
-
-
-class APIServerProcManager:
-    """Spawns `APIServer_<i>` for each spec, all serving on `sock`, and tears them down.
-
-    Cleanup is tied to a `weakref.finalize`: `close()`, garbage collection and
-    interpreter exit all run `shutdown(processes)` once.
-    """
-
-    def __init__(self, options: APIServerOptions, config: EngineConfig,
-                 specs: Sequence[APIServerSpec], sock: socket.socket,
-                 metrics_dir: str) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self.processes: list[BaseProcess] = []
-        self._conns: list[connection.Connection] = []  # [M] the launcher's pipe ends
-        child_ends = []
-        for spec in specs:
-            parent_end, child_end = ctx.Pipe()
-            self._conns.append(parent_end)
-            child_ends.append(child_end)
-            self.processes.append(ctx.Process(
-                target=run_api_server, name=f"APIServer_{spec.index}",
-                kwargs=dict(options=options, config=config, spec=spec, sock=sock,
-                            conn=child_end, parent_pid=os.getpid(), metrics_dir=metrics_dir)))
-        self._finalizer = weakref.finalize(self, _stop, self.processes, self._conns)
-        try:
-            for proc in self.processes:
-                proc.start()
-        except BaseException:
-            self.close()
-            raise
-        finally:
-            for end in child_ends:
-                end.close()  # theirs now: a child's death closes its pipe
-
-    def wait_for_startup(self, timeout: float = API_SERVER_READY_TIMEOUT_S,
-                         also_watch: Sequence[BaseProcess] = ()) -> None:
-        """Wait until every API server says READY.
-
-        Raises APIServerStartupError on the first FAILED, the death of an API
-        server or of a process in `also_watch` (engines, coordinator), or
-        when `timeout` seconds pass.
-        """
-        waiting = dict(zip(self._conns, self.processes))
-        sentinels = {p.sentinel: p for p in [*self.processes, *also_watch]}
-        deadline = time.monotonic() + timeout
-        while waiting:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                names = ", ".join(p.name for p in waiting.values())
-                raise APIServerStartupError(f"not ready after {timeout:.0f} s: {names}")
-            ready = connection.wait([*waiting, *sentinels], timeout=min(left, 1.0))
-            for conn in [c for c in ready if c in waiting]:  # a FAILED beats its exit
-                proc = waiting.pop(conn)  # type: ignore[call-overload]
-                try:
-                    message = conn.recv()  # type: ignore[union-attr]
-                except EOFError:
-                    raise APIServerStartupError(_died(proc)) from None
-                if message.kind == "failed":
-                    raise APIServerStartupError(f"{proc.name}: {message.detail}")
-            dead = [sentinels[s] for s in ready if s in sentinels]
-            if dead:
-                raise APIServerStartupError(", ".join(_died(p) for p in dead))
-        logger.info("all %d API servers ready", len(self.processes))
-
-    def start_serving(self) -> None:
-        """Tell every API server to start serving (after `wait_for_startup`)."""
-        for conn in self._conns:
-            conn.send(ControlMessage("serve"))
-
-    def stop_after_death(self, reason: str, timeout: float = 3.0) -> None:
-        """A dpserve process died: let each API server fail its requests with `reason`
-        and exit (up to `timeout` s), then shut down what is left."""
-        for conn, proc in zip(self._conns, self.processes):
-            if proc.is_alive():
-                try:
-                    conn.send(ControlMessage("stopping", reason))
-                except OSError:
-                    pass  # it is exiting anyway
-        deadline = time.monotonic() + timeout
-        for proc in self.processes:
-            proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        self.close()
-
-    def close(self) -> None:
-        """terminate -> join -> kill the tree, for every API server (idempotent)."""
-        self._finalizer()
-
-
-def _stop(procs: list[BaseProcess], conns: list[connection.Connection]) -> None:
-    shutdown(procs)
-    for conn in conns:
-        conn.close()
-
-
-def _died(proc: BaseProcess) -> str:
-    proc.join(timeout=1.0)  # reap it, so its exit code is known
-    return f"{proc.name} (pid {proc.pid}) exited with code {proc.exitcode} during start-up"

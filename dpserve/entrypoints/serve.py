@@ -53,7 +53,7 @@ from dpserve.logging_utils import name_process
 
 if TYPE_CHECKING:
     from dpserve.entrypoints.api_server import APIServerOptions, APIServerSpec
-    from dpserve.entrypoints.engines import EngineLaunch
+    from dpserve.launch.host import EngineLaunch
 
 logger = logging.getLogger("dpserve.serve")
 
@@ -127,13 +127,10 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/Ctrl-C or a dpserve process dies (1)."""
-    from dpserve.entrypoints.api_server import (
-        APIServerOptions,
-        APIServerSpec,
-        APIServerStartupError,
-    )
-    from dpserve.entrypoints.engines import launch_engines
-    from dpserve.launcher import EngineStartupError
+    from dpserve.entrypoints.api_server import APIServerOptions, APIServerSpec
+    from dpserve.launch.api_servers import APIServerStartupError
+    from dpserve.launch.engines import EngineStartupError
+    from dpserve.launch.host import launch_engines
 
     _check_args(args)
     if args.headless:
@@ -175,7 +172,8 @@ def run_headless(args: argparse.Namespace) -> int:
     Exits when its engines exit (they stop when the head goes away): 0 if
     they all stopped cleanly, 1 otherwise; 128 + the signal on SIGTERM/SIGINT.
     """
-    from dpserve.launcher import EngineProcManager, url_host
+    from dpserve.launch.addresses import url_host
+    from dpserve.launch.engines import EngineProcManager
 
     config = EngineArgs.from_cli(args).create_config()
     p = config.parallel
@@ -229,7 +227,7 @@ def _run_api_servers(options: APIServerOptions, config: EngineConfig,
 
     Returns 128 + the signal after SIGTERM/SIGINT, 1 when any process died.
     """
-    from dpserve.entrypoints.api_server import APIServerProcManager
+    from dpserve.launch.api_servers import APIServerProcManager
 
     metrics_dir = tempfile.mkdtemp(prefix="dpserve-metrics-")
     api: APIServerProcManager | None = None

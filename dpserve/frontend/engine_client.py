@@ -23,7 +23,7 @@ engine death, and placement over several engines (`EngineState` per engine):
   index, blind to load (a baseline for benchmarks, and what simple balancers do).
 
 Not here: tokenising, detokenising, stop strings (the output processor),
-HTTP, process spawning (`dpserve.launcher`).
+HTTP, process spawning (`dpserve.launch`).
 
 Death: ENGINE_CORE_DEAD from an engine, `mark_dead(reason)` (e.g. from the
 launcher), a process watched by `watch_processes` exiting, or an engine
@@ -287,7 +287,7 @@ class AsyncEngineClient:
 
     def watch_processes(self, procs: Sequence[BaseProcess]) -> None:
         """Mark the client dead when any of these (local, spawned here) processes exits."""
-        from dpserve.launcher import wait_for_any_exit
+        from dpserve.launch.process import wait_for_any_exit
 
         def watch() -> None:
             while not self._watch_stop.is_set():

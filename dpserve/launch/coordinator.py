@@ -12,7 +12,7 @@ Scope:
 * Scale: `ScaleEngines` changes the number of engines at run time.
 
 Not here: load-balancing decisions (front-ends), the all-reduce that decides
-when a wave ends (engines), starting engines (`dpserve.launcher`).
+when a wave ends (engines), starting engines (`dpserve.launch.engines`).
 
 Sockets (all bound here; the wire format is in `dpserve.protocol`):
     front_publish_address   XPUB  -> CoordinatorUpdate to front-ends (XSUB),
@@ -27,19 +27,18 @@ second), or with exit code 1 when not every engine subscribes in time.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import signal
 import sys
 import time
-import weakref
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 import msgspec
 import zmq
 
-from dpserve.launcher import AddressAllocator, shutdown
+from dpserve.launch.addresses import AddressAllocator
+from dpserve.launch.process import ProcessGroup, start_parent_watcher
 from dpserve.logging_utils import name_process
 from dpserve.protocol import (
     COORDINATOR_READY,
@@ -55,7 +54,7 @@ from dpserve.security import secure
 
 logger = logging.getLogger(__name__)
 
-_PARENT_POLL_S = 1.0  # also the longest the loop sleeps
+_MAX_SLEEP_S = 1.0  # the longest the loop sleeps
 _SETTLE_S = 0.05  # after a quiet spell, wait this long for the other engines' reports
 _SUBSCRIBE = 1  # first byte of an XPUB subscription frame (0 = unsubscribe)
 
@@ -92,31 +91,27 @@ class DPCoordinator:
                               idle_publish_s=idle_publish_s,
                               startup_timeout_s=startup_timeout_s)
         self.proc: BaseProcess | None = None
-        self._procs: list[BaseProcess] = []  # shared with the finalizer
-        self._finalizer = weakref.finalize(self, _stop, self._procs,
-                                           allocator if owned else None)
+        self._group = ProcessGroup(self, on_close=allocator.cleanup if owned else None)
 
     def start(self) -> None:
         """Spawn the coordinator process (returns at once; it binds its sockets)."""
         if self.proc is not None:
             raise RuntimeError("DPCoordinator already started")
-        ctx = multiprocessing.get_context("spawn")
-        self.proc = ctx.Process(
-            target=run_coordinator, name="DPCoordinator",
-            kwargs=dict(num_engines=self.num_engines, parent_pid=os.getpid(),
-                        front_publish_address=_both(self.front_publish_address,
-                                                    self.remote_front_publish_address),
-                        engine_report_address=_both(self.engine_report_address,
-                                                    self.remote_engine_report_address),
-                        engine_publish_address=_both(self.engine_publish_address,
-                                                     self.remote_engine_publish_address),
-                        **self._settings))
-        self._procs.append(self.proc)
-        self.proc.start()
+        self.proc = self._group.spawn(run_coordinator, "DPCoordinator", **self._kwargs())
+
+    def _kwargs(self) -> dict[str, Any]:
+        return dict(num_engines=self.num_engines, parent_pid=os.getpid(),
+                    front_publish_address=_both(self.front_publish_address,
+                                                self.remote_front_publish_address),
+                    engine_report_address=_both(self.engine_report_address,
+                                                self.remote_engine_report_address),
+                    engine_publish_address=_both(self.engine_publish_address,
+                                                 self.remote_engine_publish_address),
+                    **self._settings)
 
     def close(self) -> None:
         """Stop the process (terminate -> join -> kill) and remove owned ipc files."""
-        self._finalizer()
+        self._group.close()
 
     def __enter__(self) -> DPCoordinator:
         return self
@@ -127,12 +122,6 @@ class DPCoordinator:
 
 def _both(local: str, remote: str | None) -> list[str]:
     return [local] if remote is None else [local, remote]
-
-
-def _stop(procs: list[BaseProcess], allocator: AddressAllocator | None) -> None:
-    shutdown(procs)
-    if allocator is not None:
-        allocator.cleanup()
 
 
 class _LoadTable:
@@ -192,7 +181,7 @@ class DPCoordinatorProc:
 
     def __init__(self, num_engines: int, front_publish_address: str | list[str],
                  engine_report_address: str | list[str],
-                 engine_publish_address: str | list[str], *, parent_pid: int,
+                 engine_publish_address: str | list[str], *,
                  publish_counts: bool = True, secret: str | None = None,
                  stats_interval_s: float = 0.1, idle_publish_s: float = 5.0,
                  startup_timeout_s: float = 600.0) -> None:
@@ -200,7 +189,6 @@ class DPCoordinatorProc:
         self.wave = 0  # the current request wave
         self.running = False  # engines are in a running wave (else paused)
         self._published_wave = 0
-        self.parent_pid = parent_pid
         self.stats_interval_s = stats_interval_s
         self.idle_publish_s = idle_publish_s
         self.startup_timeout_s = startup_timeout_s
@@ -237,9 +225,6 @@ class DPCoordinatorProc:
         self.stop_requested = True  # the loop sees it when the wakeup fd fires
 
     def _should_exit(self) -> bool:
-        if os.getppid() != self.parent_pid:
-            logger.warning("parent process %d is gone; coordinator exiting", self.parent_pid)
-            return True
         return self.stop_requested
 
     # ---- start-up ------------------------------------------------------------
@@ -256,7 +241,7 @@ class DPCoordinatorProc:
                 logger.error("only %d of %d engines subscribed in %.0f s",
                              subscribed, len(self.loads), self.startup_timeout_s)
                 return False
-            if self.engines.poll(int(min(left, _PARENT_POLL_S) * 1000) + 1):
+            if self.engines.poll(int(min(left, _MAX_SLEEP_S) * 1000) + 1):
                 frame = self.engines.recv()
                 if frame[:1] == bytes([_SUBSCRIBE]):
                     subscribed += 1
@@ -274,7 +259,7 @@ class DPCoordinatorProc:
         while not self._should_exit():
             # 1. Sleep until the next publish is due, a message comes, or 1 s
             #    passes (to check on the parent).
-            timeout = min(max(0.0, self._next_publish() - time.monotonic()), _PARENT_POLL_S)
+            timeout = min(max(0.0, self._next_publish() - time.monotonic()), _MAX_SLEEP_S)
             events = dict(poller.poll(int(timeout * 1000)))
             if self._wake_r in events:
                 os.read(self._wake_r, 512)
@@ -421,9 +406,10 @@ def run_coordinator(num_engines: int, front_publish_address: str | list[str],
     try:
         coordinator = DPCoordinatorProc(num_engines, front_publish_address,
                                         engine_report_address, engine_publish_address,
-                                        parent_pid=parent_pid, **settings)
+                                        **settings)
         signal.signal(signal.SIGTERM, coordinator.request_stop)
         signal.signal(signal.SIGINT, coordinator.request_stop)
+        start_parent_watcher(parent_pid, "the DP coordinator")
         if coordinator.wait_for_engines():
             coordinator.run()
         elif not coordinator.stop_requested and os.getppid() == parent_pid:

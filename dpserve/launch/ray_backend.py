@@ -8,7 +8,7 @@ waiting for them to start (bounded, with a liveness check), watching their
 run refs and tearing everything down. `RayEngineManager` plays the role of
 `EngineProcManager` + `wait_for_engine_startup` for `--data-parallel-backend ray`.
 
-Not here: addresses (`dpserve.launcher.AddressAllocator`), the coordinator,
+Not here: addresses (`dpserve.launch.addresses.AddressAllocator`), the coordinator,
 the front-ends. `import ray` happens only when a manager is built
 (`pip install dpserve[ray]`).
 
@@ -73,7 +73,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from dpserve.config import EngineConfig
-from dpserve.launcher import EngineStartupError
+from dpserve.launch.engines import EngineStartupError
 from dpserve.logging_utils import name_process
 from dpserve.protocol import EngineInitMetadata, HandshakeReady
 

@@ -14,7 +14,7 @@ coordinator, the rendezvous, the addresses the front-ends bind.
     (local_lb)           rank 0's host also runs the coordinator (tcp) and the
                          rendezvous at tcp://address:rpc_port, which tells the
                          other hosts' launchers where the coordinator is
-    ray                  every rank is a Ray actor (`dpserve.ray_backend`); all
+    ray                  every rank is a Ray actor (`dpserve.launch.ray_backend`); all
                          data-plane addresses are tcp:// on --data-parallel-address
 
 Not here: the API servers (`dpserve.entrypoints.api_server`), the HTTP
@@ -30,18 +30,13 @@ from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
 from dpserve.config import ConfigError, EngineConfig
-from dpserve.launcher import (
-    AddressAllocator,
-    EngineProcManager,
-    RendezvousServer,
-    ZmqAddresses,
-    ask_rendezvous,
-    url_host,
-)
+from dpserve.launch.addresses import AddressAllocator, ZmqAddresses, url_host
+from dpserve.launch.engines import EngineProcManager
+from dpserve.launch.rendezvous import RendezvousServer, ask_rendezvous
 from dpserve.protocol import HandshakeReady, RendezvousReply, RendezvousRequest
 
 if TYPE_CHECKING:
-    from dpserve.coordinator import DPCoordinator
+    from dpserve.launch.coordinator import DPCoordinator
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +121,7 @@ def launch_engines(config: EngineConfig, num_clients: int = 1,
 
 def _start_coordinator(launch: EngineLaunch, config: EngineConfig, ready_timeout: float, *,
                        remote: bool, publish_counts: bool = True) -> DPCoordinator:
-    from dpserve.coordinator import DPCoordinator
+    from dpserve.launch.coordinator import DPCoordinator
 
     p = config.parallel
     coordinator = DPCoordinator(p.data_parallel_size, launch.allocator,
@@ -211,8 +206,8 @@ def _launch_local_lb(launch: EngineLaunch, config: EngineConfig, num_clients: in
 def _launch_ray(launch: EngineLaunch, config: EngineConfig, num_clients: int,
                 ready_timeout: float) -> None:
     """Every rank a Ray actor; front-ends and coordinator here, tcp twins for the actors."""
-    from dpserve.launcher import EngineStartupError
-    from dpserve.ray_backend import RayEngineManager, RayPlacementError
+    from dpserve.launch.engines import EngineStartupError
+    from dpserve.launch.ray_backend import RayEngineManager, RayPlacementError
 
     p = config.parallel
     size = p.data_parallel_size

@@ -1,0 +1,136 @@
+"""The launcher's side of `--api-server-count M > 1`: spawning and stopping API servers.
+
+`APIServerProcManager` spawns `APIServer_<i>` (target
+`dpserve.entrypoints.api_server.run_api_server`), all serving on one
+listening socket the launcher bound, runs the start-up handshake over a pipe
+per process (`ControlMessage`s; see `dpserve.entrypoints.api_server`) and
+tears them down.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing import connection
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING, Literal
+
+from dpserve.config import EngineConfig
+from dpserve.launch.process import ProcessGroup
+
+if TYPE_CHECKING:
+    import socket
+
+    from dpserve.entrypoints.api_server import APIServerOptions, APIServerSpec
+
+logger = logging.getLogger(__name__)
+
+API_SERVER_READY_TIMEOUT_S = 120.0  # build + handshake, either side
+
+
+class APIServerStartupError(RuntimeError):
+    """An API server process failed, died or timed out while starting."""
+
+
+@dataclass(frozen=True)
+class ControlMessage:
+    """Launcher <-> API server process, over its pipe (see `dpserve.entrypoints.api_server`)."""
+
+    kind: Literal["ready", "failed", "serve", "stopping"]
+    detail: str = ""  # failed / stopping: why
+
+
+class APIServerProcManager:
+    """Spawns `APIServer_<i>` for each spec, all serving on `sock`, and tears them down.
+
+    Cleanup is tied to a `ProcessGroup`: `close()`, garbage collection and
+    interpreter exit all run `shutdown(processes)` once, then close the pipes.
+    """
+
+    def __init__(self, options: APIServerOptions, config: EngineConfig,
+                 specs: Sequence[APIServerSpec], sock: socket.socket,
+                 metrics_dir: str) -> None:
+        from dpserve.entrypoints.api_server import run_api_server
+
+        self._conns: list[connection.Connection] = []  # [M] the launcher's pipe ends
+        self._group = ProcessGroup(self, on_close=functools.partial(_close_all, self._conns))
+        for spec in specs:
+            parent_end, child_end = self._group.context.Pipe()
+            self._conns.append(parent_end)
+            try:
+                self._group.spawn(run_api_server, f"APIServer_{spec.index}", options=options,
+                                  config=config, spec=spec, sock=sock, conn=child_end,
+                                  parent_pid=os.getpid(), metrics_dir=metrics_dir)
+            finally:
+                child_end.close()  # theirs now: a child's death closes its pipe
+
+    @property
+    def processes(self) -> list[BaseProcess]:
+        return self._group.processes
+
+    def wait_for_startup(self, timeout: float = API_SERVER_READY_TIMEOUT_S,
+                         also_watch: Sequence[BaseProcess] = ()) -> None:
+        """Wait until every API server says READY.
+
+        Raises APIServerStartupError on the first FAILED, the death of an API
+        server or of a process in `also_watch` (engines, coordinator), or
+        when `timeout` seconds pass.
+        """
+        waiting = dict(zip(self._conns, self.processes))
+        sentinels = {p.sentinel: p for p in [*self.processes, *also_watch]}
+        deadline = time.monotonic() + timeout
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                names = ", ".join(p.name for p in waiting.values())
+                raise APIServerStartupError(f"not ready after {timeout:.0f} s: {names}")
+            ready = connection.wait([*waiting, *sentinels], timeout=min(left, 1.0))
+            for conn in [c for c in ready if c in waiting]:  # a FAILED beats its exit
+                proc = waiting.pop(conn)  # type: ignore[call-overload]
+                try:
+                    message = conn.recv()  # type: ignore[union-attr]
+                except EOFError:
+                    raise APIServerStartupError(_died(proc)) from None
+                if message.kind == "failed":
+                    raise APIServerStartupError(f"{proc.name}: {message.detail}")
+            dead = [sentinels[s] for s in ready if s in sentinels]
+            if dead:
+                raise APIServerStartupError(", ".join(_died(p) for p in dead))
+        logger.info("all %d API servers ready", len(self.processes))
+
+    def start_serving(self) -> None:
+        """Tell every API server to start serving (after `wait_for_startup`)."""
+        for conn in self._conns:
+            conn.send(ControlMessage("serve"))
+
+    def stop_after_death(self, reason: str, timeout: float = 3.0) -> None:
+        """A dpserve process died: let each API server fail its requests with `reason`
+        and exit (up to `timeout` s), then shut down what is left."""
+        for conn, proc in zip(self._conns, self.processes):
+            if proc.is_alive():
+                try:
+                    conn.send(ControlMessage("stopping", reason))
+                except OSError:
+                    pass  # it is exiting anyway
+        deadline = time.monotonic() + timeout
+        for proc in self.processes:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.close()
+
+    def close(self) -> None:
+        """terminate -> join -> kill the tree, for every API server (idempotent)."""
+        self._group.close()
+
+
+def _close_all(conns: list[connection.Connection]) -> None:
+    for conn in conns:
+        conn.close()
+
+
+def _died(proc: BaseProcess) -> str:
+    proc.join(timeout=1.0)  # reap it, so its exit code is known
+    return f"{proc.name} (pid {proc.pid}) exited with code {proc.exitcode} during start-up"
