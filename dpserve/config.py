@@ -30,6 +30,7 @@ _DEVICES = ("auto", "cpu", "cuda")
 _DEFAULT_CPU_KV_BYTES = 2 << 30
 _DP_BACKENDS = ("mp", "ray")
 _PACK_STRATEGIES = ("strict", "fill", "span")
+_FAILURE_POLICIES = ("restart", "isolate", "stop")
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,12 @@ class ParallelConfig:
     data_parallel_pack_strategy: str = "strict"  # Ray: how ranks are packed onto nodes
     data_parallel_secret: str | None = field(default=None, repr=False)  # data-plane key
     ray_address: str | None = None  # Ray: join this cluster (None: start a local one)
+    # Faults (see README "Failures and draining"):
+    engine_heartbeat_timeout: float = 3.0  # s without a heartbeat: the rank is unhealthy
+    engine_stall_timeout: float = 30.0  # s with work but no finished step: unhealthy
+    engine_failure_policy: str = "restart"  # restart | isolate | stop
+    max_engine_restarts: int = 5  # per rank per RESTART_WINDOW_S; then it stays out
+    max_request_migrations: int = 3  # moves of one request to another rank
 
     @property
     def local_ranks(self) -> list[int]:
@@ -187,6 +194,19 @@ class EngineArgs:
                                             "$DPSERVE_DP_SECRET; none = open).")
     ray_address: str | None = _opt(None, "Ray: join this cluster (default: start a local "
                                    "one).")
+    engine_heartbeat_timeout: float = _opt(3.0, "Seconds without a heartbeat after which a "
+                                           "DP rank is unhealthy (a frozen or stopped "
+                                           "process): it gets no new work, its requests move.")
+    engine_stall_timeout: float = _opt(30.0, "Seconds a DP rank may hold work without "
+                                       "finishing a step (a hung forward) before it is "
+                                       "unhealthy.")
+    engine_failure_policy: str = _opt("restart", "When an engine dies: restart it, isolate "
+                                      "it (serve on without it), or stop the whole server.",
+                                      choices=_FAILURE_POLICIES)
+    max_engine_restarts: int = _opt(5, "Restarts of one rank within 10 minutes; past it the "
+                                    "rank stays out.")
+    max_request_migrations: int = _opt(3, "How often one request may move to another rank "
+                                       "when its rank fails.")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -269,7 +289,12 @@ class EngineArgs:
             data_parallel_pack_strategy=self.data_parallel_pack_strategy,
             data_parallel_secret=(self.data_parallel_secret
                                   or os.environ.get("DPSERVE_DP_SECRET") or None),
-            ray_address=self.ray_address)
+            ray_address=self.ray_address,
+            engine_heartbeat_timeout=self.engine_heartbeat_timeout,
+            engine_stall_timeout=self.engine_stall_timeout,
+            engine_failure_policy=self.engine_failure_policy,
+            max_engine_restarts=self.max_engine_restarts,
+            max_request_migrations=self.max_request_migrations)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             parallel=parallel, device=device)
 
@@ -318,6 +343,12 @@ class EngineArgs:
              "threads_per_engine", "must be at least 1")
         need(self.data_parallel_sync_interval >= 1, "data_parallel_sync_interval",
              "must be at least 1")
+        need(self.engine_heartbeat_timeout > 0, "engine_heartbeat_timeout", "must be positive")
+        need(self.engine_stall_timeout > 0, "engine_stall_timeout", "must be positive")
+        need(self.engine_failure_policy in _FAILURE_POLICIES, "engine_failure_policy",
+             f"must be one of {', '.join(_FAILURE_POLICIES)}")
+        need(self.max_engine_restarts >= 0, "max_engine_restarts", "must be at least 0")
+        need(self.max_request_migrations >= 0, "max_request_migrations", "must be at least 0")
         self._validate_placement()
         if self.kv_cache_memory is not None:
             parse_memory_size(self.kv_cache_memory, "kv_cache_memory")

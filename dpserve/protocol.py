@@ -63,6 +63,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     client_index: int = 0  # which front-end gets the outputs
     current_wave: int = 0  # the DP wave the front-end last saw
     data_parallel_rank: int | None = None  # pinned engine, if any
+    # Migration: tokens another engine already generated for this request (they
+    # count as outputs; outputs from here on carry only what comes after them).
+    prior_output_token_ids: list[int] | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
@@ -83,6 +86,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: int | str | None = None  # the stop token id that ended it, if any
     new_logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # Set only by a front-end's engine client, never on the wire: the request
+    # failed for good (no rank could take it over); `finish_reason` is ABORT.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -154,12 +160,39 @@ class HandshakeReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 # Engine publish socket (coordinator XPUB -> engine SUB, each subscribed to b""):
 #     first COORDINATOR_READY (one frame), once every engine has subscribed;
 #     then [RequestType.START_DP_WAVE.value, StartDPWave] (two frames).
-# Engine report socket (engine PUSH -> coordinator PULL): EngineReport.
+#     COORDINATOR_READY again whenever an engine subscribes later (a restarted
+#     engine waits for it; running engines ignore it).
+# Engine report socket (engine PUSH -> coordinator PULL): EngineReport (load and
+#     wave news from the busy loop; heartbeats from a thread, every second).
 # Front publish socket (coordinator XPUB <-> front-end XSUB, subscribed to b""):
 #     coordinator -> front-ends: CoordinatorUpdate;
-#     front-ends -> coordinator: a CoordinatorRequest (WakeEngines | ScaleEngines).
+#     front-ends and the launcher -> coordinator: a CoordinatorRequest
+#     (WakeEngines | ScaleEngines | RankEvent).
 
 COORDINATOR_READY = b"READY"
+
+
+class RankState(str, enum.Enum):
+    """A DP rank as front-ends see it; only SERVING ranks get new work.
+
+    starting -> serving -> (unhealthy | draining | dead) -> restarting -> serving;
+    an unhealthy rank whose heartbeats and steps resume is serving again.
+    """
+
+    STARTING = "starting"  # spawned, not READY yet
+    SERVING = "serving"
+    UNHEALTHY = "unhealthy"  # no heartbeat, or work but no step, for too long
+    DEAD = "dead"  # its process is gone (and stays gone unless restarted)
+    RESTARTING = "restarting"  # its launcher is starting a new process for it
+    DRAINING = "draining"  # finishes what it holds, takes nothing new
+
+
+class RankStatus(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One rank's state; `incarnation` counts its processes (0 = the first)."""
+
+    state: RankState = RankState.SERVING
+    incarnation: int = 0
+    reason: str = ""  # why it is not serving
 
 
 class EngineReport(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -171,6 +204,11 @@ class EngineReport(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     wave: int = 0  # the engine's wave when the counts were taken
     wave_complete: int | None = None  # rank 0 only: all ranks paused after this wave
     start_wave: int | None = None  # got a request of a finished wave while paused
+    # Heartbeats (a thread of the engine, every second): `step` is then the busy
+    # loop's step count, `has_work` whether it holds unfinished requests.
+    heartbeat: bool = False
+    has_work: bool = False
+    incarnation: int = 0  # which process of this rank (restarts count up)
 
 
 class StartDPWave(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -186,6 +224,7 @@ class CoordinatorUpdate(msgspec.Struct, array_like=True, gc=False):
     counts: list[list[int]] | None  # [num_engines][waiting, running]; None: wave news only
     wave: int  # the current request wave
     running: bool  # engines are running (False: paused, a new request must wake them)
+    ranks: list[RankStatus] | None = None  # [num_engines]; None: no state news
 
 
 class WakeEngines(msgspec.Struct, tag="wake", array_like=True, gc=False):
@@ -201,7 +240,15 @@ class ScaleEngines(msgspec.Struct, tag="scale", array_like=True, gc=False):
     num_engines: int
 
 
-CoordinatorRequest = WakeEngines | ScaleEngines
+class RankEvent(msgspec.Struct, tag="rank", array_like=True, gc=False):
+    """Launcher -> coordinator: what it knows first hand of one of its engines
+    (the process died, is being restarted, or is READY again)."""
+
+    rank: int
+    status: RankStatus
+
+
+CoordinatorRequest = WakeEngines | ScaleEngines | RankEvent
 
 
 # ---- rendezvous (external / hybrid load balancing) ------------------------------

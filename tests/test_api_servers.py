@@ -103,9 +103,9 @@ def test_sigterm_stops_every_process(two_api_servers):
     assert _all_gone(children, timeout=10), [p for p in children if p.is_running()]
 
 
-def test_a_killed_api_server_stops_the_server(tiny_llama):
+def test_a_killed_api_server_stops_the_server_under_policy_stop(tiny_llama):
     with serve(str(tiny_llama), "--api-server-count", "2", "--threads-per-engine",
-               "1") as (proc, url):
+               "1", "--engine-failure-policy", "stop") as (proc, url):
         children = _descendants(proc.pid)
         target = [p for p in children if p.name() == "dpserve::APIServer_1"]
         assert len(target) == 1, [p.name() for p in children]

@@ -26,6 +26,9 @@ from dpserve.protocol import (
     COORDINATOR_READY,
     CoordinatorUpdate,
     EngineReport,
+    RankEvent,
+    RankState,
+    RankStatus,
     RequestType,
     ScaleEngines,
     StartDPWave,
@@ -134,7 +137,8 @@ def running2(make_coordinator, ctx):
     engines.wait_ready()
     frontend = FakeFrontend(ctx, coord)
     first = frontend.recv()  # a new subscriber gets the state at once
-    assert first == CoordinatorUpdate([[0, 0], [0, 0]], wave=0, running=False)
+    assert first == CoordinatorUpdate([[0, 0], [0, 0]], wave=0, running=False,
+                                      ranks=[RankStatus(), RankStatus()])
     return coord, engines, frontend
 
 
@@ -320,3 +324,84 @@ def _alive(proc: psutil.Process) -> bool:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+# ---- rank health -----------------------------------------------------------------
+
+
+def _beat(engines: ScriptedEngines, rank: int, step: int, has_work: bool = False,
+          incarnation: int = 0) -> None:
+    engines.report(engine_index=rank, heartbeat=True, step=step, has_work=has_work,
+                   incarnation=incarnation)
+
+
+def _state(update: CoordinatorUpdate, rank: int) -> RankState | None:
+    return update.ranks[rank].state if update.ranks else None
+
+
+def test_silent_rank_turns_unhealthy_and_recovers(make_coordinator, ctx):
+    coord = make_coordinator(2, heartbeat_timeout_s=0.5, stall_timeout_s=60)
+    engines = ScriptedEngines(ctx, coord, 2)
+    engines.wait_ready()
+    frontend = FakeFrontend(ctx, coord)
+    frontend.recv()
+    _beat(engines, 0, step=1)
+    _beat(engines, 1, step=1)
+    # Rank 1 keeps beating, rank 0 goes silent: only rank 0 turns unhealthy.
+    deadline = time.monotonic() + 5
+    update = None
+    while update is None or _state(update, 0) is not RankState.UNHEALTHY:
+        assert time.monotonic() < deadline, update
+        _beat(engines, 1, step=2)
+        if frontend.sock.poll(100):
+            update = frontend.decoder.decode(frontend.sock.recv())
+    assert _state(update, 1) is RankState.SERVING
+    assert "no heartbeat" in update.ranks[0].reason
+    _beat(engines, 0, step=2)  # it beats again: serving, published at once
+    update = frontend.wait_for(lambda u: _state(u, 0) is RankState.SERVING)
+    assert update.ranks[0] == RankStatus(RankState.SERVING, 0)
+
+
+def test_rank_with_work_but_no_step_is_stalled(make_coordinator, ctx):
+    coord = make_coordinator(1, heartbeat_timeout_s=60, stall_timeout_s=0.5)
+    engines = ScriptedEngines(ctx, coord, 1)
+    engines.wait_ready()
+    frontend = FakeFrontend(ctx, coord)
+    frontend.recv()
+    deadline = time.monotonic() + 5
+    update = None
+    while update is None or _state(update, 0) is not RankState.UNHEALTHY:
+        assert time.monotonic() < deadline, update
+        _beat(engines, 0, step=7, has_work=True)  # beating, but the step stands still
+        if frontend.sock.poll(100):
+            update = frontend.decoder.decode(frontend.sock.recv())
+    assert "finished no step" in update.ranks[0].reason
+    _beat(engines, 0, step=8, has_work=True)
+    frontend.wait_for(lambda u: _state(u, 0) is RankState.SERVING)
+
+
+def test_rank_events_and_incarnations(running2):
+    _, engines, frontend = running2
+    front = frontend.sock
+    front.send(msgspec.msgpack.encode(RankEvent(1, RankStatus(RankState.DEAD, 0, "killed"))))
+    update = frontend.wait_for(lambda u: _state(u, 1) is RankState.DEAD)
+    assert update.ranks[1].reason == "killed"
+    _beat(engines, 1, step=5, incarnation=0)  # the dead process cannot come back
+    front.send(msgspec.msgpack.encode(RankEvent(0, RankStatus(RankState.SERVING, 0))))
+    engines.report(engine_index=0, request_counts=[3, 3], step=1)  # a marker after it
+    update = frontend.wait_for(lambda u: u.counts is not None and u.counts[0] == [3, 3])
+    assert _state(update, 1) is RankState.DEAD
+    _beat(engines, 1, step=0, incarnation=1)  # its successor is serving
+    update = frontend.wait_for(lambda u: _state(u, 1) is RankState.SERVING)
+    assert update.ranks[1].incarnation == 1
+    front.send(msgspec.msgpack.encode(RankEvent(1, RankStatus(RankState.DEAD, 0, "late"))))
+    engines.report(engine_index=0, request_counts=[4, 4], step=2)  # a marker after it
+    update = frontend.wait_for(lambda u: u.counts is not None and u.counts[0] == [4, 4])
+    assert update.ranks[1] == RankStatus(RankState.SERVING, 1)  # stale news dropped
+
+
+def test_late_subscriber_gets_ready(running2, ctx):
+    coord, _, _ = running2
+    late = ctx.socket(zmq.SUB)  # a restarted engine subscribes after start-up
+    ScriptedEngines.subscribe(late, coord)
+    assert recv_frames(late) == [COORDINATOR_READY]

@@ -26,7 +26,7 @@ import zmq
 from dpserve.config import EngineArgs
 from dpserve.engine.process import FAULT_FORWARD_ENV
 from dpserve.frontend.engine_client import AsyncEngineClient, UtilityCallError
-from dpserve.frontend.errors import EngineDeadError
+from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError
 from dpserve.launch.addresses import AddressAllocator
 from dpserve.launch.engines import EngineProcManager, EngineStartupError, wait_for_engine_startup
 from dpserve.launch.process import shutdown, wait_for_any_exit
@@ -81,6 +81,8 @@ async def collect(client: AsyncEngineClient, request_ids) -> dict[str, Finished]
     done: dict[str, Finished] = {}
     while len(done) < len(tokens):
         for out in (await client.get_output()).outputs:
+            if out.error is not None:  # no engine could run it (the client says why)
+                raise EngineUnavailableError(out.error)
             if out.request_id in tokens:
                 tokens[out.request_id] += out.new_token_ids
                 if out.finished:

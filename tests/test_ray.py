@@ -20,7 +20,7 @@ import pytest
 from dpserve import SamplingParams
 from dpserve.config import EngineArgs, EngineConfig
 from dpserve.frontend.engine_client import AsyncEngineClient
-from dpserve.frontend.errors import EngineDeadError
+from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError
 from dpserve.launch.addresses import AddressAllocator, ZmqAddresses
 from dpserve.launch.coordinator import DPCoordinator
 from dpserve.launch.engines import EngineStartupError
@@ -249,6 +249,8 @@ async def _generate(client: AsyncEngineClient, prompts: list[list[int]], tag: st
     while len(finished) < len(ids):
         outputs = await asyncio.wait_for(client.get_output(), 30)
         for out in outputs.outputs:
+            if out.error is not None:  # no engine could run it (the client says why)
+                raise EngineUnavailableError(out.error)
             tokens[out.request_id] += out.new_token_ids
             if out.finished:
                 finished.add(out.request_id)
@@ -395,7 +397,7 @@ def test_local_ray_instance_and_an_engine_that_dies(tiny_llama):
             await asyncio.to_thread(manager.wait_for_startup, START_TIMEOUT)
             spawned = [p for p in _descendants() if p.pid not in before]  # Ray's and the actor
             async with AsyncEngineClient(addrs.inputs[0], addrs.outputs[0]) as client:
-                with pytest.raises(EngineDeadError, match=r"engine 0 .*ENGINE_CORE_DEAD"):
+                with pytest.raises(EngineDeadError, match=r"rank 0 dead .*ENGINE_CORE_DEAD"):
                     await _generate(client, PROMPTS[:1], "doomed", None)
             ended = await asyncio.to_thread(manager.wait_for_any_exit, 30)
             assert ended == [0] and manager.wait_for_any_exit(0) == []

@@ -166,30 +166,51 @@ def test_disconnect_frees_request(server):
     assert _metric(url, "dpserve:kv_cache_usage_perc") == 0
 
 
-def test_engine_death_fails_requests_and_exits(tiny_llama):
-    # The engine's 40th forward raises (test-only fault injection).
-    with serve(str(tiny_llama), env={"DPSERVE_FAULT_FORWARD_AT": "40"}) as (proc, url):
+async def _streams_until_error(url: str, model: str, n: int) -> list[float]:
+    """n long streams that must each fail (an API error); when each failed."""
+
+    async def one(client: openai.AsyncOpenAI) -> float:
+        stream = await client.completions.create(
+            model=model, prompt="Hello", max_tokens=400, stream=True,
+            extra_body={"ignore_eos": True})
+        with pytest.raises(openai.APIError):
+            async for _ in stream:
+                pass
+        return time.monotonic()
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", timeout=60,
+                                max_retries=0)
+    try:
+        return await asyncio.gather(*(one(client) for _ in range(n)))
+    finally:
+        await client.close()
+
+
+def test_engine_death_with_one_engine_fails_requests_then_it_restarts(tiny_llama):
+    # The engine's 40th forward raises (test-only fault injection; its restart runs clean).
+    env = {"DPSERVE_FAULT_FORWARD_AT": "40", "DPSERVE_FAULT_RANK": "0"}
+    with serve(str(tiny_llama), env=env) as (proc, url):
+        first = _descendants(proc.pid)
+        ends = asyncio.run(_streams_until_error(url, str(tiny_llama), 4))
+        assert max(ends) - min(ends) < 2.0  # every in-flight request fails together
+        deadline = time.monotonic() + 60  # a new engine process serves again
+        while httpx.get(url + "/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert proc.poll() is None
+        ok = httpx.post(url + "/v1/completions", timeout=30, json={
+            "model": str(tiny_llama), "prompt": "Hello", "max_tokens": 4})
+        assert ok.status_code == 200, ok.text
+        engine = [p for p in _descendants(proc.pid) if p.name() == "dpserve::EngineCore_0"]
+        assert engine and engine[0].pid not in {p.pid for p in first}
+
+
+def test_engine_death_fails_requests_and_exits_under_policy_stop(tiny_llama):
+    env = {"DPSERVE_FAULT_FORWARD_AT": "40"}
+    with serve(str(tiny_llama), "--engine-failure-policy", "stop", env=env) as (proc, url):
         children = _descendants(proc.pid)
         assert children, "the engine should be a child process"
-
-        async def stream_until_error(client: openai.AsyncOpenAI) -> float:
-            stream = await client.completions.create(
-                model=str(tiny_llama), prompt="Hello", max_tokens=400, stream=True,
-                extra_body={"ignore_eos": True})
-            with pytest.raises(openai.APIError):
-                async for _ in stream:
-                    pass
-            return time.monotonic()
-
-        async def run() -> list[float]:
-            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", timeout=60,
-                                        max_retries=0)
-            try:
-                return await asyncio.gather(*(stream_until_error(client) for _ in range(4)))
-            finally:
-                await client.close()
-
-        ends = asyncio.run(run())
+        ends = asyncio.run(_streams_until_error(url, str(tiny_llama), 4))
         assert max(ends) - min(ends) < 2.0  # every in-flight request fails together
         assert httpx.get(url + "/health", timeout=2).status_code == 503
         assert proc.wait(15) != 0

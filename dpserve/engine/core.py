@@ -57,10 +57,12 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request; raises ValueError if it can never run."""
         ids = request.prompt_token_ids
-        check_prompt(ids, self.config.model.max_model_len, self.vocab_size)
+        prior = request.prior_output_token_ids or []
+        check_prompt([*ids, *prior], self.config.model.max_model_len, self.vocab_size)
         self.scheduler.add_request(Request(
             request.request_id, ids, request.sampling_params,
-            eos_token_id=request.eos_token_id, arrival_time=request.arrival_time or None))
+            eos_token_id=request.eos_token_id, arrival_time=request.arrival_time or None,
+            prior_output_token_ids=prior))
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         """Abort requests; returns their final outputs (finish reason ABORT).

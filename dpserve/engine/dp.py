@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -50,6 +51,7 @@ logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 120.0  # wait for COORDINATOR_READY (all engines subscribed)
 GROUP_TIMEOUT_S = 600.0  # wait for every rank to join the DP group (they may still load)
 SYNC_TIMEOUT_S = 300.0  # one all-reduce; peers may be deep in a long wave of big steps
+HEARTBEAT_S = 1.0  # heartbeats to the coordinator, from their own thread
 
 
 class DPLink:
@@ -64,8 +66,13 @@ class DPLink:
     def __init__(self, rank: int, dp_size: int, report_address: str, publish_address: str,
                  *, lockstep: bool = False, sync_interval: int = 32,
                  master_ip: str = "127.0.0.1", master_port: int = 0,
-                 secret: str | None = None) -> None:
+                 secret: str | None = None, incarnation: int = 0) -> None:
         self.rank = rank
+        self.incarnation = incarnation  # which process of this rank (restarts count up)
+        self.has_work = False  # set by the busy loop after each step, read by heartbeats
+        self._report_address = report_address
+        self._secret = secret
+        self._beats = threading.Event()  # set: heartbeats stop
         self.dp_size = dp_size
         self.lockstep = lockstep
         self.sync_interval = sync_interval
@@ -121,6 +128,35 @@ class DPLink:
             dist.PrefixStore("dpserve-dp", self._store), self.rank, self.dp_size,
             datetime.timedelta(seconds=SYNC_TIMEOUT_S))
         self._all_reduce_any(False)  # returns once every rank has joined
+
+    def start_heartbeats(self) -> None:
+        """Beat every `HEARTBEAT_S` from a thread with its own socket: `(step, has_work)`.
+
+        The coordinator tells a frozen process (no beats) from a hung step
+        (beats, work, but the step count stands still).
+        """
+        threading.Thread(target=self._beat, name=f"EngineCore_{self.rank}_heartbeat",
+                         daemon=True).start()
+
+    def _beat(self) -> None:
+        ctx = zmq.Context()  # its own: sockets never cross threads
+        sock = secure(ctx.socket(zmq.PUSH), "client", self._secret)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 4)  # a coordinator away: drop beats, never pile up
+        sock.connect(self._report_address)
+        encoder = msgspec.msgpack.Encoder()
+        try:
+            while not self._beats.is_set():
+                beat = EngineReport(self.rank, step=self._step, heartbeat=True,
+                                    has_work=self.has_work, incarnation=self.incarnation)
+                try:
+                    sock.send(encoder.encode(beat), flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+                self._beats.wait(HEARTBEAT_S)
+        finally:
+            sock.close()
+            ctx.term()
 
     def take_publish_socket(self) -> zmq.Socket:
         """Hand the coordinator SUB socket to the thread that reads inputs from now on."""
@@ -218,5 +254,6 @@ class DPLink:
             return False
 
     def close(self) -> None:
+        self._beats.set()
         self._group = self._store = None
         self._ctx.destroy(linger=0)

@@ -45,6 +45,7 @@ from dpserve.engine.dp import DPLink
 from dpserve.launch.process import start_parent_watcher
 from dpserve.logging_utils import name_process
 from dpserve.protocol import (
+    COORDINATOR_READY,
     ENGINE_CORE_DEAD,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -67,12 +68,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 120.0  # wait for the launcher's init metadata
-DEAD_LINGER_MS = 4000  # how long closing output sockets may take to flush
+DEAD_LINGER_MS = 4000  # how long closing output sockets may take to flush ENGINE_CORE_DEAD
+STOP_LINGER_MS = 500  # ... and the last outputs on a plain stop
 _IDLE_WAIT_S = 0.5  # the busy loop's longest block on an empty input queue
 _POLL_MS = 100  # IO threads look at the stop flag this often
 
-# Test-only fault injection: the engine's N-th model execution raises.
+# Test-only fault injection: the engine's N-th model execution raises, or hangs;
+# optionally only on one rank (see `_maybe_inject_forward_fault`).
 FAULT_FORWARD_ENV = "DPSERVE_FAULT_FORWARD_AT"
+FAULT_HANG_ENV = "DPSERVE_FAULT_FORWARD_HANG_AT"
+FAULT_RANK_ENV = "DPSERVE_FAULT_RANK"
 
 # Utility calls may run any public EngineCore method except the request path,
 # whose outputs would bypass the routing in the busy loop.
@@ -99,9 +104,10 @@ class EngineCoreProc:
 
     def __init__(self, config: EngineConfig, rank: int, handshake_address: str | None,
                  local: bool = True, init: EngineInitMetadata | None = None,
-                 handshake_timeout: float = HANDSHAKE_TIMEOUT_S) -> None:
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT_S, incarnation: int = 0) -> None:
         self.config = config
         self.rank = rank
+        self.incarnation = incarnation  # restarts of this rank before this process
         self.local = local  # on the launcher's host (else: watch the front-ends' links)
         self.secret = config.parallel.data_parallel_secret
         self.handshake_timeout = handshake_timeout
@@ -153,15 +159,18 @@ class EngineCoreProc:
                              publish_address=init.coordinator_input, secret=self.secret,
                              lockstep=parallel.data_parallel_lockstep,
                              sync_interval=parallel.data_parallel_sync_interval,
-                             master_ip=init.dp_master_ip, master_port=init.dp_master_port)
+                             master_ip=init.dp_master_ip, master_port=init.dp_master_port,
+                             incarnation=self.incarnation)
         _choose_device(self.config, self.rank)
-        self.engine_core = _build_engine_core(self.config)
+        self.engine_core = _build_engine_core(self.config, self.rank, self.incarnation)
         if self.dp is not None:
             self.dp.wait_ready()  # every engine is subscribed: reports are heard
             self.dp.join_group()  # lockstep: the all-reduce group (waits for all ranks)
         # Start registering with the front-ends before READY: the launcher
         # starts them on READY, and the frames wait in our sockets till then.
         self._start_io_threads(init)
+        if self.dp is not None:
+            self.dp.start_heartbeats()
         return HandshakeReady(local=local, num_kv_blocks=self.engine_core.num_kv_blocks,
                               # capped to what the KV cache holds
                               max_model_len=self.engine_core.scheduler.max_model_len)
@@ -184,8 +193,9 @@ class EngineCoreProc:
             #    then tell the coordinator when [waiting, running] or the wave changed.
             if self.dp is not None:
                 self.dp.step_done()
+                self.dp.has_work = core.has_unfinished_requests()
                 self.dp.after_step(executed=core.num_forward_passes > forward_passes,
-                                   has_work=core.has_unfinished_requests(),
+                                   has_work=self.dp.has_work,
                                    run_dummy_batch=core.execute_dummy_batch)
                 self._report_load()
 
@@ -325,15 +335,14 @@ class EngineCoreProc:
         with zmq.Context() as ctx:
             poller = zmq.Poller()
             index_of: dict[zmq.Socket, int] = {}
-            links = _FrontEndLinks(addresses)  # remote engines: are the front-ends there?
+            links = _FrontEndLinks(addresses, remote=not self.local)
             if coordinator is not None:
                 poller.register(coordinator, zmq.POLLIN)
             for i, address in enumerate(addresses):
                 sock = secure(ctx.socket(zmq.DEALER), "client", self.secret)
                 sock.setsockopt(zmq.IDENTITY, self.identity)
                 sock.setsockopt(zmq.LINGER, 0)
-                if not self.local:
-                    links.watch(sock, i, poller)
+                links.watch(sock, i, poller)
                 sock.connect(address)
                 sock.send(b"")  # register: now the front-end's ROUTER can route to us
                 poller.register(sock, zmq.POLLIN)
@@ -348,6 +357,8 @@ class EngineCoreProc:
                         continue
                     frames = sock.recv_multipart()
                     if sock is coordinator:
+                        if frames == [COORDINATOR_READY]:  # for an engine that joined later
+                            continue
                         item = _decode_request(frames, coordinator_decoders,
                                                "the DP coordinator")
                         if item is not None:
@@ -371,6 +382,7 @@ class EngineCoreProc:
                 sock.setsockopt(zmq.LINGER, DEAD_LINGER_MS)
                 sock.connect(address)
                 sockets.append(sock)
+            linger_ms = STOP_LINGER_MS  # a plain stop: the front-ends are going away too
             while True:
                 item = self.output_queue.get()
                 if item is None:
@@ -378,13 +390,14 @@ class EngineCoreProc:
                 if isinstance(item, bytes):  # ENGINE_CORE_DEAD: the last message
                     for sock in sockets:
                         _send_nowait(sock, [item, self.identity])
+                    linger_ms = DEAD_LINGER_MS
                     break
                 client, outputs = item
                 encoder.encode_into(outputs, buffer)
                 # copy=True: zmq owns a copy, so the buffer is free again at once.
                 sockets[client].send(buffer, copy=True)
             for sock in sockets:
-                sock.close()
+                sock.close(linger=linger_ms)
 
     # ---- the end -----------------------------------------------------------
 
@@ -416,22 +429,26 @@ def _say_hello(sock: zmq.Socket, local: bool, address: str,
 
 
 class _FrontEndLinks:
-    """A remote engine's watch on its front-end connections (ZMQ socket monitors).
+    """An engine's watch on its front-end connections (ZMQ socket monitors).
 
-    A front-end that stays disconnected (its host stopped, crashed or is
-    unreachable: heartbeats time out) for `_PEER_LOST_S` means the head is
-    gone, and a remote engine has no parent there to watch: it stops.
+    Every (re)connection re-sends the empty registration frame, so a restarted
+    API server learns of this engine at once. Remote engines also stop when a
+    front-end stays disconnected (its host stopped, crashed or is unreachable:
+    heartbeats time out) for `_PEER_LOST_S`: the head is gone, and a remote
+    engine has no parent there to watch.
     """
 
-    def __init__(self, addresses: list[str]) -> None:
+    def __init__(self, addresses: list[str], remote: bool) -> None:
         self.addresses = addresses
+        self.remote = remote
         self._monitors: dict[zmq.Socket, tuple[zmq.Socket, int]] = {}  # monitor -> (sock, i)
         self._down_since: dict[int, float] = {}
 
     def watch(self, sock: zmq.Socket, index: int, poller: zmq.Poller) -> None:
         """Call before `sock.connect`."""
-        sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * _HEARTBEAT_MS)
+        if self.remote:
+            sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * _HEARTBEAT_MS)
         monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         poller.register(monitor, zmq.POLLIN)
         self._monitors[monitor] = (sock, index)
@@ -443,11 +460,12 @@ class _FrontEndLinks:
         from zmq.utils.monitor import recv_monitor_message
 
         event = recv_monitor_message(sock)["event"]
-        index = self._monitors[sock][1]
-        if event == zmq.EVENT_DISCONNECTED:
+        front_end, index = self._monitors[sock]
+        if event == zmq.EVENT_DISCONNECTED and self.remote:
             self._down_since.setdefault(index, time.monotonic())
         elif event == zmq.EVENT_CONNECTED:
             self._down_since.pop(index, None)
+            front_end.send(b"")  # (re-)register: a new front-end process learns of us
         return True
 
     def lost_for_good(self) -> str | None:
@@ -483,31 +501,41 @@ def _choose_device(config: EngineConfig, rank: int) -> None:
     logger.info("engine %d: CUDA device %d", rank, local_rank % count)
 
 
-def _build_engine_core(config: EngineConfig) -> EngineCore:
+def _build_engine_core(config: EngineConfig, rank: int, incarnation: int) -> EngineCore:
     from dpserve.engine.core import EngineCore
 
     engine_core = EngineCore(config)
-    _maybe_inject_forward_fault(engine_core)
+    _maybe_inject_forward_fault(engine_core, rank, incarnation)
     return engine_core
 
 
-def _maybe_inject_forward_fault(engine_core: EngineCore) -> None:
-    """TEST-ONLY fault injection: with DPSERVE_FAULT_FORWARD_AT=N in the
-    environment, the N-th call of `runner.execute` raises RuntimeError."""
-    value = os.environ.get(FAULT_FORWARD_ENV)
-    if not value:
+def _maybe_inject_forward_fault(engine_core: EngineCore, rank: int, incarnation: int) -> None:
+    """TEST-ONLY fault injection, from the environment: the N-th call of
+    `runner.execute` raises RuntimeError (DPSERVE_FAULT_FORWARD_AT=N) or never
+    returns (DPSERVE_FAULT_FORWARD_HANG_AT=N). With DPSERVE_FAULT_RANK=r only
+    rank r's first process is affected (its restarts run clean)."""
+    raise_at, hang_at = (int(os.environ.get(name) or 0) for name in
+                         (FAULT_FORWARD_ENV, FAULT_HANG_ENV))
+    only_rank = os.environ.get(FAULT_RANK_ENV)
+    if not (raise_at or hang_at) or (only_rank is not None and
+                                     (int(only_rank) != rank or incarnation > 0)):
         return
-    fail_at = int(value)
     execute = engine_core.runner.execute
     calls = itertools.count(1)
 
     def execute_with_fault(scheduler_output: Any) -> Any:
-        if next(calls) == fail_at:
-            raise RuntimeError(f"injected fault: forward #{fail_at} ({FAULT_FORWARD_ENV})")
+        call = next(calls)
+        if call == raise_at:
+            raise RuntimeError(f"injected fault: forward #{raise_at} ({FAULT_FORWARD_ENV})")
+        if call == hang_at:
+            logger.warning("TEST-ONLY: forward #%d hangs (%s)", hang_at, FAULT_HANG_ENV)
+            while True:
+                time.sleep(3600)
         return execute(scheduler_output)
 
     engine_core.runner.execute = execute_with_fault  # type: ignore[method-assign]
-    logger.warning("TEST-ONLY fault injection: forward #%d will raise", fail_at)
+    logger.warning("TEST-ONLY fault injection: forward #%d will %s", raise_at or hang_at,
+                   "raise" if raise_at else "hang")
 
 
 def _decode_request(frames: list[bytes], decoders: dict,
@@ -535,7 +563,8 @@ def _send_nowait(sock: zmq.Socket, frames: list[bytes]) -> None:
 
 
 def run_engine_core(config: EngineConfig, rank: int, handshake_address: str,
-                    local: bool = True, handshake_timeout: float = HANDSHAKE_TIMEOUT_S) -> None:
+                    local: bool = True, handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
+                    incarnation: int = 0) -> None:
     """Multiprocessing target: start one engine and serve until told to stop.
 
     Exit code 0 after SIGTERM/SIGINT (or when the parent dies); 1 after a
@@ -550,7 +579,7 @@ def run_engine_core(config: EngineConfig, rank: int, handshake_address: str,
     exit_code = 0
     try:
         proc = EngineCoreProc(config, rank, handshake_address, local,
-                              handshake_timeout=handshake_timeout)
+                              handshake_timeout=handshake_timeout, incarnation=incarnation)
         proc.run_busy_loop()
     except SystemExit:
         logger.info("engine %d shutting down", rank)

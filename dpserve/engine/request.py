@@ -53,6 +53,7 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_id: int | None = None,
         arrival_time: float | None = None,
+        prior_output_token_ids: list[int] | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -62,8 +63,11 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
 
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(prompt_token_ids)
+        # A migrated request arrives with the tokens another engine already
+        # generated: they count as outputs (max_tokens, min_tokens, penalties),
+        # and their KV is computed here like the prompt's.
+        self.output_token_ids: list[int] = list(prior_output_token_ids or [])
+        self.all_token_ids: list[int] = [*prompt_token_ids, *self.output_token_ids]
         self.num_computed_tokens = 0
         # Prompt tokens whose KV came from the prefix cache (first schedule only).
         self.num_cached_tokens = -1

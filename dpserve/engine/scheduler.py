@@ -83,11 +83,11 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r} is already in the engine")
-        if request.num_prompt_tokens > self.max_model_len:
+        if request.num_tokens > self.max_model_len:
             limit = ("max_model_len" if self.max_model_len == self.config.max_model_len
                      else "the KV cache size")
             raise ValueError(f"request {request.request_id!r}: prompt of "
-                             f"{request.num_prompt_tokens} tokens exceeds {limit} "
+                             f"{request.num_tokens} tokens exceeds {limit} "
                              f"({self.max_model_len} tokens)")
         self.requests[request.request_id] = request
         self.waiting.append(request)

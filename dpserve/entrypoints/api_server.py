@@ -127,7 +127,9 @@ async def serve_http(options: APIServerOptions, config: EngineConfig, spec: APIS
                                coordinator_address=spec.coordinator_address,
                                load_balance=options.load_balance,
                                lockstep=config.parallel.data_parallel_lockstep,
-                               secret=config.parallel.data_parallel_secret)
+                               secret=config.parallel.data_parallel_secret,
+                               max_migrations=config.parallel.max_request_migrations,
+                               fail_stop=config.parallel.engine_failure_policy == "stop")
     llm: AsyncLLM | None = None
     died = False
     try:
@@ -252,6 +254,8 @@ class _LauncherLink:
             return
         if message.kind == "stopping":
             client.mark_dead(message.detail)  # fails in-flight requests; then we exit 1
+        elif message.kind == "rank" and message.status is not None:
+            client.set_rank_status(message.rank, message.status)
 
     def report_failure(self, reason: str) -> None:
         try:

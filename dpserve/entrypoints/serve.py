@@ -53,6 +53,7 @@ from dpserve.logging_utils import name_process
 
 if TYPE_CHECKING:
     from dpserve.entrypoints.api_server import APIServerOptions, APIServerSpec
+    from dpserve.launch.api_servers import APIServerProcManager
     from dpserve.launch.host import EngineLaunch
 
 logger = logging.getLogger("dpserve.serve")
@@ -209,11 +210,11 @@ def run_headless(args: argparse.Namespace) -> int:
 
 def _serve_in_process(options: APIServerOptions, config: EngineConfig,
                       spec: APIServerSpec, sock: socket.socket, launch: EngineLaunch) -> int:
-    """M == 1: API server 0 runs here; an engine or coordinator death stops it (1)."""
+    """M == 1: API server 0 runs here; engine deaths follow the failure policy."""
     from dpserve.entrypoints.api_server import serve_http
 
     async def on_ready(client, server) -> None:
-        client.watch_processes(launch.processes)  # any death stops the server
+        launch.supervise(config, on_status=client.set_rank_status, on_fatal=client.mark_dead)
         launch.watch_actors(client.mark_dead)
         _log_serving(options, config, spec, sock, 1)
 
@@ -232,29 +233,53 @@ def _run_api_servers(options: APIServerOptions, config: EngineConfig,
     metrics_dir = tempfile.mkdtemp(prefix="dpserve-metrics-")
     api: APIServerProcManager | None = None
     stop: _StopSignal | None = None
-    engine_procs = launch.processes
     try:
         api = APIServerProcManager(options, config, specs, sock, metrics_dir)
-        api.wait_for_startup(also_watch=engine_procs)
+        api.wait_for_startup(also_watch=launch.processes)
         stop = _StopSignal()
         launch.watch_actors(stop.engine_died)
+        launch.supervise(config, on_status=api.broadcast_rank_status,
+                         on_fatal=stop.engine_died)
         api.start_serving()
         _log_serving(options, config, specs[0], sock, len(specs))
-        exited = _watch(stop, [*engine_procs, *api.processes])
-        if stop.signum is not None:
-            logger.info("signal %d: stopping", stop.signum)
-            return 128 + stop.signum
-        reason = stop.death or "; ".join(
-            f"process {p.name} (pid {p.pid}) exited with code {p.exitcode}" for p in exited)
-        logger.error("%s; stopping the server", reason)
-        api.stop_after_death(reason)
-        return 1
+        while True:
+            exited = _watch(stop, api.processes)
+            if stop.signum is not None:
+                logger.info("signal %d: stopping", stop.signum)
+                return 128 + stop.signum
+            reason = stop.death or "; ".join(
+                f"process {p.name} (pid {p.pid}) exited with code {p.exitcode}"
+                for p in exited)
+            if stop.death is not None or not _restart_api_servers(api, exited, config):
+                logger.error("%s; stopping the server", reason)
+                api.stop_after_death(reason)
+                return 1
     finally:
         if api is not None:
             api.close()  # API servers first: they drain while the engines still run
         if stop is not None:
             stop.restore()
         shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _restart_api_servers(api: APIServerProcManager, exited: list[BaseProcess],
+                         config: EngineConfig) -> bool:
+    """Restart API servers that died (the others serve on meanwhile); False when the
+    policy is stop, the restart limit is reached, or one does not start."""
+    from dpserve.launch.api_servers import APIServerStartupError
+
+    p = config.parallel
+    for proc in exited:
+        what = f"{proc.name} (pid {proc.pid}) exited with code {proc.exitcode}"
+        if p.engine_failure_policy == "stop" or api.num_restarts >= p.max_engine_restarts:
+            return False
+        logger.warning("%s; restarting it (the other API servers serve on)", what)
+        try:
+            api.restart(proc)
+        except APIServerStartupError as e:
+            logger.error("%s could not be restarted: %s", proc.name, e)
+            return False
+    return True
 
 
 class _StopSignal:

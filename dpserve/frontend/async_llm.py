@@ -32,11 +32,11 @@ from typing import Any, Protocol
 import msgspec
 
 from dpserve.config import EngineConfig
-from dpserve.frontend.errors import EngineDeadError, RequestError
+from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError, RequestError
 from dpserve.frontend.output_processor import OutputKind, OutputProcessor
 from dpserve.frontend.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
 from dpserve.outputs import RequestOutput
-from dpserve.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from dpserve.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from dpserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -249,6 +249,11 @@ class AsyncLLM:
             self._fail_all(EngineDeadError(f"the front-end output loop failed: {e!r}"))
 
     def _process(self, outputs: EngineCoreOutputs) -> list[str]:
+        failed = [o for o in outputs.outputs if o.error is not None]
+        if failed:  # requests no rank could take over (the engine client says why)
+            self._fail_requests(failed)
+            outputs = msgspec.structs.replace(
+                outputs, outputs=[o for o in outputs.outputs if o.error is None])
         processed = self.processor.process_outputs(outputs.outputs)
         now = time.monotonic()
         iteration = IterationStats()
@@ -284,6 +289,22 @@ class AsyncLLM:
                 iteration.finished.append(FinishedRequestStats(
                     c.finish_reason or "abort", tracked.num_prompt_tokens,
                     tracked.num_generated, now - tracked.arrival))
+
+    def _fail_requests(self, failed: list[EngineCoreOutput]) -> None:
+        """End each failed request's stream with EngineUnavailableError; abort its
+        other completions (n > 1) in their engines."""
+        for out in failed:
+            request_id = self.processor.parent_of(out.request_id)
+            if request_id is None:
+                continue
+            siblings = [e for e in self.processor.engine_request_ids(request_id)
+                        if e != out.request_id]
+            self.processor.abort_request(request_id)
+            tracked = self._requests.pop(request_id, None)
+            if tracked is not None:
+                tracked.queue.put_nowait(EngineUnavailableError(out.error or "failed"))
+            if siblings:
+                self._spawn(self.client.abort_requests(siblings))
 
     def _fail_all(self, error: EngineDeadError) -> None:
         """The engine is gone: fail every request in flight now."""

@@ -6,37 +6,59 @@ ADD / ABORT / UTILITY, handing decoded `EngineCoreOutputs` to the caller
 through `get_output()`, utility calls as futures keyed by call id, and
 engine death, and placement over several engines (`EngineState` per engine):
 
-* A request that pins `data_parallel_rank` goes to that engine (a rank this
-  client does not have fails with ValueError).
+* Only SERVING ranks get new work (`EngineState.status`, below). A request
+  that pins `data_parallel_rank` goes to that engine (a rank this client does
+  not have: ValueError; one that is not serving: EngineUnavailableError).
 * With a DP coordinator (`coordinator_address`, its front publish XPUB): a
   background task keeps the latest `[waiting, running]` per engine from its
-  `CoordinatorUpdate`s; the request goes to the live engine with the lowest
+  `CoordinatorUpdate`s; the request goes to the serving engine with the lowest
   `4*waiting + running`, scanning from this client's own index (ties go to
   the first), where what this client sent to an engine since the last
   publish counts as waiting there (reset on each publish), so bursts spread.
-* Without one (one engine): the live engine with the fewest requests in flight.
+* Without one (one engine, or the coordinator away): the serving engine with
+  the fewest requests in flight from here.
 * Waves: each request carries the wave this client last heard of from the
   coordinator. In lockstep mode (`lockstep=True`), a request sent while the
   coordinator said "paused" is followed by `WakeEngines(wave, engine)` so the
   coordinator starts the wave on every other engine.
-* `load_balance="round-robin"`: live engines in turn from this client's own
+* `load_balance="round-robin"`: serving engines in turn from this client's own
   index, blind to load (a baseline for benchmarks, and what simple balancers do).
 
-Not here: tokenising, detokenising, stop strings (the output processor),
-HTTP, process spawning (`dpserve.launch`).
+Rank states (`RankStatus`: state, incarnation, reason) come from the
+coordinator's updates (heartbeats: unhealthy / serving again; the launchers'
+RankEvents: dead / restarting / serving), from the launcher directly
+(`set_rank_status`: in-process or over an API server's pipe), and from direct
+evidence (`mark_engine_dead`: ENGINE_CORE_DEAD, an unreachable socket). News
+of an older incarnation is dropped, and "serving" for an incarnation this
+client saw die is too; with no coordinator, a dead rank whose new process
+registers is serving again.
 
-Death: ENGINE_CORE_DEAD from an engine, `mark_dead(reason)` (e.g. from the
-launcher), a process watched by `watch_processes` exiting, or an engine
-becoming unreachable all make the client `dead`: every pending utility
-call fails at once with `EngineDeadError`, and `get_output()` raises it once
-the outputs received before the death are drained. Today the death of any
-engine kills the client; the per-engine `dead` flag is there for a later
-policy that routes around it.
+Moving requests: the client keeps each request in flight (`_InFlight`: the
+request as sent, its rank, every token received). When a rank stops serving,
+each of its requests is re-sent to a serving rank with
+`prior_output_token_ids` = the tokens so far (none yet: a retry), so the
+engine recomputes its KV and goes on from there: the caller sees one
+unbroken stream (greedy output equals an undisturbed run). Outputs from a
+rank a request has left are dropped; an unhealthy rank (still alive) is
+sent an ABORT for them first, so it holds nothing when it recovers. A
+request pinned to the lost rank, moved `max_migrations` times already, or
+with no serving rank left ends with an `EngineCoreOutput` whose `error` says
+why. `fail_stop=True` (`--engine-failure-policy stop`): a rank that dies
+kills the client instead.
+
+Not here: tokenising, detokenising, stop strings (the output processor),
+HTTP, process spawning and restarts (`dpserve.launch`).
+
+Death of the client (`dead`): `mark_dead(reason)` (closing, the launcher
+stopping, policy stop), or a process watched by `watch_processes` exiting:
+every pending utility call fails at once with `EngineDeadError`, and
+`get_output()` raises it once the outputs received before are drained.
 
 It has the interface `AsyncLLM` expects of an engine client (as does
 `InprocEngineClient`) and raises the shared `dpserve.frontend.errors.
 EngineDeadError`. Create it inside a running event loop and use it from that
-loop's thread (only `mark_dead` may be called from elsewhere); `await
+loop's thread (only `mark_dead`, `mark_engine_dead` and `set_rank_status`
+may be called from elsewhere); `await
 aclose()` (or `shutdown()`) when done.
 """
 
@@ -56,12 +78,16 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from dpserve.frontend.errors import EngineDeadError
+from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError
 from dpserve.protocol import (
     ENGINE_CORE_DEAD,
     CoordinatorUpdate,
+    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    FinishReason,
+    RankState,
+    RankStatus,
     RequestType,
     SchedulerStats,
     UtilityCall,
@@ -92,8 +118,25 @@ class EngineState:
     waiting: int = 0  # from the coordinator's last publish
     running: int = 0  # from the coordinator's last publish
     sent_since_publish: int = 0  # requests this client sent it since that publish
-    dead: bool = False
+    status: RankStatus = field(default_factory=RankStatus)  # as last heard (module doc)
+    # Direct evidence (ENGINE_CORE_DEAD, an exit, an unreachable socket) that this
+    # incarnation died: it outranks any news of the same incarnation still serving.
+    dead_incarnation: int | None = None
     stats: SchedulerStats | None = None  # the last figures it sent
+
+    @property
+    def serving(self) -> bool:
+        return self.status.state is RankState.SERVING
+
+
+@dataclass
+class _InFlight:
+    """A request this client sent and that has not finished: enough to move it."""
+
+    request: EngineCoreRequest  # as first sent
+    rank: int  # the engine that runs it now
+    generated: list[int] = field(default_factory=list)  # every token received so far
+    moves: int = 0  # times it was re-sent to another rank
 
 
 class AsyncEngineClient:
@@ -113,7 +156,8 @@ class AsyncEngineClient:
                  register_timeout: float = 60.0, max_model_len: int | None = None,
                  coordinator_address: str | None = None,
                  load_balance: str = "least-loaded", lockstep: bool = False,
-                 secret: str | None = None) -> None:
+                 secret: str | None = None, max_migrations: int = 3,
+                 fail_stop: bool = False) -> None:
         if load_balance not in LOAD_BALANCE_POLICIES:
             raise ValueError(f"load_balance must be one of {', '.join(LOAD_BALANCE_POLICIES)}, "
                              f"got {load_balance!r}")
@@ -127,7 +171,12 @@ class AsyncEngineClient:
         self.dead_reason: str | None = None
         self._dead_event = asyncio.Event()
         self._closed = False
-        self._owner: dict[str, int] = {}  # request_id -> engine rank, until finished
+        self._inflight: dict[str, _InFlight] = {}  # request_id -> its story, until finished
+        self.max_migrations = max_migrations
+        self.fail_stop = fail_stop  # --engine-failure-policy stop: any rank lost kills us
+        self.num_retries = 0  # requests re-sent before their first token
+        self.num_migrations = 0  # requests moved mid-stream
+        self.recomputed_tokens = 0  # prompt + generated tokens prefilled again by moves
         self._outputs: asyncio.Queue[Any] = asyncio.Queue()
         self._calls: dict[int, asyncio.Future] = {}  # call_id -> its UtilityOutput
         self._call_ids = itertools.count()
@@ -138,6 +187,7 @@ class AsyncEngineClient:
         self._ctx = zmq.asyncio.Context()
         self._input = secure(self._ctx.socket(zmq.ROUTER), "server", secret)
         self._input.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: error, not a drop
+        self._input.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted engine takes its identity
         self._input.setsockopt(zmq.LINGER, 0)
         self._output = secure(self._ctx.socket(zmq.PULL), "server", secret)
         self._output.setsockopt(zmq.LINGER, 0)
@@ -176,10 +226,10 @@ class AsyncEngineClient:
                                                             self.current_wave):
             request = msgspec.structs.replace(request, client_index=self.client_index,
                                               current_wave=self.current_wave)
-        if request.request_id in self._owner:
+        if request.request_id in self._inflight:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         engine = self._choose_engine(request)
-        self._owner[request.request_id] = engine.rank
+        self._inflight[request.request_id] = _InFlight(request, engine.rank)
         engine.num_requests += 1
         engine.sent_since_publish += 1
         try:
@@ -187,6 +237,9 @@ class AsyncEngineClient:
         except BaseException:
             self._forget(request.request_id)
             raise
+        await self._wake_if_paused(request, engine)
+
+    async def _wake_if_paused(self, request: EngineCoreRequest, engine: EngineState) -> None:
         if self.lockstep and not self.engines_running:
             # The engines are paused: our engine starts by itself, the
             # coordinator starts the others. Until it says otherwise, assume running.
@@ -196,7 +249,8 @@ class AsyncEngineClient:
 
     def engine_of(self, request_id: str) -> int | None:
         """The rank of the engine running a request in flight (None: not in flight)."""
-        return self._owner.get(request_id)
+        flight = self._inflight.get(request_id)
+        return flight.rank if flight is not None else None
 
     async def abort_requests(self, request_ids: Sequence[str]) -> None:
         """Abort requests at the engines that own them; unknown ids are ignored.
@@ -207,11 +261,12 @@ class AsyncEngineClient:
             return
         by_rank: dict[int, list[str]] = {}
         for rid in request_ids:
-            rank = self._owner.get(rid)
+            rank = self.engine_of(rid)
             if rank is not None:
                 by_rank.setdefault(rank, []).append(rid)
         for rank, ids in by_rank.items():
-            await self._send(self.engines[rank], RequestType.ABORT, ids)
+            with contextlib.suppress(EngineUnavailableError):  # gone: nothing to abort there
+                await self._send(self.engines[rank], RequestType.ABORT, ids)
 
     async def call_utility(self, method: str, *args: Any, engine: int | None = None,
                            timeout: float = 30.0, result_type: Any = None) -> Any:
@@ -277,8 +332,6 @@ class AsyncEngineClient:
         if not self._closed:
             logger.error("engine client %d: engines dead: %s", self.client_index, reason)
         self.dead, self.dead_reason = True, reason
-        for engine in self.engines.values():
-            engine.dead = True
         for future in self._calls.values():
             if not future.done():
                 future.set_exception(EngineDeadError(reason))
@@ -331,22 +384,33 @@ class AsyncEngineClient:
         if self.dead:
             raise EngineDeadError(self.dead_reason)
 
-    def _live_engines(self) -> list[EngineState]:
-        live = [e for e in self.engines.values() if not e.dead]
+    def _live_engines(self, exclude: int | None = None) -> list[EngineState]:
+        """The serving engines (but `exclude`); EngineUnavailableError when there are none."""
+        live = [e for e in self.engines.values() if e.serving and e.rank != exclude]
         if not live:
-            raise EngineDeadError(self.dead_reason or "no live engine")
+            raise EngineUnavailableError("no engine is serving: " + self.describe_ranks())
         return live
 
-    def _choose_engine(self, request: EngineCoreRequest) -> EngineState:
-        """The pinned rank if any, else the least loaded live engine (module docstring)."""
+    def describe_ranks(self) -> str:
+        """`rank 0 serving, rank 1 dead (exit code -9)`."""
+        return ", ".join(f"rank {e.rank} {e.status.state.value}"
+                         + (f" ({e.status.reason})" if e.status.reason else "")
+                         for e in self.engines.values())
+
+    def _choose_engine(self, request: EngineCoreRequest,
+                       exclude: int | None = None) -> EngineState:
+        """The pinned rank if any, else the least loaded serving engine (module docstring)."""
         if request.data_parallel_rank is not None:
             engine = self.engines.get(request.data_parallel_rank)
-            if engine is None or engine.dead:
+            if engine is None:
                 raise ValueError(f"data_parallel_rank {request.data_parallel_rank} is out of "
-                                 f"range: this server's live engines are "
-                                 f"{[e.rank for e in self.engines.values() if not e.dead]}")
+                                 f"range: this server's engines are {self.engine_ranks}")
+            if not engine.serving:
+                raise EngineUnavailableError(
+                    f"data_parallel_rank {engine.rank} is {engine.status.state.value}"
+                    + (f" ({engine.status.reason})" if engine.status.reason else ""))
             return engine
-        live = self._live_engines()
+        live = self._live_engines(exclude)
         if self.load_balance == "round-robin":
             self._turn += 1
             return live[(self._turn - 1) % len(live)]
@@ -361,9 +425,9 @@ class AsyncEngineClient:
         return best
 
     def _forget(self, request_id: str) -> None:
-        rank = self._owner.pop(request_id, None)
-        if rank is not None:
-            self.engines[rank].num_requests -= 1
+        flight = self._inflight.pop(request_id, None)
+        if flight is not None:
+            self.engines[flight.rank].num_requests -= 1
 
     async def _send(self, engine: EngineState, request_type: RequestType, body: Any) -> None:
         await self._wait_registered(engine)
@@ -371,9 +435,120 @@ class AsyncEngineClient:
             await self._input.send_multipart(
                 [engine.identity, request_type.value, self._encoder.encode(body)])
         except zmq.ZMQError as e:  # EHOSTUNREACH: the engine is gone
-            reason = f"engine {engine.rank} is unreachable: {e}"
-            self.mark_dead(reason)
-            raise EngineDeadError(reason) from e
+            reason = f"unreachable: {e}"
+            self.mark_engine_dead(engine.rank, reason)
+            raise EngineUnavailableError(f"engine {engine.rank} is {reason}") from e
+
+    # ---- rank states and moving requests ----------------------------------------------
+
+    def set_rank_status(self, rank: int, status: RankStatus) -> None:
+        """News of a rank (the coordinator's, or its launcher's); callable from any thread.
+
+        Old incarnations' news is dropped; so is "serving" for an incarnation this
+        client saw die. A rank that stops serving has its requests moved.
+        """
+        if threading.get_ident() != self._loop_thread:
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self.set_rank_status, rank, status)
+            return
+        engine = self.engines.get(rank)
+        if engine is None or status.incarnation < engine.status.incarnation:
+            return
+        if engine.dead_incarnation is not None:
+            if status.incarnation <= engine.dead_incarnation:
+                return  # we saw this process die; only its successor can serve
+            engine.dead_incarnation = None
+        self._change_status(engine, status)
+
+    def mark_engine_dead(self, rank: int, reason: str) -> None:
+        """Direct evidence that a rank's current process is gone; callable from any thread."""
+        if threading.get_ident() != self._loop_thread:
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self.mark_engine_dead, rank, reason)
+            return
+        engine = self.engines.get(rank)
+        if engine is None or engine.dead_incarnation == engine.status.incarnation:
+            return
+        engine.dead_incarnation = engine.status.incarnation
+        self._change_status(engine, RankStatus(RankState.DEAD, engine.status.incarnation,
+                                               reason))
+
+    def _change_status(self, engine: EngineState, status: RankStatus) -> None:
+        was_serving = engine.serving
+        if status == engine.status:
+            return
+        engine.status = status
+        if not self._closed:
+            logger.log(logging.INFO if status.state is RankState.SERVING else logging.WARNING,
+                       "front-end %d: rank %d %s (incarnation %d)%s", self.client_index,
+                       engine.rank, status.state.value, status.incarnation,
+                       f": {status.reason}" if status.reason else "")
+        if was_serving and not engine.serving:
+            if self.fail_stop and status.state in (RankState.DEAD, RankState.RESTARTING):
+                self.mark_dead(f"rank {engine.rank} {status.state.value}: {status.reason}")
+                return
+            self._spawn(self._evacuate(engine))
+
+    def _spawn(self, coro: Any) -> None:
+        task = self._loop.create_task(coro)
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: t in self._tasks and self._tasks.remove(t))
+
+    async def _evacuate(self, engine: EngineState) -> None:
+        """Move every request of `engine` (no longer serving) to a serving rank."""
+        ids = [rid for rid, f in self._inflight.items() if f.rank == engine.rank]
+        if not ids:
+            return
+        if engine.status.state is not RankState.DEAD:  # it may come back: no duplicates
+            with contextlib.suppress(zmq.ZMQError):
+                await self._input.send_multipart(
+                    [engine.identity, RequestType.ABORT.value, self._encoder.encode(ids)],
+                    flags=zmq.NOBLOCK)
+        for rid in ids:
+            flight = self._inflight.get(rid)
+            if flight is not None and flight.rank == engine.rank:
+                await self._move(rid, flight, f"rank {engine.rank} {engine.status.state.value}"
+                                 + (f" ({engine.status.reason})" if engine.status.reason
+                                    else ""))
+
+    async def _move(self, request_id: str, flight: _InFlight, why: str) -> None:
+        """Re-send a request to another serving rank with the tokens it already has, so
+        its stream goes on; past `max_migrations`, pinned, or with no rank serving, it
+        ends with an error output instead."""
+        self.engines[flight.rank].num_requests -= 1
+        moved = msgspec.structs.replace(
+            flight.request, current_wave=self.current_wave,
+            prior_output_token_ids=list(flight.generated) or None)
+        try:
+            if flight.request.data_parallel_rank is not None:
+                raise EngineUnavailableError(f"its pinned {why}")
+            if flight.moves >= self.max_migrations:
+                raise EngineUnavailableError(f"{why}, and it was moved {flight.moves} times "
+                                             f"already (--max-request-migrations)")
+            target = self._choose_engine(moved, exclude=flight.rank)
+        except EngineUnavailableError as e:
+            self._inflight.pop(request_id, None)
+            self._outputs.put_nowait(EngineCoreOutputs(engine_index=flight.rank, outputs=[
+                EngineCoreOutput(request_id, [], finish_reason=FinishReason.ABORT,
+                                 error=f"request {request_id} failed: {e}")]))
+            return
+        flight.moves += 1
+        flight.rank = target.rank
+        target.num_requests += 1
+        target.sent_since_publish += 1
+        if flight.generated:
+            self.num_migrations += 1
+        else:
+            self.num_retries += 1
+        self.recomputed_tokens += len(moved.prompt_token_ids) + len(flight.generated)
+        logger.info("front-end %d: %s %s from %s to rank %d (%d tokens so far)",
+                    self.client_index, "migrating" if flight.generated else "re-sending",
+                    request_id, why, target.rank, len(flight.generated))
+        try:
+            await self._send(target, RequestType.ADD, moved)
+            await self._wake_if_paused(moved, target)
+        except EngineUnavailableError:
+            pass  # the target died in turn: its own evacuation moves the request on
 
     async def _wait_registered(self, engine: EngineState) -> None:
         if engine.registered.is_set():
@@ -403,14 +578,20 @@ class AsyncEngineClient:
                 logger.debug("engine %d registered with front-end %d", rank,
                              self.client_index)
                 engine.registered.set()
+                if engine.dead_incarnation is not None and not self.balanced:
+                    # No coordinator to say so: a new process of a dead rank is serving.
+                    self.set_rank_status(rank, RankStatus(
+                        RankState.SERVING, engine.dead_incarnation + 1))
 
     async def _read_outputs(self) -> None:
         while True:
             frames = await self._output.recv_multipart()
             if frames[0] == ENGINE_CORE_DEAD:
-                rank = int.from_bytes(frames[1], "little") if len(frames) > 1 else "?"
-                self.mark_dead(f"engine {rank} hit a fatal error (ENGINE_CORE_DEAD); "
-                               f"see its log")
+                if len(frames) > 1 and int.from_bytes(frames[1], "little") in self.engines:
+                    self.mark_engine_dead(int.from_bytes(frames[1], "little"),
+                                          "fatal error (ENGINE_CORE_DEAD); see its log")
+                else:
+                    logger.error("ENGINE_CORE_DEAD from an unknown engine: %r", frames[1:])
                 continue
             try:
                 outputs = self._decoder.decode(frames[0])
@@ -431,6 +612,8 @@ class AsyncEngineClient:
                 logger.error("undecodable message from the DP coordinator dropped: %s", e)
                 continue
             self.current_wave, self.engines_running = update.wave, update.running
+            for rank, status in enumerate(update.ranks or []):
+                self.set_rank_status(rank, status)
             if update.counts is None:
                 continue  # wave news only
             for rank, (waiting, running) in enumerate(update.counts):
@@ -448,8 +631,17 @@ class AsyncEngineClient:
             future = self._calls.get(call.call_id)
             if future is not None and not future.done():
                 future.set_result(call)
-        if outputs.outputs:
-            for out in outputs.outputs:
+        kept = []
+        for out in outputs.outputs:
+            flight = self._inflight.get(out.request_id)
+            if flight is not None and flight.rank != outputs.engine_index:
+                continue  # from a rank this request has left: it goes on elsewhere
+            if flight is not None:
+                flight.generated.extend(out.new_token_ids)
                 if out.finished:
                     self._forget(out.request_id)
+            kept.append(out)
+        if kept:
+            if len(kept) != len(outputs.outputs):
+                outputs = msgspec.structs.replace(outputs, outputs=kept)
             self._outputs.put_nowait(outputs)

@@ -4,6 +4,8 @@
   flight fails with it at once, and every later call raises it; the server
   answers 503 from then on. Engine clients (in-process or over sockets) raise
   this one class.
+* `EngineUnavailableError` (an `EngineDeadError`): no DP rank is serving this
+  request now; other requests and later ones may well be served.
 * `RequestError`: a request that can never run (prompt too long, token ids
   outside the vocabulary, ...). A `ValueError`, so callers that only know
   about `ValueError` still treat it as bad input; `param` names the request
@@ -17,6 +19,14 @@ class EngineDeadError(RuntimeError):
     """The engine is dead; nothing more will come from it."""
 
     def __init__(self, message: str = "the engine died; restart the server") -> None:
+        super().__init__(message)
+
+
+class EngineUnavailableError(EngineDeadError):
+    """No DP rank serving can take this request now (dead, unhealthy, restarting),
+    or its pinned rank is not serving; the server itself lives on (HTTP 503)."""
+
+    def __init__(self, message: str = "no engine is serving") -> None:
         super().__init__(message)
 
 

@@ -109,6 +109,11 @@ class OutputProcessor:
         state = self._states.get(request_id)
         return [c.engine_request_id for c in state.completions] if state else []
 
+    def parent_of(self, engine_request_id: str) -> str | None:
+        """The user request an engine request belongs to (None: unknown or done)."""
+        entry = self._by_engine_id.get(engine_request_id)
+        return entry[0].request_id if entry is not None else None
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
 

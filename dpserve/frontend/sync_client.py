@@ -18,7 +18,7 @@ import threading
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from dpserve.config import EngineConfig
-from dpserve.frontend.errors import EngineDeadError
+from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError
 from dpserve.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
 if TYPE_CHECKING:
@@ -54,6 +54,7 @@ class SyncEngineClient:
         self.ranks = list(engines.ranks)
         self.max_model_len = engines.max_model_len  # the engines' limit (KV-capped)
         self._parallel = config.parallel
+        self._config = config
         self._config_max_len = config.model.max_model_len
         self._vocab_size = int(config.model.hf_config["vocab_size"])
         self._in_flight: set[str] = set()  # engine request ids added and not finished
@@ -121,6 +122,10 @@ class SyncEngineClient:
                 self._outputs.put(item)  # first hand over what came before the death
                 break
             outputs.extend(item.outputs)
+        failed = next((o for o in outputs if o.error is not None), None)
+        if failed is not None:  # no rank could take a request over
+            self._in_flight.discard(failed.request_id)
+            raise EngineUnavailableError(failed.error)
         for out in outputs:
             if out.finished:
                 self._in_flight.discard(out.request_id)
@@ -163,11 +168,8 @@ class SyncEngineClient:
             raise self._death
 
     def _check_processes(self) -> None:
-        """Between waits: the processes, the client and its loop thread are alive."""
-        exited = [p for p in self.engines.processes if p.exitcode is not None]
-        if exited:
-            p = exited[0]
-            self._die(f"process {p.name} (pid {p.pid}) exited with code {p.exitcode}")
+        """Between waits: the client and its loop thread are alive (engine processes
+        are the supervisor's: it restarts them, or kills the client under policy stop)."""
         if self.client is not None and self.client.dead:
             self._die(self.client.dead_reason or "the engine client is dead")
         if not self._thread.is_alive() or (self._pump is not None and self._pump.done()):
@@ -208,8 +210,11 @@ class SyncEngineClient:
                                    client_index=0, max_model_len=self.max_model_len,
                                    coordinator_address=self.engines.coordinator_address,
                                    lockstep=self._parallel.data_parallel_lockstep,
-                                   secret=self._parallel.data_parallel_secret)
-        client.watch_processes(self.engines.processes)
+                                   secret=self._parallel.data_parallel_secret,
+                                   max_migrations=self._parallel.max_request_migrations,
+                               fail_stop=self._parallel.engine_failure_policy == "stop")
+        self.engines.supervise(self._config, on_status=client.set_rank_status,
+                               on_fatal=client.mark_dead)
         self._pump = asyncio.get_running_loop().create_task(self._pump_outputs(client))
         return client
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Literal
 
 from dpserve.config import EngineConfig
 from dpserve.launch.process import ProcessGroup
+from dpserve.protocol import RankStatus
 
 if TYPE_CHECKING:
     import socket
@@ -40,8 +41,10 @@ class APIServerStartupError(RuntimeError):
 class ControlMessage:
     """Launcher <-> API server process, over its pipe (see `dpserve.entrypoints.api_server`)."""
 
-    kind: Literal["ready", "failed", "serve", "stopping"]
+    kind: Literal["ready", "failed", "serve", "stopping", "rank"]
     detail: str = ""  # failed / stopping: why
+    rank: int = -1  # rank: whose status
+    status: RankStatus | None = None  # rank: the launcher's first-hand news of it
 
 
 class APIServerProcManager:
@@ -54,17 +57,18 @@ class APIServerProcManager:
     def __init__(self, options: APIServerOptions, config: EngineConfig,
                  specs: Sequence[APIServerSpec], sock: socket.socket,
                  metrics_dir: str) -> None:
-        from dpserve.entrypoints.api_server import run_api_server
-
+        self._specs = list(specs)
+        self._common = dict(options=options, config=config, sock=sock,
+                            parent_pid=os.getpid(), metrics_dir=metrics_dir)
         self._conns: list[connection.Connection] = []  # [M] the launcher's pipe ends
         self._group = ProcessGroup(self, on_close=functools.partial(_close_all, self._conns))
+        self.num_restarts = 0
         for spec in specs:
             parent_end, child_end = self._group.context.Pipe()
             self._conns.append(parent_end)
             try:
-                self._group.spawn(run_api_server, f"APIServer_{spec.index}", options=options,
-                                  config=config, spec=spec, sock=sock, conn=child_end,
-                                  parent_pid=os.getpid(), metrics_dir=metrics_dir)
+                self._group.spawn(_target(), f"APIServer_{spec.index}", spec=spec,
+                                  conn=child_end, **self._common)
             finally:
                 child_end.close()  # theirs now: a child's death closes its pipe
 
@@ -80,8 +84,31 @@ class APIServerProcManager:
         server or of a process in `also_watch` (engines, coordinator), or
         when `timeout` seconds pass.
         """
-        waiting = dict(zip(self._conns, self.processes))
-        sentinels = {p.sentinel: p for p in [*self.processes, *also_watch]}
+        self._wait_ready(dict(zip(self._conns, self.processes)), timeout, also_watch)
+        logger.info("all %d API servers ready", len(self.processes))
+
+    def restart(self, proc: BaseProcess, timeout: float = API_SERVER_READY_TIMEOUT_S) -> None:
+        """A new process in the place of API server `proc` (which has exited): same
+        client index and sockets, so the engines reconnect to it; it serves once READY.
+        Raises APIServerStartupError when it does not start."""
+        i = self.processes.index(proc)
+        proc.join(timeout=1.0)
+        parent_end, child_end = self._group.context.Pipe()
+        self._conns[i].close()
+        self._conns[i] = parent_end
+        try:
+            new = self._group.replace(proc, _target(), spec=self._specs[i], conn=child_end,
+                                      **self._common)
+        finally:
+            child_end.close()
+        self.num_restarts += 1
+        self._wait_ready({parent_end: new}, timeout, ())
+        parent_end.send(ControlMessage("serve"))
+        logger.info("%s restarted (pid %d) and serving", new.name, new.pid)
+
+    def _wait_ready(self, waiting: dict[connection.Connection, BaseProcess], timeout: float,
+                    also_watch: Sequence[BaseProcess]) -> None:
+        sentinels = {p.sentinel: p for p in [*waiting.values(), *also_watch]}
         deadline = time.monotonic() + timeout
         while waiting:
             left = deadline - time.monotonic()
@@ -100,7 +127,15 @@ class APIServerProcManager:
             dead = [sentinels[s] for s in ready if s in sentinels]
             if dead:
                 raise APIServerStartupError(", ".join(_died(p) for p in dead))
-        logger.info("all %d API servers ready", len(self.processes))
+
+    def broadcast_rank_status(self, rank: int, status: RankStatus) -> None:
+        """Tell every API server what this launcher knows of one of its engines."""
+        for conn, proc in zip(self._conns, self.processes):
+            if proc.is_alive():
+                try:
+                    conn.send(ControlMessage("rank", rank=rank, status=status))
+                except OSError:
+                    pass  # it is exiting anyway
 
     def start_serving(self) -> None:
         """Tell every API server to start serving (after `wait_for_startup`)."""
@@ -124,6 +159,12 @@ class APIServerProcManager:
     def close(self) -> None:
         """terminate -> join -> kill the tree, for every API server (idempotent)."""
         self._group.close()
+
+
+def _target():
+    from dpserve.entrypoints.api_server import run_api_server
+
+    return run_api_server
 
 
 def _close_all(conns: list[connection.Connection]) -> None:

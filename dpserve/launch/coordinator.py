@@ -45,6 +45,9 @@ from dpserve.protocol import (
     CoordinatorRequest,
     CoordinatorUpdate,
     EngineReport,
+    RankEvent,
+    RankState,
+    RankStatus,
     RequestType,
     ScaleEngines,
     StartDPWave,
@@ -54,7 +57,8 @@ from dpserve.security import secure
 
 logger = logging.getLogger(__name__)
 
-_MAX_SLEEP_S = 1.0  # the longest the loop sleeps
+_MAX_SLEEP_S = 1.0  # the longest a start-up wait sleeps
+_HEALTH_CHECK_S = 0.25  # the loop looks at heartbeats at least this often
 _SETTLE_S = 0.05  # after a quiet spell, wait this long for the other engines' reports
 _SUBSCRIBE = 1  # first byte of an XPUB subscription frame (0 = unsubscribe)
 
@@ -73,7 +77,8 @@ class DPCoordinator:
     def __init__(self, num_engines: int, allocator: AddressAllocator | None = None, *,
                  remote_host: str | None = None, publish_counts: bool = True,
                  secret: str | None = None, stats_interval_s: float = 0.1,
-                 idle_publish_s: float = 5.0, startup_timeout_s: float = 600.0) -> None:
+                 idle_publish_s: float = 5.0, startup_timeout_s: float = 600.0,
+                 heartbeat_timeout_s: float = 3.0, stall_timeout_s: float = 30.0) -> None:
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         owned = allocator is None
@@ -89,7 +94,9 @@ class DPCoordinator:
         self._settings = dict(publish_counts=publish_counts, secret=secret,
                               stats_interval_s=stats_interval_s,
                               idle_publish_s=idle_publish_s,
-                              startup_timeout_s=startup_timeout_s)
+                              startup_timeout_s=startup_timeout_s,
+                              heartbeat_timeout_s=heartbeat_timeout_s,
+                              stall_timeout_s=stall_timeout_s)
         self.proc: BaseProcess | None = None
         self._group = ProcessGroup(self, on_close=allocator.cleanup if owned else None)
 
@@ -108,6 +115,15 @@ class DPCoordinator:
                     engine_publish_address=_both(self.engine_publish_address,
                                                  self.remote_engine_publish_address),
                     **self._settings)
+
+    def restart(self) -> None:
+        """A new coordinator process on the same addresses (the old one has exited).
+
+        Engines and front-ends reconnect by themselves; it sends READY once every
+        engine has subscribed again, and learns loads and health from their reports."""
+        assert self.proc is not None
+        self.proc.join(timeout=1.0)
+        self.proc = self._group.replace(self.proc, run_coordinator, **self._kwargs())
 
     def close(self) -> None:
         """Stop the process (terminate -> join -> kill) and remove owned ipc files."""
@@ -176,6 +192,79 @@ class _LoadTable:
         return [list(c) for c in self.counts]
 
 
+class _HealthTable:
+    """Each rank's `RankStatus`, from heartbeats and the launchers' `RankEvent`s.
+
+    A rank with no heartbeat for `heartbeat_timeout_s` (a frozen or stopped
+    process), or with work but no finished step for `stall_timeout_s` (a hung
+    forward or collective), turns UNHEALTHY; when both resume it is SERVING
+    again. Timeouts apply from a rank's first heartbeat on (engines start them
+    once READY). Invariant: news of an older incarnation than the one known is
+    dropped, so a dead process can never speak for its replacement.
+    """
+
+    def __init__(self, num_engines: int, heartbeat_timeout_s: float,
+                 stall_timeout_s: float) -> None:
+        self.status = [RankStatus() for _ in range(num_engines)]
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.stall_timeout_s = stall_timeout_s
+        self._last_beat: list[float | None] = [None] * num_engines
+        self._step: list[tuple[int, float, bool]] = [(-1, 0.0, False)] * num_engines
+
+    def resize(self, num_engines: int) -> None:
+        grow = num_engines - len(self.status)
+        del self.status[num_engines:], self._last_beat[num_engines:], self._step[num_engines:]
+        self.status += [RankStatus() for _ in range(grow)]
+        self._last_beat += [None] * grow
+        self._step += [(-1, 0.0, False)] * grow
+
+    def on_heartbeat(self, report: EngineReport, now: float) -> bool:
+        """Record a heartbeat; True when the rank's status changed."""
+        rank, known = report.engine_index, self.status[report.engine_index]
+        if report.incarnation < known.incarnation:
+            return False  # a process this rank has already replaced
+        self._last_beat[rank] = now
+        step, since, _ = self._step[rank]
+        if report.step != step or report.incarnation != known.incarnation:
+            since = now
+        self._step[rank] = (report.step, since, report.has_work)
+        if known.state in (RankState.SERVING, RankState.DRAINING) and \
+                report.incarnation == known.incarnation:
+            return False
+        if known.state is RankState.DEAD and report.incarnation == known.incarnation:
+            return False  # only a new process brings a dead rank back
+        self.status[rank] = RankStatus(RankState.SERVING, report.incarnation)
+        return True
+
+    def on_event(self, rank: int, status: RankStatus) -> bool:
+        """A launcher's first-hand news; True when the rank's status changed."""
+        if status.incarnation < self.status[rank].incarnation or status == self.status[rank]:
+            return False
+        if status.incarnation > self.status[rank].incarnation:
+            self._last_beat[rank] = None  # a new process: timeouts from its first beat
+        self.status[rank] = status
+        return True
+
+    def check(self, now: float) -> list[int]:
+        """Mark serving ranks that stopped beating or stepping UNHEALTHY; the changed ranks."""
+        changed = []
+        for rank, status in enumerate(self.status):
+            beat = self._last_beat[rank]
+            if status.state is not RankState.SERVING or beat is None:
+                continue
+            _, since, has_work = self._step[rank]
+            if now - beat > self.heartbeat_timeout_s:
+                reason = f"no heartbeat for {now - beat:.1f} s"
+            elif has_work and now - since > self.stall_timeout_s:
+                reason = f"has work but finished no step for {now - since:.1f} s"
+            else:
+                continue
+            self.status[rank] = RankStatus(RankState.UNHEALTHY, status.incarnation, reason)
+            logger.warning("rank %d unhealthy: %s", rank, reason)
+            changed.append(rank)
+        return changed
+
+
 class DPCoordinatorProc:
     """The coordinator's sockets and loop (runs inside the coordinator process)."""
 
@@ -184,8 +273,10 @@ class DPCoordinatorProc:
                  engine_publish_address: str | list[str], *,
                  publish_counts: bool = True, secret: str | None = None,
                  stats_interval_s: float = 0.1, idle_publish_s: float = 5.0,
-                 startup_timeout_s: float = 600.0) -> None:
+                 startup_timeout_s: float = 600.0, heartbeat_timeout_s: float = 3.0,
+                 stall_timeout_s: float = 30.0) -> None:
         self.loads = _LoadTable(num_engines)
+        self.health = _HealthTable(num_engines, heartbeat_timeout_s, stall_timeout_s)
         self.wave = 0  # the current request wave
         self.running = False  # engines are in a running wave (else paused)
         self._published_wave = 0
@@ -259,7 +350,7 @@ class DPCoordinatorProc:
         while not self._should_exit():
             # 1. Sleep until the next publish is due, a message comes, or 1 s
             #    passes (to check on the parent).
-            timeout = min(max(0.0, self._next_publish() - time.monotonic()), _MAX_SLEEP_S)
+            timeout = min(max(0.0, self._next_publish() - time.monotonic()), _HEALTH_CHECK_S)
             events = dict(poller.poll(int(timeout * 1000)))
             if self._wake_r in events:
                 os.read(self._wake_r, 512)
@@ -269,11 +360,15 @@ class DPCoordinatorProc:
             # 3. Engines: load counts and wave news.
             if self.reports in events:
                 self._on_report_frames(self.reports.recv_multipart())
-            # 4. Engine subscriptions after start-up (e.g. scaled-up engines): noted only.
-            if self.engines in events:
-                logger.info("engine subscription change after start-up: %r",
-                            self.engines.recv())
-            # 5. Publish the counts when due.
+            # 4. Engine subscriptions after start-up (a restarted or scaled-up
+            #    engine): it waits for READY, which running engines ignore.
+            if self.engines in events and self.engines.recv()[:1] == bytes([_SUBSCRIBE]):
+                logger.info("an engine subscribed after start-up; sending READY")
+                self.engines.send(COORDINATOR_READY)
+            # 5. Ranks that stopped beating or stepping: unhealthy, published at once.
+            if self.health.check(time.monotonic()):
+                self._publish_counts()
+            # 6. Publish the counts when due.
             if time.monotonic() >= self._next_publish():
                 self._publish_counts()
 
@@ -302,8 +397,21 @@ class DPCoordinatorProc:
             return
         if isinstance(request, ScaleEngines):
             self._on_scale(request.num_engines)
+        elif isinstance(request, RankEvent):
+            self._on_rank_event(request)
         else:
             self._on_wake(request)
+
+    def _on_rank_event(self, event: RankEvent) -> None:
+        if not 0 <= event.rank < len(self.loads):
+            logger.warning("rank event for unknown rank %d (have %d)", event.rank,
+                           len(self.loads))
+            return
+        if self.health.on_event(event.rank, event.status):
+            logger.info("rank %d %s (incarnation %d)%s", event.rank, event.status.state.value,
+                        event.status.incarnation,
+                        f": {event.status.reason}" if event.status.reason else "")
+            self._publish_counts()
 
     def _on_wake(self, request: WakeEngines) -> None:
         """A front-end sent a request while it thought the engines were paused."""
@@ -322,6 +430,7 @@ class DPCoordinatorProc:
             logger.error("ignoring a scale to %d engines", num_engines)
             return
         self.loads.resize(num_engines)
+        self.health.resize(num_engines)
         if num_engines > old:
             # New engines start in wave 0 and paused; say "paused" so the next
             # request wakes everyone rather than leaving old engines behind.
@@ -345,6 +454,11 @@ class DPCoordinatorProc:
         index = report.engine_index
         if not 0 <= index < len(self.loads):
             logger.warning("report from unknown engine %d (have %d)", index, len(self.loads))
+            return
+        if report.heartbeat:
+            if self.health.on_heartbeat(report, time.monotonic()):
+                logger.info("rank %d serving (incarnation %d)", index, report.incarnation)
+                self._publish_counts()
             return
         if report.request_counts is not None:
             self.loads.apply(index, report.wave, report.step, report.request_counts)
@@ -390,7 +504,7 @@ class DPCoordinatorProc:
     def _publish_counts(self) -> None:
         counts = self.loads.take()
         update = CoordinatorUpdate(counts if self.publish_counts else None, self.wave,
-                                   self.running)
+                                   self.running, list(self.health.status))
         self.front.send(msgspec.msgpack.encode(update))
         self._last_publish = time.monotonic()
 

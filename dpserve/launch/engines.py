@@ -25,7 +25,7 @@ import msgspec
 import zmq
 
 from dpserve.config import EngineConfig
-from dpserve.launch.process import ProcessGroup
+from dpserve.launch.process import ProcessGroup, shutdown
 from dpserve.protocol import EngineInitMetadata, HandshakeHello, HandshakeReady
 from dpserve.security import secure
 
@@ -70,9 +70,24 @@ class EngineProcManager:
 
         return run_engine_core
 
-    def _kwargs(self, rank: int) -> dict:
+    def _kwargs(self, rank: int, incarnation: int = 0) -> dict:
         return dict(config=self.config, rank=rank, handshake_address=self.handshake_address,
-                    local=self.local, handshake_timeout=self.handshake_timeout)
+                    local=self.local, handshake_timeout=self.handshake_timeout,
+                    incarnation=incarnation)
+
+    def restart(self, rank: int, incarnation: int, init: EngineInitMetadata,
+                timeout: float) -> HandshakeReady:
+        """Start a new process for `rank` (whose process has exited) and walk it to
+        READY; on failure it is stopped and EngineStartupError raised."""
+        old = self.processes[self.ranks.index(rank)]
+        old.join(timeout=1.0)
+        new = self._group.replace(old, self._target(), **self._kwargs(rank, incarnation))
+        try:
+            return wait_for_engine_startup(self.handshake_address, init, [rank], [new],
+                                           timeout=timeout, secret=self.secret)[rank]
+        except BaseException:
+            shutdown([new])
+            raise
 
     def wait_for_startup(self, init: EngineInitMetadata, timeout: float = 600.0,
                          also_watch: Sequence[BaseProcess] = (), *,

@@ -33,7 +33,13 @@ from dpserve.config import ConfigError, EngineConfig
 from dpserve.launch.addresses import AddressAllocator, ZmqAddresses, url_host
 from dpserve.launch.engines import EngineProcManager
 from dpserve.launch.rendezvous import RendezvousServer, ask_rendezvous
-from dpserve.protocol import HandshakeReady, RendezvousReply, RendezvousRequest
+from dpserve.launch.supervisor import OnStatus, Supervisor
+from dpserve.protocol import (
+    EngineInitMetadata,
+    HandshakeReady,
+    RendezvousReply,
+    RendezvousRequest,
+)
 
 if TYPE_CHECKING:
     from dpserve.launch.coordinator import DPCoordinator
@@ -53,6 +59,9 @@ class EngineLaunch:
     ready: dict[int, HandshakeReady] = dataclasses.field(default_factory=dict)
     ranks: tuple[int, ...] = ()  # the engines this host's front-ends send to
     coordinator_address: str | None = None  # the coordinator's front XPUB, for front-ends
+    init: EngineInitMetadata | None = None  # what this host's engines are told (restarts)
+    ready_timeout: float = 600.0
+    supervisor: Supervisor | None = None
 
     @property
     def processes(self) -> list[BaseProcess]:
@@ -82,7 +91,22 @@ class EngineLaunch:
         assert self.addresses is not None
         return tuple(self.addresses.output_binds(client))
 
+    def supervise(self, config: EngineConfig, on_status: OnStatus,
+                  on_fatal: Callable[[str], None]) -> None:
+        """Apply the failure policy to this host's engines and coordinator from now on
+        (`dpserve.launch.supervisor`); Ray actors are watched by `watch_actors`."""
+        if isinstance(self.manager, EngineProcManager) or self.coordinator is not None:
+            self.supervisor = Supervisor(self, config, on_status, on_fatal)
+
+    def restart_engine(self, rank: int, incarnation: int) -> None:
+        """A new process for this host's engine `rank`, READY when this returns."""
+        assert isinstance(self.manager, EngineProcManager) and self.init is not None
+        ready = self.manager.restart(rank, incarnation, self.init, self.ready_timeout)
+        self.ready[rank] = ready
+
     def close(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.close()
         try:
             if self.manager is not None:
                 self.manager.close()
@@ -105,7 +129,7 @@ def launch_engines(config: EngineConfig, num_clients: int = 1,
     if not p.local_lb and p.data_parallel_start_rank != 0:
         raise ConfigError(f"data_parallel_start_rank {p.data_parallel_start_rank} needs "
                           f"--headless (engines for a head) or --data-parallel-hybrid-lb")
-    launch = EngineLaunch(AddressAllocator())
+    launch = EngineLaunch(AddressAllocator(), ready_timeout=ready_timeout)
     try:
         if p.data_parallel_backend == "ray":
             _launch_ray(launch, config, num_clients, ready_timeout)
@@ -127,7 +151,9 @@ def _start_coordinator(launch: EngineLaunch, config: EngineConfig, ready_timeout
     coordinator = DPCoordinator(p.data_parallel_size, launch.allocator,
                                 remote_host=p.data_parallel_address if remote else None,
                                 publish_counts=publish_counts, secret=p.data_parallel_secret,
-                                startup_timeout_s=ready_timeout)
+                                startup_timeout_s=ready_timeout,
+                                heartbeat_timeout_s=p.engine_heartbeat_timeout,
+                                stall_timeout_s=p.engine_stall_timeout)
     launch.coordinator = coordinator
     coordinator.start()
     launch.coordinator_address = coordinator.front_publish_address
@@ -152,8 +178,9 @@ def _launch_head(launch: EngineLaunch, config: EngineConfig, num_clients: int,
                 if remote else "")
     launch.manager = EngineProcManager(config, addrs.handshake, num_engines=local)
     coordinator = [launch.coordinator.proc] if launch.coordinator else []
+    launch.init = addrs.init_metadata(dp_size=size)
     launch.ready = launch.manager.wait_for_startup(
-        addrs.init_metadata(dp_size=size), timeout=ready_timeout, also_watch=coordinator,
+        launch.init, timeout=ready_timeout, also_watch=coordinator,
         remote_ranks=range(local, size),
         remote_init=addrs.init_metadata(dp_size=size, local=False) if remote else None,
         remote_handshake=addrs.remote_handshake)
@@ -197,7 +224,8 @@ def _launch_local_lb(launch: EngineLaunch, config: EngineConfig, num_clients: in
                                        num_engines=p.data_parallel_size_local,
                                        start_rank=p.data_parallel_start_rank)
     coordinator_procs = [launch.coordinator.proc] if launch.coordinator else []
-    launch.ready = launch.manager.wait_for_startup(addrs.init_metadata(dp_size=size),
+    launch.init = addrs.init_metadata(dp_size=size)
+    launch.ready = launch.manager.wait_for_startup(launch.init,
                                                    timeout=ready_timeout,
                                                    also_watch=coordinator_procs)
     launch.ranks = tuple(p.local_ranks)

@@ -80,15 +80,31 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
                                          max_model_len=async_llm.max_model_len)])
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
+        """200 while at least one rank serves (`?rank=R`: while rank R serves), else 503;
+        the body lists every rank's state."""
         if async_llm.is_dead:
             raise EngineDeadError("the engine is dead")
-        return Response(status_code=200)
+        ranks = _rank_states(async_llm)
+        rank = request.query_params.get("rank")
+        if rank is not None:
+            if not rank.isdigit() or int(rank) not in {r["rank"] for r in ranks}:
+                raise APIError(400, f"rank must be one of this server's ranks "
+                               f"{[r['rank'] for r in ranks]}, got {rank!r}", param="rank")
+            ranks = [r for r in ranks if r["rank"] == int(rank)]
+        ok = any(r["state"] == "serving" for r in ranks)
+        return JSONResponse({"status": "ok" if ok else "unavailable", "ranks": ranks},
+                            status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         # The DP wave, as this API server last heard it from the coordinator.
-        metrics.set_wave(getattr(async_llm.client, "current_wave", 0))
+        client = async_llm.client
+        metrics.set_wave(getattr(client, "current_wave", 0))
+        metrics.set_ranks({r["rank"]: (r["state"], r["incarnation"])
+                           for r in _rank_states(async_llm)},
+                          tuple(getattr(client, name, 0) for name in (
+                              "num_retries", "num_migrations", "recomputed_tokens")))
         return Response(metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     @app.get("/version")
@@ -109,6 +125,16 @@ async def _error_response(request: Request, exc: Exception) -> JSONResponse:
                                          param=error.param, code=error.code))
     headers = {"WWW-Authenticate": "Bearer"} if error.status_code == 401 else None
     return JSONResponse(body.model_dump(), status_code=error.status_code, headers=headers)
+
+
+def _rank_states(async_llm: AsyncLLM) -> list[dict[str, Any]]:
+    """Each rank's state as this API server knows it (one engine in-process: rank 0)."""
+    engines = getattr(async_llm.client, "engines", None)
+    if engines is None:
+        return [{"rank": 0, "state": "serving", "incarnation": 0, "reason": ""}]
+    return [{"rank": e.rank, "state": e.status.state.value,
+             "incarnation": e.status.incarnation, "reason": e.status.reason}
+            for e in engines.values()]
 
 
 def _bearer_check(api_key: str) -> Any:

@@ -119,6 +119,26 @@ class ServerMetrics:
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)
         self.api_server_finished.labels(model_name, str(api_server_index))
+        self.engine_state = Gauge("dpserve:engine_state", "1 for each DP rank's current "
+                                  "state (starting, serving, unhealthy, dead, restarting, "
+                                  "draining), else 0.", e + ["state"], **latest)
+        self.engine_restarts = (
+            Counter("dpserve:engine_restarts", "Processes started to replace a dead engine.",
+                    e, registry=r) if self.multiprocess_dir is None else
+            Gauge("dpserve:engine_restarts" + _CUMULATIVE, "Processes started to replace a "
+                  "dead engine.", e, registry=r, multiprocess_mode="max"))
+        self.retries = Counter("dpserve:request_retries", "Requests re-sent to another rank "
+                               "before their first token (their rank failed).", m, registry=r)
+        self.migrations = Counter("dpserve:request_migrations", "Requests moved mid-stream to "
+                                  "another rank with the tokens they had (their rank "
+                                  "failed).", m, registry=r)
+        self.recomputed = Counter("dpserve:request_recomputed_tokens", "Prompt and generated "
+                                  "tokens prefilled again because their request moved.", m,
+                                  registry=r)
+        for counter in (self.retries, self.migrations, self.recomputed):
+            counter.labels(model_name)
+        self._moved = (0, 0, 0)  # (retries, migrations, recomputed tokens) already counted
+        self._restarts: dict[int, int] = {}  # engine -> restarts already counted
         # engine index -> last cumulative (queries, hits, preemptions) seen
         self._last: dict[int, tuple[int, int, int]] = {}
         self._export: CollectorRegistry | None = None
@@ -176,6 +196,28 @@ class ServerMetrics:
 
     def set_wave(self, wave: int) -> None:
         self.wave.set(wave)
+
+    def set_ranks(self, states: dict[int, tuple[str, int]],
+                  moved: tuple[int, int, int]) -> None:
+        """The front-end's view at scrape time: rank -> (state, incarnation = restarts),
+        and its running totals of (re-sent requests, migrated requests, recomputed tokens)."""
+        from dpserve.protocol import RankState
+
+        for rank, (state, restarts) in states.items():
+            labels = (self.model_name, str(rank))
+            for s in RankState:
+                self.engine_state.labels(*labels, s.value).set(int(s.value == state))
+            if self.multiprocess_dir is not None:
+                self.engine_restarts.labels(*labels).set(restarts)  # type: ignore[union-attr]
+            elif restarts > self._restarts.get(rank, 0):
+                self.engine_restarts.labels(*labels).inc(restarts - self._restarts.get(rank, 0))
+            else:
+                self.engine_restarts.labels(*labels)
+            self._restarts[rank] = max(restarts, self._restarts.get(rank, 0))
+        for counter, new, old in zip((self.retries, self.migrations, self.recomputed), moved,
+                                     self._moved):
+            counter.labels(self.model_name).inc(max(0, new - old))
+        self._moved = moved
 
     def render(self) -> bytes:
         """The text exposition format, for GET /metrics (all API servers' values)."""

@@ -1,0 +1,206 @@
+"""The failure policy for this host's processes: restart, isolate, or stop.
+
+`Supervisor` watches this host's engine processes and the DP coordinator
+from a thread. When an engine process exits, per `--engine-failure-policy`:
+
+    stop      today's fail-stop: `on_fatal(reason)`, the server exits 1
+    isolate   the rank is DEAD for good; the others serve on
+    restart   the rank is RESTARTING; after a backoff (0.5 s, doubling, at most
+              30 s) a new process of it (incarnation + 1) is spawned and walked
+              through the start-up handshake, then it is SERVING again. More
+              than `--max-engine-restarts` restarts in `RESTART_WINDOW_S`: the
+              rank stays DEAD and the log says so.
+
+A dead coordinator is restarted under any policy but stop (its sockets keep
+their addresses, so engines and front-ends reconnect by themselves; front-ends
+balance on their own counts meanwhile).
+
+Every state change goes to `on_status(rank, RankStatus)` (the in-process
+front-end, the API servers' pipes) and, as a `RankEvent`, to the coordinator,
+which publishes it to every front-end. Nothing here touches a request: the
+front-ends move requests off ranks that stop serving.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
+
+import msgspec
+import zmq
+
+from dpserve.launch.process import wait_for_any_exit
+from dpserve.protocol import RankEvent, RankState, RankStatus
+from dpserve.security import secure
+
+if TYPE_CHECKING:
+    from dpserve.config import EngineConfig
+    from dpserve.launch.host import EngineLaunch
+
+logger = logging.getLogger(__name__)
+
+RESTART_WINDOW_S = 600.0
+_FIRST_BACKOFF_S = 0.5
+_MAX_BACKOFF_S = 30.0
+_POLL_S = 0.5
+
+OnStatus = Callable[[int, RankStatus], None]
+
+
+class Supervisor:
+    """See the module docstring. `close()` stops watching (idempotent)."""
+
+    def __init__(self, launch: EngineLaunch, config: EngineConfig, on_status: OnStatus,
+                 on_fatal: Callable[[str], None]) -> None:
+        p = config.parallel
+        self.launch = launch
+        self.policy = p.engine_failure_policy
+        self.max_restarts = p.max_engine_restarts
+        self.secret = p.data_parallel_secret
+        self.on_status = on_status
+        self.on_fatal = on_fatal
+        self.incarnation: dict[int, int] = {}  # rank -> its current process's incarnation
+        self.restarts: dict[int, collections.deque[float]] = collections.defaultdict(
+            collections.deque)  # rank -> when it was restarted, within the window
+        self.num_restarts = 0  # engine restarts, all ranks
+        self._restarting: set[int] = set()  # ranks whose new process is starting
+        self._handled: set[BaseProcess] = set()  # processes whose exit was handled
+        self._stop = threading.Event()
+        self._restart_lock = threading.Lock()  # one handshake at a time
+        self._thread = threading.Thread(target=self._watch, name="supervisor", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * _POLL_S + 1)
+
+    # ---- watching --------------------------------------------------------------
+
+    def _watched(self) -> dict[BaseProcess, int | None]:
+        """Processes whose exit is not handled yet -> rank (None: the coordinator).
+        (Not "alive ones": one may die, and be reaped, between two looks.)"""
+        watched: dict[BaseProcess, int | None] = {}
+        manager = self.launch.manager
+        for rank, proc in zip(getattr(manager, "ranks", []),
+                              getattr(manager, "processes", [])):
+            if proc not in self._handled and rank not in self._restarting:
+                watched[proc] = rank
+        coordinator = self.launch.coordinator
+        if coordinator is not None and coordinator.proc is not None \
+                and coordinator.proc not in self._handled:
+            watched[coordinator.proc] = None
+        return watched
+
+    def _watch(self) -> None:
+        with zmq.Context() as ctx:
+            events = self._event_socket(ctx)
+            while not self._stop.is_set():
+                watched = self._watched()
+                exited = wait_for_any_exit(list(watched), timeout=_POLL_S) if watched else []
+                if not watched:
+                    self._stop.wait(_POLL_S)
+                for proc in exited:
+                    if self._stop.is_set():
+                        return
+                    self._handled.add(proc)
+                    rank = watched[proc]
+                    what = f"{proc.name} (pid {proc.pid}) exited with code {proc.exitcode}"
+                    if rank is None:
+                        self._coordinator_died(what)
+                    else:
+                        self._engine_died(rank, what, events)
+            if events is not None:
+                events.close(linger=500)
+
+    def _event_socket(self, ctx: zmq.Context) -> zmq.Socket | None:
+        """An XSUB to the coordinator's front socket (it takes our RankEvents)."""
+        address = self.launch.coordinator_address
+        if address is None:
+            return None
+        sock = secure(ctx.socket(zmq.XSUB), "client", self.secret)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        return sock
+
+    def _announce(self, rank: int, status: RankStatus, events: zmq.Socket | None) -> None:
+        try:
+            self.on_status(rank, status)
+        except Exception:  # noqa: BLE001 - a listener's failure must not stop supervision
+            logger.exception("rank status listener failed")
+        if events is not None:
+            try:
+                events.send(msgspec.msgpack.encode(RankEvent(rank, status)), flags=zmq.NOBLOCK)
+            except zmq.ZMQError as e:
+                logger.warning("could not tell the coordinator about rank %d: %s", rank, e)
+
+    # ---- policies ------------------------------------------------------------------
+
+    def _engine_died(self, rank: int, what: str, events: zmq.Socket | None) -> None:
+        incarnation = self.incarnation.get(rank, 0)
+        if self.policy == "stop":
+            logger.error("%s; --engine-failure-policy stop: stopping the server", what)
+            self.on_fatal(what)
+            self._stop.set()
+            return
+        if self.policy == "isolate" or not self._may_restart(rank):
+            why = (what if self.policy == "isolate" else
+                   f"{what}; restarted {self.max_restarts} times within "
+                   f"{RESTART_WINDOW_S / 60:.0f} minutes (--max-engine-restarts): it stays out")
+            logger.error("rank %d is out: %s", rank, why)
+            self._announce(rank, RankStatus(RankState.DEAD, incarnation, why), events)
+            return
+        logger.warning("rank %d: %s; restarting it", rank, what)
+        self._announce(rank, RankStatus(RankState.RESTARTING, incarnation, what), events)
+        self._restarting.add(rank)
+        threading.Thread(target=self._restart, args=(rank, incarnation + 1, events),
+                         name=f"restart-rank-{rank}", daemon=True).start()
+
+    def _may_restart(self, rank: int) -> bool:
+        now = time.monotonic()
+        times = self.restarts[rank]
+        while times and now - times[0] > RESTART_WINDOW_S:
+            times.popleft()
+        return len(times) < self.max_restarts
+
+    def _restart(self, rank: int, incarnation: int, events: zmq.Socket | None) -> None:
+        times = self.restarts[rank]
+        backoff = min(_MAX_BACKOFF_S, _FIRST_BACKOFF_S * 2 ** len(times))
+        times.append(time.monotonic())
+        self.num_restarts += 1
+        if self._stop.wait(backoff):
+            return
+        self.incarnation[rank] = incarnation
+        try:
+            with self._restart_lock:
+                self.launch.restart_engine(rank, incarnation)
+        except Exception as e:  # noqa: BLE001 - a failed start is one more death
+            self._restarting.discard(rank)
+            if not self._stop.is_set():
+                self._engine_died(rank, f"restart failed: {e}", events)
+            return
+        self._restarting.discard(rank)
+        if self._stop.is_set():
+            return
+        logger.info("rank %d serving again (incarnation %d)", rank, incarnation)
+        self._announce(rank, RankStatus(RankState.SERVING, incarnation), events)
+
+    def _coordinator_died(self, what: str) -> None:
+        if self.policy == "stop":
+            logger.error("%s; --engine-failure-policy stop: stopping the server", what)
+            self.on_fatal(what)
+            self._stop.set()
+            return
+        logger.warning("%s; restarting the DP coordinator (front-ends balance on their own "
+                       "counts meanwhile)", what)
+        try:
+            self.launch.coordinator.restart()  # type: ignore[union-attr]
+        except Exception as e:  # noqa: BLE001
+            logger.error("could not restart the DP coordinator: %s; stopping", e)
+            self.on_fatal(f"{what}; restart failed: {e}")
+            self._stop.set()
