@@ -94,7 +94,7 @@ _EPS = 1e-6  # Ray resources are fixed-point floats
 _POLL_S = 0.5
 _PROGRESS_LOG_S = 10.0
 _MAX_ERROR_CHARS = 500
-_RAY_CALL_S = 3.0  # teardown: each group of Ray calls (kill actors, remove groups)
+_RAY_CALL_S = 3.0  # teardown: killing the actors and removing the placement groups
 _RAY_SHUTDOWN_S = 10.0  # teardown: ray.shutdown() of the local instance
 _REAP_S = 3.0  # teardown: then this long for this host's processes to exit, else SIGKILL
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its error messages
@@ -528,7 +528,8 @@ def _teardown(state: _RayState) -> None:
     ray = sys.modules.get("ray")
     # Not connected: never connected, or Ray already shut down (its atexit hook runs first).
     if ray is not None and ray.is_initialized():
-        if not _within(_RAY_CALL_S, _release, ray, state.actors, state.placement_groups):
+        if not _within(_RAY_CALL_S, _release, ray, list(state.actors),
+                       list(state.placement_groups)):
             logger.warning("Ray did not remove the engine actors' placement groups within "
                            "%.0f s (are its processes gone?); going on", _RAY_CALL_S)
         state.actors.clear()
