@@ -30,9 +30,10 @@ Launch order (the launcher's side):
        signal sent to the launcher's whole process group (`timeout`, systemd,
        `kill -- -PGID`) reaches the local instance's gcs_server and raylet
        too, and Ray's calls then block for about a minute. So each Ray call
-       gets a deadline, and then every process this manager knows on this
-       host (the engine actors here, the local instance's processes and
-       their descendants) that still runs is killed.
+       gets a deadline (Ray's exit hook is dropped if shutdown hangs), then
+       every process this manager knows on this host (the engine actors
+       here, the local instance's processes and their descendants) that
+       still runs is killed.
 
 Resources per rank (one placement group, STRICT_PACK = one node):
     CPU engines:  [{"CPU": threads_per_engine or 1}]; the actor takes it all.
@@ -95,7 +96,7 @@ _POLL_S = 0.5
 _PROGRESS_LOG_S = 10.0
 _MAX_ERROR_CHARS = 500
 _RAY_CALL_S = 3.0  # teardown: killing the actors and removing the placement groups
-_RAY_SHUTDOWN_S = 10.0  # teardown: ray.shutdown() of the local instance
+_RAY_SHUTDOWN_S = 5.0  # teardown: ray.shutdown() (a healthy one takes about a second)
 _REAP_S = 3.0  # teardown: then this long for this host's processes to exit, else SIGKILL
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its error messages
 
@@ -539,6 +540,7 @@ def _teardown(state: _RayState) -> None:
             if not _within(_RAY_SHUTDOWN_S, ray.shutdown):
                 logger.warning("ray.shutdown() did not return within %.0f s; killing the "
                                "Ray processes on this host", _RAY_SHUTDOWN_S)
+                _skip_rays_exit_hook(ray)
     _reap(state.host_procs)
     state.host_procs.clear()
 
@@ -556,6 +558,14 @@ def _release(ray: Any, actors: list[Any], placement_groups: list[Any]) -> None:
             remove_placement_group(pg)
         except Exception as e:
             logger.warning("could not remove placement group %s: %s", pg.id.hex(), e)
+
+
+def _skip_rays_exit_hook(ray: Any) -> None:
+    """Ray's atexit hook calls shutdown() again; behind the one still blocked it
+    would wait on Ray's lock at interpreter exit. What it would stop is killed."""
+    import atexit
+
+    atexit.unregister(getattr(ray._private.worker, "shutdown", ray.shutdown))
 
 
 def _within(timeout: float, fn: Callable[..., object], *args: object) -> bool:
