@@ -438,14 +438,15 @@ def test_dpserve_serve_with_the_ray_backend(tiny_llama):
     assert all_gone(children, timeout=15), [p for p in children if p.is_running()]
 
 
-@pytest.mark.parametrize("target", ["server", "process group"])
+@pytest.mark.parametrize("target", ["server", "process group", "server, Ray frozen"])
 def test_sigterm_with_streams_in_flight_leaves_no_process(tiny_llama, target):
     """`dpserve serve --data-parallel-backend ray`, DP=2, SIGTERM while 8 streams
-    run, sent to the server alone or to its whole process group (as `timeout`,
+    run, sent to the server alone, to its whole process group (as `timeout`,
     systemd or `kill -- -PGID` do: that also reaches the local Ray instance's
-    gcs_server and raylet, after which Ray's calls block for a minute): the
-    server exits, and no process it started remains (API server, coordinator,
-    both engine actors, Ray's own)."""
+    gcs_server and raylet, after which Ray's calls block for a minute), or to
+    the server with gcs_server and raylet stopped (SIGSTOP: Ray never answers):
+    the server exits, and no process it started remains (API server,
+    coordinator, both engine actors, Ray's own)."""
     from test_serve_process import _free_port, wait_healthy
 
     model, port = str(tiny_llama), _free_port()
@@ -463,6 +464,10 @@ def test_sigterm_with_streams_in_flight_leaves_no_process(tiny_llama, target):
             names = {p.name() for p in started}
             assert {"gcs_server", "raylet", "dpserve::EngineCore_0",
                     "dpserve::EngineCore_1"} <= names, names
+            if target == "server, Ray frozen":
+                for p in started:
+                    if p.name() in ("gcs_server", "raylet"):
+                        p.suspend()
             streaming, ended_early = asyncio.run(_sigterm_while_streaming(
                 proc, url, model, 8, group=target == "process group"))
             assert streaming == 8 and not ended_early  # every stream was under way
