@@ -6,6 +6,14 @@ use the same weights, dtype and thread count; the figure is output tokens per
 second of wall time after the model is loaded (one small warm-up run first).
 
     .venv/bin/python bench/engine_throughput.py [--append BENCHMARKS.md]
+
+Prefix-cache block hashing (sha256 since issue 10, builtin hash() before):
+`--prefix-caching` turns the cache on in the dpserve run (off by default: the
+random prompts share no prefix, so it only adds the hashing), `--block-hash
+builtin` swaps the old hash back in for that run (in-process: one engine),
+and `--hash-micro` times one block's hash both ways (ns per block, best of 5)
+and, with `--prefix-caching`, its share of the run: blocks hashed (every full
+block of every request once: N * ((P + O) // block_size)) x ns / wall time.
 """
 
 from __future__ import annotations
@@ -27,24 +35,58 @@ def make_prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(num)]
 
 
+def _builtin_hash_block(parent_hash, token_ids):
+    """The prefix-cache hash before sha256 (builtin hash of a tuple), for comparison."""
+    return hash((0x5D1F_0B1A if parent_hash is None else parent_hash, *token_ids))
+
+
+def hash_micro(block_size: int, reps: int = 20000) -> dict[str, float]:
+    """ns per block hash, chained as the engine does, best of 5: sha256 vs builtin."""
+    import random
+
+    from dpserve.engine import kv_cache
+
+    tokens = [random.Random(0).randrange(100, 49152) for _ in range(block_size)]
+    out = {}
+    for name, fn in (("sha256", kv_cache.hash_block), ("builtin", _builtin_hash_block)):
+        best = float("inf")
+        for _ in range(5):
+            parent = None
+            start = time.perf_counter_ns()
+            for _ in range(reps):
+                parent = fn(parent, tokens)
+            best = min(best, (time.perf_counter_ns() - start) / reps)
+        out[name] = best
+    return out
+
+
 def run_dpserve(args, prompts) -> dict:
     from dpserve import LLM, SamplingParams
+    from dpserve.engine import kv_cache
 
     kwargs = {}
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
-    llm = LLM(args.model, threads_per_engine=args.threads, enable_prefix_caching=False,
-              **kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]],
-                 SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    elapsed = time.perf_counter() - start
+    sha256_hash_block = kv_cache.hash_block
+    if args.block_hash == "builtin":
+        kv_cache.hash_block = _builtin_hash_block  # read at call time by the KV manager
+    try:
+        llm = LLM(args.model, threads_per_engine=args.threads,
+                  enable_prefix_caching=args.prefix_caching, **kwargs)
+        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": p} for p in prompts[:2]],
+                     SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                     use_tqdm=False)
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        elapsed = time.perf_counter() - start
+    finally:
+        kv_cache.hash_block = sha256_hash_block
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     assert generated == len(prompts) * args.output_len, generated
     return {"elapsed_s": elapsed, "output_tokens": generated,
-            "output_tok_s": generated / elapsed, "path": llm.config.model.path}
+            "output_tok_s": generated / elapsed, "path": llm.config.model.path,
+            "block_size": llm.config.cache.block_size}
 
 
 def run_transformers(args, prompts, path: str) -> dict:
@@ -90,6 +132,12 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="prefix caching on in the dpserve run (it hashes every full block)")
+    p.add_argument("--block-hash", choices=["sha256", "builtin"], default="sha256",
+                   help="the prefix-cache block hash of the dpserve run (builtin: the old one)")
+    p.add_argument("--hash-micro", action="store_true",
+                   help="also time one block hash, sha256 vs builtin (module docstring)")
     p.add_argument("--append", metavar="FILE", help="append a results section to FILE")
     args = p.parse_args()
 
@@ -105,6 +153,14 @@ def main() -> int:
     ours = run_dpserve(args, prompts)
     print(f"dpserve:      {ours['output_tok_s']:.1f} output tok/s "
           f"({ours['output_tokens']} tokens in {ours['elapsed_s']:.1f} s)")
+    if args.hash_micro:
+        ours["hash_ns"] = hash_micro(ours["block_size"])
+        blocks = args.num_requests * ((args.prompt_len + args.output_len) // ours["block_size"])
+        ours["blocks_hashed"] = blocks if args.prefix_caching else 0
+        for name, ns in ours["hash_ns"].items():
+            share = ours["blocks_hashed"] * ns / 1e9 / ours["elapsed_s"]
+            print(f"block hash {name}: {ns:.0f} ns per {ours['block_size']}-token block; "
+                  f"{ours['blocks_hashed']} blocks = {100 * share:.4f}% of the run")
     ref = None
     if not args.skip_transformers:
         ref = run_transformers(args, prompts, path)
@@ -135,6 +191,14 @@ def _append(path: str, args, ours: dict, ref: dict | None) -> None:
                      f"tok/s ({ref['elapsed_s']:.1f} s)")
         lines.append(f"- ratio dpserve / transformers: "
                      f"**{ours['output_tok_s'] / ref['output_tok_s']:.2f}x**")
+    if args.prefix_caching:
+        lines.insert(4, f"- prefix caching on, block hash {args.block_hash}")
+    if "hash_ns" in ours:
+        for name, ns in ours["hash_ns"].items():
+            share = ours["blocks_hashed"] * ns / 1e9 / ours["elapsed_s"]
+            lines.append(f"- block hash {name}: {ns:.0f} ns per {ours['block_size']}-token "
+                         f"block (best of 5); {ours['blocks_hashed']} blocks hashed in the "
+                         f"run = {100 * share:.4f}% of its wall time")
     with open(path, "a") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -72,13 +72,53 @@ def test_block_hash_covers_parent():
     assert hash_block(None, [1, 2, 3, 4]) == first
 
 
+def test_block_hash_is_sha256_of_parent_and_every_token():
+    """Changing the parent or any one token changes the digest; so does moving a
+    token across the block boundary (the parent digest has a fixed length)."""
+    root = hash_block(None, [1, 2, 3, 4])
+    assert isinstance(root, bytes) and len(root) == 32
+    assert hash_block(None, [1, 2, 3, 4]) == root
+    for i in range(BS):
+        changed = [1, 2, 3, 4]
+        changed[i] += 1
+        assert hash_block(None, changed) != root
+        changed[i] = [1, 2, 3, 4][i] + (1 << 32)  # beyond int32: not truncated
+        assert hash_block(None, changed) != root
+    parent_a, parent_b = hash_block(None, [7, 7, 7, 7]), hash_block(None, [7, 7, 7, 8])
+    assert hash_block(parent_a, [1, 2, 3, 4]) != hash_block(parent_b, [1, 2, 3, 4])
+    assert hash_block(parent_a, [1, 2, 3, 4]) != root
+    flipped = bytes([parent_a[0] ^ 1]) + parent_a[1:]  # one bit of the parent
+    assert hash_block(flipped, [1, 2, 3, 4]) != hash_block(parent_a, [1, 2, 3, 4])
+
+
+def test_block_hash_resists_the_collisions_builtin_hash_has():
+    """Token sequences whose builtin-hash chains collide by construction (ints
+    equal modulo 2**61 - 1, and hash(-1) == hash(-2)), with a forged parent
+    too: their sha256 digests differ. The builtin side is asserted first, so
+    the pairs are real collisions of the old scheme."""
+    modulus = (1 << 61) - 1  # CPython hashes an int modulo this Mersenne prime
+    pairs = [
+        ((0x5D1F_0B1A, 1, 2, 3, 4), (0x5D1F_0B1A, 1, 2, 3, 4 + modulus)),
+        ((0x5D1F_0B1A, 1, 2, 3, -1), (0x5D1F_0B1A, 1, 2, 3, -2)),
+        ((12345, 5, 6, 7, 8), (12345 + modulus, 5, 6, 7, 8)),  # same "parent"
+    ]
+    for old_a, old_b in pairs:
+        assert old_a != old_b and hash(old_a) == hash(old_b)
+    assert hash_block(None, [1, 2, 3, 4]) != hash_block(None, [1, 2, 3, 4 + modulus])
+    parent = hash_block(None, [9, 9, 9, 9])
+    assert hash_block(parent, [5, 6, 7, 8]) != hash_block(parent, [5, 6, 7, 8 + modulus])
+
+
 def test_block_hash_is_the_same_in_another_process():
+    """Not randomized per process: other hash seeds give the same digests."""
     code = ("from dpserve.engine.kv_cache import hash_block as h;"
-            "print(h(h(None, [1, 2, 3, 4]), [5, 6, 7, 8]))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, env={"PYTHONHASHSEED": "123"},
-                         cwd=Path(__file__).resolve().parents[1])
-    assert int(out.stdout) == hash_block(hash_block(None, [1, 2, 3, 4]), [5, 6, 7, 8])
+            "print(h(h(None, [1, 2, 3, 4]), [5, 6, 7, 8]).hex())")
+    expected = hash_block(hash_block(None, [1, 2, 3, 4]), [5, 6, 7, 8]).hex()
+    for seed in ("123", "random"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True, env={"PYTHONHASHSEED": seed},
+                             cwd=Path(__file__).resolve().parents[1])
+        assert out.stdout.strip() == expected
 
 
 def test_block_hashes_follow_new_tokens():

@@ -12,6 +12,9 @@ import asyncio
 import dataclasses
 import os
 import signal
+import subprocess
+import sys
+import tempfile
 import time
 
 import psutil
@@ -436,3 +439,89 @@ def test_dpserve_serve_with_the_ray_backend(tiny_llama):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) is not None
     assert all_gone(children, timeout=15), [p for p in children if p.is_running()]
+
+
+@pytest.mark.parametrize("target", ["server", "process group", "server, Ray frozen"])
+def test_sigterm_with_streams_in_flight_leaves_no_process(tiny_llama, target):
+    """`dpserve serve --data-parallel-backend ray`, DP=2, SIGTERM while 8 streams
+    run, sent to the server alone, to its whole process group (as `timeout`,
+    systemd or `kill -- -PGID` do: that also reaches the local Ray instance's
+    gcs_server and raylet, after which Ray's calls block for a minute), or to
+    the server with gcs_server and raylet stopped (SIGSTOP: Ray never answers):
+    the server exits, and no process it started remains (API server,
+    coordinator, both engine actors, Ray's own)."""
+    from test_serve_process import _free_port, wait_healthy
+
+    model, port = str(tiny_llama), _free_port()
+    url = f"http://{HOST}:{port}"
+    with tempfile.NamedTemporaryFile("w+", prefix="dpserve-ray-") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dpserve.cli", "serve", model, "--host", HOST, "--port",
+             str(port), "--data-parallel-size", "2", "--data-parallel-backend", "ray",
+             "--threads-per-engine", "1"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        started: list[psutil.Process] = []
+        try:
+            wait_healthy(proc, url, 180, describe=lambda: open(log.name).read())
+            started = psutil.Process(proc.pid).children(recursive=True)
+            names = {p.name() for p in started}
+            assert {"gcs_server", "raylet", "dpserve::EngineCore_0",
+                    "dpserve::EngineCore_1"} <= names, names
+            if target == "server, Ray frozen":
+                for p in started:
+                    if p.name() in ("gcs_server", "raylet"):
+                        p.suspend()
+            streaming, ended_early = asyncio.run(_sigterm_while_streaming(
+                proc, url, model, 8, group=target == "process group"))
+            assert streaming == 8 and not ended_early  # every stream was under way
+            assert proc.wait(45) is not None  # the issue: still running after 45 s
+            left = _all_gone(started, timeout=15)
+            assert not left, f"left after SIGTERM: {left}\n{open(log.name).read()[-3000:]}"
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+            for p in started:  # only after a failure: the actors have their own sessions
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+
+
+async def _sigterm_while_streaming(proc, url: str, model: str, num: int,
+                                   group: bool) -> tuple[int, int]:
+    """Start `num` streams, SIGTERM `proc` (or its process group) once each has
+    sent a token, wait for every stream to end (cut or not); return how many
+    had a token then and how many had ended before the signal."""
+    import httpx
+
+    first = asyncio.Event()
+    got_token: set[int] = set()
+    ended: set[int] = set()
+    body = {"model": model, "prompt": "Hello", "max_tokens": 1000, "stream": True,
+            "ignore_eos": True}
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        try:
+            async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: {"):
+                        got_token.add(i)
+                        if len(got_token) == num:
+                            first.set()
+        except httpx.HTTPError:
+            pass
+        finally:
+            ended.add(i)
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        tasks = [asyncio.create_task(one(client, i)) for i in range(num)]
+        await asyncio.wait_for(first.wait(), 60)
+        streaming, ended_early = len(got_token), len(ended)
+        if group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(asyncio.gather(*tasks), 90)
+    return streaming, ended_early

@@ -8,23 +8,39 @@ is the only caller.
 
 from __future__ import annotations
 
+import hashlib
+import sys
+from array import array
 from collections.abc import Iterable, Sequence
 
 from dpserve.engine.request import Request
 
-# Parent "hash" of a request's first block. A fixed int rather than None: on
-# Python < 3.12 hash(None) depends on the process's memory layout, while the
-# hash of a tuple of ints is the same in every process.
-_ROOT_HASH = 0x5D1F_0B1A
+# A block's hash: the sha256 digest (32 bytes) of its parent's digest followed
+# by its token ids as little-endian int64. Not builtin hash(): that one is easy
+# to invert, so a crafted prompt could forge another tenant's prefix hash and
+# read its cached KV (cf. vLLM GHSA-rm76-4mrf-v9r8). sha256 is also the same in
+# every process (no PYTHONHASHSEED), which equal hashes across engines rely on.
+BlockHash = bytes
+
+# Parent digest of a request's first block.
+_ROOT_HASH: BlockHash = hashlib.sha256(b"dpserve prefix cache root").digest()
+_BIG_ENDIAN = sys.byteorder == "big"
 
 
-def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Hash of one full block.
+def hash_block(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """Hash of one full block: sha256(parent digest + token ids as int64 LE).
 
     Invariant: a block's hash covers its parent's hash, so equal hashes mean
     equal token prefixes (from the start of the request), not just equal blocks.
+    The parent digest has a fixed length (32 bytes), so the split between parent
+    and tokens is unambiguous.
     """
-    return hash((_ROOT_HASH if parent_hash is None else parent_hash, *token_ids))
+    tokens = array("q", token_ids)
+    if _BIG_ENDIAN:
+        tokens.byteswap()
+    h = hashlib.sha256(_ROOT_HASH if parent_hash is None else parent_hash)
+    h.update(tokens)
+    return h.digest()
 
 
 class KVCacheBlock:
@@ -36,7 +52,7 @@ class KVCacheBlock:
         self.block_id = block_id
         self.ref_cnt = 0  # requests holding this block
         # Set while the block is in the prefix cache (held or free); None otherwise.
-        self.block_hash: int | None = None
+        self.block_hash: BlockHash | None = None
         # Links of the free queue; both None while the block is not in it.
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
@@ -117,7 +133,7 @@ class BlockPool:
         assert num_blocks >= 1, "the KV cache needs at least one block"
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached: dict[int, KVCacheBlock] = {}  # block_hash -> block
+        self.cached: dict[BlockHash, KVCacheBlock] = {}  # block_hash -> block
 
     @property
     def num_blocks(self) -> int:
@@ -132,7 +148,7 @@ class BlockPool:
         """Fraction of blocks held by requests (cached-but-free blocks count as free)."""
         return 1.0 - len(self.free_queue) / len(self.blocks)
 
-    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached.get(block_hash)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -168,7 +184,7 @@ class BlockPool:
                     self.free_queue.append(block)
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock],
-                          block_hashes: Sequence[int]) -> None:
+                          block_hashes: Sequence[BlockHash]) -> None:
         """Register full blocks under their hashes. A hash already cached (the same
         prefix computed twice at once) keeps its first block; the copy stays unhashed."""
         for block, block_hash in zip(blocks, block_hashes, strict=True):

@@ -75,7 +75,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         # Hashes of this request's full blocks, filled by the KV-cache manager.
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[bytes] = []  # sha256 digests (kv_cache.hash_block)
 
     @property
     def num_prompt_tokens(self) -> int:

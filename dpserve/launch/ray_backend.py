@@ -26,6 +26,14 @@ Launch order (the launcher's side):
        rank whose run ended (death, fatal error) so the launcher can stop;
     5. `close()`: kill the actors, remove the placement groups, leave Ray
        as found (shut down / disconnected if the manager connected it).
+       Bounded even when Ray's own processes are gone or going: a stop
+       signal sent to the launcher's whole process group (`timeout`, systemd,
+       `kill -- -PGID`) reaches the local instance's gcs_server and raylet
+       too, and Ray's calls then block for about a minute. So each Ray call
+       gets a deadline (Ray's exit hook is dropped if shutdown hangs), then
+       every process this manager knows on this host (the engine actors
+       here, the local instance's processes and their descendants) that
+       still runs is killed.
 
 Resources per rank (one placement group, STRICT_PACK = one node):
     CPU engines:  [{"CPU": threads_per_engine or 1}]; the actor takes it all.
@@ -72,6 +80,8 @@ from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+import psutil
+
 from dpserve.config import EngineConfig
 from dpserve.launch.engines import EngineStartupError
 from dpserve.logging_utils import name_process
@@ -85,6 +95,9 @@ _EPS = 1e-6  # Ray resources are fixed-point floats
 _POLL_S = 0.5
 _PROGRESS_LOG_S = 10.0
 _MAX_ERROR_CHARS = 500
+_RAY_CALL_S = 3.0  # teardown: killing the actors and removing the placement groups
+_RAY_SHUTDOWN_S = 5.0  # teardown: ray.shutdown() (a healthy one takes about a second)
+_REAP_S = 3.0  # teardown: then this long for this host's processes to exit, else SIGKILL
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its error messages
 
 
@@ -274,6 +287,9 @@ class _RayState:
     placement_groups: list[Any] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
     watcher: threading.Thread | None = None
+    # Processes on this host that must not outlive teardown: the local Ray
+    # instance's (when this manager started it) and the engine actors here.
+    host_procs: list[psutil.Process] = field(default_factory=list)
 
 
 class RayEngineManager:
@@ -314,7 +330,10 @@ class RayEngineManager:
         self._state = _RayState()
         self._finalizer = weakref.finalize(self, _teardown, self._state)
         try:
+            before = _child_pids()
             how = connect_ray(ray_address or parallel.ray_address, self.node_ip)
+            if how == "started":  # gcs_server, raylet, monitors: children of this process
+                self._state.host_procs += _new_children(before)
             self._state.owns_connection = how != "existing"
             self.started_ray = how == "started"  # close() shuts this instance down
             self._place(ranks_per_node, placement_timeout)
@@ -418,6 +437,8 @@ class RayEngineManager:
                         f"engine {rank} (Ray actor on node {self.node_of[rank].node_id[:8]}) "
                         f"died during start-up: {_short(e)}") from None
                 self.engine_info[rank] = info
+                if self.node_of[rank].ip == self.node_ip:  # this host: reaped by teardown
+                    self._state.host_procs += _processes([info["pid"]])
                 ready[rank] = HandshakeReady(local=info["local"],
                                              num_kv_blocks=info["num_kv_blocks"],
                                              max_model_len=info["max_model_len"])
@@ -499,29 +520,131 @@ class RayEngineManager:
 
 
 def _teardown(state: _RayState) -> None:
+    """Stop the watcher; kill the actors and remove the placement groups
+    (bounded); shut the local instance down if this manager connected
+    (bounded); then SIGKILL what still runs on this host (module docstring)."""
     state.stop.set()
     if state.watcher is not None and state.watcher is not threading.current_thread():
         state.watcher.join(timeout=2 * _POLL_S + 1)
     ray = sys.modules.get("ray")
-    if ray is None or not ray.is_initialized():
-        return  # never connected, or Ray already shut down (its atexit hook runs first)
+    # Not connected: never connected, or Ray already shut down (its atexit hook runs first).
+    if ray is not None and ray.is_initialized():
+        if not _within(_RAY_CALL_S, _release, ray, list(state.actors),
+                       list(state.placement_groups)):
+            logger.warning("Ray did not remove the engine actors' placement groups within "
+                           "%.0f s (are its processes gone?); going on", _RAY_CALL_S)
+        state.actors.clear()
+        state.placement_groups.clear()
+        if state.owns_connection:
+            state.owns_connection = False
+            if not _within(_RAY_SHUTDOWN_S, ray.shutdown):
+                logger.warning("ray.shutdown() did not return within %.0f s; killing the "
+                               "Ray processes on this host", _RAY_SHUTDOWN_S)
+                _skip_rays_exit_hook(ray)
+    _reap(state.host_procs)
+    state.host_procs.clear()
+
+
+def _release(ray: Any, actors: list[Any], placement_groups: list[Any]) -> None:
     from ray.util.placement_group import remove_placement_group
 
-    for actor in state.actors:
+    for actor in actors:
         try:
             ray.kill(actor, no_restart=True)
         except Exception as e:  # already dead, or the cluster is gone
             logger.debug("could not kill an engine actor: %s", e)
-    for pg in state.placement_groups:
+    for pg in placement_groups:
         try:
             remove_placement_group(pg)
         except Exception as e:
             logger.warning("could not remove placement group %s: %s", pg.id.hex(), e)
-    state.actors.clear()
-    state.placement_groups.clear()
-    if state.owns_connection:
-        state.owns_connection = False
-        ray.shutdown()
+
+
+def _skip_rays_exit_hook(ray: Any) -> None:
+    """Ray's atexit hook calls shutdown() again; behind the one still blocked it
+    would wait on Ray's lock at interpreter exit. What it would stop is killed."""
+    import atexit
+
+    atexit.unregister(getattr(ray._private.worker, "shutdown", ray.shutdown))
+
+
+def _within(timeout: float, fn: Callable[..., object], *args: object) -> bool:
+    """Run `fn(*args)` in a daemon thread; False if it has not returned after
+    `timeout` s (it is left blocked: Ray calls cannot be cancelled)."""
+    def call() -> None:
+        try:
+            fn(*args)
+        except Exception as e:
+            logger.warning("Ray teardown: %s: %s", type(e).__name__, e)
+
+    thread = threading.Thread(target=call, name="ray-teardown", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return not thread.is_alive()
+
+
+def _reap(procs: list[psutil.Process]) -> None:
+    """Give `procs` `_REAP_S` seconds to exit, then SIGKILL each survivor and
+    its descendants (collected first: Ray's workers outlive a killed raylet)."""
+    alive = _running(procs, _REAP_S)
+    doomed: dict[int, psutil.Process] = {}
+    for proc in alive:
+        try:
+            for p in [proc, *proc.children(recursive=True)]:
+                doomed[p.pid] = p
+        except psutil.Error:
+            pass
+    if doomed:
+        logger.warning("killing %d process(es) the Ray backend left on this host: %s",
+                       len(doomed), ", ".join(_describe_proc(p) for p in doomed.values()))
+    for p in doomed.values():
+        try:
+            p.kill()  # psutil refuses if the pid was reused meanwhile
+        except psutil.Error:
+            pass
+    _running(list(doomed.values()), 1.0)
+
+
+def _running(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait up to `timeout` s for `procs` to exit; those still running (a zombie
+    counts as gone: an orphan's may wait for a reaper that never comes)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for p in procs:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.Error:
+                pass
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def _describe_proc(proc: psutil.Process) -> str:
+    try:
+        return f"{proc.pid} ({proc.name()})"
+    except psutil.Error:
+        return str(proc.pid)
+
+
+def _child_pids() -> set[int]:
+    return {p.pid for p in psutil.Process().children()}
+
+
+def _new_children(before: set[int]) -> list[psutil.Process]:
+    return [p for p in psutil.Process().children() if p.pid not in before]
+
+
+def _processes(pids: Sequence[int]) -> list[psutil.Process]:
+    out = []
+    for pid in pids:
+        try:
+            out.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    return out
 
 
 # ---- connecting and looking at the cluster ----------------------------------------------
