@@ -279,3 +279,86 @@ def test_killed_api_server_is_restarted_and_the_other_serves_on(tiny_llama):
             assert time.monotonic() < deadline, "the restarted API server served nothing"
             assert asyncio.run(complete(8)) == [200] * 8
         assert proc.poll() is None
+
+
+def _feature_requests(model: str) -> list[tuple[str, dict]]:
+    """Greedy requests of every shape a move must carry over (route, body)."""
+    chat = [{"role": "user", "content": "Tell me a long story about data parallel serving."}]
+    long = {"max_tokens": 120, "temperature": 0, "ignore_eos": True}
+    return [
+        ("/v1/chat/completions", {"model": model, "messages": chat, "stream": True, **long}),
+        ("/v1/chat/completions", {"model": model, "messages": chat, **long}),
+        ("/v1/chat/completions", {"model": model, "messages": chat, "logprobs": True,
+                                  "top_logprobs": 2, **long}),
+        ("/v1/completions", {"model": model, "prompt": "Once upon a time", "n": 2, **long}),
+        ("/v1/completions", {"model": model, "prompt": "A B C", "presence_penalty": 1.5,
+                             "frequency_penalty": 0.5, "repetition_penalty": 1.3, **long}),
+        ("/v1/completions", {"model": model, "prompt": "1 2 3", "min_tokens": 100,
+                             "max_tokens": 110, "temperature": 0}),
+        ("/v1/completions", {"model": model, "prompt": "x y z", "logprobs": 3, "stream": True,
+                             **long}),
+    ] * 2
+
+
+async def _send_all(url: str, requests: list[tuple[str, dict]], fault=None) -> list:
+    """Every request at once; streamed ones are collected chunk by chunk. When `fault`
+    is given it runs once every stream has begun."""
+    chunks = [0] * len(requests)
+
+    async def one(client: httpx.AsyncClient, i: int, route: str, body: dict):
+        if not body.get("stream"):
+            resp = await client.post(url + route, json=body)
+            assert resp.status_code == 200, resp.text
+            data = resp.json()
+            return [(c["index"], c.get("text") or c["message"]["content"], c["finish_reason"],
+                     c.get("logprobs")) for c in data["choices"]], data["usage"]
+        parts = []
+        async with client.stream("POST", url + route, json=body) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    assert "error" not in chunk, chunk
+                    chunks[i] += 1
+                    for c in chunk["choices"]:
+                        parts.append((c.get("text") or (c.get("delta") or {}).get("content"),
+                                      c.get("finish_reason"), c.get("logprobs")))
+        return parts
+
+    async with httpx.AsyncClient(timeout=120) as client:
+        tasks = [asyncio.create_task(one(client, i, r, b)) for i, (r, b) in enumerate(requests)]
+        if fault is not None:
+            deadline = time.monotonic() + 60
+            while min(n for n, (_, b) in zip(chunks, requests) if b.get("stream")) < 3:
+                assert time.monotonic() < deadline, chunks
+                await asyncio.sleep(0.02)
+            await asyncio.to_thread(fault)
+        return await asyncio.gather(*tasks)
+
+
+def _same(a, b) -> bool:
+    """Equal, but logprob floats within 1e-3 (a recomputed prefix may differ in the
+    last bits; the tokens themselves must not)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1e-3
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_moved_requests_keep_every_feature(tiny_llama):
+    """Chat and completions, streamed and not, n > 1, logprobs, penalties, min_tokens:
+    a SIGKILL mid-run changes nothing the client sees."""
+    model = str(tiny_llama)
+    requests = _feature_requests(model)
+    with serve(model, *DP_ARGS) as (proc, url):
+        undisturbed = asyncio.run(_send_all(url, requests))
+        before = _metric(url, "dpserve:request_migrations_total")
+        victim = _proc(_descendants(proc.pid), "EngineCore_1")
+        disturbed = asyncio.run(_send_all(url, requests,
+                                          lambda: victim.send_signal(signal.SIGKILL)))
+        assert not victim.is_running()
+        assert _metric(url, "dpserve:request_migrations_total") > before
+        assert _same(disturbed, undisturbed)
