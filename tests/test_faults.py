@@ -99,13 +99,20 @@ def _expected(model: str, prompts=PROMPTS) -> list[str]:
     return offline_greedy_texts(model, prompts, max_tokens=TOKENS, ignore_eos=True)
 
 
-def test_sigkill_one_engine_every_stream_completes_and_it_comes_back(tiny_llama):
+@pytest.mark.parametrize("api_servers", [1, 2])
+def test_sigkill_one_engine_every_stream_completes_and_it_comes_back(tiny_llama, api_servers):
     model = str(tiny_llama)
     expected = _expected(model)
-    with serve(model, *DP_ARGS) as (proc, url):
+    with serve(model, *DP_ARGS, "--api-server-count", str(api_servers)) as (proc, url):
         victim = _proc(_descendants(proc.pid), "EngineCore_1")
-        got = asyncio.run(_streams_with_fault(url, model, lambda: victim.send_signal(
-            signal.SIGKILL)))
+        try:
+            got = asyncio.run(_streams_with_fault(url, model, lambda: victim.send_signal(
+                signal.SIGKILL)))
+        except Exception:
+            print("SERVERLOG", "\n".join(l for l in output(proc).splitlines()
+                                         if "ERROR" in l or "WARN" in l or "exit" in l
+                                         or "Error" in l)[-4000:])
+            raise
         assert got == expected  # migrated streams equal an undisturbed greedy run
         assert _metric(url, "dpserve:request_migrations_total") > 0
         # The rank is out (dead or restarting), the server serves on: at once.
