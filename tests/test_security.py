@@ -8,7 +8,6 @@ is this test (FUZZ: its frames are deliberately malformed)."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 import threading
 
@@ -37,6 +36,8 @@ from dpserve.protocol import (
     RendezvousRequest,
     WakeEngines,
 )
+
+pytestmark = pytest.mark.procs
 
 START_TIMEOUT = 120.0
 
@@ -104,7 +105,18 @@ def test_junk_handshake_frames_are_dropped(tiny_llama):
         alloc.cleanup()
 
 
-async def _fuzz_while_serving(model: str) -> None:
+# What the receiver of each fuzzed socket logs when it drops junk: proof that the
+# junk reached it (the coordinator's lines come from its own process's stderr).
+_DROPPED = {
+    "front-end ROUTER": "message from unexpected engine rank",
+    "front-end PULL": "undecodable message from an engine dropped",
+    "coordinator reports": "dropping a bad report from an engine",
+    "coordinator front XPUB": "bad message from a front-end",
+    "coordinator engine XPUB": "engine subscription change after start-up",
+}
+
+
+async def _fuzz_while_serving(model: str, logged) -> None:
     config = EngineArgs(model=model, data_parallel_size=2, threads_per_engine=1,
                         max_model_len=256, num_kv_blocks=64).create_config()
     launch = await asyncio.to_thread(launch_engines, config, 1, START_TIMEOUT)
@@ -133,6 +145,12 @@ async def _fuzz_while_serving(model: str) -> None:
         ]
         for address, kind, valid in targets:
             await asyncio.to_thread(_throw, address, kind, _junk(rng, valid))
+        for _ in range(600):  # every receiver logged a drop (30 s at most)
+            missing = [k for k, line in _DROPPED.items() if line not in logged()]
+            if not missing:
+                break
+            await asyncio.sleep(0.05)
+        assert not missing, f"no sign that the junk reached: {missing}"
 
         finished: dict[str, int] = {}
         tokens = dict.fromkeys(ids, 0)
@@ -157,8 +175,14 @@ async def _fuzz_while_serving(model: str) -> None:
         launch.close()
 
 
-def test_fuzzed_sockets_crash_nothing_and_requests_finish(tiny_llama):
-    asyncio.run(_fuzz_while_serving(str(tiny_llama)))
+def test_fuzzed_sockets_crash_nothing_and_requests_finish(tiny_llama, capfd, caplog):
+    seen: list[str] = []
+
+    def logged() -> str:  # this process's log records, and every child's stderr so far
+        seen.append(capfd.readouterr().err)
+        return "".join(seen) + caplog.text
+
+    asyncio.run(_fuzz_while_serving(str(tiny_llama), logged))
 
 
 def test_rendezvous_drops_junk_and_answers():
@@ -183,13 +207,14 @@ def test_without_the_secret_a_process_cannot_join(tiny_llama):
     secret = "correct horse battery staple"
     alloc = AddressAllocator()
     addrs = alloc.engine_addresses(1)
-    outsider = dataclasses.replace(
-        EngineArgs(model=str(tiny_llama), max_model_len=128, num_kv_blocks=16,
-                   data_parallel_secret="not the secret").create_config())
+    outsider = EngineArgs(model=str(tiny_llama), max_model_len=128, num_kv_blocks=16,
+                          data_parallel_secret="not the secret").create_config()
     manager = None
     try:
         manager = EngineProcManager(outsider, addrs.handshake, handshake_timeout=3)
-        with pytest.raises(EngineStartupError):
+        # Refused for the right reason: its HELLO never got through (a timeout, or the
+        # outsider giving up first), not some other start-up failure.
+        with pytest.raises(EngineStartupError, match=r"rank 0 NEW \(no HELLO yet\)"):
             wait_for_engine_startup(addrs.handshake, addrs.init_metadata(), [0],
                                     manager.processes, timeout=6, secret=secret)
         manager.close()
@@ -212,7 +237,8 @@ def test_without_the_secret_a_process_cannot_join(tiny_llama):
             sock.send(msgspec.msgpack.encode(HandshakeHello(local=True)))
             assert not sock.poll(1500)
             thread.join(5)
-            assert "error" in result  # it timed out: the HELLO never got through
+            # It timed out: the HELLO never got through.
+            assert "error" in result and "rank 0 NEW" in str(result["error"]), result
         # The same launcher starts an engine that knows the secret.
         insider = EngineArgs(model=str(tiny_llama), max_model_len=128, num_kv_blocks=16,
                              data_parallel_secret=secret).create_config()
