@@ -21,7 +21,8 @@ CHATS = [
 ]
 MAX_TOKENS = 32
 
-pytestmark = pytest.mark.slow  # the 135M model: loading and converting take a while
+# The 135M model: loading and converting take a while; the CLI test starts a process.
+pytestmark = [pytest.mark.slow, pytest.mark.procs]
 
 
 @pytest.fixture(scope="module")

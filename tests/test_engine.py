@@ -11,6 +11,8 @@ from helpers import nonblank_stop_string
 from dpserve import LLM, SamplingParams
 from dpserve.config import ConfigError
 
+pytestmark = pytest.mark.slow  # model forwards compared with transformers: tens of seconds
+
 MAX_TOKENS = 24
 PROMPTS = [
     "Hello",

@@ -271,6 +271,7 @@ def reference() -> dict[str, torch.Tensor]:
     return load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
 
 
+@pytest.mark.slow  # the default model, converted
 def test_default_model_matches_transformers(ours, reference):
     assert len(ours) == 272 and "lm_head.weight" not in ours  # tied: 30 layers * 9 + 2
     worst = 0.0
@@ -282,6 +283,7 @@ def test_default_model_matches_transformers(ours, reference):
     assert worst < 1e-5
 
 
+@pytest.mark.slow  # the default model, converted
 def test_qk_unpermuted_like_transformers(ours, reference):
     for layer in (0, 29):
         for proj, heads in (("q_proj", 9), ("k_proj", 3)):
@@ -292,6 +294,7 @@ def test_qk_unpermuted_like_transformers(ours, reference):
             assert torch.equal(dg.unpermute_qk(stored, heads), ours[name])
 
 
+@pytest.mark.slow  # the default model, converted
 def test_default_model_config(converted):
     config = json.loads((converted / "config.json").read_text())
     expected = dict(architectures=["LlamaForCausalLM"], hidden_size=576, intermediate_size=1536,
@@ -339,6 +342,7 @@ def _gguf_bpe(reader: gguf.GGUFReader, pieces: list[str]) -> list[int]:
     return out
 
 
+@pytest.mark.slow  # the default model, converted
 def test_default_model_tokenizer(converted):
     from transformers import AutoTokenizer
 

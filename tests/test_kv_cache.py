@@ -72,6 +72,7 @@ def test_block_hash_covers_parent():
     assert hash_block(None, [1, 2, 3, 4]) == first
 
 
+@pytest.mark.procs
 def test_block_hash_is_the_same_in_another_process():
     code = ("from dpserve.engine.kv_cache import hash_block as h;"
             "print(h(h(None, [1, 2, 3, 4]), [5, 6, 7, 8]))")

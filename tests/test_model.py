@@ -26,6 +26,8 @@ from dpserve.model.runner import ModelRunner
 from dpserve.sampling_params import SamplingParams
 from dpserve.testing.tiny_model import make_tiny_model
 
+pytestmark = pytest.mark.slow  # model forwards compared with transformers: tens of seconds
+
 ATOL = 1e-4
 BS = 4
 

