@@ -182,3 +182,38 @@ def test_sigterm_under_load_stops_everything(tiny_llama):
         asyncio.run(load())
         assert proc.wait(30) == 128 + signal.SIGTERM
         assert all_gone(children, timeout=10)
+
+
+def test_sampling_extensions_and_penalties_change_the_output(server):
+    """Each sampling option sent over HTTP acts on the text (not only validated)."""
+    _, url, model = server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    prompt, n = "Once upon a time", 32
+    offline = LLM(model).generate([prompt], SamplingParams(temperature=0, max_tokens=n,
+                                                           ignore_eos=True), use_tqdm=False)
+    greedy_ids = offline[0].outputs[0].token_ids
+    assert len(set(greedy_ids)) < n, "no repeated token: penalties would have nothing to do"
+
+    def complete(**kw):
+        extra = {k: kw.pop(k) for k in ("top_k", "min_p", "repetition_penalty",
+                                        "stop_token_ids", "min_tokens") if k in kw}
+        done = client.completions.create(model=model, prompt=prompt, max_tokens=n,
+                                         extra_body={"ignore_eos": True, **extra}, **kw)
+        return done.choices[0]
+
+    greedy = complete(temperature=0).text
+    assert greedy == offline[0].outputs[0].text
+    for penalty in ({"repetition_penalty": 2.0}, {"frequency_penalty": 2.0},
+                    {"presence_penalty": 2.0}):
+        assert complete(temperature=0, **penalty).text != greedy, penalty
+    # A hot seeded sample differs from greedy; top_k=1 or min_p=1 keep only the top token.
+    hot = dict(temperature=2.0, seed=11)
+    assert complete(**hot).text != greedy
+    assert complete(**hot, top_k=1).text == greedy
+    assert complete(**hot, min_p=1.0).text == greedy
+    # stop_token_ids ends the text at that token; min_tokens holds the stop back.
+    stop_at = next(i for i in range(1, n) if greedy_ids[i] not in greedy_ids[:i])
+    cut = complete(temperature=0, stop_token_ids=[greedy_ids[stop_at]])
+    assert cut.finish_reason == "stop" and greedy.startswith(cut.text) and cut.text != greedy
+    later = complete(temperature=0, stop_token_ids=[greedy_ids[stop_at]], min_tokens=n)
+    assert later.finish_reason == "length"
