@@ -17,6 +17,7 @@ import time
 from contextlib import ExitStack
 
 import httpx
+import psutil
 import pytest
 from helpers import (
     all_gone,
@@ -178,3 +179,66 @@ def test_bad_multi_host_options_fail_in_one_line(tiny_llama, args, flag):
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and flag in lines[0], out.stderr
+
+
+def _listening(procs) -> set[tuple[str, int]]:
+    """(ip, port) of every TCP socket any of `procs` listens on."""
+    out = set()
+    for p in procs:
+        try:
+            conns = p.net_connections(kind="tcp")
+        except psutil.NoSuchProcess:
+            continue
+        out |= {(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN}
+    return out
+
+
+def test_secret_head_timeout_and_bind_addresses(tiny_llama):
+    """With --data-parallel-secret on both hosts, a head with the DP address 127.0.0.2
+    serves through the other host's engine; its sockets listen on the DP address only
+    (the HTTP port on --host). A host with the wrong secret never joins: the head gives
+    up after its --engine-ready-timeout, saying which rank never said HELLO."""
+    model, dp_host = str(tiny_llama), "127.0.0.2"
+
+    def dp_args(rpc: int, secret: str) -> list[str]:
+        return ["--data-parallel-size", "2", "--data-parallel-address", dp_host,
+                "--data-parallel-rpc-port", str(rpc), "--data-parallel-secret", secret,
+                *COMMON]
+
+    # The wrong secret: the head times out.
+    rpc = free_port(dp_host)
+    outsider, out_log = _start(model, "--headless", "--data-parallel-size-local", "1",
+                               "--data-parallel-start-rank", "1", *dp_args(rpc, "a wrong secret"))
+    head, head_log = _start(model, "--port", str(free_port()), "--data-parallel-size-local",
+                            "1", "--engine-ready-timeout", "15", *dp_args(rpc, "the right secret"))
+    try:
+        assert head.wait(180) == 1, _read(head_log)[-3000:]
+        last = _read(head_log).strip().splitlines()[-1]
+        assert last.startswith("dpserve: error: engine failed to start: engines not ready "
+                               "after 15 s") and "rank 1 NEW (no HELLO yet)" in last, last
+    finally:
+        for proc, log in ((head, head_log), (outsider, out_log)):
+            stop(proc, 15)
+            log.close()
+
+    # The right secret: it serves, and listens on the DP address only.
+    rpc = free_port(dp_host)
+    insider, log = _start(model, "--headless", "--data-parallel-size-local", "1",
+                          "--data-parallel-start-rank", "1", *dp_args(rpc, "the right secret"))
+    try:
+        with serve(model, "--data-parallel-size-local", "1",
+                   *dp_args(rpc, "the right secret")) as (head, url):
+            asyncio.run(complete_all(url, model, [f"s{i}" for i in range(16)], max_tokens=3))
+            served = finished_by_engine(url)
+            assert served.get(0, 0) > 0 and served.get(1, 0) > 0, served
+            procs = [psutil.Process(head.pid), psutil.Process(insider.pid),
+                     *descendants(head.pid), *descendants(insider.pid)]
+            listening = _listening(procs)
+            http_port = int(url.rsplit(":", 1)[1])
+            assert ("127.0.0.1", http_port) in listening
+            # (The rpc port's handshake socket is closed once every engine is ready.)
+            others = listening - {("127.0.0.1", http_port)}
+            assert others and {ip for ip, _ in others} == {dp_host}, listening
+    finally:
+        stop(insider, 15)
+        log.close()
