@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 
 import msgspec
 import pytest
@@ -36,6 +37,7 @@ from dpserve.protocol import (
     RendezvousRequest,
     WakeEngines,
 )
+from dpserve.security import secure
 
 pytestmark = pytest.mark.procs
 
@@ -249,3 +251,72 @@ def test_without_the_secret_a_process_cannot_join(tiny_llama):
         if manager is not None:
             manager.close()
         alloc.cleanup()
+
+
+def _handshake(address: str, kind: int, secret: str | None) -> bool:
+    """Connect a socket of `kind` (CURVE keys from `secret`, plain without one) and
+    watch its ZMTP handshake: True once it succeeds, False once it fails (bounded)."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    failed = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+              zmq.EVENT_HANDSHAKE_FAILED_AUTH}
+    with zmq.Context() as ctx, ctx.socket(kind) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        if secret is not None:
+            secure(sock, "client", secret)
+        monitor = sock.get_monitor_socket()
+        try:
+            sock.connect(address)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if not monitor.poll(1000):
+                    continue
+                event = recv_monitor_message(monitor)["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    return True
+                if event in failed:
+                    return False
+            raise AssertionError(f"no handshake outcome from {address} in 60 s")
+        finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+
+
+def test_with_a_secret_every_socket_refuses_outsiders(tiny_llama):
+    """With --data-parallel-secret, every socket a peer can reach (the front-end's
+    engine sockets, the coordinator's three) completes a handshake only with a peer
+    that has the secret: a plain peer and one with another secret are refused."""
+    secret = "correct horse battery staple"
+    config = EngineArgs(model=str(tiny_llama), data_parallel_size=2, threads_per_engine=1,
+                        max_model_len=256, num_kv_blocks=64,
+                        data_parallel_secret=secret).create_config()
+    asyncio.run(_refuse_outsiders(config, secret))
+
+
+async def _refuse_outsiders(config, secret: str) -> None:
+    launch = await asyncio.to_thread(launch_engines, config, 1, START_TIMEOUT)
+    addrs, coordinator = launch.addresses, launch.coordinator
+    client = None
+    try:
+        # The front-end binds its engine sockets: a client that knows the secret.
+        client = AsyncEngineClient(launch.input_binds(0), launch.output_binds(0),
+                                   engine_ranks=launch.ranks,
+                                   coordinator_address=launch.coordinator_address,
+                                   secret=secret)
+        targets = {
+            "front-end ROUTER": (addrs.inputs[0], zmq.DEALER),
+            "front-end PULL": (addrs.outputs[0], zmq.PUSH),
+            "coordinator reports": (coordinator.engine_report_address, zmq.PUSH),
+            "coordinator front XPUB": (coordinator.front_publish_address, zmq.XSUB),
+            "coordinator engine XPUB": (coordinator.engine_publish_address, zmq.XSUB),
+        }
+        for name, (address, kind) in targets.items():
+            shake = lambda key, a=address, k=kind: asyncio.to_thread(_handshake, a, k, key)  # noqa: E731
+            assert await shake(secret), f"{name}: the insider was refused"
+            assert not await shake(None), f"{name}: a plain peer got in"
+            assert not await shake("another secret!"), \
+                f"{name}: a peer with another secret got in"
+    finally:
+        if client is not None:
+            await client.aclose()
+        launch.close()
