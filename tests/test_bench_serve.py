@@ -100,7 +100,7 @@ class FakeOpenAIServer:
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         daemon=True)
         self._thread.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while not self._server.started:
             assert time.monotonic() < deadline, "fake server did not start"
             time.sleep(0.01)

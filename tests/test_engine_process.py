@@ -82,7 +82,7 @@ async def collect(client: AsyncEngineClient, request_ids) -> dict[str, Finished]
     tokens: dict[str, list[int]] = {rid: [] for rid in request_ids}
     done: dict[str, Finished] = {}
     while len(done) < len(tokens):
-        for out in (await client.get_output()).outputs:
+        for out in (await asyncio.wait_for(client.get_output(), 60)).outputs:
             if out.request_id in tokens:
                 tokens[out.request_id] += out.new_token_ids
                 if out.finished:
@@ -155,7 +155,7 @@ def test_abort_then_utility_calls(served):
 
     async def scenario():
         await client.add_request(EngineCoreRequest("long", [5, 6, 7], greedy(200)))
-        first = await client.get_output()  # it is running now
+        first = await asyncio.wait_for(client.get_output(), 60)  # it is running now
         assert [o.request_id for o in first.outputs] == ["long"]
         assert first.scheduler_stats is not None and first.scheduler_stats.num_running == 1
         await client.abort_requests(["long"])
@@ -367,7 +367,7 @@ def test_client_death_fails_pending_calls_at_once():
             with pytest.raises(EngineDeadError, match="EngineCore_0 died"):
                 await asyncio.wait_for(call, 10)
             with pytest.raises(EngineDeadError):
-                await client.get_output()
+                await asyncio.wait_for(client.get_output(), 10)
             with pytest.raises(EngineDeadError):
                 await client.add_request(EngineCoreRequest("x", [1], greedy(1)))
         finally:
