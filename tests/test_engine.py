@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import nonblank_stop_string
 
 from dpserve import LLM, SamplingParams
 from dpserve.config import ConfigError
+
+pytestmark = pytest.mark.slow  # model forwards compared with transformers: tens of seconds
 
 MAX_TOKENS = 24
 PROMPTS = [
@@ -108,12 +111,11 @@ def test_text_prompts_stop_strings_and_n(tiny_llama):
     assert len(full.outputs[0].token_ids) == MAX_TOKENS
     assert full.outputs[0].finish_reason == "length"
     # A stop string taken from the middle of the greedy text ends it there.
-    stop = text[len(text) // 2: len(text) // 2 + 3]
-    if stop.strip():
-        cut = llm.generate(["Hello world"], greedy(ignore_eos=True, stop=[stop]),
-                           use_tqdm=False)[0].outputs[0]
-        assert cut.finish_reason == "stop" and cut.stop_reason == stop
-        assert cut.text == text[: text.index(stop)]
+    stop = nonblank_stop_string(text, 3)
+    cut = llm.generate(["Hello world"], greedy(ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == text[: text.index(stop)]
     # n seeded samples: n distinct completions, reproducible.
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
     a = llm.generate(["Hello world"], params, use_tqdm=False)[0]

@@ -40,7 +40,9 @@ from dpserve.protocol import (
 from dpserve.sampling_params import SamplingParams
 
 ENGINE_KW = dict(max_model_len=256, num_kv_blocks=64, threads_per_engine=1)
-START_TIMEOUT = 60.0
+pytestmark = pytest.mark.procs
+
+START_TIMEOUT = 120.0  # generous: a loaded 2-core machine
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +82,7 @@ async def collect(client: AsyncEngineClient, request_ids) -> dict[str, Finished]
     tokens: dict[str, list[int]] = {rid: [] for rid in request_ids}
     done: dict[str, Finished] = {}
     while len(done) < len(tokens):
-        for out in (await client.get_output()).outputs:
+        for out in (await asyncio.wait_for(client.get_output(), 60)).outputs:
             if out.error is not None:  # no engine could run it (the client says why)
                 raise EngineUnavailableError(out.error)
             if out.request_id in tokens:
@@ -155,7 +157,7 @@ def test_abort_then_utility_calls(served):
 
     async def scenario():
         await client.add_request(EngineCoreRequest("long", [5, 6, 7], greedy(200)))
-        first = await client.get_output()  # it is running now
+        first = await asyncio.wait_for(client.get_output(), 60)  # it is running now
         assert [o.request_id for o in first.outputs] == ["long"]
         assert first.scheduler_stats is not None and first.scheduler_stats.num_running == 1
         await client.abort_requests(["long"])
@@ -213,10 +215,10 @@ def test_forward_fault_kills_engine_and_client_knows(engine_config, monkeypatch)
 
             async def scenario():
                 await client.add_request(EngineCoreRequest("doomed", [1, 2, 3], greedy(20)))
-                start = time.monotonic()
+                # At once, not at some timeout: bounded well below the 60 s a stalled
+                # collect would take to be cut here (TimeoutError is not EngineDeadError).
                 with pytest.raises(EngineDeadError, match="ENGINE_CORE_DEAD"):
-                    await collect(client, ["doomed"])
-                assert time.monotonic() - start < 2.0
+                    await asyncio.wait_for(collect(client, ["doomed"]), 60)
                 with pytest.raises(EngineDeadError):
                     await client.call_utility("get_stats")
 
@@ -235,10 +237,9 @@ def test_engine_dying_at_startup_is_named(engine_config, tmp_path):
     missing = dataclasses.replace(engine_config.model, path=str(tmp_path / "no-such-model"))
     config = dataclasses.replace(engine_config, model=missing)
     with launched(config) as (mgr, addrs):
-        start = time.monotonic()
+        # The death is named (a timeout would say "not ready after ..." instead).
         with pytest.raises(EngineStartupError, match=r"EngineCore_0 \(pid \d+, exit code 1\)"):
             mgr.wait_for_startup(addrs.init_metadata(), timeout=START_TIMEOUT)
-        assert time.monotonic() - start < 15
 
 
 def test_sigterm_exits_cleanly_and_shutdown_leaves_nothing(engine_config):
@@ -247,10 +248,8 @@ def test_sigterm_exits_cleanly_and_shutdown_leaves_nothing(engine_config):
         assert sorted(ready) == [0, 1]
         p0, p1 = mgr.processes
         assert psutil.Process(p1.pid).cmdline()[0].startswith("dpserve::EngineCore_1")
-        start = time.monotonic()
         os.kill(p1.pid, signal.SIGTERM)
-        assert wait_for_any_exit(mgr.processes, timeout=10) == [p1]
-        assert time.monotonic() - start < 5
+        assert wait_for_any_exit(mgr.processes, timeout=30) == [p1]
         assert p1.exitcode == 0 and p0.is_alive()
 
         pids = [p0.pid, p1.pid]
@@ -291,7 +290,7 @@ def test_engine_exits_when_its_parent_dies(tiny_llama):
         assert engine.ppid() == parent.pid
         parent.kill()
         parent.wait(timeout=5)
-        deadline = time.monotonic() + 8
+        deadline = time.monotonic() + 30
         while time.monotonic() < deadline and _alive(engine):
             time.sleep(0.1)
         assert not _alive(engine), "the orphaned engine did not exit by itself"
@@ -360,16 +359,18 @@ def test_client_death_fails_pending_calls_at_once():
             fake.connect(addrs.inputs[0])
             fake.send(b"")
             call = asyncio.ensure_future(client.call_utility("get_stats", timeout=20))
-            while not fake.poll(0):  # the call reached the "engine"
+            for _ in range(1000):  # the call reached the "engine" (10 s at most)
+                if fake.poll(0):
+                    break
                 await asyncio.sleep(0.01)
-            start = time.monotonic()
+            assert fake.poll(0), "the call never reached the engine"
             threading.Thread(target=client.mark_dead, args=("launcher: EngineCore_0 died",)
                              ).start()
+            # At once: long before the call's own 20 s timeout.
             with pytest.raises(EngineDeadError, match="EngineCore_0 died"):
-                await call
-            assert time.monotonic() - start < 0.5
+                await asyncio.wait_for(call, 10)
             with pytest.raises(EngineDeadError):
-                await client.get_output()
+                await asyncio.wait_for(client.get_output(), 10)
             with pytest.raises(EngineDeadError):
                 await client.add_request(EngineCoreRequest("x", [1], greedy(1)))
         finally:

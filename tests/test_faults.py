@@ -15,8 +15,9 @@ import time
 import httpx
 import psutil
 import pytest
-from test_data_parallel import _finished_by_engine, offline_greedy_texts
-from test_serve_process import _all_gone, _descendants, output, serve
+from helpers import all_gone, descendants, finished_by_engine, offline_greedy_texts, output, serve
+
+pytestmark = [pytest.mark.procs, pytest.mark.slow]
 
 DP_ARGS = ("--data-parallel-size", "2", "--threads-per-engine", "1", "--max-model-len", "256")
 PROMPTS = [f"Once upon a time {i}" for i in range(32)]
@@ -104,14 +105,13 @@ def test_sigkill_one_engine_every_stream_completes_and_it_comes_back(tiny_llama,
     model = str(tiny_llama)
     expected = _expected(model)
     with serve(model, *DP_ARGS, "--api-server-count", str(api_servers)) as (proc, url):
-        victim = _proc(_descendants(proc.pid), "EngineCore_1")
+        victim = _proc(descendants(proc.pid), "EngineCore_1")
         try:
             got = asyncio.run(_streams_with_fault(url, model, lambda: victim.send_signal(
                 signal.SIGKILL)))
         except Exception:
-            print("SERVERLOG", "\n".join(l for l in output(proc).splitlines()
-                                         if "ERROR" in l or "WARN" in l or "exit" in l
-                                         or "Error" in l)[-4000:])
+            print("server log:", "\n".join(line for line in output(proc).splitlines()
+                                            if "ERROR" in line or "WARN" in line)[-4000:])
             raise
         assert got == expected  # migrated streams equal an undisturbed greedy run
         assert _metric(url, "dpserve:request_migrations_total") > 0
@@ -122,10 +122,10 @@ def test_sigkill_one_engine_every_stream_completes_and_it_comes_back(tiny_llama,
         assert asyncio.run(_complete(url, model, 20)) == [200] * 20
         # It comes back as a new process, and serves again.
         entry = _wait_rank(url, 1, lambda e: e["state"] == "serving" and e["incarnation"] == 1)
-        assert _proc(_descendants(proc.pid), "EngineCore_1").pid != victim.pid
-        before = _finished_by_engine(url).get(1, 0)
+        assert _proc(descendants(proc.pid), "EngineCore_1").pid != victim.pid
+        before = finished_by_engine(url).get(1, 0)
         assert asyncio.run(_complete(url, model, 4, rank=1)) == [200] * 4
-        assert _finished_by_engine(url).get(1, 0) - before == 4
+        assert finished_by_engine(url).get(1, 0) - before == 4
         assert _metric(url, "dpserve:engine_restarts_total") == 1
         assert "rank 1: " in output(proc) and "restarting it" in output(proc)
 
@@ -135,7 +135,7 @@ def test_sigstop_one_engine_is_unhealthy_then_rejoins(tiny_llama):
     prompts = PROMPTS[:16]
     expected = _expected(model, prompts)
     with serve(model, *DP_ARGS) as (proc, url):
-        victim = _proc(_descendants(proc.pid), "EngineCore_1")
+        victim = _proc(descendants(proc.pid), "EngineCore_1")
         stopped_at: list[float] = []
 
         def stop() -> None:
@@ -150,9 +150,9 @@ def test_sigstop_one_engine_is_unhealthy_then_rejoins(tiny_llama):
                   f"(heartbeat timeout 3 s): {entry['reason']}")
             assert "heartbeat" in entry["reason"]
             assert _health(url, 1).status_code == 503 and _health(url).status_code == 200
-            before = _finished_by_engine(url)
+            before = finished_by_engine(url)
             assert asyncio.run(_complete(url, model, 10)) == [200] * 10
-            after = _finished_by_engine(url)
+            after = finished_by_engine(url)
             assert after.get(1, 0) == before.get(1, 0)  # new work avoids it
             assert after.get(0, 0) - before.get(0, 0) == 10
             pinned = httpx.post(url + "/v1/completions", headers={"X-data-parallel-rank": "1"},
@@ -161,7 +161,7 @@ def test_sigstop_one_engine_is_unhealthy_then_rejoins(tiny_llama):
         finally:
             victim.send_signal(signal.SIGCONT)
         _wait_rank(url, 1, lambda e: e["state"] == "serving", timeout=30)
-        assert victim.is_running() and _proc(_descendants(proc.pid), "EngineCore_1").pid == \
+        assert victim.is_running() and _proc(descendants(proc.pid), "EngineCore_1").pid == \
             victim.pid  # the same process rejoined
         # The requests it held were aborted there: it drains to empty, and serves anew.
         deadline = time.monotonic() + 30
@@ -189,30 +189,30 @@ def test_hung_forward_is_caught_by_the_stall_timeout(tiny_llama):
 def test_killed_coordinator_is_restarted_and_requests_still_served(tiny_llama):
     model = str(tiny_llama)
     with serve(model, *DP_ARGS) as (proc, url):
-        victim = _proc(_descendants(proc.pid), "DPCoordinator")
+        victim = _proc(descendants(proc.pid), "DPCoordinator")
         victim.send_signal(signal.SIGKILL)
         assert asyncio.run(_complete(url, model, 10)) == [200] * 10
         deadline = time.monotonic() + 30
         while True:
-            coordinators = [p for p in _descendants(proc.pid)
+            coordinators = [p for p in descendants(proc.pid)
                             if p.is_running() and p.name() == "dpserve::DPCoordinator"]
             if coordinators and coordinators[0].pid != victim.pid:
                 break
             assert time.monotonic() < deadline, "no new coordinator"
             time.sleep(0.1)
-        served = _finished_by_engine(url)
+        served = finished_by_engine(url)
         assert asyncio.run(_complete(url, model, 16)) == [200] * 16
         assert _health(url).json()["status"] == "ok"
-        after = _finished_by_engine(url)
+        after = finished_by_engine(url)
         assert sum(after.values()) - sum(served.values()) == 16
 
 
 def test_restart_limit_keeps_the_rank_out(tiny_llama):
     model = str(tiny_llama)
     with serve(model, *DP_ARGS, "--max-engine-restarts", "1") as (proc, url):
-        _proc(_descendants(proc.pid), "EngineCore_1").send_signal(signal.SIGKILL)
+        _proc(descendants(proc.pid), "EngineCore_1").send_signal(signal.SIGKILL)
         _wait_rank(url, 1, lambda e: e["state"] == "serving" and e["incarnation"] == 1)
-        _proc(_descendants(proc.pid), "EngineCore_1").send_signal(signal.SIGKILL)
+        _proc(descendants(proc.pid), "EngineCore_1").send_signal(signal.SIGKILL)
         entry = _wait_rank(url, 1, lambda e: e["state"] == "dead", timeout=30)
         assert "--max-engine-restarts" in entry["reason"]
         time.sleep(2)  # no restart comes
@@ -224,7 +224,7 @@ def test_restart_limit_keeps_the_rank_out(tiny_llama):
 def test_isolate_with_every_rank_dead_gives_clear_503s(tiny_llama):
     model = str(tiny_llama)
     with serve(model, *DP_ARGS, "--engine-failure-policy", "isolate") as (proc, url):
-        engines = [_proc(_descendants(proc.pid), f"EngineCore_{r}") for r in (0, 1)]
+        engines = [_proc(descendants(proc.pid), f"EngineCore_{r}") for r in (0, 1)]
         engines[1].send_signal(signal.SIGKILL)
         _wait_rank(url, 1, lambda e: e["state"] == "dead", timeout=30)
         assert asyncio.run(_complete(url, model, 4)) == [200] * 4  # rank 0 serves on
@@ -243,16 +243,16 @@ def test_isolate_with_every_rank_dead_gives_clear_503s(tiny_llama):
 @pytest.mark.parametrize("victim", ["EngineCore_1", "DPCoordinator"])
 def test_policy_stop_stops_the_dp_server(tiny_llama, victim):
     with serve(str(tiny_llama), *DP_ARGS, "--engine-failure-policy", "stop") as (proc, url):
-        children = _descendants(proc.pid)
+        children = descendants(proc.pid)
         _proc(children, victim).send_signal(signal.SIGKILL)
         assert proc.wait(30) != 0
-        assert _all_gone(children, timeout=10), [p for p in children if p.is_running()]
+        assert all_gone(children, timeout=10), [p for p in children if p.is_running()]
 
 
 def test_killed_api_server_is_restarted_and_the_other_serves_on(tiny_llama):
     model = str(tiny_llama)
     with serve(model, *DP_ARGS, "--api-server-count", "2") as (proc, url):
-        victim = _proc(_descendants(proc.pid), "APIServer_1")
+        victim = _proc(descendants(proc.pid), "APIServer_1")
         victim.send_signal(signal.SIGKILL)
         no_reuse = httpx.Limits(max_keepalive_connections=0)  # a new connection each
 
@@ -266,7 +266,7 @@ def test_killed_api_server_is_restarted_and_the_other_serves_on(tiny_llama):
         assert asyncio.run(complete(12)) == [200] * 12  # the other one serves on
         deadline = time.monotonic() + 60
         while True:
-            servers = [p for p in _descendants(proc.pid)
+            servers = [p for p in descendants(proc.pid)
                        if p.is_running() and p.name() == "dpserve::APIServer_1"]
             if servers and servers[0].pid != victim.pid and "restarted" in output(proc):
                 break
@@ -363,7 +363,7 @@ def test_moved_requests_keep_every_feature(tiny_llama):
     with serve(model, *DP_ARGS) as (proc, url):
         undisturbed = asyncio.run(_send_all(url, requests))
         before = _metric(url, "dpserve:request_migrations_total")
-        victim = _proc(_descendants(proc.pid), "EngineCore_1")
+        victim = _proc(descendants(proc.pid), "EngineCore_1")
         disturbed = asyncio.run(_send_all(url, requests,
                                           lambda: victim.send_signal(signal.SIGKILL)))
         assert not victim.is_running()

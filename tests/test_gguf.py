@@ -271,6 +271,7 @@ def reference() -> dict[str, torch.Tensor]:
     return load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
 
 
+@pytest.mark.slow  # the default model, converted
 def test_default_model_matches_transformers(ours, reference):
     assert len(ours) == 272 and "lm_head.weight" not in ours  # tied: 30 layers * 9 + 2
     worst = 0.0
@@ -282,6 +283,7 @@ def test_default_model_matches_transformers(ours, reference):
     assert worst < 1e-5
 
 
+@pytest.mark.slow  # the default model, converted
 def test_qk_unpermuted_like_transformers(ours, reference):
     for layer in (0, 29):
         for proj, heads in (("q_proj", 9), ("k_proj", 3)):
@@ -292,6 +294,7 @@ def test_qk_unpermuted_like_transformers(ours, reference):
             assert torch.equal(dg.unpermute_qk(stored, heads), ours[name])
 
 
+@pytest.mark.slow  # the default model, converted
 def test_default_model_config(converted):
     config = json.loads((converted / "config.json").read_text())
     expected = dict(architectures=["LlamaForCausalLM"], hidden_size=576, intermediate_size=1536,
@@ -303,17 +306,68 @@ def test_default_model_config(converted):
     assert (converted / "dpserve-conversion.json").is_file()
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: every byte as one printable character."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def _gguf_bpe(reader: gguf.GGUFReader, pieces: list[str]) -> list[int]:
+    """Token ids of pre-split `pieces`, by byte-level BPE over the GGUF file's own
+    tokenizer.ggml.tokens and .merges: an oracle that shares no code with the
+    conversion (transformers' GGUF tokenizer converter)."""
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    merges = reader.fields["tokenizer.ggml.merges"].contents()
+    ids = {t: i for i, t in enumerate(tokens)}
+    ranks = {tuple(m.split(" ")): r for r, m in enumerate(merges)}
+    alphabet = _bytes_to_unicode()
+    out: list[int] = []
+    for piece in pieces:
+        word = [alphabet[b] for b in piece.encode()]
+        while len(word) > 1:
+            pairs = [(ranks.get(p, len(ranks)), i) for i, p in enumerate(zip(word, word[1:]))]
+            rank, i = min(pairs)
+            if rank == len(ranks):
+                break
+            word[i: i + 2] = [word[i] + word[i + 1]]
+        out += [ids[w] for w in word]
+    return out
+
+
+@pytest.mark.slow  # the default model, converted
 def test_default_model_tokenizer(converted):
     from transformers import AutoTokenizer
 
-    path = default_gguf_path()
-    theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    reader = gguf.GGUFReader(str(default_gguf_path()))
     tok = AutoTokenizer.from_pretrained(converted)
-    for text in ["Hello world!", "  two leading spaces", "Zürich, 日本語 and emoji 🤖",
-                 "def f(x):\n    return x * 12345", "<|im_start|>user\nhi<|im_end|>"]:
-        assert tok(text).input_ids == theirs(text).input_ids, text
-    assert (tok.bos_token, tok.eos_token) == ("<|im_start|>", "<|im_end|>")
-    assert tok.convert_tokens_to_ids("<|im_end|>") == 2
+    # Texts with a known pre-tokenisation (words with their leading space, punctuation,
+    # non-ASCII bytes; no digits: this vocabulary splits them one by one).
+    for pieces in (["Hello", " world", "!"],
+                   ["Data", " parallel", " serving", " scales", " out", "."],
+                   [" Zürich", ",", " naïve", " café"],
+                   ["def", " tokenizer", "(", "text", "):"]):
+        text = "".join(pieces)
+        expected = _gguf_bpe(reader, pieces)
+        assert tok.encode(text, add_special_tokens=False) == expected, text
+        assert tok.decode(expected) == text
+    # Special tokens: the ids the file names.
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    bos = int(reader.fields["tokenizer.ggml.bos_token_id"].contents())
+    eos = int(reader.fields["tokenizer.ggml.eos_token_id"].contents())
+    assert (tok.bos_token_id, tok.eos_token_id) == (bos, eos)
+    assert (tok.bos_token, tok.eos_token) == (tokens[bos], tokens[eos]) == (
+        "<|im_start|>", "<|im_end|>")
+    assert tok.encode("<|im_start|>user\nhi<|im_end|>", add_special_tokens=False) == [
+        bos, *_gguf_bpe(reader, ["user", "\n", "hi"]), eos]
+    assert tok.vocab_size == len(tokens)
     prompt = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}],
                                      tokenize=False, add_generation_prompt=True)
     assert "<|im_start|>user\nWhat is 2+2?<|im_end|>\n" in prompt

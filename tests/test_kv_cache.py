@@ -109,6 +109,9 @@ def test_block_hash_resists_the_collisions_builtin_hash_has():
     assert hash_block(parent, [5, 6, 7, 8]) != hash_block(parent, [5, 6, 7, 8 + modulus])
 
 
+
+
+@pytest.mark.procs
 def test_block_hash_is_the_same_in_another_process():
     """Not randomized per process: other hash seeds give the same digests."""
     code = ("from dpserve.engine.kv_cache import hash_block as h;"

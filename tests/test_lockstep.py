@@ -17,6 +17,8 @@ from dpserve.frontend.engine_client import AsyncEngineClient
 from dpserve.launch.host import launch_engines
 from dpserve.protocol import EngineCoreRequest
 
+pytestmark = pytest.mark.procs
+
 START_TIMEOUT = 120.0
 SYNC_INTERVAL = 4
 

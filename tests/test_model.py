@@ -26,6 +26,8 @@ from dpserve.model.runner import ModelRunner
 from dpserve.sampling_params import SamplingParams
 from dpserve.testing.tiny_model import make_tiny_model
 
+pytestmark = pytest.mark.slow  # model forwards compared with transformers: tens of seconds
+
 ATOL = 1e-4
 BS = 4
 
@@ -216,9 +218,12 @@ def test_tied_embeddings_and_head_dim(tmp_path):
     path = make_tiny_model(tmp_path, "llama", tie_word_embeddings=True, head_dim=32)
     d = Driver(_runner(path))
     model = d.runner.model
-    # Tied: the head reads the embedding matrix (a packed copy of it on CPU).
-    assert model.lm_head is model.embed or (model.packed and model.lm_head.shape
-                                             == model.embed.shape)
+    # Tied: the head computes with the embedding matrix (itself, or a packed copy of
+    # it on CPU): logits of any hidden state are hidden @ embed^T.
+    assert model.lm_head is model.embed or model.packed
+    hidden = torch.randn(3, model.embed.shape[1], generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model.compute_logits(hidden), hidden @ model.embed.float().T,
+                               atol=1e-4, rtol=1e-4)
     reqs = make_requests(d.runner.vocab_size, [11, 5])
     check_step(path, *d.step([(r, r.num_tokens) for r in reqs]))
 
@@ -282,5 +287,33 @@ def test_many_decode_chunks_and_prefill_groups(driver, model_path, monkeypatch):
     check_step(model_path, so, logits)
 
 
-def test_profile_run_works_on_cpu(driver):
-    driver.runner._profile_run()  # the CUDA sizing forward, exercised here on CPU
+def test_profile_run_works_on_cpu(driver, model_path, monkeypatch):
+    """The CUDA sizing forward, exercised here on CPU: a full-size batch through the
+    model into finite logits, on scratch caches (the real KV cache stays untouched)."""
+    runner = driver.runner
+    sched = runner.config.scheduler
+    seen: list[torch.Tensor] = []
+    forward, compute_logits = runner.model.forward, runner.model.compute_logits
+
+    def spy_forward(input_ids, *args):  # records what the sizing forward ran
+        seen.append(input_ids)
+        return forward(input_ids, *args)
+
+    def spy_logits(hidden):
+        logits = compute_logits(hidden)
+        seen.append(logits)
+        return logits
+
+    monkeypatch.setattr(runner.model, "forward", spy_forward)
+    monkeypatch.setattr(runner.model, "compute_logits", spy_logits)
+    runner._profile_run()
+    input_ids, logits = seen
+    assert input_ids.shape == (sched.max_num_batched_tokens,)
+    assert logits.shape == (min(sched.max_num_batched_tokens, sched.max_num_seqs),
+                            runner.vocab_size)
+    assert torch.isfinite(logits).all()
+    assert all(not cache.any() for cache in runner.kv_caches)
+    monkeypatch.undo()
+    # The runner still computes what transformers does.
+    reqs = make_requests(vocab(driver), [7, 5])
+    check_step(model_path, *driver.step([(r, r.num_tokens) for r in reqs]))

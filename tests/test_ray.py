@@ -1,7 +1,7 @@
-"""The Ray backend (`dpserve.launch.ray_backend`): the placement planner on made-up
-nodes (milliseconds), then a real two-node Ray cluster on loopback (each node
-declares one CPU and a resource of its own) with real engine actors on a tiny
-model: one engine per node serving a front-end client over tcp, ranks that
+"""The Ray backend (`dpserve.launch.ray_backend`) on a real two-node Ray cluster on
+loopback (each node declares one CPU and a resource of its own) with real
+engine actors on a tiny model (the placement planner, which needs no Ray, is
+in test_ray_placement.py): one engine per node serving a front-end client over tcp, ranks that
 cannot be placed failing fast with what is missing, a bounded placement
 wait, and a local Ray instance whose engine hits a fatal error. After each
 manager closes, no actor, placement group or process of it is left."""
@@ -27,104 +27,17 @@ from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError
 from dpserve.launch.addresses import AddressAllocator, ZmqAddresses
 from dpserve.launch.coordinator import DPCoordinator
 from dpserve.launch.engines import EngineStartupError
-from dpserve.launch.ray_backend import (
-    RayEngineManager,
-    RayNode,
-    RayPlacementError,
-    check_pack_strategy,
-    connect_ray,
-    plan_placement,
-)
+from dpserve.launch.ray_backend import RayEngineManager, RayPlacementError, connect_ray
 from dpserve.protocol import EngineCoreRequest
 
 ray = pytest.importorskip("ray")
+
+pytestmark = [pytest.mark.procs, pytest.mark.slow]
 
 HOST = "127.0.0.1"
 START_TIMEOUT = 120.0
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12]]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-
-
-# ---- the planner, on made-up nodes --------------------------------------------------------
-
-
-def _node(name: str, ip: str, cpus: float, **extra: float) -> RayNode:
-    total = {"CPU": cpus, **extra}
-    return RayNode(name * 8, ip, total, dict(total))
-
-
-MASTER = _node("m", "10.0.0.1", 4)
-SMALL = _node("s", "10.0.0.2", 2)  # ordered by IP after the master
-BIG = _node("b", "10.0.0.3", 8)
-NODES = [BIG, SMALL, MASTER]
-CPU1 = {"CPU": 1.0}
-
-
-def _plan(num_ranks: int, strategy: str, **kw) -> list[str]:
-    return [n.node_id[0] for n in plan_placement(NODES, MASTER.node_id, CPU1, num_ranks,
-                                                 strategy, **kw)]
-
-
-def test_fill_fills_nodes_in_order_master_first():
-    assert _plan(8, "fill") == list("mmmmssbb")
-    assert _plan(3, "fill") == list("mmm")
-
-
-def test_strict_runs_the_same_number_per_node_and_skips_small_nodes():
-    # The master holds 4: so does every node used; SMALL (room 2) is skipped.
-    assert _plan(8, "strict") == list("mmmmbbbb")
-    assert _plan(5, "strict", ranks_per_node=2) == list("mmssb")
-    assert _plan(6, "strict") == list("mmmmss")  # the rest (2) fits on SMALL
-
-
-def test_span_puts_one_rank_per_node():
-    assert _plan(3, "span") == list("msb")
-    with pytest.raises(RayPlacementError, match=r"rank 3 .*one rank per node"):
-        _plan(4, "span")
-
-
-def test_rank_that_does_not_fit_names_what_is_missing():
-    with pytest.raises(RayPlacementError) as e:
-        _plan(15, "fill")
-    msg = str(e.value)
-    assert "cannot place DP rank 14" in msg and "missing: CPU" in msg
-    assert "node mmmmmmmm (10.0.0.1, DP master): CPU 0 of 4" in msg
-    with pytest.raises(RayPlacementError, match=r"rank 0 .*missing: GPU.*no GPU"):
-        plan_placement(NODES, MASTER.node_id, {"GPU": 1.0, "CPU": 1.0}, 1, "fill")
-
-
-def test_rank_zero_must_run_on_the_master_node():
-    busy_master = RayNode(MASTER.node_id, MASTER.ip, MASTER.total, {"CPU": 0.0})
-    for strategy in ("fill", "strict", "span"):
-        with pytest.raises(RayPlacementError, match="rank 0 .*DP master node"):
-            plan_placement([busy_master, BIG], MASTER.node_id, CPU1, 1, strategy)
-    # Counting everything the nodes have, it fits (resources in use are waited for).
-    assert plan_placement([busy_master, BIG], MASTER.node_id, CPU1, 1, "fill",
-                          use_total=True) == [busy_master]
-
-
-@pytest.mark.parametrize("bad", ["pack", "", "STRICT"])
-def test_pack_strategy_is_validated(bad, tiny_llama):
-    with pytest.raises(ValueError, match="data_parallel_pack_strategy must be one of "
-                                         "strict, fill, span"):
-        check_pack_strategy(bad)
-    with pytest.raises(ValueError, match="data_parallel_pack_strategy"):
-        plan_placement(NODES, MASTER.node_id, CPU1, 1, bad)
-    # The manager refuses it before connecting to Ray.
-    with pytest.raises(ValueError, match="data_parallel_pack_strategy"):
-        RayEngineManager(_config(tiny_llama, 1), _tcp_addresses().init_metadata(),
-                         pack_strategy=bad)
-    assert not ray.is_initialized()
-
-
-def test_init_metadata_must_use_tcp(tiny_llama):
-    addrs = AddressAllocator()  # ipc://
-    try:
-        with pytest.raises(ValueError, match="must be tcp://"):
-            RayEngineManager(_config(tiny_llama, 1), addrs.engine_addresses().init_metadata())
-    finally:
-        addrs.cleanup()
-    assert not ray.is_initialized()
 
 
 # ---- a real two-node cluster on loopback ----------------------------------------------------
@@ -338,7 +251,7 @@ def test_a_rank_that_cannot_be_placed_fails_fast(ray_cluster, tiny_llama, case):
     with pytest.raises(RayPlacementError) as e:
         RayEngineManager(config, addrs.init_metadata(dp_size=config.parallel.data_parallel_size),
                          ray_address=ray_cluster.address, node_ip=HOST)
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < 60  # fails fast: no wait for resources (generous)
     msg = str(e.value)
     if case == "dp3_on_two_cpus":
         assert "cannot place DP rank 2" in msg and "missing: CPU" in msg, msg
@@ -355,12 +268,11 @@ def test_an_engine_that_fails_to_start_fails_the_start_up(ray_cluster, tiny_llam
                                                                    path="/nonexistent/model"))
     with RayEngineManager(config, _tcp_addresses().init_metadata(),
                           ray_address=ray_cluster.address, node_ip=HOST) as manager:
-        start = time.monotonic()
+        # The death is named (a timeout would say so instead).
         with pytest.raises(EngineStartupError, match=r"engine 0 \(Ray actor on node \w+\) died "
                            r"during start-up: its constructor raised [\w.]+Error: "
                            r".*/nonexistent/model"):
             manager.wait_for_startup(timeout=START_TIMEOUT)
-        assert time.monotonic() - start < 30
     assert not ray.is_initialized()
 
 
@@ -378,7 +290,7 @@ def test_the_placement_wait_is_bounded(ray_cluster, tiny_llama):
                                                     r"2 s.*CPU 0 of 1"):
             RayEngineManager(_config(tiny_llama, 2), _tcp_addresses().init_metadata(dp_size=2),
                              node_ip=HOST, placement_timeout=2)
-        assert time.monotonic() - start < 10
+        assert time.monotonic() - start < 60  # the 2 s wait, not forever (generous)
         assert _live_placement_groups() == ["blocker"]  # the manager removed its own
         remove_placement_group(blocker)
     finally:
@@ -421,10 +333,7 @@ def test_dpserve_serve_with_the_ray_backend(tiny_llama):
     """`dpserve serve --data-parallel-backend ray`: a local Ray instance, two engine
     actors behind one endpoint; after SIGTERM no process (Ray's included) remains."""
     import httpx
-    from test_data_parallel import _complete_all, _finished_by_engine
-    from test_serve_process import _all_gone as all_gone
-    from test_serve_process import _descendants as descendants
-    from test_serve_process import serve
+    from helpers import all_gone, complete_all, descendants, finished_by_engine, serve
 
     model = str(tiny_llama)
     with serve(model, "--data-parallel-size", "2", "--data-parallel-backend", "ray",
@@ -432,8 +341,8 @@ def test_dpserve_serve_with_the_ray_backend(tiny_llama):
                timeout=180) as (proc, url):
         children = descendants(proc.pid)
         assert any(c.name() == "dpserve::EngineCore_1" for c in descendants(proc.pid))
-        asyncio.run(_complete_all(url, model, [f"p{i}" for i in range(16)], max_tokens=4))
-        served = _finished_by_engine(url)
+        asyncio.run(complete_all(url, model, [f"p{i}" for i in range(16)], max_tokens=4))
+        served = finished_by_engine(url)
         assert served.get(0, 0) > 0 and served.get(1, 0) > 0, served
         assert httpx.get(url + "/health", timeout=5).status_code == 200
         proc.send_signal(signal.SIGTERM)
@@ -450,9 +359,9 @@ def test_sigterm_with_streams_in_flight_leaves_no_process(tiny_llama, target):
     the server with gcs_server and raylet stopped (SIGSTOP: Ray never answers):
     the server exits, and no process it started remains (API server,
     coordinator, both engine actors, Ray's own)."""
-    from test_serve_process import _free_port, wait_healthy
+    from helpers import free_port, wait_healthy
 
-    model, port = str(tiny_llama), _free_port()
+    model, port = str(tiny_llama), free_port()
     url = f"http://{HOST}:{port}"
     with tempfile.NamedTemporaryFile("w+", prefix="dpserve-ray-") as log:
         proc = subprocess.Popen(

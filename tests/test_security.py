@@ -8,9 +8,9 @@ is this test (FUZZ: its frames are deliberately malformed)."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 import threading
+import time
 
 import msgspec
 import pytest
@@ -32,6 +32,9 @@ from dpserve.protocol import (
     RendezvousRequest,
     WakeEngines,
 )
+from dpserve.security import secure
+
+pytestmark = pytest.mark.procs
 
 START_TIMEOUT = 120.0
 
@@ -99,7 +102,18 @@ def test_junk_handshake_frames_are_dropped(tiny_llama):
         alloc.cleanup()
 
 
-async def _fuzz_while_serving(model: str) -> None:
+# What the receiver of each fuzzed socket logs when it drops junk: proof that the
+# junk reached it (the coordinator's lines come from its own process's stderr).
+_DROPPED = {
+    "front-end ROUTER": "message from unexpected engine rank",
+    "front-end PULL": "undecodable message from an engine dropped",
+    "coordinator reports": "dropping a bad report from an engine",
+    "coordinator front XPUB": "bad message from a front-end",
+    "coordinator engine XPUB": "engine subscription change after start-up",
+}
+
+
+async def _fuzz_while_serving(model: str, logged) -> None:
     config = EngineArgs(model=model, data_parallel_size=2, threads_per_engine=1,
                         max_model_len=256, num_kv_blocks=64).create_config()
     launch = await asyncio.to_thread(launch_engines, config, 1, START_TIMEOUT)
@@ -128,6 +142,12 @@ async def _fuzz_while_serving(model: str) -> None:
         ]
         for address, kind, valid in targets:
             await asyncio.to_thread(_throw, address, kind, _junk(rng, valid))
+        for _ in range(600):  # every receiver logged a drop (30 s at most)
+            missing = [k for k, line in _DROPPED.items() if line not in logged()]
+            if not missing:
+                break
+            await asyncio.sleep(0.05)
+        assert not missing, f"no sign that the junk reached: {missing}"
 
         finished: dict[str, int] = {}
         tokens = dict.fromkeys(ids, 0)
@@ -152,8 +172,14 @@ async def _fuzz_while_serving(model: str) -> None:
         launch.close()
 
 
-def test_fuzzed_sockets_crash_nothing_and_requests_finish(tiny_llama):
-    asyncio.run(_fuzz_while_serving(str(tiny_llama)))
+def test_fuzzed_sockets_crash_nothing_and_requests_finish(tiny_llama, capfd, caplog):
+    seen: list[str] = []
+
+    def logged() -> str:  # this process's log records, and every child's stderr so far
+        seen.append(capfd.readouterr().err)
+        return "".join(seen) + caplog.text
+
+    asyncio.run(_fuzz_while_serving(str(tiny_llama), logged))
 
 
 def test_rendezvous_drops_junk_and_answers():
@@ -178,13 +204,14 @@ def test_without_the_secret_a_process_cannot_join(tiny_llama):
     secret = "correct horse battery staple"
     alloc = AddressAllocator()
     addrs = alloc.engine_addresses(1)
-    outsider = dataclasses.replace(
-        EngineArgs(model=str(tiny_llama), max_model_len=128, num_kv_blocks=16,
-                   data_parallel_secret="not the secret").create_config())
+    outsider = EngineArgs(model=str(tiny_llama), max_model_len=128, num_kv_blocks=16,
+                          data_parallel_secret="not the secret").create_config()
     manager = None
     try:
         manager = EngineProcManager(outsider, addrs.handshake, handshake_timeout=3)
-        with pytest.raises(EngineStartupError):
+        # Refused for the right reason: its HELLO never got through (a timeout, or the
+        # outsider giving up first), not some other start-up failure.
+        with pytest.raises(EngineStartupError, match=r"rank 0 NEW \(no HELLO yet\)"):
             wait_for_engine_startup(addrs.handshake, addrs.init_metadata(), [0],
                                     manager.processes, timeout=6, secret=secret)
         manager.close()
@@ -207,7 +234,8 @@ def test_without_the_secret_a_process_cannot_join(tiny_llama):
             sock.send(msgspec.msgpack.encode(HandshakeHello(local=True)))
             assert not sock.poll(1500)
             thread.join(5)
-            assert "error" in result  # it timed out: the HELLO never got through
+            # It timed out: the HELLO never got through.
+            assert "error" in result and "rank 0 NEW" in str(result["error"]), result
         # The same launcher starts an engine that knows the secret.
         insider = EngineArgs(model=str(tiny_llama), max_model_len=128, num_kv_blocks=16,
                              data_parallel_secret=secret).create_config()
@@ -218,3 +246,72 @@ def test_without_the_secret_a_process_cannot_join(tiny_llama):
         if manager is not None:
             manager.close()
         alloc.cleanup()
+
+
+def _handshake(address: str, kind: int, secret: str | None) -> bool:
+    """Connect a socket of `kind` (CURVE keys from `secret`, plain without one) and
+    watch its ZMTP handshake: True once it succeeds, False once it fails (bounded)."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    failed = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+              zmq.EVENT_HANDSHAKE_FAILED_AUTH}
+    with zmq.Context() as ctx, ctx.socket(kind) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        if secret is not None:
+            secure(sock, "client", secret)
+        monitor = sock.get_monitor_socket()
+        try:
+            sock.connect(address)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if not monitor.poll(1000):
+                    continue
+                event = recv_monitor_message(monitor)["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    return True
+                if event in failed:
+                    return False
+            raise AssertionError(f"no handshake outcome from {address} in 60 s")
+        finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+
+
+def test_with_a_secret_every_socket_refuses_outsiders(tiny_llama):
+    """With --data-parallel-secret, every socket a peer can reach (the front-end's
+    engine sockets, the coordinator's three) completes a handshake only with a peer
+    that has the secret: a plain peer and one with another secret are refused."""
+    secret = "correct horse battery staple"
+    config = EngineArgs(model=str(tiny_llama), data_parallel_size=2, threads_per_engine=1,
+                        max_model_len=256, num_kv_blocks=64,
+                        data_parallel_secret=secret).create_config()
+    asyncio.run(_refuse_outsiders(config, secret))
+
+
+async def _refuse_outsiders(config, secret: str) -> None:
+    launch = await asyncio.to_thread(launch_engines, config, 1, START_TIMEOUT)
+    addrs, coordinator = launch.addresses, launch.coordinator
+    client = None
+    try:
+        # The front-end binds its engine sockets: a client that knows the secret.
+        client = AsyncEngineClient(launch.input_binds(0), launch.output_binds(0),
+                                   engine_ranks=launch.ranks,
+                                   coordinator_address=launch.coordinator_address,
+                                   secret=secret)
+        targets = {
+            "front-end ROUTER": (addrs.inputs[0], zmq.DEALER),
+            "front-end PULL": (addrs.outputs[0], zmq.PUSH),
+            "coordinator reports": (coordinator.engine_report_address, zmq.PUSH),
+            "coordinator front XPUB": (coordinator.front_publish_address, zmq.XSUB),
+            "coordinator engine XPUB": (coordinator.engine_publish_address, zmq.XSUB),
+        }
+        for name, (address, kind) in targets.items():
+            shake = lambda key, a=address, k=kind: asyncio.to_thread(_handshake, a, k, key)  # noqa: E731
+            assert await shake(secret), f"{name}: the insider was refused"
+            assert not await shake(None), f"{name}: a plain peer got in"
+            assert not await shake("another secret!"), \
+                f"{name}: a peer with another secret got in"
+    finally:
+        if client is not None:
+            await client.aclose()
+        launch.close()

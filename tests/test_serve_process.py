@@ -5,107 +5,26 @@ start-up failure and SIGTERM under load."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-from contextlib import contextmanager
 
 import httpx
 import openai
-import psutil
 import pytest
+from helpers import all_gone, descendants, metric, serve, wait_until
 
 from dpserve import LLM, SamplingParams
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def serve(model: str, *extra: str, env: dict[str, str] | None = None, timeout: float = 120,
-          host: str = "127.0.0.1"):
-    """Start `dpserve serve`, wait for /health, yield (process, base_url); always clean up.
-
-    The server's output goes to a temporary file: `output(proc)` reads it.
-    """
-    port = _free_port()
-    log = tempfile.NamedTemporaryFile("w+", prefix="dpserve-serve-", suffix=".log")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dpserve.cli", "serve", model, "--host", host, "--port",
-         str(port), *extra],
-        env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT, text=True)
-    proc.log = log  # type: ignore[attr-defined]
-    url = f"http://{host}:{port}"
-    try:
-        wait_healthy(proc, url, timeout, describe=lambda: output(proc))
-        yield proc, url
-    finally:
-        _stop(proc)
-        log.close()
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, describe=lambda: "") -> None:
-    """Poll `url`/health until 200; fail (with `describe()`) if `proc` exits or time runs out."""
-    deadline = time.monotonic() + timeout
-    while True:
-        assert proc.poll() is None, f"server exited early:\n{describe()[-3000:]}"
-        assert time.monotonic() < deadline, \
-            f"server did not become healthy in time:\n{describe()[-3000:]}"
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-
-
-def output(proc: subprocess.Popen) -> str:
-    """Everything a process started by `serve` has written so far."""
-    with open(proc.log.name) as f:  # type: ignore[attr-defined]
-        return f.read()
-
-
-def _stop(proc: subprocess.Popen, timeout: float = 10) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-
-
-def _descendants(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
-def _all_gone(procs: list[psutil.Process], timeout: float) -> bool:
-    _, alive = psutil.wait_procs(procs, timeout=timeout)
-    return not alive
+pytestmark = pytest.mark.procs
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
     with serve(str(tiny_llama)) as (proc, url):
         yield proc, url, str(tiny_llama)
-
-
-def _metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=5).text
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith(name) and not line.startswith("#")]
-    assert values, f"metric {name} missing"
-    return sum(values)
 
 
 def test_openai_client_completions_and_chat(server):
@@ -148,7 +67,10 @@ def test_32_concurrent_streams_equal_offline(server):
 
 def test_disconnect_frees_request(server):
     _, url, model = server
-    body = {"model": model, "prompt": "Hello", "max_tokens": 500, "stream": True,
+    aborted = 'dpserve:request_success_total{finished_reason="abort"'
+    before = metric(url, aborted) if _has_metric(url, aborted) else 0.0
+    # 1000 tokens (the tiny model's context is 1024): far more than the 3 chunks read.
+    body = {"model": model, "prompt": "Hello", "max_tokens": 1000, "stream": True,
             "ignore_eos": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as resp:
         chunks = 0
@@ -156,32 +78,37 @@ def test_disconnect_frees_request(server):
             chunks += line.startswith("data:")
             if chunks >= 3:
                 break  # hang up mid-stream
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if (_metric(url, "dpserve:num_requests_running") == 0
-                and _metric(url, "dpserve:kv_cache_usage_perc") == 0):
-            break
-        time.sleep(0.2)
-    assert _metric(url, "dpserve:num_requests_running") == 0
-    assert _metric(url, "dpserve:kv_cache_usage_perc") == 0
+    # The hang-up must abort the request (finished as "abort"), not let it run out.
+    wait_until(lambda: _has_metric(url, aborted) and metric(url, aborted) == before + 1,
+               timeout=30, what="the disconnected request to be aborted")
+    wait_until(lambda: metric(url, "dpserve:num_requests_running") == 0
+               and metric(url, "dpserve:kv_cache_usage_perc") == 0,
+               timeout=30, what="the engine to free the request")
 
 
-async def _streams_until_error(url: str, model: str, n: int) -> list[float]:
-    """n long streams that must each fail (an API error); when each failed."""
+def _has_metric(url: str, name: str) -> bool:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return any(line.startswith(name) for line in text.splitlines())
+
+
+async def _streams_until_error(url: str, model: str, n: int, code: str) -> list[float]:
+    """n long streams that must each fail with the server's in-stream error `code`
+    (not a dropped connection or a timeout); when each failed."""
 
     async def one(client: openai.AsyncOpenAI) -> float:
         stream = await client.completions.create(
             model=model, prompt="Hello", max_tokens=400, stream=True,
             extra_body={"ignore_eos": True})
-        with pytest.raises(openai.APIError):
+        with pytest.raises(openai.APIError) as e:
             async for _ in stream:
                 pass
+        assert type(e.value) is openai.APIError and e.value.code == code, e.value
         return time.monotonic()
 
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", timeout=60,
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", timeout=120,
                                 max_retries=0)
     try:
-        return await asyncio.gather(*(one(client) for _ in range(n)))
+        return await asyncio.wait_for(asyncio.gather(*(one(client) for _ in range(n))), 120)
     finally:
         await client.close()
 
@@ -190,39 +117,39 @@ def test_engine_death_with_one_engine_fails_requests_then_it_restarts(tiny_llama
     # The engine's 40th forward raises (test-only fault injection; its restart runs clean).
     env = {"DPSERVE_FAULT_FORWARD_AT": "40", "DPSERVE_FAULT_RANK": "0"}
     with serve(str(tiny_llama), env=env) as (proc, url):
-        first = _descendants(proc.pid)
-        ends = asyncio.run(_streams_until_error(url, str(tiny_llama), 4))
-        assert max(ends) - min(ends) < 2.0  # every in-flight request fails together
-        deadline = time.monotonic() + 60  # a new engine process serves again
-        while httpx.get(url + "/health", timeout=5).status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        first = descendants(proc.pid)
+        ends = asyncio.run(_streams_until_error(url, str(tiny_llama), 4, "engine_unavailable"))
+        # Every in-flight request fails together, at the death (not when a 400-token
+        # stream would have ended, nor at the 120 s client timeout); generous for a
+        # loaded machine.
+        assert max(ends) - min(ends) < 30
+        wait_until(lambda: httpx.get(url + "/health", timeout=5).status_code == 200,
+                   timeout=60, what="a new engine process to serve")
         assert proc.poll() is None
         ok = httpx.post(url + "/v1/completions", timeout=30, json={
             "model": str(tiny_llama), "prompt": "Hello", "max_tokens": 4})
         assert ok.status_code == 200, ok.text
-        engine = [p for p in _descendants(proc.pid) if p.name() == "dpserve::EngineCore_0"]
+        engine = [p for p in descendants(proc.pid) if p.name() == "dpserve::EngineCore_0"]
         assert engine and engine[0].pid not in {p.pid for p in first}
 
 
 def test_engine_death_fails_requests_and_exits_under_policy_stop(tiny_llama):
     env = {"DPSERVE_FAULT_FORWARD_AT": "40"}
     with serve(str(tiny_llama), "--engine-failure-policy", "stop", env=env) as (proc, url):
-        children = _descendants(proc.pid)
+        children = descendants(proc.pid)
         assert children, "the engine should be a child process"
-        ends = asyncio.run(_streams_until_error(url, str(tiny_llama), 4))
-        assert max(ends) - min(ends) < 2.0  # every in-flight request fails together
+        ends = asyncio.run(_streams_until_error(url, str(tiny_llama), 4, "engine_dead"))
+        assert max(ends) - min(ends) < 30  # together, at the death (generous)
         assert httpx.get(url + "/health", timeout=2).status_code == 503
         assert proc.wait(15) != 0
-        assert _all_gone(children, timeout=5)
+        assert all_gone(children, timeout=10)
 
 
 def test_bad_model_path_fails_fast_with_one_line(tmp_path):
-    start = time.monotonic()
+    # Fast: it fails before loading anything (the 60 s bound covers a loaded machine).
     proc = subprocess.run([sys.executable, "-m", "dpserve.cli", "serve",
                            str(tmp_path / "missing-model")], capture_output=True, text=True,
                           timeout=60)
-    assert time.monotonic() - start < 10
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "missing-model" in lines[0], proc.stderr
@@ -242,31 +169,69 @@ def test_port_in_use_fails_before_loading(tiny_llama):
 
 def test_sigterm_under_load_stops_everything(tiny_llama):
     with serve(str(tiny_llama)) as (proc, url):
-        children = _descendants(proc.pid)
+        children = descendants(proc.pid)
         body = {"model": str(tiny_llama), "prompt": "Hello", "max_tokens": 1000,
                 "stream": True, "ignore_eos": True}
-        chunks: list[int] = []
+        chunks = [0] * 8  # SSE lines each stream has received
 
         async def load() -> None:
-            async with httpx.AsyncClient(timeout=30) as client:
-                async def one() -> None:
+            async with httpx.AsyncClient(timeout=60) as client:
+                async def one(i: int) -> None:
                     try:
                         async with client.stream("POST", url + "/v1/completions",
                                                  json=body) as resp:
                             assert resp.status_code == 200
-                            async for line in resp.aiter_lines():
-                                chunks.append(len(line))
+                            async for _ in resp.aiter_lines():
+                                chunks[i] += 1
                     except httpx.HTTPError:
                         pass
 
-                tasks = [asyncio.create_task(one()) for _ in range(8)]
-                await asyncio.sleep(1.0)
-                start = time.monotonic()
+                tasks = [asyncio.create_task(one(i)) for i in range(8)]
+                for _ in range(1200):  # until every stream is under way (60 s at most)
+                    if all(chunks) or any(t.done() for t in tasks):
+                        break
+                    await asyncio.sleep(0.05)
+                assert all(chunks), f"not every stream started: {chunks}"
                 proc.send_signal(signal.SIGTERM)
-                await asyncio.gather(*tasks)
-                assert time.monotonic() - start < 5
+                # Every stream ends (drained or cut), none hangs: bounded well below
+                # the client's timeout.
+                await asyncio.wait_for(asyncio.gather(*tasks), 45)
 
         asyncio.run(load())
-        assert len(chunks) > 8  # the streams were under way when the signal came
-        assert proc.wait(5) is not None
-        assert _all_gone(children, timeout=5)
+        assert proc.wait(30) == 128 + signal.SIGTERM
+        assert all_gone(children, timeout=10)
+
+
+def test_sampling_extensions_and_penalties_change_the_output(server):
+    """Each sampling option sent over HTTP acts on the text (not only validated)."""
+    _, url, model = server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    prompt, n = "Once upon a time", 32
+    offline = LLM(model).generate([prompt], SamplingParams(temperature=0, max_tokens=n,
+                                                           ignore_eos=True), use_tqdm=False)
+    greedy_ids = offline[0].outputs[0].token_ids
+    assert len(set(greedy_ids)) < n, "no repeated token: penalties would have nothing to do"
+
+    def complete(**kw):
+        extra = {k: kw.pop(k) for k in ("top_k", "min_p", "repetition_penalty",
+                                        "stop_token_ids", "min_tokens") if k in kw}
+        done = client.completions.create(model=model, prompt=prompt, max_tokens=n,
+                                         extra_body={"ignore_eos": True, **extra}, **kw)
+        return done.choices[0]
+
+    greedy = complete(temperature=0).text
+    assert greedy == offline[0].outputs[0].text
+    for penalty in ({"repetition_penalty": 2.0}, {"frequency_penalty": 2.0},
+                    {"presence_penalty": 2.0}):
+        assert complete(temperature=0, **penalty).text != greedy, penalty
+    # A hot seeded sample differs from greedy; top_k=1 or min_p=1 keep only the top token.
+    hot = dict(temperature=2.0, seed=11)
+    assert complete(**hot).text != greedy
+    assert complete(**hot, top_k=1).text == greedy
+    assert complete(**hot, min_p=1.0).text == greedy
+    # stop_token_ids ends the text at that token; min_tokens holds the stop back.
+    stop_at = next(i for i in range(1, n) if greedy_ids[i] not in greedy_ids[:i])
+    cut = complete(temperature=0, stop_token_ids=[greedy_ids[stop_at]])
+    assert cut.finish_reason == "stop" and greedy.startswith(cut.text) and cut.text != greedy
+    later = complete(temperature=0, stop_token_ids=[greedy_ids[stop_at]], min_tokens=n)
+    assert later.finish_reason == "length"

@@ -567,9 +567,10 @@ def run_engine_core(config: EngineConfig, rank: int, handshake_address: str,
                     incarnation: int = 0) -> None:
     """Multiprocessing target: start one engine and serve until told to stop.
 
-    Exit code 0 after SIGTERM/SIGINT (or when the parent dies); 1 after a
-    start-up failure or a fatal error, which is logged with its traceback and,
-    once serving, announced with ENGINE_CORE_DEAD on every output socket.
+    Exit code 0 after SIGTERM (or when the parent dies; Ctrl-C's SIGINT is ignored:
+    the parent stops it); 1 after a start-up failure or a fatal error, which is
+    logged with its traceback and, once serving, announced with ENGINE_CORE_DEAD
+    on every output socket.
     """
     name_process(f"EngineCore_{rank}")
     _install_signal_handlers()
@@ -599,7 +600,7 @@ def run_engine_core(config: EngineConfig, rank: int, handshake_address: str,
 
 
 def _install_signal_handlers() -> None:
-    """SIGTERM/SIGINT raise SystemExit once in the main thread; the rest is cleanup."""
+    """SIGTERM raises SystemExit once in the main thread; the rest is cleanup."""
     fired = False
 
     def handler(signum: int, frame: Any) -> None:
@@ -609,4 +610,5 @@ def _install_signal_handlers() -> None:
             raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
+    # Ctrl-C reaches the whole process group: it is for the parent, which stops us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

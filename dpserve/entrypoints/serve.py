@@ -145,8 +145,7 @@ def run_serve(args: argparse.Namespace) -> int:
         # Until the serving phase installs its own handlers, a stop signal
         # unwinds through `finally`.
         signal.signal(signal.SIGTERM, _raise_system_exit)
-        if num_api_servers > 1:
-            signal.signal(signal.SIGINT, _raise_system_exit)
+        signal.signal(signal.SIGINT, _raise_system_exit)
         launch = launch_engines(config, num_api_servers, ready_timeout=args.engine_ready_timeout)
         specs = [APIServerSpec(i, launch.input_binds(i), launch.output_binds(i), launch.ranks,
                                launch.max_model_len, launch.coordinator_address)

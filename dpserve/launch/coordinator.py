@@ -20,8 +20,9 @@ Sockets (all bound here; the wire format is in `dpserve.protocol`):
     engine_report_address   PULL  <- EngineReport from engines (PUSH)
     engine_publish_address  XPUB  -> COORDINATOR_READY, then START_DP_WAVE (SUB)
 
-The process exits on SIGTERM/SIGINT, when its parent dies (polled every
-second), or with exit code 1 when not every engine subscribes in time.
+The process exits on SIGTERM (it ignores Ctrl-C's SIGINT: the parent stops
+it), when its parent dies (polled every second), or with exit code 1 when not
+every engine subscribes in time.
 """
 
 from __future__ import annotations
@@ -522,7 +523,8 @@ def run_coordinator(num_engines: int, front_publish_address: str | list[str],
                                         engine_report_address, engine_publish_address,
                                         **settings)
         signal.signal(signal.SIGTERM, coordinator.request_stop)
-        signal.signal(signal.SIGINT, coordinator.request_stop)
+        # Ctrl-C reaches the whole process group: it is for the parent, which stops us.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         start_parent_watcher(parent_pid, "the DP coordinator")
         if coordinator.wait_for_engines():
             coordinator.run()

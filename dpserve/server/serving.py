@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from dpserve.frontend.async_llm import AsyncLLM
-from dpserve.frontend.errors import EngineDeadError, RequestError
+from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError, RequestError
 from dpserve.outputs import CompletionOutput, Logprob, RequestOutput
 from dpserve.sampling_params import SamplingParams
 from dpserve.server.protocol import (
@@ -373,6 +373,8 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, ValueError):
         name = str(exc).split(" ", 1)[0]
         return APIError(400, str(exc), param=name if name in _PARAM_FIELDS else None)
+    if isinstance(exc, EngineUnavailableError):  # no rank serves it now; the server lives
+        return APIError(503, str(exc), type="server_error", code="engine_unavailable")
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), type="server_error", code="engine_dead")
     status = getattr(exc, "status_code", None)

@@ -1,0 +1,191 @@
+"""Shared test helpers: start and stop `dpserve serve` processes, wait for them,
+read their metrics, and greedy references from one in-process engine.
+
+Imported by test modules as `from helpers import ...` (pytest puts tests/ on
+sys.path); no test module imports another test module."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import httpx
+import psutil
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve(model: str, *extra: str, env: dict[str, str] | None = None, timeout: float = 120,
+          host: str = "127.0.0.1", headers: dict[str, str] | None = None,
+          new_session: bool = False):
+    """Start `dpserve serve`, wait for /health, yield (process, base_url); always clean up.
+
+    The server's output goes to a temporary file: `output(proc)` reads it. With
+    `new_session` it leads a process group of its own, as a shell's foreground job
+    (Ctrl-C signals the whole group: `os.killpg(proc.pid, SIGINT)`).
+    """
+    port = free_port(host)
+    log = tempfile.NamedTemporaryFile("w+", prefix="dpserve-serve-", suffix=".log")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dpserve.cli", "serve", model, "--host", host, "--port",
+         str(port), *extra],
+        env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT, text=True,
+        start_new_session=new_session)
+    proc.log = log  # type: ignore[attr-defined]
+    url = f"http://{host}:{port}"
+    try:
+        wait_healthy(proc, url, timeout, describe=lambda: output(proc), headers=headers)
+        yield proc, url
+    finally:
+        stop(proc)
+        log.close()
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, describe=lambda: "",
+                 headers: dict[str, str] | None = None) -> None:
+    """Poll `url`/health until 200; fail (with `describe()`) if `proc` exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, f"server exited early:\n{describe()[-3000:]}"
+        assert time.monotonic() < deadline, \
+            f"server did not become healthy in time:\n{describe()[-3000:]}"
+        try:
+            if httpx.get(url + "/health", timeout=1, headers=headers).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+
+
+def output(proc: subprocess.Popen) -> str:
+    """Everything a process started by `serve` has written so far."""
+    with open(proc.log.name) as f:  # type: ignore[attr-defined]
+        return f.read()
+
+
+def stop(proc: subprocess.Popen, timeout: float = 10) -> None:
+    """SIGTERM, then SIGKILL after `timeout` s; a no-op on a process that has exited."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def all_gone(procs: list[psutil.Process], timeout: float) -> bool:
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return not alive
+
+
+def process_names(procs: list[psutil.Process]) -> set[str]:
+    """The dpserve names (prefix dropped) of the processes still running."""
+    names = set()
+    for p in procs:
+        try:
+            names.add(p.name().removeprefix("dpserve::"))
+        except psutil.NoSuchProcess:
+            pass
+    return names
+
+
+def wait_until(check: Callable[[], object], timeout: float, what: str = "condition",
+               interval: float = 0.05):
+    """Poll `check()` until truthy (returned) or fail after `timeout` s, naming `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(interval)
+
+
+def metric(url: str, name: str, headers: dict[str, str] | None = None) -> float:
+    """The sum of every sample of `name` (a prefix of the sample line) in /metrics."""
+    text = httpx.get(url + "/metrics", timeout=5, headers=headers).text
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name) and not line.startswith("#")]
+    assert values, f"metric {name} missing"
+    return sum(values)
+
+
+def finished_by_engine(url: str) -> dict[int, float]:
+    """engine rank -> requests it finished (dpserve:engine_requests_finished)."""
+    text = httpx.get(url + "/metrics", timeout=5).text
+    pattern = re.compile(r'^dpserve:engine_requests_finished_total\{(.*)\} (\S+)$')
+    counts: dict[int, float] = {}
+    for line in text.splitlines():
+        m = pattern.match(line)
+        if m:
+            engine = int(re.search(r'engine="(\d+)"', m.group(1)).group(1))
+            counts[engine] = counts.get(engine, 0.0) + float(m.group(2))
+    return counts
+
+
+async def complete_all(url: str, model: str, prompts: list[str], *, max_tokens: int,
+                       concurrency: int = 16, rank: int | None = None,
+                       headers: dict[str, str] | None = None) -> list[str]:
+    """Greedy completions of `prompts` over HTTP, `concurrency` at a time."""
+    headers = dict(headers or {})
+    if rank is not None:
+        headers["X-data-parallel-rank"] = str(rank)
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(client: httpx.AsyncClient, prompt: str) -> str:
+        async with limit:
+            resp = await client.post(url + "/v1/completions", headers=headers, json={
+                "model": model, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0})
+            assert resp.status_code == 200, resp.text
+            return resp.json()["choices"][0]["text"]
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        return await asyncio.gather(*(one(client, p) for p in prompts))
+
+
+def offline_greedy_texts(model: str, prompts: list[str], max_tokens: int,
+                         **params) -> list[str]:
+    """Greedy completions from one in-process engine on one thread, as each DP engine runs."""
+    import torch
+
+    from dpserve import LLM, SamplingParams
+
+    threads = torch.get_num_threads()
+    try:  # the engines run one thread each: the same arithmetic
+        return [o.outputs[0].text for o in LLM(model, threads_per_engine=1).generate(
+            prompts, SamplingParams(temperature=0, max_tokens=max_tokens, **params),
+            use_tqdm=False)]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def nonblank_stop_string(text: str, length: int) -> str:
+    """`length` characters of `text` from its middle on, starting at a non-blank one
+    (a stop string that cannot be all whitespace); fails if there is none."""
+    starts = [i for i in range(len(text) // 2, len(text) - length + 1)
+              if not text[i].isspace()]
+    assert starts, f"no non-blank stop string of {length} characters in {text!r}"
+    return text[starts[0]: starts[0] + length]
