@@ -122,6 +122,8 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     device: str  # "cpu" | "cuda"
+    # SIGTERM: requests in flight get this long to finish (server and engines), then abort.
+    shutdown_timeout: float = 30.0
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
@@ -187,6 +189,9 @@ class EngineArgs:
                                             "$DPSERVE_DP_SECRET; none = open).")
     ray_address: str | None = _opt(None, "Ray: join this cluster (default: start a local "
                                    "one).")
+    shutdown_timeout: float = _opt(30.0, "On SIGTERM (or Ctrl-C), seconds that requests in "
+                                   "flight get to finish before they are aborted; new "
+                                   "requests get 503 meanwhile.")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -271,7 +276,8 @@ class EngineArgs:
                                   or os.environ.get("DPSERVE_DP_SECRET") or None),
             ray_address=self.ray_address)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
-                            parallel=parallel, device=device)
+                            parallel=parallel, device=device,
+                            shutdown_timeout=float(self.shutdown_timeout))
 
     def _threads_per_engine(self, device: str) -> int | None:
         """The user's choice; on CPU with several (local) engines, a fair share of the cores."""
@@ -318,6 +324,8 @@ class EngineArgs:
              "threads_per_engine", "must be at least 1")
         need(self.data_parallel_sync_interval >= 1, "data_parallel_sync_interval",
              "must be at least 1")
+        need(0 <= self.shutdown_timeout < float("inf"), "shutdown_timeout",
+             "must be a number of seconds >= 0")
         self._validate_placement()
         if self.kv_cache_memory is not None:
             parse_memory_size(self.kv_cache_memory, "kv_cache_memory")

@@ -423,7 +423,8 @@ def run_coordinator(num_engines: int, front_publish_address: str | list[str],
                                         engine_report_address, engine_publish_address,
                                         parent_pid=parent_pid, **settings)
         signal.signal(signal.SIGTERM, coordinator.request_stop)
-        signal.signal(signal.SIGINT, coordinator.request_stop)
+        # Ctrl-C reaches the whole process group: the launcher drains, then SIGTERMs us.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         if coordinator.wait_for_engines():
             coordinator.run()
         elif not coordinator.stop_requested and os.getppid() == parent_pid:

@@ -99,7 +99,7 @@ def test_sigterm_stops_every_process(two_api_servers):
     proc, url, _, children = two_api_servers
     assert httpx.get(url + "/health", timeout=5).status_code == 200
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(15) == 128 + signal.SIGTERM
+    assert proc.wait(30) == 0  # drained (nothing in flight)
     assert _all_gone(children, timeout=10), [p for p in children if p.is_running()]
 
 
