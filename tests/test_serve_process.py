@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -73,13 +72,16 @@ def output(proc: subprocess.Popen) -> str:
 
 
 def _stop(proc: subprocess.Popen, timeout: float = 10) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+    """SIGTERM (a drain); if it still runs after `timeout` s, a second SIGTERM (stop
+    at once), then SIGKILL."""
+    for stop in (proc.terminate, proc.terminate, proc.kill):
+        if proc.poll() is not None:
+            return
+        stop()
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+            pass
 
 
 def _descendants(pid: int) -> list[psutil.Process]:
