@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -110,12 +111,18 @@ async def _assert_draining(client: httpx.AsyncClient, url: str, model: str,
         assert (await client.get(url + "/v1/models")).status_code == 503
 
 
-def _check_drain_finishes_streams(model: str, *extra: str, draining_checks: int = 1) -> None:
-    with serve(model, *extra) as (proc, url):
+def _check_drain_finishes_streams(model: str, *extra: str, draining_checks: int = 1,
+                                  group_signal: int | None = None) -> None:
+    """SIGTERM to the server (or `group_signal` to its whole process group, as
+    Ctrl-C in a terminal does) while streams run: all of them finish whole."""
+    with serve(model, *extra, new_session=group_signal is not None) as (proc, url):
         children = _descendants(proc.pid)
 
         async def signal_then_check(client: httpx.AsyncClient) -> None:
-            proc.send_signal(signal.SIGTERM)
+            if group_signal is None:
+                proc.send_signal(signal.SIGTERM)
+            else:
+                os.killpg(proc.pid, group_signal)
             await _assert_draining(client, url, model, draining_checks)
 
         # Eight 96-token streams, and a long one that keeps the server draining
@@ -136,6 +143,21 @@ def test_sigterm_drains_two_api_servers_and_two_engines(tiny_llama):
     _check_drain_finishes_streams(str(tiny_llama), "--shutdown-timeout", "120",
                                   "--api-server-count", "2", "--data-parallel-size", "2",
                                   "--threads-per-engine", "1", draining_checks=4)
+
+
+def test_ctrl_c_to_the_process_group_drains(tiny_llama):
+    # Engines and the coordinator get the SIGINT too: they leave the stop to the launcher.
+    _check_drain_finishes_streams(str(tiny_llama), "--shutdown-timeout", "120",
+                                  "--data-parallel-size", "2", "--threads-per-engine", "1",
+                                  group_signal=signal.SIGINT)
+
+
+def test_sigterm_to_the_process_group_drains(tiny_llama):
+    # As systemd stops a service: every process gets SIGTERM at once; engines drain
+    # their own requests and the coordinator stops, which is no failure then.
+    _check_drain_finishes_streams(str(tiny_llama), "--shutdown-timeout", "120",
+                                  "--data-parallel-size", "2", "--threads-per-engine", "1",
+                                  group_signal=signal.SIGTERM)
 
 
 def test_shutdown_timeout_aborts_what_is_left(tiny_llama):

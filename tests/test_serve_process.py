@@ -29,17 +29,19 @@ def _free_port() -> int:
 
 @contextmanager
 def serve(model: str, *extra: str, env: dict[str, str] | None = None, timeout: float = 120,
-          host: str = "127.0.0.1"):
+          host: str = "127.0.0.1", new_session: bool = False):
     """Start `dpserve serve`, wait for /health, yield (process, base_url); always clean up.
 
     The server's output goes to a temporary file: `output(proc)` reads it.
+    `new_session`: its own process group (for signals to the whole group, as Ctrl-C).
     """
     port = _free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="dpserve-serve-", suffix=".log")
     proc = subprocess.Popen(
         [sys.executable, "-m", "dpserve.cli", "serve", model, "--host", host, "--port",
          str(port), *extra],
-        env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT, text=True)
+        env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT, text=True,
+        start_new_session=new_session)
     proc.log = log  # type: ignore[attr-defined]
     url = f"http://{host}:{port}"
     try:

@@ -197,7 +197,9 @@ async def serve_http(options: APIServerOptions, config: EngineConfig, spec: APIS
         if server.forced_by is not None:
             await _abort_all(llm)  # best effort: the engines need not finish them
             return 128 + server.forced_by
-        died = llm.is_dead  # before shutdown(), which marks the client dead too
+        # Before shutdown(), which marks the client dead too. After a drain, engines
+        # that stopped too (a SIGTERM to the whole process group) are no failure.
+        died = llm.is_dead and not server.drain_requested
     finally:
         if llm is not None:
             llm.shutdown()

@@ -50,6 +50,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from multiprocessing import connection
@@ -60,12 +61,14 @@ from dpserve.config import ConfigError, EngineArgs, EngineConfig
 from dpserve.logging_utils import name_process
 
 if TYPE_CHECKING:
-    from dpserve.entrypoints.api_server import APIServerOptions, APIServerSpec
+    from dpserve.entrypoints.api_server import APIServerOptions, APIServerSpec, DrainingServer
     from dpserve.entrypoints.engines import EngineLaunch
+    from dpserve.frontend.engine_client import AsyncEngineClient
 
 logger = logging.getLogger("dpserve.serve")
 
 DRAIN_MARGIN_S = 15.0  # beyond --shutdown-timeout: aborts, closing connections, exits
+_GROUP_SIGNAL_GRACE_S = 1.0  # a child's clean exit waits this long for our own SIGTERM
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -233,11 +236,35 @@ def _serve_in_process(options: APIServerOptions, config: EngineConfig,
     from dpserve.entrypoints.api_server import serve_http
 
     async def on_ready(client, server) -> None:
-        client.watch_processes(launch.processes)  # any death stops the server
+        _watch_processes(launch.processes, client, server)  # a death stops the server
         launch.watch_actors(client.mark_dead)
         _log_serving(options, config, spec, sock, 1)
 
     return asyncio.run(serve_http(options, config, spec, sock, on_ready))
+
+
+def _watch_processes(procs: Sequence[BaseProcess], client: AsyncEngineClient,
+                     server: DrainingServer) -> None:
+    """M == 1: any of `procs` exiting marks the engines dead, except a clean exit
+    (code 0) of one stopped by the drain's own signal, sent to the whole process
+    group (`--shutdown-timeout`'s engines drain alike; the coordinator just stops)."""
+    from dpserve.launcher import wait_for_any_exit
+
+    def watch() -> None:
+        left = list(procs)
+        while left and not client.dead:
+            for proc in wait_for_any_exit(left, timeout=0.5):
+                deadline = time.monotonic() + _GROUP_SIGNAL_GRACE_S
+                while proc.exitcode == 0 and not server.drain_requested and \
+                        time.monotonic() < deadline:
+                    time.sleep(0.05)  # the same signal may not have reached us yet
+                if proc.exitcode != 0 or not server.drain_requested:
+                    client.mark_dead(f"process {proc.name} (pid {proc.pid}) exited with "
+                                     f"code {proc.exitcode}")
+                    return
+                left.remove(proc)
+
+    threading.Thread(target=watch, name="process-watcher", daemon=True).start()
 
 
 def _run_api_servers(options: APIServerOptions, config: EngineConfig,
@@ -344,7 +371,7 @@ def _wait_drained(stop: _StopSignal, draining: Sequence[BaseProcess],
     """After the first signal: wait until every `draining` process has exited.
 
     Returns (exit code, why): 0 when they did; 1 when they still run after
-    `timeout` + DRAIN_MARGIN_S, or a process in `watched` (engines) exits or
+    `timeout` + DRAIN_MARGIN_S, or a process in `watched` (engines) fails or
     a Ray actor dies first; 128 + the signal on a second signal.
     """
     deadline = time.monotonic() + timeout + DRAIN_MARGIN_S
@@ -358,7 +385,8 @@ def _wait_drained(stop: _StopSignal, draining: Sequence[BaseProcess],
         if stop.count > 1:
             logger.warning("second signal (%d): stopping at once", stop.signum)
             return 128 + (stop.signum or signal.SIGTERM), "stopped by a second signal"
-        dead = [p for p in watched if p.exitcode is not None]
+        # Exit code 0: an engine stopped by the same signal (sent to the process group).
+        dead = [p for p in watched if p.exitcode]
         if dead or stop.death is not None:
             why = stop.death or ", ".join(f"process {p.name} (pid {p.pid}) exited with code "
                                           f"{p.exitcode}" for p in dead)
