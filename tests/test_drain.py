@@ -126,11 +126,13 @@ def _check_drain_finishes_streams(model: str, *extra: str, draining_checks: int 
             await _assert_draining(client, url, model, draining_checks)
 
         # Eight 96-token streams, and a long one that keeps the server draining
-        # while the 503s are checked.
-        streams = asyncio.run(_run_streams(url, model, [96] * 8 + [900], signal_then_check))
+        # while the 503s are checked. A group signal reaches the engines too, so
+        # wait until each one runs there (an engine that drains takes no new work).
+        streams = asyncio.run(_run_streams(url, model, [96] * 8 + [900], signal_then_check,
+                                           first_token=group_signal is not None))
         assert proc.wait(60) == 0, output(proc)[-3000:]
         for s, n in zip(streams, [96] * 8 + [900]):
-            assert s == Stream(200, n, "length"), s
+            assert s == Stream(200, n, "length"), (s, output(proc)[-4000:])
         assert _all_gone(children, timeout=15), [p for p in children if p.is_running()]
         assert "draining: " in output(proc)
 
