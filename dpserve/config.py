@@ -129,6 +129,8 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     device: str  # "cpu" | "cuda"
+    # SIGTERM: requests in flight get this long to finish (server and engines), then abort.
+    shutdown_timeout: float = 30.0
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
@@ -207,6 +209,9 @@ class EngineArgs:
                                     "rank stays out.")
     max_request_migrations: int = _opt(3, "How often one request may move to another rank "
                                        "when its rank fails.")
+    shutdown_timeout: float = _opt(30.0, "On SIGTERM (or Ctrl-C), seconds that requests in "
+                                   "flight get to finish before they are aborted; new "
+                                   "requests get 503 meanwhile.")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -296,7 +301,8 @@ class EngineArgs:
             max_engine_restarts=self.max_engine_restarts,
             max_request_migrations=self.max_request_migrations)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
-                            parallel=parallel, device=device)
+                            parallel=parallel, device=device,
+                            shutdown_timeout=float(self.shutdown_timeout))
 
     def _threads_per_engine(self, device: str) -> int | None:
         """The user's choice; on CPU with several (local) engines, a fair share of the cores."""
@@ -349,6 +355,8 @@ class EngineArgs:
              f"must be one of {', '.join(_FAILURE_POLICIES)}")
         need(self.max_engine_restarts >= 0, "max_engine_restarts", "must be at least 0")
         need(self.max_request_migrations >= 0, "max_request_migrations", "must be at least 0")
+        need(0 <= self.shutdown_timeout < float("inf"), "shutdown_timeout",
+             "must be a number of seconds >= 0")
         self._validate_placement()
         if self.kv_cache_memory is not None:
             parse_memory_size(self.kv_cache_memory, "kv_cache_memory")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -78,14 +77,16 @@ def output(proc: subprocess.Popen) -> str:
 
 
 def stop(proc: subprocess.Popen, timeout: float = 10) -> None:
-    """SIGTERM, then SIGKILL after `timeout` s; a no-op on a process that has exited."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+    """SIGTERM (a drain); if it still runs after `timeout` s, a second SIGTERM (stop
+    at once), then SIGKILL; a no-op on a process that has exited."""
+    for signal_it in (proc.terminate, proc.terminate, proc.kill):
+        if proc.poll() is not None:
+            return
+        signal_it()
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+            pass
 
 
 def descendants(pid: int) -> list[psutil.Process]:
@@ -189,3 +190,28 @@ def nonblank_stop_string(text: str, length: int) -> str:
               if not text[i].isspace()]
     assert starts, f"no non-blank stop string of {length} characters in {text!r}"
     return text[starts[0]: starts[0] + length]
+
+
+# ---- several hosts, played on one machine ---------------------------------------------
+
+MULTIHOST_ARGS = ("--threads-per-engine", "1", "--max-model-len", "256", "--num-kv-blocks", "64")
+
+
+def start_background(model: str, *args: str) -> tuple[subprocess.Popen,
+                                                        tempfile._TemporaryFileWrapper]:
+    """`dpserve serve` in the background (no health wait), output to a temp file."""
+    log = tempfile.NamedTemporaryFile("w+", prefix="dpserve-node-", suffix=".log")
+    proc = subprocess.Popen([sys.executable, "-m", "dpserve.cli", "serve", model, *args],
+                            stdout=log, stderr=subprocess.STDOUT, text=True)
+    return proc, log
+
+
+def read_log(log) -> str:
+    with open(log.name) as f:
+        return f.read()
+
+
+def dp_args(size: int, rpc_port: int, *extra: str) -> list[str]:
+    """The options of one host of a DP group whose head is 127.0.0.1:`rpc_port`."""
+    return ["--data-parallel-size", str(size), "--data-parallel-address", "127.0.0.1",
+            "--data-parallel-rpc-port", str(rpc_port), *MULTIHOST_ARGS, *extra]

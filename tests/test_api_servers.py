@@ -109,8 +109,7 @@ def test_a_signal_stops_every_process(tiny_llama, how):
             proc.send_signal(signal.SIGTERM)
         else:
             os.killpg(proc.pid, signal.SIGINT)
-        sig = signal.SIGTERM if how == "SIGTERM" else signal.SIGINT
-        assert proc.wait(30) == 128 + sig, output(proc)[-3000:]
+        assert proc.wait(60) == 0, output(proc)[-3000:]  # drained (nothing in flight)
         assert all_gone(children, timeout=10), [p for p in children if p.is_running()]
 
 

@@ -261,6 +261,83 @@ def test_sigterm_exits_cleanly_and_shutdown_leaves_nothing(engine_config):
         assert not any(psutil.pid_exists(pid) for pid in pids)
 
 
+def _sigterm_with_requests(config, max_tokens: int, late: bool = True, again: bool = False):
+    """Two requests running, then SIGTERM, then (`late`) one more request, and
+    (`again`, once "late" was rejected) a second SIGTERM: returns how each of
+    "a", "b", "late" ended ({} with `again`: what finished before the exit), and
+    the exit code."""
+    loop = asyncio.new_event_loop()
+    try:
+        with launched(config) as (mgr, addrs):
+            mgr.wait_for_startup(addrs.init_metadata(), timeout=START_TIMEOUT)
+            proc = mgr.processes[0]
+
+            async def scenario() -> dict[str, Finished]:
+                client = await make_client(addrs)
+                try:
+                    for rid in ("a", "b"):
+                        await client.add_request(EngineCoreRequest(rid, [5, 6, 7],
+                                                                   greedy(max_tokens)))
+                    first = await client.get_output()  # they are running
+                    os.kill(proc.pid, signal.SIGTERM)
+                    if not late:
+                        got = await collect(client, ["a", "b"])
+                    elif not again:
+                        await client.add_request(EngineCoreRequest("late", [1, 2], greedy(4)))
+                        got = await collect(client, ["a", "b", "late"])
+                    else:
+                        await client.add_request(EngineCoreRequest("late", [1, 2], greedy(4)))
+                        got = await collect(client, ["late"])  # rejected: it drains
+                        os.kill(proc.pid, signal.SIGTERM)
+                        await asyncio.get_running_loop().run_in_executor(None, proc.join, 30)
+                        while not client._outputs.empty():  # what came before the exit
+                            for out in (await client.get_output()).outputs:
+                                if out.finished:
+                                    got[out.request_id] = Finished([], out.finish_reason)
+                        return got
+                    for out in first.outputs:  # the tokens `collect` did not see
+                        got[out.request_id].token_ids[:0] = out.new_token_ids
+                    return got
+                finally:
+                    await client.aclose()
+
+            got = run(loop, scenario(), timeout=60)
+            proc.join(timeout=30)
+            return got, proc.exitcode
+    finally:
+        loop.close()
+
+
+@pytest.fixture(scope="module")
+def long_config(tiny_llama):
+    """Room for two 1000-token requests: seconds of work, even on a fast machine."""
+    return EngineArgs(model=str(tiny_llama), max_model_len=1024, num_kv_blocks=136,
+                      threads_per_engine=1).create_config()
+
+
+def test_sigterm_with_requests_drains_them(long_config):
+    got, exitcode = _sigterm_with_requests(long_config, max_tokens=1000)
+    assert exitcode == 0
+    assert got["late"] == Finished([], FinishReason.ABORT)  # no new work while draining
+    for rid in ("a", "b"):
+        assert (len(got[rid].token_ids), got[rid].finish_reason) == (1000, FinishReason.LENGTH)
+
+
+def test_sigterm_drain_aborts_at_the_shutdown_timeout(long_config):
+    config = dataclasses.replace(long_config, shutdown_timeout=0.0)
+    got, exitcode = _sigterm_with_requests(config, max_tokens=1000, late=False)
+    assert exitcode == 0
+    for rid in ("a", "b"):
+        assert got[rid].finish_reason == FinishReason.ABORT and len(got[rid].token_ids) < 1000
+
+
+def test_second_sigterm_exits_at_once(long_config):
+    config = dataclasses.replace(long_config, shutdown_timeout=600.0)
+    got, exitcode = _sigterm_with_requests(config, max_tokens=1000, again=True)
+    assert exitcode == 0
+    assert got == {"late": Finished([], FinishReason.ABORT)}  # a and b were not finished
+
+
 _ORPHAN_SCRIPT = """
 import sys, time
 from dpserve.config import EngineArgs

@@ -12,7 +12,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from contextlib import ExitStack
 
@@ -20,38 +19,21 @@ import httpx
 import psutil
 import pytest
 from helpers import (
+    MULTIHOST_ARGS,
     all_gone,
     complete_all,
     descendants,
+    dp_args,
     finished_by_engine,
     free_port,
+    read_log,
     serve,
+    start_background,
     stop,
     wait_healthy,
 )
 
 pytestmark = [pytest.mark.procs, pytest.mark.slow]
-
-COMMON = ("--threads-per-engine", "1", "--max-model-len", "256", "--num-kv-blocks", "64")
-
-
-def _start(model: str, *args: str) -> tuple[subprocess.Popen, tempfile._TemporaryFileWrapper]:
-    """`dpserve serve` in the background (no health wait), output to a temp file."""
-    log = tempfile.NamedTemporaryFile("w+", prefix="dpserve-node-", suffix=".log")
-    proc = subprocess.Popen([sys.executable, "-m", "dpserve.cli", "serve", model, *args],
-                            stdout=log, stderr=subprocess.STDOUT, text=True)
-    return proc, log
-
-
-def _read(log) -> str:
-    with open(log.name) as f:
-        return f.read()
-
-
-def _dp_args(size: int, rpc_port: int, *extra: str) -> list[str]:
-    return ["--data-parallel-size", str(size), "--data-parallel-address", "127.0.0.1",
-            "--data-parallel-rpc-port", str(rpc_port), *COMMON, *extra]
-
 
 def _wave(url: str) -> float:
     text = httpx.get(url + "/metrics", timeout=5).text
@@ -62,10 +44,10 @@ def _wave(url: str) -> float:
 
 def test_head_and_headless_host(tiny_llama):
     model, rpc = str(tiny_llama), free_port()
-    headless, log = _start(model, "--headless", "--data-parallel-size-local", "1",
-                           "--data-parallel-start-rank", "1", *_dp_args(2, rpc))
+    headless, log = start_background(model, "--headless", "--data-parallel-size-local", "1",
+                           "--data-parallel-start-rank", "1", *dp_args(2, rpc))
     try:
-        with serve(model, "--data-parallel-size-local", "1", *_dp_args(2, rpc)) as (head, url):
+        with serve(model, "--data-parallel-size-local", "1", *dp_args(2, rpc)) as (head, url):
             children = descendants(head.pid) + descendants(headless.pid)
             asyncio.run(complete_all(url, model, [f"p{i}" for i in range(24)],
                                       max_tokens=4))
@@ -75,7 +57,7 @@ def test_head_and_headless_host(tiny_llama):
             head.send_signal(signal.SIGTERM)
             assert head.wait(15) is not None
         # Stopping the head stops the headless host's engine, then the host itself.
-        assert headless.wait(20) is not None, _read(log)[-2000:]
+        assert headless.wait(20) is not None, read_log(log)[-2000:]
         assert all_gone(children, timeout=10), [p for p in children if p.is_running()]
     finally:
         stop(headless, 15)
@@ -84,12 +66,12 @@ def test_head_and_headless_host(tiny_llama):
 
 def test_headless_host_without_a_head_fails_clearly(tiny_llama):
     rpc = free_port()  # nobody listens there
-    proc, log = _start(str(tiny_llama), "--headless", "--data-parallel-size-local", "1",
+    proc, log = start_background(str(tiny_llama), "--headless", "--data-parallel-size-local", "1",
                        "--data-parallel-start-rank", "1", "--engine-ready-timeout", "3",
-                       *_dp_args(2, rpc))
+                       *dp_args(2, rpc))
     try:
         code = proc.wait(90)  # bounded: the 3 s wait, start-up on a loaded machine
-        out = _read(log)
+        out = read_log(log)
         assert code != 0
         assert f"tcp://127.0.0.1:{rpc}" in out and "within 3 s" in out, out[-2000:]
         assert "Traceback" not in out.splitlines()[-1]
@@ -105,16 +87,16 @@ def test_external_lb_one_server_per_rank_waves_in_step(tiny_llama):
     with ExitStack() as stack:
         procs = []
         for rank in (0, 1):
-            proc, log = _start(model, "--host", hosts[rank], "--port", str(ports[rank]),
+            proc, log = start_background(model, "--host", hosts[rank], "--port", str(ports[rank]),
                                "--data-parallel-rank", str(rank),
                                "--data-parallel-lockstep", "--data-parallel-sync-interval", "4",
-                               *_dp_args(2, rpc))
+                               *dp_args(2, rpc))
             stack.callback(log.close)
             stack.callback(stop, proc, 15)
             procs.append((proc, log))
         urls = [f"http://{h}:{p}" for h, p in zip(hosts, ports)]
         for (proc, log), url in zip(procs, urls):
-            wait_healthy(proc, url, timeout=120, describe=lambda log=log: _read(log))
+            wait_healthy(proc, url, timeout=120, describe=lambda log=log: read_log(log))
         # Each server fronts its own rank only.
         for rank, url in enumerate(urls):
             asyncio.run(complete_all(url, model, ["a", "b", "c"], max_tokens=3))
@@ -136,7 +118,7 @@ def test_external_lb_one_server_per_rank_waves_in_step(tiny_llama):
         for proc, _ in procs:
             proc.send_signal(signal.SIGTERM)
         for proc, log in procs:
-            assert proc.wait(20) is not None, _read(log)[-2000:]
+            assert proc.wait(20) is not None, read_log(log)[-2000:]
         assert all_gone(children, timeout=10)
 
 
@@ -147,15 +129,15 @@ def test_hybrid_lb_each_host_balances_over_its_engines(tiny_llama):
     with ExitStack() as stack:
         procs = []
         for (host, local, start), port in zip(layout, ports):
-            proc, log = _start(model, "--host", host, "--port", str(port),
+            proc, log = start_background(model, "--host", host, "--port", str(port),
                                "--data-parallel-hybrid-lb", "--data-parallel-size-local",
-                               local, "--data-parallel-start-rank", start, *_dp_args(3, rpc))
+                               local, "--data-parallel-start-rank", start, *dp_args(3, rpc))
             stack.callback(log.close)
             stack.callback(stop, proc, 15)
             procs.append((proc, log))
         urls = [f"http://{host}:{port}" for (host, _, _), port in zip(layout, ports)]
         for (proc, log), url in zip(procs, urls):
-            wait_healthy(proc, url, timeout=180, describe=lambda log=log: _read(log))
+            wait_healthy(proc, url, timeout=180, describe=lambda log=log: read_log(log))
         asyncio.run(complete_all(urls[0], model, [f"q{i}" for i in range(24)],
                                   max_tokens=4))
         asyncio.run(complete_all(urls[1], model, [f"r{i}" for i in range(6)], max_tokens=4))
@@ -200,20 +182,22 @@ def test_secret_head_timeout_and_bind_addresses(tiny_llama):
     up after its --engine-ready-timeout, saying which rank never said HELLO."""
     model, dp_host = str(tiny_llama), "127.0.0.2"
 
-    def dp_args(rpc: int, secret: str) -> list[str]:
+    def secret_args(rpc: int, secret: str) -> list[str]:
         return ["--data-parallel-size", "2", "--data-parallel-address", dp_host,
                 "--data-parallel-rpc-port", str(rpc), "--data-parallel-secret", secret,
-                *COMMON]
+                *MULTIHOST_ARGS]
 
     # The wrong secret: the head times out.
     rpc = free_port(dp_host)
-    outsider, out_log = _start(model, "--headless", "--data-parallel-size-local", "1",
-                               "--data-parallel-start-rank", "1", *dp_args(rpc, "a wrong secret"))
-    head, head_log = _start(model, "--port", str(free_port()), "--data-parallel-size-local",
-                            "1", "--engine-ready-timeout", "15", *dp_args(rpc, "the right secret"))
+    outsider, out_log = start_background(
+        model, "--headless", "--data-parallel-size-local", "1", "--data-parallel-start-rank",
+        "1", *secret_args(rpc, "a wrong secret"))
+    head, head_log = start_background(
+        model, "--port", str(free_port()), "--data-parallel-size-local", "1",
+        "--engine-ready-timeout", "15", *secret_args(rpc, "the right secret"))
     try:
-        assert head.wait(180) == 1, _read(head_log)[-3000:]
-        last = _read(head_log).strip().splitlines()[-1]
+        assert head.wait(180) == 1, read_log(head_log)[-3000:]
+        last = read_log(head_log).strip().splitlines()[-1]
         assert last.startswith("dpserve: error: engine failed to start: engines not ready "
                                "after 15 s") and "rank 1 NEW (no HELLO yet)" in last, last
     finally:
@@ -223,11 +207,11 @@ def test_secret_head_timeout_and_bind_addresses(tiny_llama):
 
     # The right secret: it serves, and listens on the DP address only.
     rpc = free_port(dp_host)
-    insider, log = _start(model, "--headless", "--data-parallel-size-local", "1",
-                          "--data-parallel-start-rank", "1", *dp_args(rpc, "the right secret"))
+    insider, log = start_background(model, "--headless", "--data-parallel-size-local", "1",
+                          "--data-parallel-start-rank", "1", *secret_args(rpc, "the right secret"))
     try:
         with serve(model, "--data-parallel-size-local", "1",
-                   *dp_args(rpc, "the right secret")) as (head, url):
+                   *secret_args(rpc, "the right secret")) as (head, url):
             asyncio.run(complete_all(url, model, [f"s{i}" for i in range(16)], max_tokens=3))
             served = finished_by_engine(url)
             assert served.get(0, 0) > 0 and served.get(1, 0) > 0, served

@@ -21,6 +21,13 @@ Sockets of engine `rank` (identity = `engine_identity(rank)`):
 
 A dying engine sends the two frames [ENGINE_CORE_DEAD, identity] on every
 output socket, so a front-end with several engines knows which one died.
+
+Signals (`_StopSignals`): SIGINT is ignored (Ctrl-C reaches the whole process
+group; the launcher decides). The first SIGTERM stops an idle engine at once;
+an engine with requests drains instead: new ADDs finish at once with ABORT,
+the requests in flight run for up to `config.shutdown_timeout` s, then the
+rest are aborted (their final outputs say ABORT) and it exits 0. A second
+SIGTERM exits at once.
 """
 
 from __future__ import annotations
@@ -119,6 +126,8 @@ class EngineCoreProc:
             queue.Queue())
         self._stop_io = threading.Event()
         self._client_of: dict[str, int] = {}  # request_id -> client index, until finished
+        self.drain_deadline: float | None = None  # set by a SIGTERM with requests in flight
+        self._drain_logged = False
         self._result_checker = msgspec.msgpack.Encoder()
         self.dp: DPLink | None = None  # the data-parallel part, when dp_size > 1
 
@@ -181,6 +190,9 @@ class EngineCoreProc:
         """Serve until SystemExit (a signal) or an exception (fatal)."""
         core = self.engine_core
         while True:
+            # 0. Draining (SIGTERM): exit once no request is left.
+            if self.drain_deadline is not None:
+                self._drain_step()
             # 1. Take in everything the front-ends sent; block only when idle.
             self._process_input_queue()
             self._report_load()
@@ -198,6 +210,29 @@ class EngineCoreProc:
                                    has_work=self.dp.has_work,
                                    run_dummy_batch=core.execute_dummy_batch)
                 self._report_load()
+
+    def begin_drain(self) -> None:
+        """Finish the requests in flight (up to the shutdown timeout), then exit.
+
+        Called from the SIGTERM handler: it only sets the deadline.
+        """
+        self.drain_deadline = time.monotonic() + self.config.shutdown_timeout
+
+    def _drain_step(self) -> None:
+        """Raise SystemExit once no request is left; at the deadline, abort them first."""
+        assert self.drain_deadline is not None
+        if not self._drain_logged:
+            self._drain_logged = True
+            logger.info("engine %d: draining %d request(s) (up to %g s)", self.rank,
+                        len(self._client_of), self.config.shutdown_timeout)
+        timed_out = time.monotonic() >= self.drain_deadline
+        if timed_out and self._client_of:
+            logger.warning("engine %d: shutdown timeout: aborting %d request(s)", self.rank,
+                           len(self._client_of))
+            self._publish(self.engine_core.abort_requests(list(self._client_of)))
+        if timed_out or not self.engine_core.has_unfinished_requests():
+            logger.info("engine %d: drained", self.rank)
+            raise SystemExit(0)
 
     def _report_load(self) -> None:
         if self.dp is not None:
@@ -246,6 +281,8 @@ class EngineCoreProc:
                 client = source  # answer where it came from
                 raise ValueError(f"client_index {request.client_index} is out of range "
                                  f"(this engine serves {self.num_clients} front-ends)")
+            if self.drain_deadline is not None:
+                raise ValueError("the engine is shutting down")
             if self.dp is not None:
                 self.dp.on_request(request.current_wave)
             self.engine_core.add_request(request)
@@ -567,13 +604,13 @@ def run_engine_core(config: EngineConfig, rank: int, handshake_address: str,
                     incarnation: int = 0) -> None:
     """Multiprocessing target: start one engine and serve until told to stop.
 
-    Exit code 0 after SIGTERM (or when the parent dies; Ctrl-C's SIGINT is ignored:
-    the parent stops it); 1 after a start-up failure or a fatal error, which is
-    logged with its traceback and, once serving, announced with ENGINE_CORE_DEAD
-    on every output socket.
+    Exit code 0 after SIGTERM (a drain, see the module docstring) or when the
+    parent dies; 1 after a start-up failure or a fatal error, which is logged
+    with its traceback and, once serving, announced with ENGINE_CORE_DEAD on
+    every output socket.
     """
     name_process(f"EngineCore_{rank}")
-    _install_signal_handlers()
+    signals = _StopSignals()
     parent = multiprocessing.parent_process()  # None when not started by multiprocessing
     start_parent_watcher(parent.pid if parent is not None else os.getppid(), f"engine {rank}")
     proc: EngineCoreProc | None = None
@@ -581,8 +618,10 @@ def run_engine_core(config: EngineConfig, rank: int, handshake_address: str,
     try:
         proc = EngineCoreProc(config, rank, handshake_address, local,
                               handshake_timeout=handshake_timeout, incarnation=incarnation)
+        signals.proc = proc
         proc.run_busy_loop()
     except SystemExit:
+        signals.exiting = True
         logger.info("engine %d shutting down", rank)
     except BaseException as e:
         exit_code = 1
@@ -599,16 +638,26 @@ def run_engine_core(config: EngineConfig, rank: int, handshake_address: str,
     sys.exit(exit_code)
 
 
-def _install_signal_handlers() -> None:
-    """SIGTERM raises SystemExit once in the main thread; the rest is cleanup."""
-    fired = False
+class _StopSignals:
+    """An engine process's SIGTERM/SIGINT (module docstring); installs itself.
 
-    def handler(signum: int, frame: Any) -> None:
-        nonlocal fired
-        if not fired:  # a second signal must not interrupt the cleanup
-            fired = True
+    SIGTERM raises SystemExit in the main thread when the engine is not
+    serving yet, is idle or already drains; otherwise it only starts the
+    drain. Once SystemExit was raised, signals no longer interrupt the cleanup.
+    """
+
+    def __init__(self) -> None:
+        self.proc: EngineCoreProc | None = None  # set once serving
+        self.exiting = False
+        signal.signal(signal.SIGTERM, self._handle)
+        signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT or self.exiting:
+            return
+        proc = self.proc
+        if proc is None or proc.drain_deadline is not None or \
+                not proc.engine_core.has_unfinished_requests():
+            self.exiting = True
             raise SystemExit(0)
-
-    signal.signal(signal.SIGTERM, handler)
-    # Ctrl-C reaches the whole process group: it is for the parent, which stops us.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+        proc.begin_drain()

@@ -29,10 +29,16 @@ other side):
               --SERVE--> to each: now they serve, so the port opens with all M up
     later:    --STOPPING(reason)--> when any dpserve process died: fail in-flight
               requests with the reason (503), exit 1
+              --DRAIN--> on the launcher's SIGTERM/SIGINT: drain (below), exit 0
 
-An API server stops on SIGTERM/SIGINT (uvicorn drains for up to 2 s), when
-its engines die (ENGINE_CORE_DEAD, or STOPPING from the launcher), or when
-the launcher is gone (pipe closed, or re-parented: polled every second).
+Drain (`DrainingServer`; the first SIGTERM/SIGINT of this process, or DRAIN):
+`AsyncLLM.draining` is set, so /v1/* and /health answer 503 with Retry-After;
+requests in flight get `config.shutdown_timeout` seconds to finish, then the
+rest are aborted in the engines (their streams end with finish_reason
+"abort"); uvicorn then closes the connections and `serve_http` returns 0. A
+second signal stops at once (128 + the signal). An API server also stops
+when its engines die (ENGINE_CORE_DEAD, or STOPPING from the launcher), or
+when the launcher is gone (pipe closed, or re-parented: polled every second).
 
 Metrics: each child sets PROMETHEUS_MULTIPROC_DIR (the launcher's private
 dir) before prometheus_client is imported, so every scrape sums all M; see
@@ -47,12 +53,17 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from multiprocessing import connection
+from types import FrameType
 from typing import TYPE_CHECKING
 
+import uvicorn
+
 from dpserve.config import EngineConfig
+from dpserve.frontend.errors import EngineDeadError
 from dpserve.launch.api_servers import API_SERVER_READY_TIMEOUT_S, ControlMessage
 from dpserve.launch.process import start_parent_watcher
 from dpserve.logging_utils import name_process
@@ -60,14 +71,13 @@ from dpserve.logging_utils import name_process
 if TYPE_CHECKING:
     import socket
 
-    import uvicorn
-
     from dpserve.frontend.async_llm import AsyncLLM
     from dpserve.frontend.engine_client import AsyncEngineClient
 
 logger = logging.getLogger(__name__)
 
-GRACEFUL_SHUTDOWN_S = 2  # uvicorn drains requests this long after SIGTERM
+GRACEFUL_SHUTDOWN_S = 5  # after a drain (or a force exit), uvicorn closes connections
+_ABORT_WAIT_S = 5.0  # a drain waits this long for the final outputs of aborted requests
 
 # Test-only fault injection: API server <index> fails while starting.
 FAULT_START_ENV = "DPSERVE_FAULT_API_SERVER_START"
@@ -104,19 +114,40 @@ class APIServerSpec:
     coordinator_address: str | None  # the DP coordinator's front XPUB (None: no coordinator)
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn whose first SIGTERM/SIGINT (or `request_drain()`) starts a drain:
+    `llm.draining` at once (503s), the rest in `_watch_lifecycle`; a second
+    signal is uvicorn's force exit."""
+
+    def __init__(self, config: uvicorn.Config, llm: AsyncLLM) -> None:
+        super().__init__(config)
+        self.llm = llm
+        self.drain_requested = False
+        self.signalled = False
+        self.forced_by: int | None = None  # the second signal
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler: it only sets flags, which the loop polls.
+        if self.signalled:
+            self.forced_by = sig
+            self.should_exit = self.force_exit = True
+        self.signalled = True
+        self.request_drain()
+
+    def request_drain(self) -> None:
+        """Drain as on a first signal (idempotent; the launcher's DRAIN)."""
+        self.llm.draining = self.drain_requested = True
+
+
 # on_ready(client, server): runs once everything is built, before uvicorn serves.
-OnReady = Callable[["AsyncEngineClient", "uvicorn.Server"], Awaitable[None]]
+OnReady = Callable[["AsyncEngineClient", DrainingServer], Awaitable[None]]
 
 
 async def serve_http(options: APIServerOptions, config: EngineConfig, spec: APIServerSpec,
                      sock: socket.socket, on_ready: OnReady) -> int:
-    """Serve HTTP on `sock` until told to stop (0) or the engines die (1).
-
-    SIGTERM/SIGINT: uvicorn drains, then raises the signal again, so the
-    caller's handler decides (`dpserve serve` exits with 128 + the signal).
+    """Serve HTTP on `sock` until drained (0; the first SIGTERM/SIGINT or the
+    launcher's DRAIN), stopped by a second signal (128 + it), or the engines die (1).
     """
-    import uvicorn
-
     from dpserve.frontend.async_llm import AsyncLLM
     from dpserve.frontend.engine_client import AsyncEngineClient
     from dpserve.server.app import build_app
@@ -138,16 +169,21 @@ async def serve_http(options: APIServerOptions, config: EngineConfig, spec: APIS
                         max_request_body_bytes=options.max_request_body_bytes,
                         api_server_index=spec.index)
         # log_config=None: uvicorn's loggers use ours, so its lines name the process too.
-        server = uvicorn.Server(uvicorn.Config(
+        server = DrainingServer(uvicorn.Config(
             app, log_level=options.uvicorn_log_level, log_config=None, access_log=False,
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S), llm)
         await on_ready(client, server)
-        watchdog = asyncio.create_task(_stop_when_dead(llm, server))
+        watchdog = asyncio.create_task(_watch_lifecycle(llm, server, config.shutdown_timeout))
         try:
             await server.serve(sockets=[sock])
         finally:
             watchdog.cancel()
-        died = llm.is_dead  # before shutdown(), which marks the client dead too
+        if server.forced_by is not None:
+            await _abort_all(llm)  # best effort: the engines need not finish them
+            return 128 + server.forced_by
+        # Before shutdown(), which marks the client dead too. After a drain, engines
+        # that stopped too (a SIGTERM to the whole process group) are no failure.
+        died = llm.is_dead and not server.drain_requested
     finally:
         if llm is not None:
             llm.shutdown()
@@ -159,14 +195,52 @@ async def serve_http(options: APIServerOptions, config: EngineConfig, spec: APIS
     return 0
 
 
-async def _stop_when_dead(llm: AsyncLLM, server: uvicorn.Server) -> None:
+async def _watch_lifecycle(llm: AsyncLLM, server: DrainingServer,
+                           shutdown_timeout: float) -> None:
+    """Stop uvicorn when the engines die, or after a drain once one is asked for."""
     while not server.should_exit:
         if llm.is_dead:
             # Give in-flight requests a moment to receive their error, then stop.
             await asyncio.sleep(0.5)
             server.should_exit = True
             return
+        if server.drain_requested:
+            try:
+                await _drain(llm, server, shutdown_timeout)
+            finally:
+                server.should_exit = True
+            return
         await asyncio.sleep(0.1)
+
+
+async def _drain(llm: AsyncLLM, server: DrainingServer, timeout: float) -> None:
+    """Take no new work; let the requests in flight finish for up to `timeout` s, then
+    abort the rest in the engines and wait (bounded) for their final outputs."""
+    llm.draining = True  # /v1/* and /health: 503 (already set by `request_drain`)
+
+    def waiting(until: float) -> bool:
+        return (llm.num_unfinished_requests > 0 and time.monotonic() < until
+                and not llm.is_dead and not server.force_exit)
+
+    logger.info("draining: %d request(s) in flight get up to %g s to finish; new requests "
+                "get 503", llm.num_unfinished_requests, timeout)
+    deadline = time.monotonic() + timeout
+    while waiting(deadline):
+        await asyncio.sleep(0.1)
+    if llm.num_unfinished_requests and not llm.is_dead and not server.force_exit:
+        logger.warning("shutdown timeout (%g s): aborting %d request(s) still in flight",
+                       timeout, await _abort_all(llm))
+        deadline = time.monotonic() + _ABORT_WAIT_S
+        while waiting(deadline):
+            await asyncio.sleep(0.05)
+    logger.info("drained: %d request(s) left", llm.num_unfinished_requests)
+
+
+async def _abort_all(llm: AsyncLLM) -> int:
+    try:
+        return await llm.abort_all()
+    except EngineDeadError:  # an engine became unreachable: its requests fail instead
+        return 0
 
 
 def _default_served_name(model: str | None) -> str:
@@ -180,12 +254,13 @@ def _default_served_name(model: str | None) -> str:
 def run_api_server(options: APIServerOptions, config: EngineConfig, spec: APIServerSpec,
                    sock: socket.socket, conn: connection.Connection, parent_pid: int,
                    metrics_dir: str) -> None:
-    """Process target `APIServer_<index>`: exit 128 + the signal after SIGTERM/SIGINT,
-    0 when the launcher is gone, 1 on a failure or when the engines die."""
+    """Process target `APIServer_<index>`: exit 0 after a drain (a signal or DRAIN) or
+    when the launcher is gone, 128 + the signal after a second one, 1 on a failure
+    or when the engines die."""
     name_process(f"APIServer_{spec.index}")
     # Before prometheus_client is imported: it picks multiprocess mode on import.
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-    # Until uvicorn installs its own handlers, a stop signal unwinds through `finally`.
+    # Until uvicorn serves (and drains on a signal), a stop signal unwinds through `finally`.
     signal.signal(signal.SIGTERM, _raise_system_exit)
     signal.signal(signal.SIGINT, _raise_system_exit)
     start_parent_watcher(parent_pid, f"API server {spec.index}")
@@ -220,7 +295,7 @@ class _LauncherLink:
         self.index = index
         self.reported_ready = False
 
-    async def on_ready(self, client: AsyncEngineClient, server: uvicorn.Server) -> None:
+    async def on_ready(self, client: AsyncEngineClient, server: DrainingServer) -> None:
         """Say READY, wait (bounded) for SERVE, then listen for STOPPING."""
         if os.environ.get(FAULT_START_ENV) == str(self.index):
             raise RuntimeError(f"injected start-up failure ({FAULT_START_ENV})")
@@ -244,7 +319,7 @@ class _LauncherLink:
         loop.add_reader(self.conn.fileno(), self._on_message, loop, client, server)
 
     def _on_message(self, loop: asyncio.AbstractEventLoop, client: AsyncEngineClient,
-                    server: uvicorn.Server) -> None:
+                    server: DrainingServer) -> None:
         try:
             message = self.conn.recv()
         except (EOFError, OSError):
@@ -256,6 +331,8 @@ class _LauncherLink:
             client.mark_dead(message.detail)  # fails in-flight requests; then we exit 1
         elif message.kind == "rank" and message.status is not None:
             client.set_rank_status(message.rank, message.status)
+        elif message.kind == "drain":
+            server.request_drain()
 
     def report_failure(self, reason: str) -> None:
         try:

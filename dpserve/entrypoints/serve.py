@@ -24,10 +24,17 @@ starts the M API-server processes, waits for all of them to be ready (one
 line if any fails), lets them serve and watches every process.
 
 Any engine, the coordinator or an API server dying stops the server with exit
-code 1 (in-flight requests fail with a 503 first); SIGTERM or Ctrl-C stop it
-gracefully (uvicorn drains for up to 2 s, then the exit code is 128 + the
-signal, as usual). Either way every child is shut down (terminate -> join ->
-kill tree), API servers first, before the launcher exits. With M > 1 the
+code 1 (in-flight requests fail with a 503 first). SIGTERM or Ctrl-C drain it:
+new requests and /health get 503, requests in flight get --shutdown-timeout
+seconds to finish, then the rest are aborted (finish_reason "abort"), and the
+exit code is 0 (see `dpserve.entrypoints.api_server`). With M == 1 uvicorn's
+signal handling does it; with M > 1 the launcher sends DRAIN to every API
+server and waits for them (bounded: the timeout plus `DRAIN_MARGIN_S`). A
+second signal stops at once (128 + the signal). Engines ignore SIGINT (Ctrl-C
+reaches the whole process group; their launcher decides); `--headless` hosts
+pass SIGTERM/SIGINT on to their engines as SIGTERM, which drain alike
+(`dpserve.engine.process`). Either way every child is shut down (terminate ->
+join -> kill tree), API servers first, before the launcher exits. With M > 1 the
 API servers' Prometheus values live in a private PROMETHEUS_MULTIPROC_DIR
 that the launcher removes at exit.
 """
@@ -43,6 +50,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from multiprocessing import connection
 from multiprocessing.process import BaseProcess
@@ -57,6 +65,8 @@ if TYPE_CHECKING:
     from dpserve.launch.host import EngineLaunch
 
 logger = logging.getLogger("dpserve.serve")
+
+DRAIN_MARGIN_S = 15.0  # beyond --shutdown-timeout: aborts, closing connections, exits
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -170,7 +180,9 @@ def run_headless(args: argparse.Namespace) -> int:
     """`--headless`: this host's engines for a head elsewhere; no API server.
 
     Exits when its engines exit (they stop when the head goes away): 0 if
-    they all stopped cleanly, 1 otherwise; 128 + the signal on SIGTERM/SIGINT.
+    they all stopped cleanly, 1 otherwise. SIGTERM/SIGINT drain the engines
+    (each gets SIGTERM, finishes its requests for up to --shutdown-timeout s),
+    then the same exit codes; a second signal stops at once (128 + the signal).
     """
     from dpserve.launch.addresses import url_host
     from dpserve.launch.engines import EngineProcManager
@@ -193,7 +205,13 @@ def run_headless(args: argparse.Namespace) -> int:
     try:
         exited = _watch(stop, manager.processes)
         if stop.signum is not None:
-            return 128 + stop.signum
+            logger.info("signal %d: draining the engines (up to %g s)", stop.signum,
+                        config.shutdown_timeout)
+            for proc in manager.processes:
+                if proc.is_alive():
+                    proc.terminate()  # an engine drains on its first SIGTERM
+            code = _wait_drained(stop, manager.processes, [], config.shutdown_timeout)[0]
+            return 1 if code == 0 and any(manager.finished_procs().values()) else code
         failed = [f"{e.name} exited with code {e.exitcode}" for e in exited if e.exitcode]
         if failed:
             print(f"dpserve: error: {'; '.join(failed)} (see its log above)", file=sys.stderr)
@@ -213,7 +231,8 @@ def _serve_in_process(options: APIServerOptions, config: EngineConfig,
     from dpserve.entrypoints.api_server import serve_http
 
     async def on_ready(client, server) -> None:
-        launch.supervise(config, on_status=client.set_rank_status, on_fatal=client.mark_dead)
+        launch.supervise(config, on_status=client.set_rank_status, on_fatal=client.mark_dead,
+                         stopping=lambda: server.drain_requested)
         launch.watch_actors(client.mark_dead)
         _log_serving(options, config, spec, sock, 1)
 
@@ -225,7 +244,8 @@ def _run_api_servers(options: APIServerOptions, config: EngineConfig,
                      launch: EngineLaunch) -> int:
     """M > 1: start the API-server processes, then watch every process.
 
-    Returns 128 + the signal after SIGTERM/SIGINT, 1 when any process died.
+    Returns 0 after a drain (SIGTERM/SIGINT), 128 + the signal after a second one,
+    1 when any process died.
     """
     from dpserve.launch.api_servers import APIServerProcManager
 
@@ -238,14 +258,20 @@ def _run_api_servers(options: APIServerOptions, config: EngineConfig,
         stop = _StopSignal()
         launch.watch_actors(stop.engine_died)
         launch.supervise(config, on_status=api.broadcast_rank_status,
-                         on_fatal=stop.engine_died)
+                         on_fatal=stop.engine_died, stopping=lambda: stop.signum is not None)
         api.start_serving()
         _log_serving(options, config, specs[0], sock, len(specs))
         while True:
             exited = _watch(stop, api.processes)
             if stop.signum is not None:
-                logger.info("signal %d: stopping", stop.signum)
-                return 128 + stop.signum
+                logger.info("signal %d: draining the API servers (up to %g s)", stop.signum,
+                            config.shutdown_timeout)
+                api.request_drain()
+                code, why = _wait_drained(stop, api.processes, launch.processes,
+                                          config.shutdown_timeout)
+                if code != 0:
+                    api.stop_after_death(why)  # fail what is left, then stop them
+                return code
             reason = stop.death or "; ".join(
                 f"process {p.name} (pid {p.pid}) exited with code {p.exitcode}"
                 for p in exited)
@@ -285,7 +311,8 @@ class _StopSignal:
     """The launcher's SIGTERM/SIGINT while serving: remember it, wake `_watch`."""
 
     def __init__(self) -> None:
-        self.signum: int | None = None
+        self.signum: int | None = None  # the latest
+        self.count = 0  # signals so far
         self.death: str | None = None  # set by engine_died
         self.fd, self._write_fd = os.pipe()
         os.set_blocking(self.fd, False)
@@ -295,6 +322,7 @@ class _StopSignal:
 
     def _handle(self, signum: int, frame: object) -> None:
         self.signum = signum  # the wakeup fd wakes the loop
+        self.count += 1
 
     def engine_died(self, reason: str) -> None:
         """An engine that is not a local process (a Ray actor) stopped: wake `_watch`."""
@@ -332,6 +360,50 @@ def _watch(stop: _StopSignal, procs: Sequence[BaseProcess]) -> list[BaseProcess]
                 proc.join(timeout=1.0)  # reap: exitcode becomes known
             return exited
     return []
+
+
+def _wait_drained(stop: _StopSignal, draining: Sequence[BaseProcess],
+                  watched: Sequence[BaseProcess], timeout: float) -> tuple[int, str]:
+    """After the first signal: wait until every `draining` process has exited.
+
+    Returns (exit code, why): 0 when they did; 1 when they still run after
+    `timeout` + DRAIN_MARGIN_S, or a process in `watched` (engines) fails or
+    a Ray actor dies first; 128 + the signal on a second signal.
+    """
+    deadline = time.monotonic() + timeout + DRAIN_MARGIN_S
+    watched_by = {p.sentinel: p for p in watched}
+    while True:
+        alive = [p for p in draining if p.exitcode is None]
+        if not alive:
+            logger.info("drained: %s", ", ".join(f"{p.name} exited with code {p.exitcode}"
+                                                  for p in draining))
+            return 0, "drained"
+        if stop.count > 1:
+            logger.warning("second signal (%d): stopping at once", stop.signum)
+            return 128 + (stop.signum or signal.SIGTERM), "stopped by a second signal"
+        # Exit code 0: an engine stopped by the same signal (sent to the process group).
+        dead = [p for p in watched if p.exitcode]
+        if dead or stop.death is not None:
+            why = stop.death or ", ".join(f"process {p.name} (pid {p.pid}) exited with code "
+                                          f"{p.exitcode}" for p in dead)
+            logger.error("%s while draining", why)
+            return 1, why
+        left = deadline - time.monotonic()
+        if left <= 0:
+            why = (f"{', '.join(p.name for p in alive)} still running "
+                   f"{timeout + DRAIN_MARGIN_S:.0f} s after the signal")
+            logger.error("%s; stopping them", why)
+            return 1, why
+        ready = connection.wait([*(p.sentinel for p in alive), *watched_by, stop.fd],
+                                timeout=min(left, 1.0))
+        if stop.fd in ready:
+            stop.drain()
+        for proc in alive:
+            if proc.sentinel in ready:
+                proc.join(timeout=1.0)  # reap: exitcode becomes known
+        for s in ready:
+            if s in watched_by:
+                watched_by[s].join(timeout=1.0)
 
 
 def _log_serving(options: APIServerOptions, config: EngineConfig, spec: APIServerSpec,

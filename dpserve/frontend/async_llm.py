@@ -123,6 +123,9 @@ class AsyncLLM:
         self._output_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._dead_error: EngineDeadError | None = None
+        # Set by the server on SIGTERM: it takes no new work (HTTP 503) while
+        # the requests in flight finish; generate() itself does not check it.
+        self.draining = False
 
     # ---- prompts ----------------------------------------------------------
 
@@ -222,6 +225,19 @@ class AsyncLLM:
                 time.monotonic() - tracked.arrival)]))
         if engine_ids and not self.is_dead:
             self._spawn(self.client.abort_requests(engine_ids))
+
+    async def abort_all(self) -> int:
+        """Abort every request in flight in the engines (end of a drain).
+
+        Unlike `abort()`, each stream still ends normally: its final output
+        comes from the engine with finish reason "abort". Returns how many
+        requests were in flight.
+        """
+        engine_ids = [eid for rid in self._requests
+                      for eid in self.processor.engine_request_ids(rid)]
+        if engine_ids and not self.is_dead:
+            await self.client.abort_requests(engine_ids)
+        return len(self._requests)
 
     # ---- engine outputs -----------------------------------------------------
 

@@ -41,7 +41,7 @@ class APIServerStartupError(RuntimeError):
 class ControlMessage:
     """Launcher <-> API server process, over its pipe (see `dpserve.entrypoints.api_server`)."""
 
-    kind: Literal["ready", "failed", "serve", "stopping", "rank"]
+    kind: Literal["ready", "failed", "serve", "stopping", "drain", "rank"]
     detail: str = ""  # failed / stopping: why
     rank: int = -1  # rank: whose status
     status: RankStatus | None = None  # rank: the launcher's first-hand news of it
@@ -130,10 +130,17 @@ class APIServerProcManager:
 
     def broadcast_rank_status(self, rank: int, status: RankStatus) -> None:
         """Tell every API server what this launcher knows of one of its engines."""
+        self._tell_all(ControlMessage("rank", rank=rank, status=status))
+
+    def request_drain(self) -> None:
+        """Tell every live API server to drain and exit (`dpserve serve` waits for them)."""
+        self._tell_all(ControlMessage("drain"))
+
+    def _tell_all(self, message: ControlMessage) -> None:
         for conn, proc in zip(self._conns, self.processes):
             if proc.is_alive():
                 try:
-                    conn.send(ControlMessage("rank", rank=rank, status=status))
+                    conn.send(message)
                 except OSError:
                     pass  # it is exiting anyway
 
@@ -145,12 +152,7 @@ class APIServerProcManager:
     def stop_after_death(self, reason: str, timeout: float = 3.0) -> None:
         """A dpserve process died: let each API server fail its requests with `reason`
         and exit (up to `timeout` s), then shut down what is left."""
-        for conn, proc in zip(self._conns, self.processes):
-            if proc.is_alive():
-                try:
-                    conn.send(ControlMessage("stopping", reason))
-                except OSError:
-                    pass  # it is exiting anyway
+        self._tell_all(ControlMessage("stopping", reason))
         deadline = time.monotonic() + timeout
         for proc in self.processes:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -523,7 +523,7 @@ def run_coordinator(num_engines: int, front_publish_address: str | list[str],
                                         engine_report_address, engine_publish_address,
                                         **settings)
         signal.signal(signal.SIGTERM, coordinator.request_stop)
-        # Ctrl-C reaches the whole process group: it is for the parent, which stops us.
+        # Ctrl-C reaches the whole process group: the launcher drains, then SIGTERMs us.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         start_parent_watcher(parent_pid, "the DP coordinator")
         if coordinator.wait_for_engines():

@@ -92,11 +92,13 @@ class EngineLaunch:
         return tuple(self.addresses.output_binds(client))
 
     def supervise(self, config: EngineConfig, on_status: OnStatus,
-                  on_fatal: Callable[[str], None]) -> None:
+                  on_fatal: Callable[[str], None],
+                  stopping: Callable[[], bool] = lambda: False) -> None:
         """Apply the failure policy to this host's engines and coordinator from now on
-        (`dpserve.launch.supervisor`); Ray actors are watched by `watch_actors`."""
+        (`dpserve.launch.supervisor`); Ray actors are watched by `watch_actors`.
+        `stopping()`: the server drains; clean exits then are expected."""
         if isinstance(self.manager, EngineProcManager) or self.coordinator is not None:
-            self.supervisor = Supervisor(self, config, on_status, on_fatal)
+            self.supervisor = Supervisor(self, config, on_status, on_fatal, stopping)
 
     def restart_engine(self, rank: int, incarnation: int) -> None:
         """A new process for this host's engine `rank`, READY when this returns."""

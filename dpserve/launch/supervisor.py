@@ -48,6 +48,7 @@ RESTART_WINDOW_S = 600.0
 _FIRST_BACKOFF_S = 0.5
 _MAX_BACKOFF_S = 30.0
 _POLL_S = 0.5
+_GROUP_SIGNAL_GRACE_S = 1.0  # a child's clean exit waits this long for our own drain
 
 OnStatus = Callable[[int, RankStatus], None]
 
@@ -56,7 +57,8 @@ class Supervisor:
     """See the module docstring. `close()` stops watching (idempotent)."""
 
     def __init__(self, launch: EngineLaunch, config: EngineConfig, on_status: OnStatus,
-                 on_fatal: Callable[[str], None]) -> None:
+                 on_fatal: Callable[[str], None],
+                 stopping: Callable[[], bool] = lambda: False) -> None:
         p = config.parallel
         self.launch = launch
         self.policy = p.engine_failure_policy
@@ -64,6 +66,7 @@ class Supervisor:
         self.secret = p.data_parallel_secret
         self.on_status = on_status
         self.on_fatal = on_fatal
+        self.stopping = stopping  # the server drains: clean exits are expected then
         self.incarnation: dict[int, int] = {}  # rank -> its current process's incarnation
         self.restarts: dict[int, collections.deque[float]] = collections.defaultdict(
             collections.deque)  # rank -> when it was restarted, within the window
@@ -109,6 +112,8 @@ class Supervisor:
                     if self._stop.is_set():
                         return
                     self._handled.add(proc)
+                    if self._stopped_by_drain(proc):
+                        continue
                     rank = watched[proc]
                     what = f"{proc.name} (pid {proc.pid}) exited with code {proc.exitcode}"
                     if rank is None:
@@ -117,6 +122,20 @@ class Supervisor:
                         self._engine_died(rank, what, events)
             if events is not None:
                 events.close(linger=500)
+
+    def _stopped_by_drain(self, proc: BaseProcess) -> bool:
+        """A clean exit (code 0) while the server drains: the signal that started the
+        drain reached the whole process group. It may reach us a moment after the
+        child: wait `_GROUP_SIGNAL_GRACE_S` for our own drain to begin."""
+        if proc.exitcode != 0:
+            return False
+        deadline = time.monotonic() + _GROUP_SIGNAL_GRACE_S
+        while not self.stopping() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.stopping():
+            logger.info("%s exited while the server drains", proc.name)
+            return True
+        return False
 
     def _event_socket(self, ctx: zmq.Context) -> zmq.Socket | None:
         """An XSUB to the coordinator's front socket (it takes our RankEvents)."""

@@ -2,7 +2,10 @@
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models (behind the API
 key when one is set), /health (200; 503 once the engine is dead), /metrics
-(Prometheus), /version. The `X-data-parallel-rank: k` header pins a request
+(Prometheus), /version. While the server drains (`AsyncLLM.draining`, set on
+SIGTERM), /health and every /v1 route answer 503 with `Retry-After` and code
+"server_draining"; requests already in flight go on. The
+`X-data-parallel-rank: k` header pins a request
 to engine k (a bad value is a 400). Every error, whatever raised it, leaves as an
 OpenAI-shaped body `{"error": {"message", "type", "param", "code"}}` with a
 4xx status for bad input, never a 500. A client that disconnects, streaming
@@ -43,6 +46,7 @@ from dpserve.server.serving import OpenAIServing, to_api_error
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
 DP_RANK_HEADER = "X-data-parallel-rank"
+DRAIN_RETRY_AFTER_S = 5  # the Retry-After of a 503 while draining
 _M = TypeVar("_M", bound=BaseModel)
 
 
@@ -61,7 +65,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     app = FastAPI(title="dpserve", version=__version__)
     app.state.serving, app.state.metrics = serving, metrics
     auth = [Depends(_bearer_check(api_key))] if api_key else []
-    v1 = APIRouter(prefix="/v1", dependencies=auth)
+    v1 = APIRouter(prefix="/v1", dependencies=[*auth, Depends(_drain_check(async_llm))])
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
@@ -85,6 +89,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
         the body lists every rank's state."""
         if async_llm.is_dead:
             raise EngineDeadError("the engine is dead")
+        if async_llm.draining:
+            raise _draining_error()
         ranks = _rank_states(async_llm)
         rank = request.query_params.get("rank")
         if rank is not None:
@@ -123,7 +129,7 @@ async def _error_response(request: Request, exc: Exception) -> JSONResponse:
     error = to_api_error(exc)
     body = ErrorResponse(error=ErrorInfo(message=error.message, type=error.type,
                                          param=error.param, code=error.code))
-    headers = {"WWW-Authenticate": "Bearer"} if error.status_code == 401 else None
+    headers = {"WWW-Authenticate": "Bearer"} if error.status_code == 401 else error.headers
     return JSONResponse(body.model_dump(), status_code=error.status_code, headers=headers)
 
 
@@ -147,6 +153,20 @@ def _bearer_check(api_key: str) -> Any:
                            "<key>'.", type="invalid_request_error", code="invalid_api_key")
 
     return check
+
+
+def _drain_check(async_llm: AsyncLLM) -> Any:
+    async def check() -> None:
+        if async_llm.draining:
+            raise _draining_error()
+
+    return check
+
+
+def _draining_error() -> APIError:
+    return APIError(503, "the server is shutting down and takes no new requests; retry "
+                    "later or on another replica", type="server_error", code="server_draining",
+                    headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)})
 
 
 def _dp_rank(request: Request) -> int | None:
