@@ -7,6 +7,7 @@ load balancing (each host balances over its own engines)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -26,11 +27,13 @@ from helpers import (
     dp_args,
     finished_by_engine,
     free_port,
+    offline_greedy_texts,
     read_log,
     serve,
     start_background,
     stop,
     wait_healthy,
+    wait_until,
 )
 
 pytestmark = [pytest.mark.procs, pytest.mark.slow]
@@ -59,6 +62,55 @@ def test_head_and_headless_host(tiny_llama):
         # Stopping the head stops the headless host's engine, then the host itself.
         assert headless.wait(20) is not None, read_log(log)[-2000:]
         assert all_gone(children, timeout=10), [p for p in children if p.is_running()]
+    finally:
+        stop(headless, 15)
+        log.close()
+
+
+def test_headless_host_restarts_a_killed_engine(tiny_llama):
+    """A headless host's engine SIGKILLed mid-run: its streams move to the head's rank
+    (heartbeats stop), the host starts a new process that handshakes with the head
+    again, and the head routes to it once its heartbeats say so."""
+    model, rpc = str(tiny_llama), free_port()
+    headless, log = start_background(model, "--headless", "--data-parallel-size-local", "1",
+                                     "--data-parallel-start-rank", "1", *dp_args(2, rpc))
+    try:
+        with serve(model, "--data-parallel-size-local", "1", *dp_args(2, rpc)) as (head, url):
+            victim = next(p for p in descendants(headless.pid)
+                          if p.name() == "dpserve::EngineCore_1")
+            prompts = [f"story {i}" for i in range(12)]
+            expected = offline_greedy_texts(model, prompts, max_tokens=120, ignore_eos=True)
+
+            async def streams() -> list[str]:
+                async with httpx.AsyncClient(timeout=120) as client:
+                    async def one(prompt: str) -> str:
+                        text = []
+                        async with client.stream("POST", url + "/v1/completions", json={
+                                "model": model, "prompt": prompt, "max_tokens": 120,
+                                "temperature": 0, "stream": True,
+                                "ignore_eos": True}) as resp:
+                            async for line in resp.aiter_lines():
+                                if line.startswith("data: {"):
+                                    text.append(json.loads(line[6:])["choices"][0]["text"])
+                                    if len(text) == 5 and prompt == prompts[0]:
+                                        victim.send_signal(signal.SIGKILL)
+                        return "".join(text)
+
+                    return await asyncio.gather(*(one(p) for p in prompts))
+
+            assert asyncio.run(streams()) == expected
+            assert not victim.is_running()
+
+            def rank1() -> dict:
+                return httpx.get(url + "/health", params={"rank": 1}, timeout=5).json()[
+                    "ranks"][0]
+
+            wait_until(lambda: rank1()["state"] == "serving" and rank1()["incarnation"] == 1,
+                       timeout=90, what="rank 1 back as a new process")
+            before = finished_by_engine(url).get(1, 0)
+            asyncio.run(complete_all(url, model, ["a", "b", "c"], max_tokens=4, rank=1))
+            assert finished_by_engine(url).get(1, 0) - before == 3
+            assert "restarting it (incarnation 1)" in read_log(log)
     finally:
         stop(headless, 15)
         log.close()

@@ -56,12 +56,13 @@ from multiprocessing import connection
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
-from dpserve.config import ConfigError, EngineArgs, EngineConfig
+from dpserve.config import ConfigError, EngineArgs, EngineConfig, ParallelConfig
 from dpserve.logging_utils import name_process
 
 if TYPE_CHECKING:
     from dpserve.entrypoints.api_server import APIServerOptions, APIServerSpec
     from dpserve.launch.api_servers import APIServerProcManager
+    from dpserve.launch.engines import EngineProcManager
     from dpserve.launch.host import EngineLaunch
 
 logger = logging.getLogger("dpserve.serve")
@@ -203,7 +204,7 @@ def run_headless(args: argparse.Namespace) -> int:
                                 start_rank=p.data_parallel_start_rank, local=False,
                                 handshake_timeout=args.engine_ready_timeout)
     try:
-        exited = _watch(stop, manager.processes)
+        failed = _supervise_headless(stop, manager, p)
         if stop.signum is not None:
             logger.info("signal %d: draining the engines (up to %g s)", stop.signum,
                         config.shutdown_timeout)
@@ -212,17 +213,48 @@ def run_headless(args: argparse.Namespace) -> int:
                     proc.terminate()  # an engine drains on its first SIGTERM
             code = _wait_drained(stop, manager.processes, [], config.shutdown_timeout)[0]
             return 1 if code == 0 and any(manager.finished_procs().values()) else code
-        failed = [f"{e.name} exited with code {e.exitcode}" for e in exited if e.exitcode]
         if failed:
             print(f"dpserve: error: {'; '.join(failed)} (see its log above)", file=sys.stderr)
             return 1
-        logger.info("headless: %s stopped (the head went away)",
-                    ", ".join(e.name for e in exited))
+        logger.info("headless: every engine stopped (the head went away)")
         return 0
     finally:
         manager.close()
         stop.restore()
 
+
+
+def _supervise_headless(stop: _StopSignal, manager: EngineProcManager,
+                        p: ParallelConfig) -> list[str]:
+    """Watch this host's engines until a signal or until none runs: an engine that
+    exits cleanly (its head went away) stays down; one that fails is restarted
+    under policy restart (it handshakes with the head again, which then routes to
+    it; --max-engine-restarts per rank in the supervisor's window); under isolate
+    it stays down; under stop the host stops. Returns the failures that ended it."""
+    from dpserve.launch.supervisor import RestartBudget
+
+    budget = RestartBudget(p.max_engine_restarts)
+    incarnations = dict.fromkeys(manager.ranks, 0)
+    failed: list[str] = []
+    while stop.signum is None:
+        live = [proc for proc in manager.processes if proc.exitcode is None]
+        if not live:
+            return failed
+        for proc in _watch(stop, live):
+            rank = manager.ranks[manager.processes.index(proc)]
+            what = f"{proc.name} exited with code {proc.exitcode}"
+            if proc.exitcode == 0:
+                continue
+            if p.engine_failure_policy == "restart" and budget.take(rank):
+                incarnations[rank] += 1
+                logger.warning("%s; restarting it (incarnation %d)", what, incarnations[rank])
+                manager.respawn(rank, incarnations[rank])
+                continue
+            failed.append(what)
+            if p.engine_failure_policy == "stop":
+                return failed
+            logger.error("rank %d is out: %s", rank, what)
+    return failed
 
 
 def _serve_in_process(options: APIServerOptions, config: EngineConfig,

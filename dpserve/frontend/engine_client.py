@@ -477,12 +477,17 @@ class AsyncEngineClient:
         was_serving = engine.serving
         if status == engine.status:
             return
+        # A new process (e.g. restarted by a remote host before anyone saw the old
+        # one die): what the old one held is gone with it.
+        replaced = status.incarnation > engine.status.incarnation and was_serving
         engine.status = status
         if not self._closed:
             logger.log(logging.INFO if status.state is RankState.SERVING else logging.WARNING,
                        "front-end %d: rank %d %s (incarnation %d)%s", self.client_index,
                        engine.rank, status.state.value, status.incarnation,
                        f": {status.reason}" if status.reason else "")
+        if replaced and engine.serving:
+            self._spawn(self._evacuate(engine))
         if was_serving and not engine.serving:
             if self.fail_stop and status.state in (RankState.DEAD, RankState.RESTARTING):
                 self.mark_dead(f"rank {engine.rank} {status.state.value}: {status.reason}")

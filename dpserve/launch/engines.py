@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
 from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
@@ -101,6 +102,13 @@ class EngineProcManager:
                                        [*self.processes, *also_watch], timeout=timeout,
                                        remote_ranks=remote_ranks, remote_init=remote_init,
                                        secret=self.secret)
+
+    def respawn(self, rank: int, incarnation: int) -> None:
+        """A new process for remote `rank` (whose process has exited); it handshakes
+        with the head's `RejoinServer`, not with us."""
+        old = self.processes[self.ranks.index(rank)]
+        old.join(timeout=1.0)
+        self._group.replace(old, self._target(), **self._kwargs(rank, incarnation))
 
     def finished_procs(self) -> dict[str, int]:
         """Name -> exit code of every process that has exited."""
@@ -234,3 +242,56 @@ def _describe(engines: dict[int, _Pending]) -> str:
 _MEANING = {StartupState.NEW: "no HELLO yet", StartupState.CONNECTED: "loading the model",
             StartupState.READY: "ready"}
 
+
+class RejoinServer:
+    """The head's handshake for remote engines after start-up: a headless host that
+    restarted an engine needs its init metadata again (`dpserve.launch.supervisor`
+    does the same for local engines through `wait_for_engine_startup`).
+
+    A daemon thread with a ROUTER bound at `address` (the head's tcp handshake
+    address) walks each of `ranks` through HELLO -> init metadata -> READY, as
+    often as they come back; anything else is logged and dropped. `close()` stops
+    it (idempotent).
+    """
+
+    def __init__(self, address: str, init: EngineInitMetadata, ranks: Container[int],
+                 secret: str | None = None) -> None:
+        self._init = msgspec.msgpack.encode(init)
+        self._ranks = ranks
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self._sock = secure(self._ctx.socket(zmq.ROUTER), "server", secret)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(address)
+        self._thread = threading.Thread(target=self._serve, name="engine-rejoin", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        hello, ready = msgspec.msgpack.Decoder(HandshakeHello), msgspec.msgpack.Decoder(
+            HandshakeReady)
+        engines: dict[int, _Pending] = {}
+        while not self._stop.is_set():
+            if not self._sock.poll(100):
+                continue
+            frames = self._sock.recv_multipart()
+            rank = int.from_bytes(frames[0], "little") if len(frames[0]) == 2 else -1
+            if rank not in self._ranks:
+                logger.error("rejoin: dropping a message from unexpected engine rank %d", rank)
+                continue
+            pending = engines.get(rank)
+            if pending is None or pending.state is StartupState.READY:
+                pending = engines[rank] = _Pending(rank, local=False)  # a new process
+            try:
+                if _advance({rank: pending}, frames, hello, ready) is not None:
+                    self._sock.send_multipart([frames[0], self._init])
+            except EngineStartupError as e:
+                logger.error("rejoin: %s", e)
+        self._sock.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+        if self._thread.is_alive():  # stuck: close the socket under it
+            self._ctx.destroy(linger=0)
+        else:
+            self._ctx.term()

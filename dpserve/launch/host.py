@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from dpserve.config import ConfigError, EngineConfig
 from dpserve.launch.addresses import AddressAllocator, ZmqAddresses, url_host
-from dpserve.launch.engines import EngineProcManager
+from dpserve.launch.engines import EngineProcManager, RejoinServer
 from dpserve.launch.rendezvous import RendezvousServer, ask_rendezvous
 from dpserve.launch.supervisor import OnStatus, Supervisor
 from dpserve.protocol import (
@@ -62,6 +62,7 @@ class EngineLaunch:
     init: EngineInitMetadata | None = None  # what this host's engines are told (restarts)
     ready_timeout: float = 600.0
     supervisor: Supervisor | None = None
+    rejoin: RejoinServer | None = None  # the head's handshake for restarted remote engines
 
     @property
     def processes(self) -> list[BaseProcess]:
@@ -113,6 +114,8 @@ class EngineLaunch:
             if self.manager is not None:
                 self.manager.close()
         finally:
+            if self.rejoin is not None:
+                self.rejoin.close()
             if self.rendezvous is not None:
                 self.rendezvous.close()
             if self.coordinator is not None:
@@ -187,6 +190,9 @@ def _launch_head(launch: EngineLaunch, config: EngineConfig, num_clients: int,
         remote_init=addrs.init_metadata(dp_size=size, local=False) if remote else None,
         remote_handshake=addrs.remote_handshake)
     launch.ranks = tuple(range(size))
+    if remote:  # a headless host that restarts an engine handshakes here again
+        launch.rejoin = RejoinServer(addrs.remote_handshake, addrs.init_metadata(
+            dp_size=size, local=False), range(local, size), secret=p.data_parallel_secret)
 
 
 def _launch_local_lb(launch: EngineLaunch, config: EngineConfig, num_clients: int,

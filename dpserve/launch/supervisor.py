@@ -53,6 +53,28 @@ _GROUP_SIGNAL_GRACE_S = 1.0  # a child's clean exit waits this long for our own 
 OnStatus = Callable[[int, RankStatus], None]
 
 
+class RestartBudget:
+    """At most `max_restarts` restarts per rank within `RESTART_WINDOW_S`."""
+
+    def __init__(self, max_restarts: int) -> None:
+        self.max_restarts = max_restarts
+        self.times: dict[int, collections.deque[float]] = collections.defaultdict(
+            collections.deque)  # rank -> when it was restarted, within the window
+
+    def left(self, rank: int) -> bool:
+        now, times = time.monotonic(), self.times[rank]
+        while times and now - times[0] > RESTART_WINDOW_S:
+            times.popleft()
+        return len(times) < self.max_restarts
+
+    def take(self, rank: int) -> bool:
+        """Count one restart of `rank` if the budget has one; whether it had."""
+        if not self.left(rank):
+            return False
+        self.times[rank].append(time.monotonic())
+        return True
+
+
 class Supervisor:
     """See the module docstring. `close()` stops watching (idempotent)."""
 
@@ -68,8 +90,7 @@ class Supervisor:
         self.on_fatal = on_fatal
         self.stopping = stopping  # the server drains: clean exits are expected then
         self.incarnation: dict[int, int] = {}  # rank -> its current process's incarnation
-        self.restarts: dict[int, collections.deque[float]] = collections.defaultdict(
-            collections.deque)  # rank -> when it was restarted, within the window
+        self.budget = RestartBudget(self.max_restarts)
         self.num_restarts = 0  # engine restarts, all ranks
         self._restarting: set[int] = set()  # ranks whose new process is starting
         self._handled: set[BaseProcess] = set()  # processes whose exit was handled
@@ -181,16 +202,11 @@ class Supervisor:
                          name=f"restart-rank-{rank}", daemon=True).start()
 
     def _may_restart(self, rank: int) -> bool:
-        now = time.monotonic()
-        times = self.restarts[rank]
-        while times and now - times[0] > RESTART_WINDOW_S:
-            times.popleft()
-        return len(times) < self.max_restarts
+        return self.budget.left(rank)
 
     def _restart(self, rank: int, incarnation: int, events: zmq.Socket | None) -> None:
-        times = self.restarts[rank]
-        backoff = min(_MAX_BACKOFF_S, _FIRST_BACKOFF_S * 2 ** len(times))
-        times.append(time.monotonic())
+        backoff = min(_MAX_BACKOFF_S, _FIRST_BACKOFF_S * 2 ** len(self.budget.times[rank]))
+        self.budget.take(rank)
         self.num_restarts += 1
         if self._stop.wait(backoff):
             return
