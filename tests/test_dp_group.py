@@ -6,9 +6,12 @@ end a wave. Every receive has a timeout; coordinators are always closed."""
 from __future__ import annotations
 
 import datetime
+import threading
+from collections.abc import Iterator
 
 import msgspec
 import pytest
+import zmq
 from test_coordinator import (  # noqa: F401 - fixtures
     FakeFrontend,
     ScriptedEngines,
@@ -20,7 +23,14 @@ from test_coordinator import (  # noqa: F401 - fixtures
 
 from dpserve.launch.addresses import AddressAllocator
 from dpserve.launch.coordinator import REFORM_DELAY_S
-from dpserve.protocol import RankEvent, RankState, RankStatus, RegroupDP, RequestType
+from dpserve.protocol import (
+    EngineReport,
+    RankEvent,
+    RankState,
+    RankStatus,
+    RegroupDP,
+    RequestType,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,22 +46,51 @@ def rank_event(front: FakeFrontend, rank: int, state: RankState, incarnation: in
     front.send(RankEvent(rank, RankStatus(state, incarnation, "scripted")))  # type: ignore[arg-type]
 
 
+class Heartbeats:
+    """Scripted engines' heartbeat threads, in one: every 0.3 s a heartbeat for each
+    rank in `beating` (rank -> incarnation); change the dict to stop or start one."""
+
+    def __init__(self, address: str) -> None:
+        self.beating: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(address,), daemon=True)
+        self._thread.start()
+
+    def _run(self, address: str) -> None:
+        with zmq.Context() as context, context.socket(zmq.PUSH) as push:
+            push.setsockopt(zmq.LINGER, 0)
+            push.connect(address)
+            while not self._stop.wait(0.3):
+                for rank, incarnation in list(self.beating.items()):
+                    push.send(msgspec.msgpack.encode(EngineReport(
+                        rank, heartbeat=True, incarnation=incarnation)))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 @pytest.fixture
-def lockstep3(make_coordinator, ctx):  # noqa: F811
-    """A lockstep coordinator (store on a free port) with three ready scripted engines."""
+def lockstep3(make_coordinator, ctx) -> Iterator[tuple]:  # noqa: F811
+    """A lockstep coordinator (store on a free port) with three ready scripted engines
+    (not beating yet) and a fake front-end."""
     store = ("127.0.0.1", AddressAllocator(local_only=False).free_port())
-    coord = make_coordinator(3, dp_store=store, heartbeat_timeout_s=1.0)
+    coord = make_coordinator(3, dp_store=store, heartbeat_timeout_s=2.0)
     engines = ScriptedEngines(ctx, coord, 3)
     engines.wait_ready()
     front = FakeFrontend(ctx, coord)
     front.recv()  # the state a new subscriber gets at once
-    return coord, engines, front, store
+    beats = Heartbeats(coord.engine_report_address)
+    yield coord, engines, front, store, beats
+    beats.close()
 
 
 def test_first_generation_has_every_rank_and_the_store_lives_in_the_coordinator(lockstep3):
     import torch.distributed as dist
 
-    _, engines, _, (host, port) = lockstep3
+    _, engines, _, (host, port), beats = lockstep3
+    assert_silent(engines.subs[0], 1.0)  # no group before the engines are heard
+    beats.beating.update({0: 0, 1: 0, 2: 0})  # loaded, in their busy loops
     for engine in range(3):  # every engine hears the same generation
         assert recv_regroup(engines, engine) == RegroupDP(1, [0, 1, 2])
     # The store the engines form their groups over answers (no engine hosts it).
@@ -62,10 +101,12 @@ def test_first_generation_has_every_rank_and_the_store_lives_in_the_coordinator(
 
 
 def test_membership_follows_deaths_restarts_and_failures(lockstep3):
-    _, engines, front, _ = lockstep3
+    _, engines, front, _, beats = lockstep3
+    beats.beating.update({0: 0, 1: 0, 2: 0})
     for engine in range(3):
         assert recv_regroup(engines, engine) == RegroupDP(1, [0, 1, 2])
     # Rank 0 dies (the old store host): a generation without it, at once.
+    del beats.beating[0]
     rank_event(front, 0, RankState.RESTARTING, 0)
     assert recv_regroup(engines, 1) == RegroupDP(2, [1, 2])
     # Rank 1 leads now: its wave_complete counts, rank 2's does not.
@@ -84,12 +125,14 @@ def test_membership_follows_deaths_restarts_and_failures(lockstep3):
     assert recv_regroup(engines, 1) == RegroupDP(3, [1, 2])
     assert_silent(engines.subs[1], REFORM_DELAY_S * 1.5)
     # Rank 0's new process beats: serving again, so a generation with it.
-    engines.report(engine_index=0, heartbeat=True, incarnation=1)
+    beats.beating[0] = 1
     assert recv_regroup(engines, 1) == RegroupDP(4, [0, 1, 2])
     # It stops beating (frozen): unhealthy, left out; the old process's news is
     # dropped. Isolated ranks (dead for good) are left out as well.
+    del beats.beating[0]
     assert recv_regroup(engines, 1) == RegroupDP(5, [1, 2])
     engines.report(engine_index=0, heartbeat=True, incarnation=0)
+    del beats.beating[2]
     rank_event(front, 2, RankState.DEAD, 0)
     assert recv_regroup(engines, 1) == RegroupDP(6, [1])
     assert_silent(engines.subs[1], 0.5)
@@ -101,5 +144,6 @@ def test_no_regroup_messages_without_lockstep(make_coordinator, ctx):  # noqa: F
     engines.wait_ready()
     front = FakeFrontend(ctx, coord)
     rank_event(front, 1, RankState.DEAD, 0)
+    engines.report(engine_index=0, heartbeat=True)
     engines.report(engine_index=0, group_failed=1)
     assert_silent(engines.subs[0], REFORM_DELAY_S * 1.5)

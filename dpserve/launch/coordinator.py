@@ -12,9 +12,10 @@ Scope:
 * Scale: `ScaleEngines` changes the number of engines at run time.
 * Lockstep DP group (`dp_store` given): hosts the engines' TCP store (here, so
   that any rank may die) and decides each group generation (`_DPGroup`): the
-  serving ranks, sent as REGROUP_DP after READY, at once when that set
-  changes (a rank dead, isolated, back), and `REFORM_DELAY_S` after an engine
-  reports a failed collective of the current generation.
+  serving ranks that have sent a heartbeat (so are loaded and stepping), sent
+  as REGROUP_DP `_SETTLE_GROUP_S` after that set changes (start-up, a rank
+  dead, isolated, back), and `REFORM_DELAY_S` after an engine reports a
+  failed collective of the current generation.
 
 Not here: load-balancing decisions (front-ends), the all-reduce that decides
 when a wave ends (engines), starting engines (`dpserve.launch.engines`).
@@ -72,6 +73,7 @@ _SUBSCRIBE = 1  # first byte of an XPUB subscription frame (0 = unsubscribe)
 # After a failed collective with no membership change yet, wait this long for the
 # launcher's news (a dead rank) before forming the group again with the same ranks.
 REFORM_DELAY_S = 1.0
+_SETTLE_GROUP_S = 0.25  # membership news within this long forms one generation
 
 
 class DPCoordinator:
@@ -248,6 +250,10 @@ class _HealthTable:
         self.status[rank] = RankStatus(RankState.SERVING, report.incarnation)
         return True
 
+    def heard(self) -> list[bool]:
+        """Per rank: a heartbeat of its current process has arrived."""
+        return [beat is not None for beat in self._last_beat]
+
     def on_event(self, rank: int, status: RankStatus) -> bool:
         """A launcher's first-hand news; True when the rank's status changed."""
         if status.incarnation < self.status[rank].incarnation or status == self.status[rank]:
@@ -280,8 +286,9 @@ class _HealthTable:
 class _DPGroup:
     """Lockstep: which ranks form the engines' DP group, generation by generation.
 
-    Members are the ranks that serve (or drain): a dead, restarting or unhealthy
-    rank is left out until it serves again. Invariant: generations only move
+    Members are the ranks that serve (or drain) and have been heard (a heartbeat:
+    loaded and in their busy loop): a dead, restarting or unhealthy rank is left
+    out until it serves again. Invariant: generations only move
     forward, one per REGROUP_DP; a failure report of an older generation is
     dropped (that group is already gone).
     """
@@ -292,13 +299,9 @@ class _DPGroup:
         self._due: float | None = None  # when to form the next generation
 
     @staticmethod
-    def wanted(status: list[RankStatus]) -> list[int]:
+    def wanted(status: list[RankStatus], heard: list[bool]) -> list[int]:
         return [rank for rank, s in enumerate(status)
-                if s.state in (RankState.SERVING, RankState.DRAINING)]
-
-    def start(self, now: float) -> None:
-        """Form the first generation (once every engine is subscribed)."""
-        self._due = now
+                if heard[rank] and s.state in (RankState.SERVING, RankState.DRAINING)]
 
     def on_failed(self, generation: int, now: float) -> None:
         """A member's collective of `generation` failed: form the group again soon."""
@@ -306,11 +309,12 @@ class _DPGroup:
             if self._due is None:
                 self._due = now + REFORM_DELAY_S
 
-    def next(self, status: list[RankStatus], now: float) -> RegroupDP | None:
-        """The generation to announce now, if one is due (membership changed at once)."""
-        members = self.wanted(status)
-        if self.generation > 0 and members != self.members:
-            self._due = now
+    def next(self, status: list[RankStatus], heard: list[bool],
+             now: float) -> RegroupDP | None:
+        """The generation to announce now, if one is due."""
+        members = self.wanted(status, heard)
+        if members != self.members and self._due is None:
+            self._due = now + _SETTLE_GROUP_S
         if self._due is None or now < self._due:
             return None
         self._due = None
@@ -400,9 +404,6 @@ class DPCoordinatorProc:
                     subscribed += 1
         self.engines.send(COORDINATOR_READY)
         logger.info("all %d engines subscribed; sent READY", subscribed)
-        if self.group is not None:
-            self.group.start(time.monotonic())
-            self._regroup()
         return True
 
     # ---- the loop --------------------------------------------------------------
@@ -575,7 +576,7 @@ class DPCoordinatorProc:
         """Lockstep: broadcast REGROUP_DP when `_DPGroup` says a generation is due."""
         if self.group is None:
             return
-        message = self.group.next(self.health.status, time.monotonic())
+        message = self.group.next(self.health.status, self.health.heard(), time.monotonic())
         if message is None:
             return
         logger.info("DP group generation %d: ranks %s", message.generation, message.members)
