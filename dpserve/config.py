@@ -87,6 +87,7 @@ class ParallelConfig:
     # forced by the user, or needed by the model (expert-parallel MoE).
     data_parallel_lockstep: bool = False
     data_parallel_sync_interval: int = 32  # lockstep: steps between "any work left?" all-reduces
+    data_parallel_collective_timeout: float = 10.0  # lockstep: s for one join or all-reduce
     # Where the engines run (see DESIGN "Launch modes"). This host runs ranks
     # [start_rank, start_rank + size_local); the others run on other hosts.
     data_parallel_size_local: int = 1
@@ -172,6 +173,10 @@ class EngineArgs:
                                         "on by itself for such models.")
     data_parallel_sync_interval: int = _opt(32, "In lockstep mode, engines all-reduce "
                                             "'any unfinished work' every this many steps.")
+    data_parallel_collective_timeout: float = _opt(10.0, "In lockstep mode, seconds one "
+                                                   "collective (all-reduce, group join) "
+                                                   "may wait for the other ranks; past "
+                                                   "it the DP group is formed again.")
     data_parallel_size_local: int | None = _opt(None, "Engines on this host (default: all "
                                                 "of them; 1 with --data-parallel-rank).")
     data_parallel_start_rank: int | None = _opt(None, "DP rank of this host's first engine "
@@ -284,6 +289,7 @@ class EngineArgs:
             data_parallel_lockstep=(self.data_parallel_lockstep or _is_moe(hf_config))
             and self.data_parallel_size > 1,
             data_parallel_sync_interval=self.data_parallel_sync_interval,
+            data_parallel_collective_timeout=self.data_parallel_collective_timeout,
             data_parallel_size_local=self._size_local(),
             data_parallel_start_rank=self._start_rank(),
             data_parallel_address=self.data_parallel_address,
@@ -349,6 +355,8 @@ class EngineArgs:
              "threads_per_engine", "must be at least 1")
         need(self.data_parallel_sync_interval >= 1, "data_parallel_sync_interval",
              "must be at least 1")
+        need(self.data_parallel_collective_timeout > 0, "data_parallel_collective_timeout",
+             "must be positive")
         need(self.engine_heartbeat_timeout > 0, "engine_heartbeat_timeout", "must be positive")
         need(self.engine_stall_timeout > 0, "engine_stall_timeout", "must be positive")
         need(self.engine_failure_policy in _FAILURE_POLICIES, "engine_failure_policy",

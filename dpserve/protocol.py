@@ -40,6 +40,7 @@ class RequestType(bytes, enum.Enum):
     ABORT = b"\x01"
     UTILITY = b"\x02"
     START_DP_WAVE = b"\x03"  # coordinator -> engines: join wave N
+    REGROUP_DP = b"\x04"  # coordinator -> engines: the lockstep DP group is now this
 
 
 # Sent by a dying engine on every output socket instead of EngineCoreOutputs,
@@ -159,7 +160,9 @@ class HandshakeReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 #
 # Engine publish socket (coordinator XPUB -> engine SUB, each subscribed to b""):
 #     first COORDINATOR_READY (one frame), once every engine has subscribed;
-#     then [RequestType.START_DP_WAVE.value, StartDPWave] (two frames).
+#     then [RequestType.START_DP_WAVE.value, StartDPWave] (two frames);
+#     lockstep: [RequestType.REGROUP_DP.value, RegroupDP] at start-up and after
+#     every membership change or failed collective.
 #     COORDINATOR_READY again whenever an engine subscribes later (a restarted
 #     engine waits for it; running engines ignore it).
 # Engine report socket (engine PUSH -> coordinator PULL): EngineReport (load and
@@ -209,6 +212,9 @@ class EngineReport(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     heartbeat: bool = False
     has_work: bool = False
     incarnation: int = 0  # which process of this rank (restarts count up)
+    # Lockstep: a collective (or joining) of this DP group generation failed here;
+    # the engine waits, paused, for the coordinator to name the next generation.
+    group_failed: int | None = None
 
 
 class StartDPWave(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -216,6 +222,17 @@ class StartDPWave(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
 
     wave: int
     exclude_engine_index: int | None = None  # this engine already runs it; skip it
+
+
+class RegroupDP(msgspec.Struct, array_like=True, gc=False):
+    """Coordinator -> engines (lockstep): form DP group `generation` of `members`
+    (body of REGROUP_DP). Each generation has its own store prefix, so a stale
+    collective never matches a new one; an engine not among `members` leaves its
+    group and waits. Group rank = position in `members`; `members[0]` leads
+    (reports wave completion)."""
+
+    generation: int
+    members: list[int]
 
 
 class CoordinatorUpdate(msgspec.Struct, array_like=True, gc=False):

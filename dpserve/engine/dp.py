@@ -24,12 +24,24 @@ paused. A front-end stamps each request with the wave it last saw:
 Invariant: all engines run the same number of all-reduces per wave (they
 leave a wave on the same one), so their collectives always match.
 
+Group generations (lockstep). The coordinator names the DP group: REGROUP_DP
+(generation, members) at start-up and whenever its membership changes (a rank
+died, was isolated, came back) or a member reports a failed collective. An
+engine without a formed group does not step: it keeps every request queued
+and waits (`needs_group`); a member then joins (`join_pending`: a gloo group
+over the generation's own store prefix, so a stale collective never matches a
+new one) and agrees with the others on (wave, running) by one all-reduce MAX.
+Every collective is bounded by `collective_timeout`; a failed one (a peer
+died: at once; a peer frozen: after the timeout) is never fatal: the engine
+leaves the group, tells the coordinator (`group_failed`) and waits, paused.
+
 Sockets (the coordinator binds both; see `dpserve.launch.coordinator`):
     report   PUSH -> coordinator PULL   EngineReport (main thread)
-    publish  SUB  <- coordinator XPUB   COORDINATOR_READY, then START_DP_WAVE;
-             read here until READY, then handed to the engine's input thread
-DP group (lockstep only): a gloo process group over a TCP store that rank 0
-hosts at the DP master address and port from the init metadata.
+    publish  SUB  <- coordinator XPUB   COORDINATOR_READY, then START_DP_WAVE and
+             REGROUP_DP; read here until READY, then handed to the engine's input thread
+DP group (lockstep only): a gloo process group per generation over the TCP
+store that the coordinator hosts at the DP master address and port from the
+init metadata (not rank 0: any rank may die).
 """
 
 from __future__ import annotations
@@ -43,14 +55,12 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from dpserve.protocol import COORDINATOR_READY, EngineReport, StartDPWave
+from dpserve.protocol import COORDINATOR_READY, EngineReport, RegroupDP, StartDPWave
 from dpserve.security import secure
 
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 120.0  # wait for COORDINATOR_READY (all engines subscribed)
-GROUP_TIMEOUT_S = 600.0  # wait for every rank to join the DP group (they may still load)
-SYNC_TIMEOUT_S = 300.0  # one all-reduce; peers may be deep in a long wave of big steps
 HEARTBEAT_S = 1.0  # heartbeats to the coordinator, from their own thread
 
 
@@ -58,15 +68,16 @@ class DPLink:
     """One engine's data-parallel part; see the module docstring.
 
     Connect at construction (so the subscription travels while the model
-    loads); `wait_ready()` then `join_group()` before serving; then the
-    engine calls `on_request` / `on_start_wave` for inputs, `after_step`
-    after each step, `report` after each change.
+    loads); `wait_ready()` before serving; then the engine calls `on_request`
+    / `on_start_wave` / `on_regroup` for inputs, `join_pending` while
+    `needs_group()`, `after_step` after each step, `report` after each change.
     """
 
     def __init__(self, rank: int, dp_size: int, report_address: str, publish_address: str,
                  *, lockstep: bool = False, sync_interval: int = 32,
                  master_ip: str = "127.0.0.1", master_port: int = 0,
-                 secret: str | None = None, incarnation: int = 0) -> None:
+                 secret: str | None = None, incarnation: int = 0,
+                 collective_timeout: float = 10.0) -> None:
         self.rank = rank
         self.incarnation = incarnation  # which process of this rank (restarts count up)
         self.has_work = False  # set by the busy loop after each step, read by heartbeats
@@ -82,8 +93,14 @@ class DPLink:
         self.dummy_batches = 0  # forward passes run only to keep in step
         self.all_reduces = 0
         self._steps_since_sync = 0
-        self._group = None  # torch.distributed ProcessGroupGloo (lockstep)
-        self._store = None  # keeps the TCP store (rank 0: its server) alive
+        self._group = None  # torch.distributed ProcessGroupGloo of `generation` (lockstep)
+        self._store = None  # this engine's client of the coordinator's TCP store
+        self.collective_timeout = collective_timeout  # s: one join or all-reduce
+        self.generation = 0  # the DP group generation named last (0: none yet)
+        self.members: list[int] = []  # ... and its ranks
+        self._pending = False  # named a member of `generation`, not joined yet
+        self.regroups = 0  # generations joined
+        self.group_failures = 0  # collectives or joins that failed here
         self._ctx = zmq.Context()
         self._report = secure(self._ctx.socket(zmq.PUSH), "client", secret)
         self._report.setsockopt(zmq.LINGER, 0)
@@ -112,22 +129,6 @@ class DPLink:
                 logger.info("engine %d: DP coordinator ready", self.rank)
                 return
             logger.debug("engine %d: ignoring coordinator message before READY", self.rank)
-
-    def join_group(self, timeout: float = GROUP_TIMEOUT_S) -> None:
-        """Lockstep: join the DP gloo group (a collective: every rank must call it)."""
-        if not self.lockstep:
-            return
-        import torch.distributed as dist
-
-        host, port = self.master
-        logger.info("engine %d: joining the DP group at %s:%d", self.rank, host, port)
-        self._store = dist.TCPStore(host, port, self.dp_size, is_master=self.rank == 0,
-                                    timeout=datetime.timedelta(seconds=timeout),
-                                    wait_for_workers=False)
-        self._group = dist.ProcessGroupGloo(
-            dist.PrefixStore("dpserve-dp", self._store), self.rank, self.dp_size,
-            datetime.timedelta(seconds=SYNC_TIMEOUT_S))
-        self._all_reduce_any(False)  # returns once every rank has joined
 
     def start_heartbeats(self) -> None:
         """Beat every `HEARTBEAT_S` from a thread with its own socket: `(step, has_work)`.
@@ -189,37 +190,109 @@ class DPLink:
 
     def after_step(self, executed: bool, has_work: bool,
                    run_dummy_batch: Callable[[], None]) -> None:
-        """Lockstep bookkeeping after one engine step (does nothing otherwise)."""
-        if not self.lockstep:
+        """Lockstep bookkeeping after one engine step (does nothing otherwise).
+
+        Running until the every-`sync_interval`-steps all-reduce says no rank has
+        work; a failed all-reduce leaves the group (see `_group_failed`)."""
+        if not self.lockstep or self._group is None:
             return
         if not executed:
             if not has_work and not self.running:
                 return  # paused and idle
             run_dummy_batch()  # running: the other ranks' collectives need our step
             self.dummy_batches += 1
-        self.running = self._any_unfinished(has_work)
-        if not self.running:
-            logger.debug("engine %d: wave %d finished", self.rank, self.wave)
-            if self.rank == 0:
-                self._send(EngineReport(self.rank, wave=self.wave, wave_complete=self.wave))
-            self.wave += 1
-
-    def _any_unfinished(self, has_work: bool) -> bool:
-        """True until the every-`sync_interval`-steps all-reduce says no rank has work."""
+        self.running = True
         self._steps_since_sync += 1
         if self._steps_since_sync < self.sync_interval:
-            return True
+            return
         self._steps_since_sync = 0
-        return self._all_reduce_any(has_work)
+        result = self._all_reduce_max([int(has_work)])
+        if result is not None and not result[0]:
+            self._end_wave()
 
-    def _all_reduce_any(self, flag: bool) -> bool:
+    def _end_wave(self) -> None:
+        """No member has work: pause; the group's leader tells the coordinator."""
+        logger.debug("engine %d: wave %d finished", self.rank, self.wave)
+        self.running = False
+        if self.rank == (self.members[0] if self.members else 0):
+            self._send(EngineReport(self.rank, wave=self.wave, wave_complete=self.wave))
+        self.wave += 1
+
+    # ---- the DP group (lockstep) --------------------------------------------------------
+
+    def needs_group(self) -> bool:
+        """Lockstep without a formed group: the engine must not step (it keeps its
+        requests) until it has joined the generation the coordinator names."""
+        return self.lockstep and self._group is None
+
+    def on_regroup(self, message: RegroupDP) -> None:
+        """REGROUP_DP: leave the current group; `join_pending` joins the new one if
+        we are a member (else we wait for a generation that has us)."""
+        if not self.lockstep or message.generation == self.generation:
+            return
+        logger.info("engine %d: DP group generation %d: ranks %s", self.rank,
+                    message.generation, message.members)
+        self._group = self._store = None
+        self.generation, self.members = message.generation, list(message.members)
+        self._pending = self.rank in self.members
+
+    def join_pending(self, has_work: bool) -> bool:
+        """Join the generation named last, if we are a member and have not yet; then
+        agree with the other members on (wave, running). Bounded by the collective
+        timeout; a failure is reported and we wait for the next generation.
+        False when there was nothing to join."""
+        if not self._pending:
+            return False
+        self._pending = False
+        import torch.distributed as dist
+
+        host, port = self.master
+        timeout = datetime.timedelta(seconds=self.collective_timeout)
+        try:
+            self._store = dist.TCPStore(host, port, is_master=False, timeout=timeout,
+                                        wait_for_workers=False)
+            self._group = dist.ProcessGroupGloo(
+                dist.PrefixStore(f"dpserve-dp/{self.generation}", self._store),
+                self.members.index(self.rank), len(self.members), timeout)
+        except RuntimeError as e:  # DistStoreError, gloo errors: a member never came
+            self._group_failed(f"joining: {e}")
+            return True
+        agreed = self._all_reduce_max([self.wave, int(has_work), int(self.running)])
+        if agreed is None:
+            return True
+        self.regroups += 1
+        self.wave, self._steps_since_sync = agreed[0], 0
+        self.running = bool(agreed[1])
+        if not agreed[1] and agreed[2]:  # a wave ran, and no member has work left
+            self._end_wave()
+        logger.info("engine %d: joined DP group generation %d (wave %d, %s)", self.rank,
+                    self.generation, self.wave, "running" if self.running else "paused")
+        return True
+
+    def _group_failed(self, reason: str) -> None:
+        """Leave the group, paused, and tell the coordinator (it forms the next)."""
+        logger.warning("engine %d: DP group generation %d failed (%s); waiting for the "
+                       "next generation", self.rank, self.generation, reason.splitlines()[0])
+        self._group = self._store = None
+        self.group_failures += 1
+        self._send(EngineReport(self.rank, wave=self.wave, group_failed=self.generation))
+
+    def _all_reduce_max(self, values: list[int]) -> list[int] | None:
+        """Element-wise MAX over the group; None when it failed (group left)."""
         import torch
+        import torch.distributed as dist
 
-        assert self._group is not None, "join_group() first"
-        tensor = torch.tensor([int(flag)], dtype=torch.int32)
-        self._group.allreduce([tensor]).wait()
+        assert self._group is not None
+        tensor = torch.tensor(values, dtype=torch.int64)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX
+        try:
+            self._group.allreduce([tensor], options).wait()
+        except RuntimeError as e:  # a peer died (at once) or froze (after the timeout)
+            self._group_failed(f"all-reduce: {e}")
+            return None
         self.all_reduces += 1
-        return bool(tensor.item())
+        return [int(v) for v in tensor.tolist()]
 
     # ---- load reports -------------------------------------------------------------------
 
@@ -238,11 +311,14 @@ class DPLink:
         else:
             self._last_counts = None  # try again next time
 
-    def state(self) -> dict[str, int | bool]:
+    def state(self) -> dict[str, int | bool | list[int]]:
         """What the engine's `get_dp_state` utility call answers."""
         return dict(rank=self.rank, lockstep=self.lockstep, wave=self.wave,
                     running=self.running, dummy_batches=self.dummy_batches,
-                    all_reduces=self.all_reduces, steps=self._step)
+                    all_reduces=self.all_reduces, steps=self._step,
+                    generation=self.generation, members=list(self.members),
+                    in_group=self._group is not None, regroups=self.regroups,
+                    group_failures=self.group_failures)
 
     def _send(self, report: EngineReport) -> bool:
         try:

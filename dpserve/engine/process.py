@@ -17,7 +17,8 @@ Sockets of engine `rank` (identity = `engine_identity(rank)`):
                empty frame so the ROUTER learns (and can route to) this engine
     output i   PUSH   -> front-end i PULL    one msgpack EngineCoreOutputs per message
     DP (dp_size > 1): see `DPLink`; its coordinator SUB socket is read by the
-               input thread, which queues START_DP_WAVE like a front-end request
+               input thread, which queues START_DP_WAVE and REGROUP_DP like a
+               front-end request
 
 A dying engine sends the two frames [ENGINE_CORE_DEAD, identity] on every
 output socket, so a front-end with several engines knows which one died.
@@ -61,6 +62,7 @@ from dpserve.protocol import (
     FinishReason,
     HandshakeHello,
     HandshakeReady,
+    RegroupDP,
     RequestType,
     StartDPWave,
     UtilityCall,
@@ -169,12 +171,13 @@ class EngineCoreProc:
                              lockstep=parallel.data_parallel_lockstep,
                              sync_interval=parallel.data_parallel_sync_interval,
                              master_ip=init.dp_master_ip, master_port=init.dp_master_port,
-                             incarnation=self.incarnation)
+                             incarnation=self.incarnation,
+                             collective_timeout=parallel.data_parallel_collective_timeout)
         _choose_device(self.config, self.rank)
         self.engine_core = _build_engine_core(self.config, self.rank, self.incarnation)
         if self.dp is not None:
             self.dp.wait_ready()  # every engine is subscribed: reports are heard
-            self.dp.join_group()  # lockstep: the all-reduce group (waits for all ranks)
+            # Lockstep: the busy loop joins the DP group the coordinator names next.
         # Start registering with the front-ends before READY: the launcher
         # starts them on READY, and the frames wait in our sockets till then.
         self._start_io_threads(init)
@@ -195,6 +198,9 @@ class EngineCoreProc:
                 self._drain_step()
             # 1. Take in everything the front-ends sent; block only when idle.
             self._process_input_queue()
+            if self.dp is not None and self.dp.needs_group():
+                self._wait_for_group()  # lockstep: no steps outside a formed DP group
+                continue
             self._report_load()
             # 2. Step the engine: schedule -> execute -> update.
             forward_passes = core.num_forward_passes
@@ -234,6 +240,18 @@ class EngineCoreProc:
             logger.info("engine %d: drained", self.rank)
             raise SystemExit(0)
 
+    def _wait_for_group(self) -> None:
+        """Lockstep without a DP group: hold every request (no step) until the
+        coordinator names a generation with this rank, then join it."""
+        assert self.dp is not None
+        self.dp.has_work = False  # waiting, not stalled: no stall alarm meanwhile
+        self._report_load()
+        if not self.dp.join_pending(self.engine_core.has_unfinished_requests()):
+            try:  # not named yet: wait for the coordinator, but not forever
+                self._handle(*self.input_queue.get(timeout=_IDLE_WAIT_S))
+            except queue.Empty:
+                pass
+
     def _report_load(self) -> None:
         if self.dp is not None:
             self.dp.report(self.engine_core.get_request_counts())
@@ -264,6 +282,9 @@ class EngineCoreProc:
         elif request_type is RequestType.START_DP_WAVE:
             if self.dp is not None:
                 self.dp.on_start_wave(body)
+        elif request_type is RequestType.REGROUP_DP:
+            if self.dp is not None:
+                self.dp.on_regroup(body)
         elif request_type == _IO_FAILED:
             raise RuntimeError(f"engine IO thread failed: {body}")
         elif request_type == _PEER_LOST:
@@ -368,7 +389,8 @@ class EngineCoreProc:
         decoders = {RequestType.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
                     RequestType.ABORT: msgspec.msgpack.Decoder(list[str]),
                     RequestType.UTILITY: msgspec.msgpack.Decoder(UtilityCall)}
-        coordinator_decoders = {RequestType.START_DP_WAVE: msgspec.msgpack.Decoder(StartDPWave)}
+        coordinator_decoders = {RequestType.START_DP_WAVE: msgspec.msgpack.Decoder(StartDPWave),
+                                RequestType.REGROUP_DP: msgspec.msgpack.Decoder(RegroupDP)}
         with zmq.Context() as ctx:
             poller = zmq.Poller()
             index_of: dict[zmq.Socket, int] = {}

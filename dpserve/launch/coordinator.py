@@ -10,6 +10,12 @@ Scope:
   of a finished wave (`start_wave`), makes the coordinator broadcast
   START_DP_WAVE to the engines. Wave news is published to front-ends at once.
 * Scale: `ScaleEngines` changes the number of engines at run time.
+* Lockstep DP group (`dp_store` given): hosts the engines' TCP store (here, so
+  that any rank may die) and decides each group generation (`_DPGroup`): the
+  serving ranks that have sent a heartbeat (so are loaded and stepping), sent
+  as REGROUP_DP `_SETTLE_GROUP_S` after that set changes (start-up, a rank
+  dead, isolated, back), and `REFORM_DELAY_S` after an engine reports a
+  failed collective of the current generation.
 
 Not here: load-balancing decisions (front-ends), the all-reduce that decides
 when a wave ends (engines), starting engines (`dpserve.launch.engines`).
@@ -18,7 +24,9 @@ Sockets (all bound here; the wire format is in `dpserve.protocol`):
     front_publish_address   XPUB  -> CoordinatorUpdate to front-ends (XSUB),
                                   <- WakeEngines / ScaleEngines from them
     engine_report_address   PULL  <- EngineReport from engines (PUSH)
-    engine_publish_address  XPUB  -> COORDINATOR_READY, then START_DP_WAVE (SUB)
+    engine_publish_address  XPUB  -> COORDINATOR_READY, then START_DP_WAVE and
+                                  REGROUP_DP (SUB)
+    dp_store (lockstep)     a torch TCPStore server at (host, port)
 
 The process exits on SIGTERM (it ignores Ctrl-C's SIGINT: the parent stops
 it), when its parent dies (polled every second), or with exit code 1 when not
@@ -49,6 +57,7 @@ from dpserve.protocol import (
     RankEvent,
     RankState,
     RankStatus,
+    RegroupDP,
     RequestType,
     ScaleEngines,
     StartDPWave,
@@ -62,6 +71,10 @@ _MAX_SLEEP_S = 1.0  # the longest a start-up wait sleeps
 _HEALTH_CHECK_S = 0.25  # the loop looks at heartbeats at least this often
 _SETTLE_S = 0.05  # after a quiet spell, wait this long for the other engines' reports
 _SUBSCRIBE = 1  # first byte of an XPUB subscription frame (0 = unsubscribe)
+# After a failed collective with no membership change yet, wait this long for the
+# launcher's news (a dead rank) before forming the group again with the same ranks.
+REFORM_DELAY_S = 1.0
+_SETTLE_GROUP_S = 0.25  # membership news within this long forms one generation
 
 
 class DPCoordinator:
@@ -79,7 +92,8 @@ class DPCoordinator:
                  remote_host: str | None = None, publish_counts: bool = True,
                  secret: str | None = None, stats_interval_s: float = 0.1,
                  idle_publish_s: float = 5.0, startup_timeout_s: float = 600.0,
-                 heartbeat_timeout_s: float = 3.0, stall_timeout_s: float = 30.0) -> None:
+                 heartbeat_timeout_s: float = 3.0, stall_timeout_s: float = 30.0,
+                 dp_store: tuple[str, int] | None = None) -> None:
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         owned = allocator is None
@@ -97,7 +111,7 @@ class DPCoordinator:
                               idle_publish_s=idle_publish_s,
                               startup_timeout_s=startup_timeout_s,
                               heartbeat_timeout_s=heartbeat_timeout_s,
-                              stall_timeout_s=stall_timeout_s)
+                              stall_timeout_s=stall_timeout_s, dp_store=dp_store)
         self.proc: BaseProcess | None = None
         self._group = ProcessGroup(self, on_close=allocator.cleanup if owned else None)
 
@@ -237,6 +251,10 @@ class _HealthTable:
         self.status[rank] = RankStatus(RankState.SERVING, report.incarnation)
         return True
 
+    def heard(self) -> list[bool]:
+        """Per rank: a heartbeat of its current process has arrived."""
+        return [beat is not None for beat in self._last_beat]
+
     def on_event(self, rank: int, status: RankStatus) -> bool:
         """A launcher's first-hand news; True when the rank's status changed."""
         if status.incarnation < self.status[rank].incarnation or status == self.status[rank]:
@@ -266,6 +284,51 @@ class _HealthTable:
         return changed
 
 
+class _DPGroup:
+    """Lockstep: which ranks form the engines' DP group, generation by generation.
+
+    Members are the ranks that serve (or drain) and have been heard (a heartbeat:
+    loaded and in their busy loop): a dead, restarting or unhealthy rank is left
+    out until it serves again. Invariant: generations only move
+    forward, one per REGROUP_DP; a failure report of an older generation is
+    dropped (that group is already gone).
+    """
+
+    def __init__(self) -> None:
+        self.generation = 0  # 0: none formed yet
+        self.members: list[int] = []
+        self._due: float | None = None  # when to form the next generation
+
+    @staticmethod
+    def wanted(status: list[RankStatus], heard: list[bool]) -> list[int]:
+        return [rank for rank, s in enumerate(status)
+                if heard[rank] and s.state in (RankState.SERVING, RankState.DRAINING)]
+
+    def on_failed(self, generation: int, now: float) -> None:
+        """A member's collective of `generation` failed: form the group again soon."""
+        if generation == self.generation and self.generation > 0:
+            if self._due is None:
+                self._due = now + REFORM_DELAY_S
+
+    def next(self, status: list[RankStatus], heard: list[bool],
+             now: float) -> RegroupDP | None:
+        """The generation to announce now, if one is due."""
+        members = self.wanted(status, heard)
+        if members != self.members and self._due is None:
+            self._due = now + _SETTLE_GROUP_S
+        if self._due is None or now < self._due:
+            return None
+        self._due = None
+        self.generation += 1
+        self.members = members
+        return RegroupDP(self.generation, members)
+
+    @property
+    def leader(self) -> int:
+        """The rank that speaks for the group (reports wave completion)."""
+        return self.members[0] if self.members else 0
+
+
 class DPCoordinatorProc:
     """The coordinator's sockets and loop (runs inside the coordinator process)."""
 
@@ -275,9 +338,12 @@ class DPCoordinatorProc:
                  publish_counts: bool = True, secret: str | None = None,
                  stats_interval_s: float = 0.1, idle_publish_s: float = 5.0,
                  startup_timeout_s: float = 600.0, heartbeat_timeout_s: float = 3.0,
-                 stall_timeout_s: float = 30.0) -> None:
+                 stall_timeout_s: float = 30.0,
+                 dp_store: tuple[str, int] | None = None) -> None:
         self.loads = _LoadTable(num_engines)
         self.health = _HealthTable(num_engines, heartbeat_timeout_s, stall_timeout_s)
+        self.group = _DPGroup() if dp_store is not None else None  # lockstep only
+        self._store = _host_store(*dp_store) if dp_store is not None else None
         self.wave = 0  # the current request wave
         self.running = False  # engines are in a running wave (else paused)
         self._published_wave = 0
@@ -369,7 +435,10 @@ class DPCoordinatorProc:
             # 5. Ranks that stopped beating or stepping: unhealthy, published at once.
             if self.health.check(time.monotonic()):
                 self._publish_counts()
-            # 6. Publish the counts when due.
+            # 6. Lockstep: a new DP group generation when membership changed or
+            #    a collective failed.
+            self._regroup()
+            # 7. Publish the counts when due.
             if time.monotonic() >= self._next_publish():
                 self._publish_counts()
 
@@ -463,16 +532,23 @@ class DPCoordinatorProc:
             return
         if report.request_counts is not None:
             self.loads.apply(index, report.wave, report.step, report.request_counts)
+        if report.group_failed is not None and self.group is not None:
+            logger.warning("engine %d: DP group generation %d failed there", index,
+                           report.group_failed)
+            self.group.on_failed(report.group_failed, time.monotonic())
         if report.wave_complete is not None:
             self._on_wave_complete(index, report.wave_complete)
         elif report.start_wave is not None:
             self._on_start_wave(index, report.start_wave)
 
     def _on_wave_complete(self, index: int, wave: int) -> None:
-        # Invariant: rank 0 alone reports wave completion (it speaks for all
-        # ranks after their all-reduce); a report from another rank is ignored.
-        if index != 0:
-            logger.error("engine %d reported wave_complete=%d; only rank 0 may", index, wave)
+        # Invariant: the group's leader alone reports wave completion (it speaks
+        # for all members after their all-reduce); a report from another rank is
+        # ignored. The leader is the lowest member (rank 0 unless it is out).
+        leader = self.group.leader if self.group is not None else 0
+        if index != leader:
+            logger.error("engine %d reported wave_complete=%d; only rank %d may", index,
+                         wave, leader)
             return
         # Invariant: waves only move forward; late news of an older wave is dropped.
         if wave < self.wave:
@@ -497,6 +573,17 @@ class DPCoordinatorProc:
         self.engines.send_multipart([RequestType.START_DP_WAVE.value, body])
         logger.debug("START_DP_WAVE wave=%d exclude=%s", wave, exclude)
 
+    def _regroup(self) -> None:
+        """Lockstep: broadcast REGROUP_DP when `_DPGroup` says a generation is due."""
+        if self.group is None:
+            return
+        message = self.group.next(self.health.status, self.health.heard(), time.monotonic())
+        if message is None:
+            return
+        logger.info("DP group generation %d: ranks %s", message.generation, message.members)
+        self.engines.send_multipart([RequestType.REGROUP_DP.value,
+                                     msgspec.msgpack.encode(message)])
+
     def _publish_wave_state(self) -> None:
         assert self.wave >= self._published_wave, "waves only move forward"
         self._published_wave = self.wave
@@ -508,6 +595,17 @@ class DPCoordinatorProc:
                                    self.running, list(self.health.status))
         self.front.send(msgspec.msgpack.encode(update))
         self._last_publish = time.monotonic()
+
+
+def _host_store(host: str, port: int) -> Any:
+    """The TCP store server of the engines' lockstep DP group (lives with this process)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    logger.info("hosting the DP group store at %s:%d", host, port)
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=60))
 
 
 def run_coordinator(num_engines: int, front_publish_address: str | list[str],

@@ -149,7 +149,10 @@ def launch_engines(config: EngineConfig, num_clients: int = 1,
 
 
 def _start_coordinator(launch: EngineLaunch, config: EngineConfig, ready_timeout: float, *,
-                       remote: bool, publish_counts: bool = True) -> DPCoordinator:
+                       remote: bool, dp_store: tuple[str, int],
+                       publish_counts: bool = True) -> DPCoordinator:
+    """Start the DP coordinator; in lockstep mode it also hosts the DP group's store at
+    `dp_store` (the engines' init metadata names it as dp_master_ip/port)."""
     from dpserve.launch.coordinator import DPCoordinator
 
     p = config.parallel
@@ -158,7 +161,8 @@ def _start_coordinator(launch: EngineLaunch, config: EngineConfig, ready_timeout
                                 publish_counts=publish_counts, secret=p.data_parallel_secret,
                                 startup_timeout_s=ready_timeout,
                                 heartbeat_timeout_s=p.engine_heartbeat_timeout,
-                                stall_timeout_s=p.engine_stall_timeout)
+                                stall_timeout_s=p.engine_stall_timeout,
+                                dp_store=dp_store if p.data_parallel_lockstep else None)
     launch.coordinator = coordinator
     coordinator.start()
     launch.coordinator_address = coordinator.front_publish_address
@@ -175,8 +179,9 @@ def _launch_head(launch: EngineLaunch, config: EngineConfig, num_clients: int,
         num_clients, remote_host=p.data_parallel_address if remote else None,
         rpc_port=p.data_parallel_rpc_port)
     if size > 1:  # the coordinator first: engines connect to it while loading
-        addrs = addrs.with_coordinator(_start_coordinator(launch, config, ready_timeout,
-                                                          remote=remote))
+        addrs = addrs.with_coordinator(_start_coordinator(
+            launch, config, ready_timeout, remote=remote,
+            dp_store=(addrs.dp_master_ip, addrs.dp_master_port)))
     launch.addresses = addrs
     logger.info("starting %d local engine(s)%s", local,
                 f"; waiting for {size - local} remote one(s) at {addrs.remote_handshake}"
@@ -203,15 +208,16 @@ def _launch_local_lb(launch: EngineLaunch, config: EngineConfig, num_clients: in
     rendezvous = (f"tcp://{url_host(p.data_parallel_address)}:{p.data_parallel_rpc_port}")
     addrs = launch.allocator.engine_addresses(num_clients)
     if p.data_parallel_start_rank == 0:  # this host leads: coordinator + rendezvous
+        store = (p.data_parallel_address,
+                 AddressAllocator(local_only=False, host=p.data_parallel_address).free_port())
         coordinator = _start_coordinator(
-            launch, config, ready_timeout, remote=True,
+            launch, config, ready_timeout, remote=True, dp_store=store,
             publish_counts=p.data_parallel_rank is None)  # external LB: waves only
-        tcp = AddressAllocator(local_only=False, host=p.data_parallel_address)
         reply = RendezvousReply(
             coordinator_input=coordinator.remote_engine_publish_address,
             coordinator_output=coordinator.remote_engine_report_address,
             coordinator_front=coordinator.remote_front_publish_address,
-            dp_master_ip=p.data_parallel_address, dp_master_port=tcp.free_port())
+            dp_master_ip=store[0], dp_master_port=store[1])
         launch.rendezvous = RendezvousServer(rendezvous, reply, size,
                                              secret=p.data_parallel_secret)
         addrs = dataclasses.replace(addrs.with_coordinator(coordinator),
@@ -250,8 +256,9 @@ def _launch_ray(launch: EngineLaunch, config: EngineConfig, num_clients: int,
     addrs = launch.allocator.engine_addresses(
         num_clients, remote_host=p.data_parallel_address, rpc_port=p.data_parallel_rpc_port)
     if size > 1:  # the coordinator first: engines connect to it while loading
-        addrs = addrs.with_coordinator(_start_coordinator(launch, config, ready_timeout,
-                                                          remote=True))
+        addrs = addrs.with_coordinator(_start_coordinator(
+            launch, config, ready_timeout, remote=True,
+            dp_store=(addrs.dp_master_ip, addrs.dp_master_port)))
     launch.addresses = addrs
     coordinator = [launch.coordinator.proc] if launch.coordinator else []
     try:

@@ -44,7 +44,7 @@ Resources per rank (one placement group, STRICT_PACK = one node):
 
 Pack strategies (nodes are ordered: the DP master's node first, then the
 others by IP and node id; rank 0 always runs on the master node, where the
-launcher and coordinator run and where rank 0 hosts the lockstep group's
+launcher and coordinator run, the coordinator hosting the lockstep group's
 store at the DP master address; a node's room is how many ranks its free
 resources hold):
     fill    nodes in order, each filled to its room before the next one.
