@@ -455,12 +455,16 @@ def _engine_procs(pid: int, name: str) -> list[psutil.Process]:
     return found
 
 
-def test_killed_engine_actor_is_restarted_and_nothing_remains(tiny_llama):
-    """`dpserve serve --data-parallel-backend ray`, DP=2: SIGKILL of engine actor 1's
-    process while 16 streams run. Every stream completes (equal to an undisturbed
-    greedy run), /health?rank=1 shows restarting, then serving with incarnation 1
-    (a new actor in rank 1's placement group), a request pinned to rank 1 is
-    served by it; after SIGTERM no process the server started remains."""
+@pytest.mark.parametrize("fault", ["SIGKILL", "fatal error"])
+def test_dead_engine_actor_is_restarted_and_nothing_remains(tiny_llama, fault):
+    """`dpserve serve --data-parallel-backend ray`, DP=2, 16 streams running: engine
+    actor 1's process is SIGKILLed, or its 40th forward raises (the actor stays
+    alive, holding its placement group's CPU: the restart must kill it; the
+    restarted actor, incarnation 1, runs clean). Every stream completes (equal
+    to an undisturbed greedy run), /health?rank=1 leaves serving (SIGKILL:
+    restarting), then serves with incarnation 1 (one new actor process), a
+    request pinned to rank 1 is served by it; after SIGTERM no process the
+    server started remains."""
     import threading
 
     from test_data_parallel import _finished_by_engine
@@ -470,8 +474,10 @@ def test_killed_engine_actor_is_restarted_and_nothing_remains(tiny_llama):
 
     model, prompts = str(tiny_llama), PROMPTS[:16]
     expected = _expected(model, prompts)
+    env = {"DPSERVE_FAULT_FORWARD_AT": "40", "DPSERVE_FAULT_RANK": "1"} \
+        if fault == "fatal error" else None
     with serve(model, "--data-parallel-size", "2", "--data-parallel-backend", "ray",
-               "--threads-per-engine", "1", "--max-model-len", "256",
+               "--threads-per-engine", "1", "--max-model-len", "256", env=env,
                timeout=180) as (proc, url):
         started = descendants(proc.pid)
         [victim] = _engine_procs(proc.pid, "EngineCore_1")
@@ -491,15 +497,17 @@ def test_killed_engine_actor_is_restarted_and_nothing_remains(tiny_llama):
         watcher = threading.Thread(target=watch_rank_1, daemon=True)
         watcher.start()
         try:
-            got = asyncio.run(_streams_with_fault(url, model, lambda: victim.send_signal(
-                signal.SIGKILL), prompts))
+            kill = (lambda: victim.send_signal(signal.SIGKILL)) if fault == "SIGKILL" \
+                else (lambda: None)
+            got = asyncio.run(_streams_with_fault(url, model, kill, prompts))
             assert got == expected  # migrated streams equal an undisturbed greedy run
             assert _metric(url, "dpserve:request_migrations_total") > 0
             watcher.join(180)
         finally:
             done.set()
         assert seen[0] == ("serving", 0) and seen[-1] == ("serving", 1), seen
-        assert ("restarting", 0) in seen, seen
+        out = ["restarting"] if fault == "SIGKILL" else ["restarting", "dead"]
+        assert any(seen_state in out and inc == 0 for seen_state, inc in seen), seen
         [restarted] = _engine_procs(proc.pid, "EngineCore_1")
         assert restarted.pid != victim.pid
         before = _finished_by_engine(url).get(1, 0)
