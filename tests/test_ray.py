@@ -459,7 +459,7 @@ def _engine_procs(pid: int, name: str) -> list[psutil.Process]:
 def test_dead_engine_actor_is_restarted_and_nothing_remains(tiny_llama, fault):
     """`dpserve serve --data-parallel-backend ray`, DP=2, 16 streams running: engine
     actor 1's process is SIGKILLed, or its 40th forward raises (the actor stays
-    alive, holding its placement group's CPU: the restart must kill it; the
+    alive, holding its placement group's CPU, until the restart ends it; the
     restarted actor, incarnation 1, runs clean). Every stream completes (equal
     to an undisturbed greedy run), /health?rank=1 leaves serving (SIGKILL:
     restarting), then serves with incarnation 1 (one new actor process), a
