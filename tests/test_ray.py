@@ -350,6 +350,87 @@ def test_dpserve_serve_with_the_ray_backend(tiny_llama):
     assert all_gone(children, timeout=15), [p for p in children if p.is_running()]
 
 
+def _engine_procs(pid: int, name: str) -> list[psutil.Process]:
+    """Running (not zombie) descendants of `pid` titled dpserve::<name>."""
+    from test_serve_process import _descendants as descendants
+
+    found = []
+    for p in descendants(pid):
+        try:
+            if p.name() == f"dpserve::{name}" and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+@pytest.mark.parametrize("fault", ["SIGKILL", "fatal error"])
+def test_dead_engine_actor_is_restarted_and_nothing_remains(tiny_llama, fault):
+    """`dpserve serve --data-parallel-backend ray`, DP=2, 16 streams running: engine
+    actor 1's process is SIGKILLed, or its 40th forward raises (the actor stays
+    alive, holding its placement group's CPU, until the restart ends it; the
+    restarted actor, incarnation 1, runs clean). Every stream completes (equal
+    to an undisturbed greedy run), /health?rank=1 leaves serving (SIGKILL:
+    restarting), then serves with incarnation 1 (one new actor process), a
+    request pinned to rank 1 is served by it; after SIGTERM no process the
+    server started remains."""
+    import threading
+
+    from test_data_parallel import _finished_by_engine
+    from test_faults import PROMPTS, _complete, _expected, _health, _metric, _streams_with_fault
+    from test_serve_process import _descendants as descendants
+    from test_serve_process import output, serve
+
+    model, prompts = str(tiny_llama), PROMPTS[:16]
+    expected = _expected(model, prompts)
+    env = {"DPSERVE_FAULT_FORWARD_AT": "40", "DPSERVE_FAULT_RANK": "1"} \
+        if fault == "fatal error" else None
+    with serve(model, "--data-parallel-size", "2", "--data-parallel-backend", "ray",
+               "--threads-per-engine", "1", "--max-model-len", "256", env=env,
+               timeout=180) as (proc, url):
+        started = descendants(proc.pid)
+        [victim] = _engine_procs(proc.pid, "EngineCore_1")
+        seen: list[tuple[str, int]] = []  # rank 1's (state, incarnation), each change
+        done = threading.Event()
+
+        def watch_rank_1() -> None:
+            deadline = time.monotonic() + 180
+            while not done.is_set() and time.monotonic() < deadline:
+                entry = _health(url, 1).json()["ranks"][0]
+                if not seen or seen[-1] != (entry["state"], entry["incarnation"]):
+                    seen.append((entry["state"], entry["incarnation"]))
+                if seen[-1] == ("serving", 1):
+                    return
+                time.sleep(0.05)
+
+        watcher = threading.Thread(target=watch_rank_1, daemon=True)
+        watcher.start()
+        try:
+            kill = (lambda: victim.send_signal(signal.SIGKILL)) if fault == "SIGKILL" \
+                else (lambda: None)
+            got = asyncio.run(_streams_with_fault(url, model, kill, prompts))
+            assert got == expected  # migrated streams equal an undisturbed greedy run
+            assert _metric(url, "dpserve:request_migrations_total") > 0
+            watcher.join(180)
+        finally:
+            done.set()
+        assert seen[0] == ("serving", 0) and seen[-1] == ("serving", 1), seen
+        out = ["restarting"] if fault == "SIGKILL" else ["restarting", "dead"]
+        assert any(seen_state in out and inc == 0 for seen_state, inc in seen), seen
+        [restarted] = _engine_procs(proc.pid, "EngineCore_1")
+        assert restarted.pid != victim.pid
+        before = _finished_by_engine(url).get(1, 0)
+        assert asyncio.run(_complete(url, model, 4, rank=1)) == [200] * 4
+        assert _finished_by_engine(url).get(1, 0) - before == 4
+        assert _metric(url, "dpserve:engine_restarts_total") == 1
+        assert "rank 1: EngineCore_1 (Ray actor" in output(proc), output(proc)[-3000:]
+        started += [p for p in descendants(proc.pid) if p not in started]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(45) is not None
+        left = _all_gone(started, timeout=15)
+        assert not left, f"left after SIGTERM: {left}\n{output(proc)[-3000:]}"
+
+
 @pytest.mark.parametrize("target", ["server", "process group", "server, Ray frozen"])
 def test_sigterm_with_streams_in_flight_leaves_no_process(tiny_llama, target):
     """`dpserve serve --data-parallel-backend ray`, DP=2, SIGTERM while 8 streams

@@ -265,7 +265,6 @@ def _serve_in_process(options: APIServerOptions, config: EngineConfig,
     async def on_ready(client, server) -> None:
         launch.supervise(config, on_status=client.set_rank_status, on_fatal=client.mark_dead,
                          stopping=lambda: server.drain_requested)
-        launch.watch_actors(client.mark_dead)
         _log_serving(options, config, spec, sock, 1)
 
     return asyncio.run(serve_http(options, config, spec, sock, on_ready))
@@ -288,7 +287,6 @@ def _run_api_servers(options: APIServerOptions, config: EngineConfig,
         api = APIServerProcManager(options, config, specs, sock, metrics_dir)
         api.wait_for_startup(also_watch=launch.processes)
         stop = _StopSignal()
-        launch.watch_actors(stop.engine_died)
         launch.supervise(config, on_status=api.broadcast_rank_status,
                          on_fatal=stop.engine_died, stopping=lambda: stop.signum is not None)
         api.start_serving()
@@ -357,7 +355,7 @@ class _StopSignal:
         self.count += 1
 
     def engine_died(self, reason: str) -> None:
-        """An engine that is not a local process (a Ray actor) stopped: wake `_watch`."""
+        """The supervisor stops the server (policy stop, or engines lost): wake `_watch`."""
         self.death = reason
         try:
             os.write(self._write_fd, b"!")

@@ -18,7 +18,7 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Container, Sequence
+from collections.abc import Collection, Container, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 
@@ -26,7 +26,7 @@ import msgspec
 import zmq
 
 from dpserve.config import EngineConfig
-from dpserve.launch.process import ProcessGroup, shutdown
+from dpserve.launch.process import ProcessGroup, shutdown, wait_for_any_exit
 from dpserve.protocol import EngineInitMetadata, HandshakeHello, HandshakeReady
 from dpserve.security import secure
 
@@ -75,6 +75,13 @@ class EngineProcManager:
         return dict(config=self.config, rank=rank, handshake_address=self.handshake_address,
                     local=self.local, handshake_timeout=self.handshake_timeout,
                     incarnation=incarnation)
+
+    def wait_for_exits(self, ranks: Collection[int], timeout: float) -> dict[int, str]:
+        """Block up to `timeout` s until the process of one of `ranks` exits; rank ->
+        "EngineCore_1 (pid 42) exited with code -9" for each that did."""
+        watched = {self.processes[self.ranks.index(r)]: r for r in ranks}
+        return {watched[p]: f"{p.name} (pid {p.pid}) exited with code {p.exitcode}"
+                for p in wait_for_any_exit(list(watched), timeout=timeout)}
 
     def restart(self, rank: int, incarnation: int, init: EngineInitMetadata,
                 timeout: float) -> HandshakeReady:

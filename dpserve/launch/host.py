@@ -77,13 +77,6 @@ class EngineLaunch:
         """The engines' limit: the config's, capped by the smallest KV cache."""
         return min(r.max_model_len for r in self.ready.values())
 
-    def watch_actors(self, on_exit: Callable[[str], None]) -> None:
-        """Call `on_exit(reason)` once when an engine that is not a local process
-        (a Ray actor) stops; local processes are watched by their sentinels."""
-        watch = getattr(self.manager, "watch_engines", None)
-        if watch is not None:
-            watch(on_exit)
-
     def input_binds(self, client: int) -> tuple[str, ...]:
         assert self.addresses is not None
         return tuple(self.addresses.input_binds(client))
@@ -95,15 +88,16 @@ class EngineLaunch:
     def supervise(self, config: EngineConfig, on_status: OnStatus,
                   on_fatal: Callable[[str], None],
                   stopping: Callable[[], bool] = lambda: False) -> None:
-        """Apply the failure policy to this host's engines and coordinator from now on
-        (`dpserve.launch.supervisor`); Ray actors are watched by `watch_actors`.
-        `stopping()`: the server drains; clean exits then are expected."""
-        if isinstance(self.manager, EngineProcManager) or self.coordinator is not None:
+        """Apply the failure policy to this host's engines (processes or Ray actors)
+        and coordinator from now on (`dpserve.launch.supervisor`). `stopping()`: the
+        server drains; clean exits then are expected."""
+        if self.manager is not None or self.coordinator is not None:
             self.supervisor = Supervisor(self, config, on_status, on_fatal, stopping)
 
     def restart_engine(self, rank: int, incarnation: int) -> None:
-        """A new process for this host's engine `rank`, READY when this returns."""
-        assert isinstance(self.manager, EngineProcManager) and self.init is not None
+        """A new engine (process or Ray actor) for this host's `rank`, READY when this
+        returns."""
+        assert self.manager is not None and self.init is not None
         ready = self.manager.restart(rank, incarnation, self.init, self.ready_timeout)
         self.ready[rank] = ready
 
@@ -262,8 +256,8 @@ def _launch_ray(launch: EngineLaunch, config: EngineConfig, num_clients: int,
     launch.addresses = addrs
     coordinator = [launch.coordinator.proc] if launch.coordinator else []
     try:
-        launch.manager = RayEngineManager(config, addrs.init_metadata(dp_size=size,
-                                                                      local=False))
+        launch.init = addrs.init_metadata(dp_size=size, local=False)
+        launch.manager = RayEngineManager(config, launch.init)
         launch.ready = launch.manager.wait_for_startup(ready_timeout, also_watch=coordinator)
     except RayPlacementError as e:
         raise EngineStartupError(str(e)) from None

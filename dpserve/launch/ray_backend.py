@@ -5,7 +5,8 @@ planning where each DP rank runs (`plan_placement`, pure), one STRICT_PACK
 placement group per rank pinned to its node, the engine actors
 (`EngineCoreActor`: an `EngineCoreProc` without the socket handshake),
 waiting for them to start (bounded, with a liveness check), watching their
-run refs and tearing everything down. `RayEngineManager` plays the role of
+run refs, restarting a rank's actor, and tearing everything down
+(`dpserve.launch.ray_teardown`). `RayEngineManager` plays the role of
 `EngineProcManager` + `wait_for_engine_startup` for `--data-parallel-backend ray`.
 
 Not here: addresses (`dpserve.launch.addresses.AddressAllocator`), the coordinator,
@@ -22,10 +23,14 @@ Launch order (the launcher's side):
        (each builds its engine: model, KV cache, coordinator link, front-end
        registration);
     4. `wait_for_startup()` -> rank -> HandshakeReady; then the front-ends
-       bind their sockets and serve; `watch_engines(callback)` reports a
-       rank whose run ended (death, fatal error) so the launcher can stop;
-    5. `close()`: kill the actors, remove the placement groups, leave Ray
-       as found (shut down / disconnected if the manager connected it).
+       bind their sockets and serve; the launcher's Supervisor waits on the
+       run refs (`wait_for_exits`) and restarts a rank whose run ended
+       (death, fatal error): `restart()` kills the old actor and starts a new
+       one (incarnation + 1, same init metadata) in the rank's placement
+       group. (`watch_engines(callback)` instead only reports an ending.)
+    5. `close()` (`dpserve.launch.ray_teardown`): kill the actors, remove the
+       placement groups, leave Ray as found (shut down / disconnected if the
+       manager connected it).
        Bounded even when Ray's own processes are gone or going: a stop
        signal sent to the launcher's whole process group (`timeout`, systemd,
        `kill -- -PGID`) reaches the local instance's gcs_server and raylet
@@ -69,21 +74,28 @@ import math
 import os
 import re
 import signal
-import sys
 import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-import psutil
-
 from dpserve.config import EngineConfig
 from dpserve.launch.engines import EngineStartupError
+from dpserve.launch.ray_teardown import (
+    RAY_CALL_S,
+    RayState,
+    child_pids,
+    new_children,
+    processes,
+    release,
+    teardown,
+    within,
+)
 from dpserve.logging_utils import name_process
 from dpserve.protocol import EngineInitMetadata, HandshakeReady
 
@@ -95,9 +107,6 @@ _EPS = 1e-6  # Ray resources are fixed-point floats
 _POLL_S = 0.5
 _PROGRESS_LOG_S = 10.0
 _MAX_ERROR_CHARS = 500
-_RAY_CALL_S = 3.0  # teardown: killing the actors and removing the placement groups
-_RAY_SHUTDOWN_S = 5.0  # teardown: ray.shutdown() (a healthy one takes about a second)
-_REAP_S = 3.0  # teardown: then this long for this host's processes to exit, else SIGKILL
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its error messages
 
 
@@ -228,12 +237,13 @@ class EngineCoreActor:
     """
 
     def __init__(self, config: EngineConfig, rank: int, init: EngineInitMetadata,
-                 local: bool) -> None:
+                 local: bool, incarnation: int = 0) -> None:
         from dpserve.engine.process import EngineCoreProc
 
         _name_actor_process(rank)
         self.rank = rank
-        self.proc = EngineCoreProc(config, rank, None, local=local, init=init)
+        self.proc = EngineCoreProc(config, rank, None, local=local, init=init,
+                                   incarnation=incarnation)
 
     def __repr__(self) -> str:  # Ray prefixes the actor's log lines with this
         return f"EngineCore_{self.rank}"
@@ -278,22 +288,10 @@ def _name_actor_process(rank: int) -> None:
 # ---- the manager ---------------------------------------------------------------------
 
 
-@dataclass
-class _RayState:
-    """What teardown needs (shared with the finalizer, which must not hold the manager)."""
-
-    owns_connection: bool = False  # this manager called ray.init
-    actors: list[Any] = field(default_factory=list)
-    placement_groups: list[Any] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
-    watcher: threading.Thread | None = None
-    # Processes on this host that must not outlive teardown: the local Ray
-    # instance's (when this manager started it) and the engine actors here.
-    host_procs: list[psutil.Process] = field(default_factory=list)
-
 
 class RayEngineManager:
-    """Starts the DP engines as Ray actors and tears them down (module docstring).
+    """Starts the DP engines as Ray actors, restarts one (`restart`), and tears them
+    down (module docstring).
 
     `init`: what every engine connects to; all addresses tcp://. The other
     options default to the config's (`ray_address`, `data_parallel_address`
@@ -325,19 +323,26 @@ class RayEngineManager:
         self.engine_info: dict[int, dict[str, Any]] = {}  # rank -> EngineCoreActor.ready()
         self.exit_reasons: dict[int, str] = {}  # rank -> why its run ended
         self.started_ray = False
+        self.config = config
+        self.init = init
+        self.runtime_env = runtime_env
         self._ready_refs: dict[Any, int] = {}
-        self._run_refs: dict[Any, int] = {}
-        self._state = _RayState()
-        self._finalizer = weakref.finalize(self, _teardown, self._state)
+        self._run_refs: dict[int, Any] = {}  # rank -> its current actor's run()
+        self._actor_class: Any = None  # ray.remote(EngineCoreActor), made once
+        self._state = RayState()
+        self._finalizer = weakref.finalize(self, teardown, self._state)
         try:
-            before = _child_pids()
+            before = child_pids()
             how = connect_ray(ray_address or parallel.ray_address, self.node_ip)
             if how == "started":  # gcs_server, raylet, monitors: children of this process
-                self._state.host_procs += _new_children(before)
+                self._state.host_procs += new_children(before)
             self._state.owns_connection = how != "existing"
             self.started_ray = how == "started"  # close() shuts this instance down
             self._place(ranks_per_node, placement_timeout)
-            self._create_actors(config, init, runtime_env)
+            for rank in self.ranks:
+                actor = self._create_actor(rank)
+                self._state.actors.append(actor)
+                self._ready_refs[actor.ready.remote()] = rank
         except BaseException:
             self.close()
             raise
@@ -382,24 +387,24 @@ class RayEngineManager:
         return (f"Ray did not place DP rank(s) {ranks} within {timeout:.0f} s: each needs "
                 f"{need} on its node, which has free now: {nodes}")
 
-    def _create_actors(self, config: EngineConfig, init: EngineInitMetadata,
-                       runtime_env: dict[str, Any] | None) -> None:
+    def _create_actor(self, rank: int, incarnation: int = 0) -> Any:
+        """A new engine actor for `rank` in the rank's placement group (it starts loading)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        actor_class = ray.remote(EngineCoreActor)
-        cuda = config.device == "cuda"  # the actor takes the GPU bundle, else the CPU one
-        for rank, pg in zip(self.ranks, self._state.placement_groups):
-            options: dict[str, Any] = dict(
-                num_cpus=0 if cuda else self.bundles[0]["CPU"], num_gpus=1 if cuda else 0,
-                max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    pg, placement_group_bundle_index=0))
-            if runtime_env is not None:
-                options["runtime_env"] = runtime_env
-            local = self.node_of[rank].node_id == self.master_node_id
-            actor = actor_class.options(**options).remote(config, rank, init, local)
-            self._state.actors.append(actor)
-            self._ready_refs[actor.ready.remote()] = rank
+        cuda = self.config.device == "cuda"  # the actor takes the GPU bundle, else the CPU one
+        pg = self._state.placement_groups[self.ranks.index(rank)]
+        options: dict[str, Any] = dict(
+            num_cpus=0 if cuda else self.bundles[0]["CPU"], num_gpus=1 if cuda else 0,
+            max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=0))
+        if self.runtime_env is not None:
+            options["runtime_env"] = self.runtime_env
+        local = self.node_of[rank].node_id == self.master_node_id
+        if self._actor_class is None:
+            self._actor_class = ray.remote(EngineCoreActor)
+        return self._actor_class.options(**options).remote(self.config, rank, self.init, local,
+                                                           incarnation)
 
     def wait_for_startup(self, timeout: float = 600.0,
                          also_watch: Sequence[BaseProcess] = ()) -> dict[int, HandshakeReady]:
@@ -436,17 +441,20 @@ class RayEngineManager:
                     raise EngineStartupError(
                         f"engine {rank} (Ray actor on node {self.node_of[rank].node_id[:8]}) "
                         f"died during start-up: {_short(e)}") from None
-                self.engine_info[rank] = info
-                if self.node_of[rank].ip == self.node_ip:  # this host: reaped by teardown
-                    self._state.host_procs += _processes([info["pid"]])
-                ready[rank] = HandshakeReady(local=info["local"],
-                                             num_kv_blocks=info["num_kv_blocks"],
-                                             max_model_len=info["max_model_len"])
-                logger.info("engine %d ready on node %s: %d KV blocks", rank,
-                            info["node_id"][:8], info["num_kv_blocks"])
+                ready[rank] = self._engine_ready(rank, info)
         for rank, actor in zip(self.ranks, self._state.actors):
-            self._run_refs[actor.run.remote()] = rank
+            self._run_refs[rank] = actor.run.remote()
         return dict(sorted(ready.items()))
+
+    def _engine_ready(self, rank: int, info: dict[str, Any]) -> HandshakeReady:
+        """Note what `EngineCoreActor.ready()` said; the READY data it stands for."""
+        self.engine_info[rank] = info
+        if self.node_of[rank].ip == self.node_ip:  # this host: reaped by teardown
+            self._state.host_procs += processes([info["pid"]])
+        logger.info("engine %d ready on node %s: %d KV blocks", rank, info["node_id"][:8],
+                    info["num_kv_blocks"])
+        return HandshakeReady(local=info["local"], num_kv_blocks=info["num_kv_blocks"],
+                              max_model_len=info["max_model_len"])
 
     def _describe(self, ready: dict[int, HandshakeReady]) -> str:
         return ", ".join(f"rank {r} {'READY' if r in ready else 'loading the model'} "
@@ -463,25 +471,83 @@ class RayEngineManager:
         """Block until a running engine's busy loop ends (or `timeout` s pass);
         return the ranks that ended since the last call (why: `exit_reasons`).
         [] at once when no engine runs. Use this or `watch_engines`, not both."""
+        return sorted(self._ended([r for r in self._run_refs if r not in self.exit_reasons],
+                                  timeout))
+
+    def wait_for_exits(self, ranks: Collection[int], timeout: float) -> dict[int, str]:
+        """The Supervisor's wait (`dpserve.launch.supervisor.SupervisedEngines`): block
+        up to `timeout` s until the actor of one of `ranks` ends; rank -> what happened."""
+        return {rank: f"EngineCore_{rank} (Ray actor, pid "
+                      f"{self.engine_info.get(rank, {}).get('pid', '?')}) stopped: {reason}"
+                for rank, reason in self._ended(ranks, timeout).items()}
+
+    def _ended(self, ranks: Collection[int], timeout: float | None) -> dict[int, str]:
+        """Wait for the run refs of `ranks`; rank -> why it ended, for each that did
+        (also kept in `exit_reasons`)."""
         import ray
 
-        refs = [ref for ref, rank in self._run_refs.items() if rank not in self.exit_reasons]
+        refs = {self._run_refs[r]: r for r in ranks if r in self._run_refs}
         if not refs:
-            return []
-        done, _ = ray.wait(refs, num_returns=1, timeout=timeout)
+            return {}
+        done, _ = ray.wait(list(refs), num_returns=1, timeout=timeout)
         if done:  # collect every other one that ended too
-            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        ended = []
+            done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        ended = {}
         for ref in done:
-            rank = self._run_refs[ref]
             try:
                 ray.get(ref)
                 reason = "its busy loop returned"
             except Exception as e:
                 reason = _short(e)
-            self.exit_reasons[rank] = reason
-            ended.append(rank)
-        return sorted(ended)
+            self.exit_reasons[refs[ref]] = ended[refs[ref]] = reason
+        return ended
+
+    def restart(self, rank: int, incarnation: int, init: EngineInitMetadata,
+                timeout: float) -> HandshakeReady:
+        """A new actor for `rank` (whose run ended) in the rank's placement group,
+        with the same init metadata (`init` must be this manager's) and
+        `incarnation`; the old actor is killed if still alive. Returns its READY
+        data once its busy loop runs. Raises EngineStartupError when it dies,
+        `timeout` passes or the manager closes meanwhile (the new actor killed)."""
+        import ray
+
+        if init != self.init:
+            raise ValueError("a Ray engine restarts with the init metadata it started with")
+        index = self.ranks.index(rank)
+        with self._state.lock:
+            if self._state.stop.is_set():
+                raise EngineStartupError(f"engine {rank}: not restarted, shutting down")
+            within(RAY_CALL_S, release, ray, [self._state.actors[index]], [])  # frees its bundle
+            actor = self._state.actors[index] = self._create_actor(rank, incarnation)
+        self.exit_reasons.pop(rank, None)
+        try:
+            info = self._wait_ready(rank, actor.ready.remote(), timeout)
+            with self._state.lock:
+                if self._state.stop.is_set():
+                    raise EngineStartupError(f"engine {rank}: shutting down")
+                self._run_refs[rank] = actor.run.remote()
+        except BaseException:
+            within(RAY_CALL_S, release, ray, [actor], [])
+            raise
+        return self._engine_ready(rank, info)
+
+    def _wait_ready(self, rank: int, ref: Any, timeout: float) -> dict[str, Any]:
+        """`ready()` of a restarted actor, waited for in slices (the manager may close)."""
+        import ray
+
+        deadline = time.monotonic() + timeout
+        while not ray.wait([ref], timeout=_POLL_S)[0]:
+            if self._state.stop.is_set():
+                raise EngineStartupError(f"engine {rank}: restart abandoned, shutting down")
+            if time.monotonic() >= deadline:
+                raise EngineStartupError(f"engine {rank} (Ray actor) not ready after "
+                                         f"{timeout:.0f} s")
+        try:
+            return ray.get(ref)
+        except Exception as e:
+            raise EngineStartupError(f"engine {rank} (Ray actor on node "
+                                     f"{self.node_of[rank].node_id[:8]}) died during start-up: "
+                                     f"{_short(e)}") from None
 
     def watch_engines(self, on_exit: Callable[[str], None]) -> None:
         """Call `on_exit(reason)` once, from a thread, when any engine stops
@@ -518,133 +584,6 @@ class RayEngineManager:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _teardown(state: _RayState) -> None:
-    """Stop the watcher; kill the actors and remove the placement groups
-    (bounded); shut the local instance down if this manager connected
-    (bounded); then SIGKILL what still runs on this host (module docstring)."""
-    state.stop.set()
-    if state.watcher is not None and state.watcher is not threading.current_thread():
-        state.watcher.join(timeout=2 * _POLL_S + 1)
-    ray = sys.modules.get("ray")
-    # Not connected: never connected, or Ray already shut down (its atexit hook runs first).
-    if ray is not None and ray.is_initialized():
-        if not _within(_RAY_CALL_S, _release, ray, list(state.actors),
-                       list(state.placement_groups)):
-            logger.warning("Ray did not remove the engine actors' placement groups within "
-                           "%.0f s (are its processes gone?); going on", _RAY_CALL_S)
-        state.actors.clear()
-        state.placement_groups.clear()
-        if state.owns_connection:
-            state.owns_connection = False
-            if not _within(_RAY_SHUTDOWN_S, ray.shutdown):
-                logger.warning("ray.shutdown() did not return within %.0f s; killing the "
-                               "Ray processes on this host", _RAY_SHUTDOWN_S)
-                _skip_rays_exit_hook(ray)
-    _reap(state.host_procs)
-    state.host_procs.clear()
-
-
-def _release(ray: Any, actors: list[Any], placement_groups: list[Any]) -> None:
-    from ray.util.placement_group import remove_placement_group
-
-    for actor in actors:
-        try:
-            ray.kill(actor, no_restart=True)
-        except Exception as e:  # already dead, or the cluster is gone
-            logger.debug("could not kill an engine actor: %s", e)
-    for pg in placement_groups:
-        try:
-            remove_placement_group(pg)
-        except Exception as e:
-            logger.warning("could not remove placement group %s: %s", pg.id.hex(), e)
-
-
-def _skip_rays_exit_hook(ray: Any) -> None:
-    """Ray's atexit hook calls shutdown() again; behind the one still blocked it
-    would wait on Ray's lock at interpreter exit. What it would stop is killed."""
-    import atexit
-
-    atexit.unregister(getattr(ray._private.worker, "shutdown", ray.shutdown))
-
-
-def _within(timeout: float, fn: Callable[..., object], *args: object) -> bool:
-    """Run `fn(*args)` in a daemon thread; False if it has not returned after
-    `timeout` s (it is left blocked: Ray calls cannot be cancelled)."""
-    def call() -> None:
-        try:
-            fn(*args)
-        except Exception as e:
-            logger.warning("Ray teardown: %s: %s", type(e).__name__, e)
-
-    thread = threading.Thread(target=call, name="ray-teardown", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    return not thread.is_alive()
-
-
-def _reap(procs: list[psutil.Process]) -> None:
-    """Give `procs` `_REAP_S` seconds to exit, then SIGKILL each survivor and
-    its descendants (collected first: Ray's workers outlive a killed raylet)."""
-    alive = _running(procs, _REAP_S)
-    doomed: dict[int, psutil.Process] = {}
-    for proc in alive:
-        try:
-            for p in [proc, *proc.children(recursive=True)]:
-                doomed[p.pid] = p
-        except psutil.Error:
-            pass
-    if doomed:
-        logger.warning("killing %d process(es) the Ray backend left on this host: %s",
-                       len(doomed), ", ".join(_describe_proc(p) for p in doomed.values()))
-    for p in doomed.values():
-        try:
-            p.kill()  # psutil refuses if the pid was reused meanwhile
-        except psutil.Error:
-            pass
-    _running(list(doomed.values()), 1.0)
-
-
-def _running(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
-    """Wait up to `timeout` s for `procs` to exit; those still running (a zombie
-    counts as gone: an orphan's may wait for a reaper that never comes)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = []
-        for p in procs:
-            try:
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(p)
-            except psutil.Error:
-                pass
-        if not alive or time.monotonic() >= deadline:
-            return alive
-        time.sleep(0.1)
-
-
-def _describe_proc(proc: psutil.Process) -> str:
-    try:
-        return f"{proc.pid} ({proc.name()})"
-    except psutil.Error:
-        return str(proc.pid)
-
-
-def _child_pids() -> set[int]:
-    return {p.pid for p in psutil.Process().children()}
-
-
-def _new_children(before: set[int]) -> list[psutil.Process]:
-    return [p for p in psutil.Process().children() if p.pid not in before]
-
-
-def _processes(pids: Sequence[int]) -> list[psutil.Process]:
-    out = []
-    for pid in pids:
-        try:
-            out.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            pass
-    return out
 
 
 # ---- connecting and looking at the cluster ----------------------------------------------

@@ -1,15 +1,19 @@
 """The failure policy for this host's processes: restart, isolate, or stop.
 
-`Supervisor` watches this host's engine processes and the DP coordinator
-from a thread. When an engine process exits, per `--engine-failure-policy`:
+`Supervisor` watches this host's engines and the DP coordinator from a
+thread. The engines are whatever the launcher started them with, seen through
+`SupervisedEngines`: `EngineProcManager` (processes, their sentinels) or
+`RayEngineManager` (Ray actors, their run refs). When an engine ends, per
+`--engine-failure-policy`:
 
     stop      today's fail-stop: `on_fatal(reason)`, the server exits 1
     isolate   the rank is DEAD for good; the others serve on
     restart   the rank is RESTARTING; after a backoff (0.5 s, doubling, at most
-              30 s) a new process of it (incarnation + 1) is spawned and walked
-              through the start-up handshake, then it is SERVING again. More
-              than `--max-engine-restarts` restarts in `RESTART_WINDOW_S`: the
-              rank stays DEAD and the log says so.
+              30 s) a new engine of it (incarnation + 1: a process walked
+              through the start-up handshake, or an actor in the rank's
+              placement group) is started and waited for, then it is SERVING
+              again. More than `--max-engine-restarts` restarts in
+              `RESTART_WINDOW_S`: the rank stays DEAD and the log says so.
 
 A dead coordinator is restarted under any policy but stop (its sockets keep
 their addresses, so engines and front-ends reconnect by themselves; front-ends
@@ -27,15 +31,15 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 import zmq
 
 from dpserve.launch.process import wait_for_any_exit
-from dpserve.protocol import RankEvent, RankState, RankStatus
+from dpserve.protocol import EngineInitMetadata, HandshakeReady, RankEvent, RankState, RankStatus
 from dpserve.security import secure
 
 if TYPE_CHECKING:
@@ -75,6 +79,25 @@ class RestartBudget:
         return True
 
 
+class SupervisedEngines(Protocol):
+    """What the Supervisor needs of an engine manager (`EngineProcManager`,
+    `RayEngineManager`): its ranks, a bounded wait for engines that ended, and a
+    restart of one rank."""
+
+    ranks: list[int]
+
+    def wait_for_exits(self, ranks: Collection[int], timeout: float) -> dict[int, str]:
+        """Block up to `timeout` s until the current engine of one of `ranks` ends;
+        rank -> what happened (one line) for each that ended, {} if none did."""
+        ...
+
+    def restart(self, rank: int, incarnation: int, init: EngineInitMetadata,
+                timeout: float) -> HandshakeReady:
+        """A new engine for `rank` (whose engine ended), READY when this returns;
+        raises (and leaves nothing running) when it does not start."""
+        ...
+
+
 class Supervisor:
     """See the module docstring. `close()` stops watching (idempotent)."""
 
@@ -83,6 +106,7 @@ class Supervisor:
                  stopping: Callable[[], bool] = lambda: False) -> None:
         p = config.parallel
         self.launch = launch
+        self.engines: SupervisedEngines = launch.manager
         self.policy = p.engine_failure_policy
         self.max_restarts = p.max_engine_restarts
         self.secret = p.data_parallel_secret
@@ -92,8 +116,10 @@ class Supervisor:
         self.incarnation: dict[int, int] = {}  # rank -> its current process's incarnation
         self.budget = RestartBudget(self.max_restarts)
         self.num_restarts = 0  # engine restarts, all ranks
-        self._restarting: set[int] = set()  # ranks whose new process is starting
-        self._handled: set[BaseProcess] = set()  # processes whose exit was handled
+        self._restarting: set[int] = set()  # ranks whose new engine is starting
+        self._out: set[int] = set()  # ranks dead for good (isolate, or past the limit)
+        self._handled: set[BaseProcess] = set()  # coordinator processes whose exit was handled
+        self._send_lock = threading.Lock()  # restart threads announce too
         self._stop = threading.Event()
         self._restart_lock = threading.Lock()  # one handshake at a time
         self._thread = threading.Thread(target=self._watch, name="supervisor", daemon=True)
@@ -106,55 +132,72 @@ class Supervisor:
 
     # ---- watching --------------------------------------------------------------
 
-    def _watched(self) -> dict[BaseProcess, int | None]:
-        """Processes whose exit is not handled yet -> rank (None: the coordinator).
-        (Not "alive ones": one may die, and be reaped, between two looks.)"""
-        watched: dict[BaseProcess, int | None] = {}
-        manager = self.launch.manager
-        for rank, proc in zip(getattr(manager, "ranks", []),
-                              getattr(manager, "processes", [])):
-            if proc not in self._handled and rank not in self._restarting:
-                watched[proc] = rank
+    def _watched_ranks(self) -> list[int]:
+        """This host's ranks whose engine runs and is watched: not restarting, not out."""
+        return [r for r in getattr(self.engines, "ranks", [])
+                if r not in self._restarting and r not in self._out]
+
+    def _coordinator_proc(self) -> BaseProcess | None:
+        """The coordinator's process, while its exit is not handled yet."""
         coordinator = self.launch.coordinator
-        if coordinator is not None and coordinator.proc is not None \
-                and coordinator.proc not in self._handled:
-            watched[coordinator.proc] = None
-        return watched
+        if coordinator is None or coordinator.proc is None \
+                or coordinator.proc in self._handled:
+            return None
+        return coordinator.proc
 
     def _watch(self) -> None:
         with zmq.Context() as ctx:
             events = self._event_socket(ctx)
             while not self._stop.is_set():
-                watched = self._watched()
-                exited = wait_for_any_exit(list(watched), timeout=_POLL_S) if watched else []
-                if not watched:
-                    self._stop.wait(_POLL_S)
+                ranks, coordinator = self._watched_ranks(), self._coordinator_proc()
+                try:  # the engines first (up to _POLL_S), then the coordinator
+                    ended = self.engines.wait_for_exits(ranks, _POLL_S) if ranks else {}
+                except Exception as e:  # noqa: BLE001 - e.g. Ray shut down under us
+                    if not self._stop.is_set():
+                        self._fatal(f"lost track of the engines: {type(e).__name__}: {e}", "")
+                    break
+                wait = 0.0 if ranks else _POLL_S
+                if coordinator is None:
+                    self._stop.wait(wait)
+                    exited = []
+                else:
+                    exited = wait_for_any_exit([coordinator], timeout=wait)
+                for rank, what in sorted(ended.items()):
+                    if self._stop.is_set():
+                        break
+                    if self._stopped_by_drain(self._exit_code(rank)):
+                        self._out.add(rank)  # stays down: the server is stopping
+                        continue
+                    self._engine_died(rank, what, events)
                 for proc in exited:
                     if self._stop.is_set():
-                        return
+                        break
                     self._handled.add(proc)
-                    if self._stopped_by_drain(proc):
+                    if self._stopped_by_drain(proc.exitcode):
                         continue
-                    rank = watched[proc]
-                    what = f"{proc.name} (pid {proc.pid}) exited with code {proc.exitcode}"
-                    if rank is None:
-                        self._coordinator_died(what)
-                    else:
-                        self._engine_died(rank, what, events)
+                    self._coordinator_died(f"{proc.name} (pid {proc.pid}) exited with code "
+                                           f"{proc.exitcode}")
             if events is not None:
                 events.close(linger=500)
 
-    def _stopped_by_drain(self, proc: BaseProcess) -> bool:
+    def _exit_code(self, rank: int) -> int | None:
+        """The exit code of `rank`'s process (local engines; None for Ray actors)."""
+        procs = getattr(self.engines, "processes", None)
+        if procs is None:
+            return None
+        return procs[self.engines.ranks.index(rank)].exitcode
+
+    def _stopped_by_drain(self, exit_code: int | None) -> bool:
         """A clean exit (code 0) while the server drains: the signal that started the
         drain reached the whole process group. It may reach us a moment after the
         child: wait `_GROUP_SIGNAL_GRACE_S` for our own drain to begin."""
-        if proc.exitcode != 0:
+        if exit_code != 0:
             return False
         deadline = time.monotonic() + _GROUP_SIGNAL_GRACE_S
         while not self.stopping() and time.monotonic() < deadline:
             time.sleep(0.05)
         if self.stopping():
-            logger.info("%s exited while the server drains", proc.name)
+            logger.info("a process exited cleanly while the server drains")
             return True
         return False
 
@@ -175,24 +218,30 @@ class Supervisor:
             logger.exception("rank status listener failed")
         if events is not None:
             try:
-                events.send(msgspec.msgpack.encode(RankEvent(rank, status)), flags=zmq.NOBLOCK)
+                with self._send_lock:
+                    events.send(msgspec.msgpack.encode(RankEvent(rank, status)),
+                                flags=zmq.NOBLOCK)
             except zmq.ZMQError as e:
                 logger.warning("could not tell the coordinator about rank %d: %s", rank, e)
 
     # ---- policies ------------------------------------------------------------------
 
+    def _fatal(self, what: str, why: str = "--engine-failure-policy stop: ") -> None:
+        logger.error("%s; %sstopping the server", what, why)
+        self.on_fatal(what)
+        self._stop.set()
+
     def _engine_died(self, rank: int, what: str, events: zmq.Socket | None) -> None:
         incarnation = self.incarnation.get(rank, 0)
         if self.policy == "stop":
-            logger.error("%s; --engine-failure-policy stop: stopping the server", what)
-            self.on_fatal(what)
-            self._stop.set()
+            self._fatal(what)
             return
         if self.policy == "isolate" or not self._may_restart(rank):
             why = (what if self.policy == "isolate" else
                    f"{what}; restarted {self.max_restarts} times within "
                    f"{RESTART_WINDOW_S / 60:.0f} minutes (--max-engine-restarts): it stays out")
             logger.error("rank %d is out: %s", rank, why)
+            self._out.add(rank)
             self._announce(rank, RankStatus(RankState.DEAD, incarnation, why), events)
             return
         logger.warning("rank %d: %s; restarting it", rank, what)
@@ -227,9 +276,7 @@ class Supervisor:
 
     def _coordinator_died(self, what: str) -> None:
         if self.policy == "stop":
-            logger.error("%s; --engine-failure-policy stop: stopping the server", what)
-            self.on_fatal(what)
-            self._stop.set()
+            self._fatal(what)
             return
         logger.warning("%s; restarting the DP coordinator (front-ends balance on their own "
                        "counts meanwhile)", what)
