@@ -212,6 +212,7 @@ class EngineReport(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     heartbeat: bool = False
     has_work: bool = False
     incarnation: int = 0  # which process of this rank (restarts count up)
+    draining: bool = False  # heartbeat: it got SIGTERM and finishes what it holds
     # Lockstep: a collective (or joining) of this DP group generation failed here;
     # the engine waits, paused, for the coordinator to name the next generation.
     group_failed: int | None = None

@@ -413,3 +413,15 @@ def test_late_subscriber_gets_ready(running2, ctx):
     late = ctx.socket(zmq.SUB)  # a restarted engine subscribes after start-up
     ScriptedEngines.subscribe(late, coord)
     assert recv_frames(late) == [COORDINATOR_READY]
+
+
+def test_draining_rank_is_published_and_stays_draining(running2):
+    _, engines, frontend = running2
+    _beat(engines, 1, step=3)
+    engines.report(engine_index=1, heartbeat=True, step=4, has_work=True, draining=True)
+    update = frontend.wait_for(lambda u: _state(u, 1) is RankState.DRAINING)
+    assert "SIGTERM" in update.ranks[1].reason and _state(update, 0) is RankState.SERVING
+    _beat(engines, 1, step=5)  # a draining process never serves again
+    engines.report(engine_index=0, request_counts=[7, 7], step=1)  # a marker after it
+    update = frontend.wait_for(lambda u: u.counts is not None and u.counts[0] == [7, 7])
+    assert _state(update, 1) is RankState.DRAINING

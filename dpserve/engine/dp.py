@@ -81,6 +81,7 @@ class DPLink:
         self.rank = rank
         self.incarnation = incarnation  # which process of this rank (restarts count up)
         self.has_work = False  # set by the busy loop after each step, read by heartbeats
+        self.draining = False  # set on SIGTERM: heartbeats say so, front-ends stop sending
         self._report_address = report_address
         self._secret = secret
         self._beats = threading.Event()  # set: heartbeats stop
@@ -149,7 +150,8 @@ class DPLink:
         try:
             while not self._beats.is_set():
                 beat = EngineReport(self.rank, step=self._step, heartbeat=True,
-                                    has_work=self.has_work, incarnation=self.incarnation)
+                                    has_work=self.has_work, incarnation=self.incarnation,
+                                    draining=self.draining)
                 try:
                     sock.send(encoder.encode(beat), flags=zmq.NOBLOCK)
                 except zmq.Again:

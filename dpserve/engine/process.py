@@ -223,6 +223,8 @@ class EngineCoreProc:
         Called from the SIGTERM handler: it only sets the deadline.
         """
         self.drain_deadline = time.monotonic() + self.config.shutdown_timeout
+        if self.dp is not None:
+            self.dp.draining = True  # the next heartbeat: this rank takes no new work
 
     def _drain_step(self) -> None:
         """Raise SystemExit once no request is left; at the deadline, abort them first."""

@@ -488,6 +488,8 @@ class AsyncEngineClient:
                        f": {status.reason}" if status.reason else "")
         if replaced and engine.serving:
             self._spawn(self._evacuate(engine))
+        if was_serving and status.state is RankState.DRAINING:
+            return  # it finishes what it holds; only new work goes elsewhere
         if was_serving and not engine.serving:
             if self.fail_stop and status.state in (RankState.DEAD, RankState.RESTARTING):
                 self.mark_dead(f"rank {engine.rank} {status.state.value}: {status.reason}")

@@ -243,12 +243,15 @@ class _HealthTable:
         if report.step != step or report.incarnation != known.incarnation:
             since = now
         self._step[rank] = (report.step, since, report.has_work)
-        if known.state in (RankState.SERVING, RankState.DRAINING) and \
+        state = RankState.DRAINING if report.draining else RankState.SERVING
+        if known.state in (state, RankState.DRAINING) and \
                 report.incarnation == known.incarnation:
-            return False
+            return False  # (a draining process never serves again)
         if known.state is RankState.DEAD and report.incarnation == known.incarnation:
             return False  # only a new process brings a dead rank back
-        self.status[rank] = RankStatus(RankState.SERVING, report.incarnation)
+        self.status[rank] = RankStatus(state, report.incarnation,
+                                       "got SIGTERM: finishes what it holds" if report.draining
+                                       else "")
         return True
 
     def heard(self) -> list[bool]:
