@@ -1,10 +1,13 @@
-"""Shared fixtures: tiny random checkpoints built once per test session."""
+"""Shared fixtures: tiny random checkpoints built once per test session, and a
+real DP coordinator process with a ZMQ context for its scripted peers."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 
 import pytest
+import zmq
 
 # Keep converted models of the test run out of the user's cache only when asked;
 # by default reuse the user cache so the default model is converted once.
@@ -23,3 +26,29 @@ def tiny_qwen2(tmp_path_factory):
     from dpserve.testing.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2")
+
+
+# A real DP coordinator process (started, closed after the test) and a ZMQ context.
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context]:
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def make_coordinator() -> Iterator[Callable[..., object]]:
+    made: list = []
+
+    from dpserve.launch.coordinator import DPCoordinator
+
+    def make(num_engines: int, **kwargs: object) -> DPCoordinator:
+        coord = DPCoordinator(num_engines, **kwargs)  # type: ignore[arg-type]
+        made.append(coord)
+        coord.start()
+        return coord
+
+    yield make
+    for coord in made:
+        coord.close()
+        assert coord.proc is not None and not coord.proc.is_alive()

@@ -7,6 +7,7 @@ sys.path); no test module imports another test module."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import socket
@@ -18,7 +19,20 @@ from collections.abc import Callable
 from contextlib import contextmanager
 
 import httpx
+import msgspec
 import psutil
+import zmq
+
+from dpserve.launch.coordinator import DPCoordinator
+from dpserve.protocol import (
+    COORDINATOR_READY,
+    CoordinatorUpdate,
+    EngineReport,
+    RequestType,
+    ScaleEngines,
+    StartDPWave,
+    WakeEngines,
+)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -215,3 +229,156 @@ def dp_args(size: int, rpc_port: int, *extra: str) -> list[str]:
     """The options of one host of a DP group whose head is 127.0.0.1:`rpc_port`."""
     return ["--data-parallel-size", str(size), "--data-parallel-address", "127.0.0.1",
             "--data-parallel-rpc-port", str(rpc_port), *MULTIHOST_ARGS, *extra]
+
+
+# ---- faults: one DP=2 server, streams, a fault in the middle ---------------------------
+
+FAULT_PROMPTS = [f"Once upon a time {i}" for i in range(32)]
+FAULT_TOKENS = 160
+
+
+def proc_named(children: list[psutil.Process], name: str) -> psutil.Process:
+    found = [p for p in children if p.is_running() and p.name() == f"dpserve::{name}"]
+    assert len(found) == 1, [p.name() for p in children]
+    return found[0]
+
+
+def rank_health(url: str, rank: int | None = None) -> httpx.Response:
+    return httpx.get(url + "/health", params={} if rank is None else {"rank": rank}, timeout=5)
+
+
+def wait_rank(url: str, rank: int, predicate, timeout: float = 60.0) -> dict:
+    """Poll /health?rank= until `predicate(rank's entry)`; that entry."""
+    deadline = time.monotonic() + timeout
+    while True:
+        entry = rank_health(url, rank).json()["ranks"][0]
+        if predicate(entry):
+            return entry
+        assert time.monotonic() < deadline, f"rank {rank} never got there: {entry}"
+        time.sleep(0.1)
+
+
+def metric_sum(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{.*}})? (\S+)$",
+                                                      text, re.M))
+
+
+async def stream_completion(client: httpx.AsyncClient, url: str, model: str, prompt: str,
+                  chunks: list[int], index: int, rank: int | None = None) -> str:
+    """One greedy completion, streamed; counts its chunks in `chunks[index]`."""
+    body = {"model": model, "prompt": prompt, "max_tokens": FAULT_TOKENS, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    headers = {"X-data-parallel-rank": str(rank)} if rank is not None else {}
+    text = []
+    async with client.stream("POST", url + "/v1/completions", json=body,
+                             headers=headers) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line.removeprefix("data: "))
+                assert "error" not in chunk, chunk
+                chunks[index] += 1
+                text.append(chunk["choices"][0]["text"])
+    return "".join(text)
+
+
+async def streams_with_fault(url: str, model: str, fault, prompts=FAULT_PROMPTS) -> list[str]:
+    """Stream every prompt at once; call `fault()` once every stream has begun."""
+    chunks = [0] * len(prompts)
+    async with httpx.AsyncClient(timeout=120) as client:
+        tasks = [asyncio.create_task(stream_completion(client, url, model, p, chunks, i))
+                 for i, p in enumerate(prompts)]
+        deadline = time.monotonic() + 60
+        while min(chunks) < 3:  # every stream is under way
+            assert time.monotonic() < deadline, chunks
+            assert not any(t.done() for t in tasks), "a stream ended before the fault"
+            await asyncio.sleep(0.02)
+        await asyncio.to_thread(fault)
+        return await asyncio.gather(*tasks)
+
+
+async def complete_n(url: str, model: str, n: int, rank: int | None = None) -> list[int]:
+    """n short completions at once; their status codes."""
+    headers = {"X-data-parallel-rank": str(rank)} if rank is not None else {}
+    async with httpx.AsyncClient(timeout=60) as client:
+        resps = await asyncio.gather(*(client.post(url + "/v1/completions", headers=headers,
+                                                   json={"model": model, "prompt": f"new {i}",
+                                                         "max_tokens": 4})
+                                       for i in range(n)))
+    return [r.status_code for r in resps]
+
+
+def expected_greedy(model: str, prompts=FAULT_PROMPTS) -> list[str]:
+    return offline_greedy_texts(model, prompts, max_tokens=FAULT_TOKENS, ignore_eos=True)
+
+
+# ---- scripted peers of a real DP coordinator process --------------------------------
+
+RECV_TIMEOUT_S = 30.0  # generous: a loaded 2-core machine
+
+
+class ScriptedEngines:
+    """N fake engines: a SUB per engine (START_DP_WAVE in), one PUSH for all reports.
+
+    One PUSH keeps the reports of different engines in the order they were sent.
+    """
+
+    def __init__(self, ctx: zmq.Context, coord: DPCoordinator, n: int) -> None:
+        self.subs = [ctx.socket(zmq.SUB) for _ in range(n)]
+        for sub in self.subs:
+            self.subscribe(sub, coord)
+        self.push = ctx.socket(zmq.PUSH)
+        self.push.connect(coord.engine_report_address)
+
+    @staticmethod
+    def subscribe(sub: zmq.Socket, coord: DPCoordinator) -> None:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(coord.engine_publish_address)
+
+    def wait_ready(self) -> None:
+        for sub in self.subs:
+            assert recv_frames(sub) == [COORDINATOR_READY]
+
+    def report(self, **fields: object) -> None:
+        self.push.send(msgspec.msgpack.encode(EngineReport(**fields)))
+
+    def recv_start_wave(self, engine: int = 0) -> StartDPWave:
+        tag, body = recv_frames(self.subs[engine])
+        assert tag == RequestType.START_DP_WAVE.value
+        return msgspec.msgpack.decode(body, type=StartDPWave)
+
+
+class FakeFrontend:
+    """An XSUB: receives CoordinatorUpdate, sends WakeEngines / ScaleEngines."""
+
+    def __init__(self, ctx: zmq.Context, coord: DPCoordinator) -> None:
+        self.sock = ctx.socket(zmq.XSUB)
+        self.sock.connect(coord.front_publish_address)
+        self.sock.send(b"\x01")  # subscribe to everything
+        self.decoder = msgspec.msgpack.Decoder(CoordinatorUpdate)
+
+    def send(self, request: WakeEngines | ScaleEngines) -> None:
+        self.sock.send(msgspec.msgpack.encode(request))
+
+    def recv(self, timeout: float = RECV_TIMEOUT_S) -> CoordinatorUpdate:
+        return self.decoder.decode(recv_frames(self.sock, timeout)[0])
+
+    def wait_for(self, pred: Callable[[CoordinatorUpdate], bool],
+                 timeout: float = RECV_TIMEOUT_S) -> CoordinatorUpdate:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0, "no matching update from the coordinator in time"
+            update = self.recv(left)
+            if pred(update):
+                return update
+
+
+def recv_frames(sock: zmq.Socket, timeout: float = RECV_TIMEOUT_S) -> list[bytes]:
+    assert sock.poll(int(timeout * 1000)), f"nothing received in {timeout} s"
+    return sock.recv_multipart()
+
+
+def assert_silent(sock: zmq.Socket, seconds: float) -> None:
+    assert not sock.poll(int(seconds * 1000)), f"unexpected message: {sock.recv_multipart()}"

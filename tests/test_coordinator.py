@@ -14,121 +14,27 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Callable, Iterator
 
 import msgspec
 import psutil
 import pytest
 import zmq
+from helpers import FakeFrontend, ScriptedEngines, assert_silent, recv_frames
 
 from dpserve.launch.addresses import AddressAllocator
-from dpserve.launch.coordinator import DPCoordinator, _LoadTable
+from dpserve.launch.coordinator import _LoadTable
 from dpserve.protocol import (
     COORDINATOR_READY,
     CoordinatorUpdate,
-    EngineReport,
     RankEvent,
     RankState,
     RankStatus,
-    RequestType,
     ScaleEngines,
     StartDPWave,
     WakeEngines,
 )
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.procs]
-
-RECV_TIMEOUT_S = 30.0  # generous: a loaded 2-core machine
-
-
-class ScriptedEngines:
-    """N fake engines: a SUB per engine (START_DP_WAVE in), one PUSH for all reports.
-
-    One PUSH keeps the reports of different engines in the order they were sent.
-    """
-
-    def __init__(self, ctx: zmq.Context, coord: DPCoordinator, n: int) -> None:
-        self.subs = [ctx.socket(zmq.SUB) for _ in range(n)]
-        for sub in self.subs:
-            self.subscribe(sub, coord)
-        self.push = ctx.socket(zmq.PUSH)
-        self.push.connect(coord.engine_report_address)
-
-    @staticmethod
-    def subscribe(sub: zmq.Socket, coord: DPCoordinator) -> None:
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(coord.engine_publish_address)
-
-    def wait_ready(self) -> None:
-        for sub in self.subs:
-            assert recv_frames(sub) == [COORDINATOR_READY]
-
-    def report(self, **fields: object) -> None:
-        self.push.send(msgspec.msgpack.encode(EngineReport(**fields)))
-
-    def recv_start_wave(self, engine: int = 0) -> StartDPWave:
-        tag, body = recv_frames(self.subs[engine])
-        assert tag == RequestType.START_DP_WAVE.value
-        return msgspec.msgpack.decode(body, type=StartDPWave)
-
-
-class FakeFrontend:
-    """An XSUB: receives CoordinatorUpdate, sends WakeEngines / ScaleEngines."""
-
-    def __init__(self, ctx: zmq.Context, coord: DPCoordinator) -> None:
-        self.sock = ctx.socket(zmq.XSUB)
-        self.sock.connect(coord.front_publish_address)
-        self.sock.send(b"\x01")  # subscribe to everything
-        self.decoder = msgspec.msgpack.Decoder(CoordinatorUpdate)
-
-    def send(self, request: WakeEngines | ScaleEngines) -> None:
-        self.sock.send(msgspec.msgpack.encode(request))
-
-    def recv(self, timeout: float = RECV_TIMEOUT_S) -> CoordinatorUpdate:
-        return self.decoder.decode(recv_frames(self.sock, timeout)[0])
-
-    def wait_for(self, pred: Callable[[CoordinatorUpdate], bool],
-                 timeout: float = RECV_TIMEOUT_S) -> CoordinatorUpdate:
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            assert left > 0, "no matching update from the coordinator in time"
-            update = self.recv(left)
-            if pred(update):
-                return update
-
-
-def recv_frames(sock: zmq.Socket, timeout: float = RECV_TIMEOUT_S) -> list[bytes]:
-    assert sock.poll(int(timeout * 1000)), f"nothing received in {timeout} s"
-    return sock.recv_multipart()
-
-
-def assert_silent(sock: zmq.Socket, seconds: float) -> None:
-    assert not sock.poll(int(seconds * 1000)), f"unexpected message: {sock.recv_multipart()}"
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
-
-
-@pytest.fixture
-def make_coordinator() -> Iterator[Callable[..., DPCoordinator]]:
-    made: list[DPCoordinator] = []
-
-    def make(num_engines: int, **kwargs: object) -> DPCoordinator:
-        coord = DPCoordinator(num_engines, **kwargs)  # type: ignore[arg-type]
-        made.append(coord)
-        coord.start()
-        return coord
-
-    yield make
-    for coord in made:
-        coord.close()
-        assert coord.proc is not None and not coord.proc.is_alive()
-
 
 @pytest.fixture
 def running2(make_coordinator, ctx):

@@ -12,14 +12,7 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 import zmq
-from test_coordinator import (  # noqa: F401 - fixtures
-    FakeFrontend,
-    ScriptedEngines,
-    assert_silent,
-    ctx,
-    make_coordinator,
-    recv_frames,
-)
+from helpers import FakeFrontend, ScriptedEngines, assert_silent, recv_frames
 
 from dpserve.launch.addresses import AddressAllocator
 from dpserve.launch.coordinator import REFORM_DELAY_S

@@ -13,129 +13,62 @@ import signal
 import time
 
 import httpx
-import psutil
 import pytest
-from helpers import all_gone, descendants, finished_by_engine, offline_greedy_texts, output, serve
+from helpers import (
+    FAULT_PROMPTS,
+    all_gone,
+    complete_n,
+    descendants,
+    expected_greedy,
+    finished_by_engine,
+    metric_sum,
+    output,
+    proc_named,
+    rank_health,
+    serve,
+    streams_with_fault,
+    wait_rank,
+)
 
 pytestmark = [pytest.mark.procs, pytest.mark.slow]
 
 DP_ARGS = ("--data-parallel-size", "2", "--threads-per-engine", "1", "--max-model-len", "256")
-PROMPTS = [f"Once upon a time {i}" for i in range(32)]
-TOKENS = 160
-
-
-def _proc(children: list[psutil.Process], name: str) -> psutil.Process:
-    found = [p for p in children if p.is_running() and p.name() == f"dpserve::{name}"]
-    assert len(found) == 1, [p.name() for p in children]
-    return found[0]
-
-
-def _health(url: str, rank: int | None = None) -> httpx.Response:
-    return httpx.get(url + "/health", params={} if rank is None else {"rank": rank}, timeout=5)
-
-
-def _wait_rank(url: str, rank: int, predicate, timeout: float = 60.0) -> dict:
-    """Poll /health?rank= until `predicate(rank's entry)`; that entry."""
-    deadline = time.monotonic() + timeout
-    while True:
-        entry = _health(url, rank).json()["ranks"][0]
-        if predicate(entry):
-            return entry
-        assert time.monotonic() < deadline, f"rank {rank} never got there: {entry}"
-        time.sleep(0.1)
-
-
-def _metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=5).text
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{.*}})? (\S+)$",
-                                                      text, re.M))
-
-
-async def _stream(client: httpx.AsyncClient, url: str, model: str, prompt: str,
-                  chunks: list[int], index: int, rank: int | None = None) -> str:
-    """One greedy completion, streamed; counts its chunks in `chunks[index]`."""
-    body = {"model": model, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0,
-            "stream": True, "ignore_eos": True}
-    headers = {"X-data-parallel-rank": str(rank)} if rank is not None else {}
-    text = []
-    async with client.stream("POST", url + "/v1/completions", json=body,
-                             headers=headers) as resp:
-        assert resp.status_code == 200, await resp.aread()
-        async for line in resp.aiter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line.removeprefix("data: "))
-                assert "error" not in chunk, chunk
-                chunks[index] += 1
-                text.append(chunk["choices"][0]["text"])
-    return "".join(text)
-
-
-async def _streams_with_fault(url: str, model: str, fault, prompts=PROMPTS) -> list[str]:
-    """Stream every prompt at once; call `fault()` once every stream has begun."""
-    chunks = [0] * len(prompts)
-    async with httpx.AsyncClient(timeout=120) as client:
-        tasks = [asyncio.create_task(_stream(client, url, model, p, chunks, i))
-                 for i, p in enumerate(prompts)]
-        deadline = time.monotonic() + 60
-        while min(chunks) < 3:  # every stream is under way
-            assert time.monotonic() < deadline, chunks
-            assert not any(t.done() for t in tasks), "a stream ended before the fault"
-            await asyncio.sleep(0.02)
-        await asyncio.to_thread(fault)
-        return await asyncio.gather(*tasks)
-
-
-async def _complete(url: str, model: str, n: int, rank: int | None = None) -> list[int]:
-    """n short completions at once; their status codes."""
-    headers = {"X-data-parallel-rank": str(rank)} if rank is not None else {}
-    async with httpx.AsyncClient(timeout=60) as client:
-        resps = await asyncio.gather(*(client.post(url + "/v1/completions", headers=headers,
-                                                   json={"model": model, "prompt": f"new {i}",
-                                                         "max_tokens": 4})
-                                       for i in range(n)))
-    return [r.status_code for r in resps]
-
-
-def _expected(model: str, prompts=PROMPTS) -> list[str]:
-    return offline_greedy_texts(model, prompts, max_tokens=TOKENS, ignore_eos=True)
-
-
 @pytest.mark.parametrize("api_servers", [1, 2])
 def test_sigkill_one_engine_every_stream_completes_and_it_comes_back(tiny_llama, api_servers):
     model = str(tiny_llama)
-    expected = _expected(model)
+    expected = expected_greedy(model)
     with serve(model, *DP_ARGS, "--api-server-count", str(api_servers)) as (proc, url):
-        victim = _proc(descendants(proc.pid), "EngineCore_1")
+        victim = proc_named(descendants(proc.pid), "EngineCore_1")
         try:
-            got = asyncio.run(_streams_with_fault(url, model, lambda: victim.send_signal(
+            got = asyncio.run(streams_with_fault(url, model, lambda: victim.send_signal(
                 signal.SIGKILL)))
         except Exception:
             print("server log:", "\n".join(line for line in output(proc).splitlines()
                                             if "ERROR" in line or "WARN" in line)[-4000:])
             raise
         assert got == expected  # migrated streams equal an undisturbed greedy run
-        assert _metric(url, "dpserve:request_migrations_total") > 0
+        assert metric_sum(url, "dpserve:request_migrations_total") > 0
         # The rank is out (dead or restarting), the server serves on: at once.
-        entry = _health(url, 1).json()["ranks"][0]
+        entry = rank_health(url, 1).json()["ranks"][0]
         if entry["state"] != "serving":
-            assert _health(url).status_code == 200
-        assert asyncio.run(_complete(url, model, 20)) == [200] * 20
+            assert rank_health(url).status_code == 200
+        assert asyncio.run(complete_n(url, model, 20)) == [200] * 20
         # It comes back as a new process, and serves again.
-        entry = _wait_rank(url, 1, lambda e: e["state"] == "serving" and e["incarnation"] == 1)
-        assert _proc(descendants(proc.pid), "EngineCore_1").pid != victim.pid
+        entry = wait_rank(url, 1, lambda e: e["state"] == "serving" and e["incarnation"] == 1)
+        assert proc_named(descendants(proc.pid), "EngineCore_1").pid != victim.pid
         before = finished_by_engine(url).get(1, 0)
-        assert asyncio.run(_complete(url, model, 4, rank=1)) == [200] * 4
+        assert asyncio.run(complete_n(url, model, 4, rank=1)) == [200] * 4
         assert finished_by_engine(url).get(1, 0) - before == 4
-        assert _metric(url, "dpserve:engine_restarts_total") == 1
+        assert metric_sum(url, "dpserve:engine_restarts_total") == 1
         assert "rank 1: " in output(proc) and "restarting it" in output(proc)
 
 
 def test_sigstop_one_engine_is_unhealthy_then_rejoins(tiny_llama):
     model = str(tiny_llama)
-    prompts = PROMPTS[:16]
-    expected = _expected(model, prompts)
+    prompts = FAULT_PROMPTS[:16]
+    expected = expected_greedy(model, prompts)
     with serve(model, *DP_ARGS) as (proc, url):
-        victim = _proc(descendants(proc.pid), "EngineCore_1")
+        victim = proc_named(descendants(proc.pid), "EngineCore_1")
         stopped_at: list[float] = []
 
         def stop() -> None:
@@ -143,15 +76,15 @@ def test_sigstop_one_engine_is_unhealthy_then_rejoins(tiny_llama):
             stopped_at.append(time.monotonic())
 
         try:
-            got = asyncio.run(_streams_with_fault(url, model, stop, prompts))
+            got = asyncio.run(streams_with_fault(url, model, stop, prompts))
             assert got == expected  # moved off the frozen rank, nothing doubled
-            entry = _wait_rank(url, 1, lambda e: e["state"] == "unhealthy", timeout=30)
+            entry = wait_rank(url, 1, lambda e: e["state"] == "unhealthy", timeout=30)
             print(f"unhealthy {time.monotonic() - stopped_at[0]:.2f} s after SIGSTOP "
                   f"(heartbeat timeout 3 s): {entry['reason']}")
             assert "heartbeat" in entry["reason"]
-            assert _health(url, 1).status_code == 503 and _health(url).status_code == 200
+            assert rank_health(url, 1).status_code == 503 and rank_health(url).status_code == 200
             before = finished_by_engine(url)
-            assert asyncio.run(_complete(url, model, 10)) == [200] * 10
+            assert asyncio.run(complete_n(url, model, 10)) == [200] * 10
             after = finished_by_engine(url)
             assert after.get(1, 0) == before.get(1, 0)  # new work avoids it
             assert after.get(0, 0) - before.get(0, 0) == 10
@@ -160,38 +93,38 @@ def test_sigstop_one_engine_is_unhealthy_then_rejoins(tiny_llama):
             assert pinned.status_code == 503 and "unhealthy" in pinned.json()["error"]["message"]
         finally:
             victim.send_signal(signal.SIGCONT)
-        _wait_rank(url, 1, lambda e: e["state"] == "serving", timeout=30)
-        assert victim.is_running() and _proc(descendants(proc.pid), "EngineCore_1").pid == \
+        wait_rank(url, 1, lambda e: e["state"] == "serving", timeout=30)
+        assert victim.is_running() and proc_named(descendants(proc.pid), "EngineCore_1").pid == \
             victim.pid  # the same process rejoined
         # The requests it held were aborted there: it drains to empty, and serves anew.
         deadline = time.monotonic() + 30
-        while _metric(url, 'dpserve:num_requests_running{model_name="' + model
+        while metric_sum(url, 'dpserve:num_requests_running{model_name="' + model
                       + '",engine="1"}') > 0:
             assert time.monotonic() < deadline, "the resumed rank still runs moved requests"
             time.sleep(0.2)
-        assert asyncio.run(_complete(url, model, 4, rank=1)) == [200] * 4
+        assert asyncio.run(complete_n(url, model, 4, rank=1)) == [200] * 4
 
 
 def test_hung_forward_is_caught_by_the_stall_timeout(tiny_llama):
     model = str(tiny_llama)
-    prompts = PROMPTS[:12]
-    expected = _expected(model, prompts)
+    prompts = FAULT_PROMPTS[:12]
+    expected = expected_greedy(model, prompts)
     env = {"DPSERVE_FAULT_FORWARD_HANG_AT": "40", "DPSERVE_FAULT_RANK": "1"}
     with serve(model, *DP_ARGS, "--engine-stall-timeout", "2", env=env) as (proc, url):
-        got = asyncio.run(_streams_with_fault(url, model, lambda: None, prompts))
+        got = asyncio.run(streams_with_fault(url, model, lambda: None, prompts))
         assert got == expected
-        entry = _wait_rank(url, 1, lambda e: e["state"] == "unhealthy", timeout=30)
+        entry = wait_rank(url, 1, lambda e: e["state"] == "unhealthy", timeout=30)
         assert "step" in entry["reason"], entry
-        assert _metric(url, "dpserve:request_migrations_total") > 0
-        assert asyncio.run(_complete(url, model, 8)) == [200] * 8
+        assert metric_sum(url, "dpserve:request_migrations_total") > 0
+        assert asyncio.run(complete_n(url, model, 8)) == [200] * 8
 
 
 def test_killed_coordinator_is_restarted_and_requests_still_served(tiny_llama):
     model = str(tiny_llama)
     with serve(model, *DP_ARGS) as (proc, url):
-        victim = _proc(descendants(proc.pid), "DPCoordinator")
+        victim = proc_named(descendants(proc.pid), "DPCoordinator")
         victim.send_signal(signal.SIGKILL)
-        assert asyncio.run(_complete(url, model, 10)) == [200] * 10
+        assert asyncio.run(complete_n(url, model, 10)) == [200] * 10
         deadline = time.monotonic() + 30
         while True:
             coordinators = [p for p in descendants(proc.pid)
@@ -201,8 +134,8 @@ def test_killed_coordinator_is_restarted_and_requests_still_served(tiny_llama):
             assert time.monotonic() < deadline, "no new coordinator"
             time.sleep(0.1)
         served = finished_by_engine(url)
-        assert asyncio.run(_complete(url, model, 16)) == [200] * 16
-        assert _health(url).json()["status"] == "ok"
+        assert asyncio.run(complete_n(url, model, 16)) == [200] * 16
+        assert rank_health(url).json()["status"] == "ok"
         after = finished_by_engine(url)
         assert sum(after.values()) - sum(served.values()) == 16
 
@@ -210,27 +143,27 @@ def test_killed_coordinator_is_restarted_and_requests_still_served(tiny_llama):
 def test_restart_limit_keeps_the_rank_out(tiny_llama):
     model = str(tiny_llama)
     with serve(model, *DP_ARGS, "--max-engine-restarts", "1") as (proc, url):
-        _proc(descendants(proc.pid), "EngineCore_1").send_signal(signal.SIGKILL)
-        _wait_rank(url, 1, lambda e: e["state"] == "serving" and e["incarnation"] == 1)
-        _proc(descendants(proc.pid), "EngineCore_1").send_signal(signal.SIGKILL)
-        entry = _wait_rank(url, 1, lambda e: e["state"] == "dead", timeout=30)
+        proc_named(descendants(proc.pid), "EngineCore_1").send_signal(signal.SIGKILL)
+        wait_rank(url, 1, lambda e: e["state"] == "serving" and e["incarnation"] == 1)
+        proc_named(descendants(proc.pid), "EngineCore_1").send_signal(signal.SIGKILL)
+        entry = wait_rank(url, 1, lambda e: e["state"] == "dead", timeout=30)
         assert "--max-engine-restarts" in entry["reason"]
         time.sleep(2)  # no restart comes
-        assert _health(url, 1).json()["ranks"][0]["state"] == "dead"
-        assert asyncio.run(_complete(url, model, 6)) == [200] * 6
+        assert rank_health(url, 1).json()["ranks"][0]["state"] == "dead"
+        assert asyncio.run(complete_n(url, model, 6)) == [200] * 6
         assert "stays out" in output(proc)
 
 
 def test_isolate_with_every_rank_dead_gives_clear_503s(tiny_llama):
     model = str(tiny_llama)
     with serve(model, *DP_ARGS, "--engine-failure-policy", "isolate") as (proc, url):
-        engines = [_proc(descendants(proc.pid), f"EngineCore_{r}") for r in (0, 1)]
+        engines = [proc_named(descendants(proc.pid), f"EngineCore_{r}") for r in (0, 1)]
         engines[1].send_signal(signal.SIGKILL)
-        _wait_rank(url, 1, lambda e: e["state"] == "dead", timeout=30)
-        assert asyncio.run(_complete(url, model, 4)) == [200] * 4  # rank 0 serves on
+        wait_rank(url, 1, lambda e: e["state"] == "dead", timeout=30)
+        assert asyncio.run(complete_n(url, model, 4)) == [200] * 4  # rank 0 serves on
         engines[0].send_signal(signal.SIGKILL)
-        _wait_rank(url, 0, lambda e: e["state"] == "dead", timeout=30)
-        health = _health(url)
+        wait_rank(url, 0, lambda e: e["state"] == "dead", timeout=30)
+        health = rank_health(url)
         assert health.status_code == 503 and health.json()["status"] == "unavailable"
         resp = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "x",
                                                          "max_tokens": 2}, timeout=10)
@@ -244,7 +177,7 @@ def test_isolate_with_every_rank_dead_gives_clear_503s(tiny_llama):
 def test_policy_stop_stops_the_dp_server(tiny_llama, victim):
     with serve(str(tiny_llama), *DP_ARGS, "--engine-failure-policy", "stop") as (proc, url):
         children = descendants(proc.pid)
-        _proc(children, victim).send_signal(signal.SIGKILL)
+        proc_named(children, victim).send_signal(signal.SIGKILL)
         assert proc.wait(30) != 0
         assert all_gone(children, timeout=10), [p for p in children if p.is_running()]
 
@@ -252,7 +185,7 @@ def test_policy_stop_stops_the_dp_server(tiny_llama, victim):
 def test_killed_api_server_is_restarted_and_the_other_serves_on(tiny_llama):
     model = str(tiny_llama)
     with serve(model, *DP_ARGS, "--api-server-count", "2") as (proc, url):
-        victim = _proc(descendants(proc.pid), "APIServer_1")
+        victim = proc_named(descendants(proc.pid), "APIServer_1")
         victim.send_signal(signal.SIGKILL)
         no_reuse = httpx.Limits(max_keepalive_connections=0)  # a new connection each
 
@@ -362,10 +295,10 @@ def test_moved_requests_keep_every_feature(tiny_llama):
     requests = _feature_requests(model)
     with serve(model, *DP_ARGS) as (proc, url):
         undisturbed = asyncio.run(_send_all(url, requests))
-        before = _metric(url, "dpserve:request_migrations_total")
-        victim = _proc(descendants(proc.pid), "EngineCore_1")
+        before = metric_sum(url, "dpserve:request_migrations_total")
+        victim = proc_named(descendants(proc.pid), "EngineCore_1")
         disturbed = asyncio.run(_send_all(url, requests,
                                           lambda: victim.send_signal(signal.SIGKILL)))
         assert not victim.is_running()
-        assert _metric(url, "dpserve:request_migrations_total") > before
+        assert metric_sum(url, "dpserve:request_migrations_total") > before
         assert _same(disturbed, undisturbed)

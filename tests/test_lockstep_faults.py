@@ -14,8 +14,17 @@ import time
 
 import httpx
 import pytest
-from test_faults import _complete, _expected, _health, _proc, _streams_with_fault, _wait_rank
-from test_serve_process import _descendants, output, serve
+from helpers import (
+    complete_n,
+    descendants,
+    expected_greedy,
+    output,
+    proc_named,
+    rank_health,
+    serve,
+    streams_with_fault,
+    wait_rank,
+)
 
 from dpserve import SamplingParams
 from dpserve.config import EngineArgs
@@ -26,7 +35,7 @@ from dpserve.protocol import EngineCoreRequest, FinishReason
 LOCKSTEP_ARGS = ("--data-parallel-size", "2", "--data-parallel-lockstep",
                  "--data-parallel-sync-interval", "4", "--threads-per-engine", "1",
                  "--max-model-len", "256")
-PROMPTS = [f"Once upon a time {i}" for i in range(12)]
+FAULT_PROMPTS = [f"Once upon a time {i}" for i in range(12)]
 
 
 def _dp_wave(url: str) -> float:
@@ -38,7 +47,7 @@ def _waves_go_on(url: str, model: str, ranks: list[int]) -> None:
     """Requests pinned to each of `ranks` are served, and a wave completes after them."""
     wave = _dp_wave(url)
     for rank in ranks:
-        assert asyncio.run(_complete(url, model, 3, rank=rank)) == [200] * 3
+        assert asyncio.run(complete_n(url, model, 3, rank=rank)) == [200] * 3
     deadline = time.monotonic() + 30
     while _dp_wave(url) <= wave:
         assert time.monotonic() < deadline, f"dpserve:dp_wave stays at {wave}"
@@ -48,22 +57,22 @@ def _waves_go_on(url: str, model: str, ranks: list[int]) -> None:
 @pytest.mark.parametrize("policy", ["restart", "isolate"])
 def test_sigkill_one_rank_streams_complete_and_the_group_forms_again(tiny_llama, policy):
     model = str(tiny_llama)
-    expected = _expected(model, PROMPTS)
+    expected = expected_greedy(model, FAULT_PROMPTS)
     with serve(model, *LOCKSTEP_ARGS, "--engine-failure-policy", policy) as (proc, url):
-        victim = _proc(_descendants(proc.pid), "EngineCore_1")
-        got = asyncio.run(_streams_with_fault(url, model, lambda: victim.send_signal(
-            signal.SIGKILL), PROMPTS))
+        victim = proc_named(descendants(proc.pid), "EngineCore_1")
+        got = asyncio.run(streams_with_fault(url, model, lambda: victim.send_signal(
+            signal.SIGKILL), FAULT_PROMPTS))
         assert got == expected  # no hang; migrated streams equal an undisturbed run
         log = output(proc)
         alone = re.search(r"\] DP group generation (\d+): ranks \[0\]$", log, re.M)
         assert alone, log[-3000:]  # the coordinator formed a group of the survivor ...
         assert f"engine 0: joined DP group generation {alone.group(1)} (" in log  # ... it joined
         if policy == "isolate":
-            _wait_rank(url, 1, lambda e: e["state"] == "dead", timeout=30)
-            assert _health(url).status_code == 200
+            wait_rank(url, 1, lambda e: e["state"] == "dead", timeout=30)
+            assert rank_health(url).status_code == 200
             _waves_go_on(url, model, [0])
             return
-        _wait_rank(url, 1, lambda e: e["state"] == "serving" and e["incarnation"] == 1)
+        wait_rank(url, 1, lambda e: e["state"] == "serving" and e["incarnation"] == 1)
         deadline = time.monotonic() + 60
         while not re.search(r"engine 1: joined DP group generation \d+", output(proc)):
             assert time.monotonic() < deadline, output(proc)[-3000:]

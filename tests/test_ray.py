@@ -352,7 +352,7 @@ def test_dpserve_serve_with_the_ray_backend(tiny_llama):
 
 def _engine_procs(pid: int, name: str) -> list[psutil.Process]:
     """Running (not zombie) descendants of `pid` titled dpserve::<name>."""
-    from test_serve_process import _descendants as descendants
+    from helpers import descendants
 
     found = []
     for p in descendants(pid):
@@ -376,13 +376,21 @@ def test_dead_engine_actor_is_restarted_and_nothing_remains(tiny_llama, fault):
     server started remains."""
     import threading
 
-    from test_data_parallel import _finished_by_engine
-    from test_faults import PROMPTS, _complete, _expected, _health, _metric, _streams_with_fault
-    from test_serve_process import _descendants as descendants
-    from test_serve_process import output, serve
+    from helpers import (
+        FAULT_PROMPTS,
+        complete_n,
+        descendants,
+        expected_greedy,
+        finished_by_engine,
+        metric_sum,
+        output,
+        rank_health,
+        serve,
+        streams_with_fault,
+    )
 
-    model, prompts = str(tiny_llama), PROMPTS[:16]
-    expected = _expected(model, prompts)
+    model, prompts = str(tiny_llama), FAULT_PROMPTS[:16]
+    expected = expected_greedy(model, prompts)
     env = {"DPSERVE_FAULT_FORWARD_AT": "40", "DPSERVE_FAULT_RANK": "1"} \
         if fault == "fatal error" else None
     with serve(model, "--data-parallel-size", "2", "--data-parallel-backend", "ray",
@@ -396,7 +404,7 @@ def test_dead_engine_actor_is_restarted_and_nothing_remains(tiny_llama, fault):
         def watch_rank_1() -> None:
             deadline = time.monotonic() + 180
             while not done.is_set() and time.monotonic() < deadline:
-                entry = _health(url, 1).json()["ranks"][0]
+                entry = rank_health(url, 1).json()["ranks"][0]
                 if not seen or seen[-1] != (entry["state"], entry["incarnation"]):
                     seen.append((entry["state"], entry["incarnation"]))
                 if seen[-1] == ("serving", 1):
@@ -408,9 +416,9 @@ def test_dead_engine_actor_is_restarted_and_nothing_remains(tiny_llama, fault):
         try:
             kill = (lambda: victim.send_signal(signal.SIGKILL)) if fault == "SIGKILL" \
                 else (lambda: None)
-            got = asyncio.run(_streams_with_fault(url, model, kill, prompts))
+            got = asyncio.run(streams_with_fault(url, model, kill, prompts))
             assert got == expected  # migrated streams equal an undisturbed greedy run
-            assert _metric(url, "dpserve:request_migrations_total") > 0
+            assert metric_sum(url, "dpserve:request_migrations_total") > 0
             watcher.join(180)
         finally:
             done.set()
@@ -419,10 +427,10 @@ def test_dead_engine_actor_is_restarted_and_nothing_remains(tiny_llama, fault):
         assert any(seen_state in out and inc == 0 for seen_state, inc in seen), seen
         [restarted] = _engine_procs(proc.pid, "EngineCore_1")
         assert restarted.pid != victim.pid
-        before = _finished_by_engine(url).get(1, 0)
-        assert asyncio.run(_complete(url, model, 4, rank=1)) == [200] * 4
-        assert _finished_by_engine(url).get(1, 0) - before == 4
-        assert _metric(url, "dpserve:engine_restarts_total") == 1
+        before = finished_by_engine(url).get(1, 0)
+        assert asyncio.run(complete_n(url, model, 4, rank=1)) == [200] * 4
+        assert finished_by_engine(url).get(1, 0) - before == 4
+        assert metric_sum(url, "dpserve:engine_restarts_total") == 1
         assert "rank 1: EngineCore_1 (Ray actor" in output(proc), output(proc)[-3000:]
         started += [p for p in descendants(proc.pid) if p not in started]
         proc.send_signal(signal.SIGTERM)
