@@ -387,6 +387,7 @@ def test_dead_engine_actor_is_restarted_and_nothing_remains(tiny_llama, fault):
         rank_health,
         serve,
         streams_with_fault,
+        wait_until,
     )
 
     model, prompts = str(tiny_llama), FAULT_PROMPTS[:16]
@@ -425,6 +426,9 @@ def test_dead_engine_actor_is_restarted_and_nothing_remains(tiny_llama, fault):
         assert seen[0] == ("serving", 0) and seen[-1] == ("serving", 1), seen
         out = ["restarting"] if fault == "SIGKILL" else ["restarting", "dead"]
         assert any(seen_state in out and inc == 0 for seen_state, inc in seen), seen
+        # Ray retitles an actor's process between its tasks: wait for the run() title.
+        wait_until(lambda: len(_engine_procs(proc.pid, "EngineCore_1")) == 1, timeout=60,
+                   what="one EngineCore_1 actor process")
         [restarted] = _engine_procs(proc.pid, "EngineCore_1")
         assert restarted.pid != victim.pid
         before = finished_by_engine(url).get(1, 0)

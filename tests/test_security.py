@@ -109,7 +109,7 @@ _DROPPED = {
     "front-end PULL": "undecodable message from an engine dropped",
     "coordinator reports": "dropping a bad report from an engine",
     "coordinator front XPUB": "bad message from a front-end",
-    "coordinator engine XPUB": "engine subscription change after start-up",
+    "coordinator engine XPUB": "engine socket: dropping a frame that is no subscription",
 }
 
 

@@ -432,9 +432,8 @@ class DPCoordinatorProc:
                 self._on_report_frames(self.reports.recv_multipart())
             # 4. Engine subscriptions after start-up (a restarted or scaled-up
             #    engine): it waits for READY, which running engines ignore.
-            if self.engines in events and self.engines.recv()[:1] == bytes([_SUBSCRIBE]):
-                logger.info("an engine subscribed after start-up; sending READY")
-                self.engines.send(COORDINATOR_READY)
+            if self.engines in events:
+                self._on_late_engine_frame(self.engines.recv())
             # 5. Ranks that stopped beating or stepping: unhealthy, published at once.
             if self.health.check(time.monotonic()):
                 self._publish_counts()
@@ -444,6 +443,16 @@ class DPCoordinatorProc:
             # 7. Publish the counts when due.
             if time.monotonic() >= self._next_publish():
                 self._publish_counts()
+
+    def _on_late_engine_frame(self, frame: bytes) -> None:
+        """A subscription after start-up is a restarted (or added) engine waiting for
+        READY; an unsubscription is an engine going away; anything else is junk."""
+        if frame[:1] == bytes([_SUBSCRIBE]):
+            logger.info("an engine subscribed after start-up; sending READY")
+            self.engines.send(COORDINATOR_READY)
+        elif frame[:1] != b"\x00":
+            logger.error("engine socket: dropping a frame that is no subscription: %r",
+                         frame[:32])
 
     def _next_publish(self) -> float:
         """When the counts are next due: soon after a change, else at the idle period."""
