@@ -231,7 +231,8 @@ def run_fault(fault: str, args: argparse.Namespace, log_dir: Path) -> Run:
         run.metrics = _metrics(server.url)
         server.check_alive()
     run.notes += server.notes
-    run.notes.insert(0, f"`{env_note}dpserve serve {args.model or ''} {' '.join(options)}`")
+    argv = " ".join(["dpserve serve", *([args.model] if args.model else []), *options])
+    run.notes.insert(0, f"`{env_note}{argv}`")
     return run
 
 
@@ -256,7 +257,7 @@ def markdown(runs: list[Run], args: argparse.Namespace, argv: list[str]) -> str:
     cols = list(rows[0])
     lines = [f"## bench/faults.py, {datetime.date.today().isoformat()}", "",
              f"- machine: {machine()}",
-             f"- command: `python bench/faults.py {' '.join(argv)}`",
+             f"- command: `{' '.join(['python bench/faults.py', *argv])}`",
              f"- load: {args.concurrency} streaming clients in a closed loop, "
              f"{args.prompt_len} prompt words -> {args.output_len} tokens, greedy, "
              f"ignore_eos; model {args.model or 'default (SmolLM2-135M-Instruct)'}; "
