@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from dpserve.launch.api_servers import APIServerProcManager
     from dpserve.launch.engines import EngineProcManager
     from dpserve.launch.host import EngineLaunch
+    from dpserve.launch.supervisor import RestartBudget
 
 logger = logging.getLogger("dpserve.serve")
 
@@ -279,6 +280,7 @@ def _run_api_servers(options: APIServerOptions, config: EngineConfig,
     1 when any process died.
     """
     from dpserve.launch.api_servers import APIServerProcManager
+    from dpserve.launch.supervisor import RestartBudget
 
     metrics_dir = tempfile.mkdtemp(prefix="dpserve-metrics-")
     api: APIServerProcManager | None = None
@@ -291,6 +293,7 @@ def _run_api_servers(options: APIServerOptions, config: EngineConfig,
                          on_fatal=stop.engine_died, stopping=lambda: stop.signum is not None)
         api.start_serving()
         _log_serving(options, config, specs[0], sock, len(specs))
+        budget = RestartBudget(config.parallel.max_engine_restarts)  # per API server
         while True:
             exited = _watch(stop, api.processes)
             if stop.signum is not None:
@@ -305,7 +308,8 @@ def _run_api_servers(options: APIServerOptions, config: EngineConfig,
             reason = stop.death or "; ".join(
                 f"process {p.name} (pid {p.pid}) exited with code {p.exitcode}"
                 for p in exited)
-            if stop.death is not None or not _restart_api_servers(api, exited, config):
+            if stop.death is not None or not _restart_api_servers(api, exited, config,
+                                                                    budget):
                 logger.error("%s; stopping the server", reason)
                 api.stop_after_death(reason)
                 return 1
@@ -318,7 +322,7 @@ def _run_api_servers(options: APIServerOptions, config: EngineConfig,
 
 
 def _restart_api_servers(api: APIServerProcManager, exited: list[BaseProcess],
-                         config: EngineConfig) -> bool:
+                         config: EngineConfig, budget: RestartBudget) -> bool:
     """Restart API servers that died (the others serve on meanwhile); False when the
     policy is stop, the restart limit is reached, or one does not start."""
     from dpserve.launch.api_servers import APIServerStartupError
@@ -326,7 +330,8 @@ def _restart_api_servers(api: APIServerProcManager, exited: list[BaseProcess],
     p = config.parallel
     for proc in exited:
         what = f"{proc.name} (pid {proc.pid}) exited with code {proc.exitcode}"
-        if p.engine_failure_policy == "stop" or api.num_restarts >= p.max_engine_restarts:
+        index = api.processes.index(proc)
+        if p.engine_failure_policy == "stop" or not budget.take(index):
             return False
         logger.warning("%s; restarting it (the other API servers serve on)", what)
         try:

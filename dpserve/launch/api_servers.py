@@ -62,7 +62,6 @@ class APIServerProcManager:
                             parent_pid=os.getpid(), metrics_dir=metrics_dir)
         self._conns: list[connection.Connection] = []  # [M] the launcher's pipe ends
         self._group = ProcessGroup(self, on_close=functools.partial(_close_all, self._conns))
-        self.num_restarts = 0
         for spec in specs:
             parent_end, child_end = self._group.context.Pipe()
             self._conns.append(parent_end)
@@ -101,7 +100,6 @@ class APIServerProcManager:
                                       **self._common)
         finally:
             child_end.close()
-        self.num_restarts += 1
         self._wait_ready({parent_end: new}, timeout, ())
         parent_end.send(ControlMessage("serve"))
         logger.info("%s restarted (pid %d) and serving", new.name, new.pid)

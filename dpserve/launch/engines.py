@@ -26,7 +26,12 @@ import msgspec
 import zmq
 
 from dpserve.config import EngineConfig
-from dpserve.launch.process import ProcessGroup, shutdown, wait_for_any_exit
+from dpserve.launch.process import (
+    ProcessGroup,
+    shutdown,
+    stop_socket_thread,
+    wait_for_any_exit,
+)
 from dpserve.protocol import EngineInitMetadata, HandshakeHello, HandshakeReady
 from dpserve.security import secure
 
@@ -296,9 +301,4 @@ class RejoinServer:
         self._sock.close()
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2.0)
-        if self._thread.is_alive():  # stuck: close the socket under it
-            self._ctx.destroy(linger=0)
-        else:
-            self._ctx.term()
+        stop_socket_thread(self._stop, self._thread, self._ctx)

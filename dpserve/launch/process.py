@@ -79,6 +79,18 @@ def _close_group(procs: list[BaseProcess], on_close: Callable[[], None] | None) 
             on_close()
 
 
+def stop_socket_thread(stop: threading.Event, thread: threading.Thread,
+                       ctx: Any) -> None:
+    """Stop a daemon thread that serves a ZMQ socket of `ctx` (rendezvous, rejoin):
+    set `stop`, join (bounded); if it is stuck, close its socket under it."""
+    stop.set()
+    thread.join(timeout=2.0)
+    if thread.is_alive():
+        ctx.destroy(linger=0)
+    else:
+        ctx.term()
+
+
 def start_parent_watcher(parent_pid: int, what: str = "process") -> None:
     """Exit when the parent dies (we get re-parented): SIGTERM ourselves, then, if
     the main thread is stuck, hard-exit after a grace period."""

@@ -13,6 +13,7 @@ import msgspec
 import zmq
 
 from dpserve.launch.engines import EngineStartupError
+from dpserve.launch.process import stop_socket_thread
 from dpserve.protocol import RendezvousReply, RendezvousRequest
 from dpserve.security import secure
 
@@ -64,12 +65,7 @@ class RendezvousServer:
         self._sock.close()
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2.0)
-        if self._thread.is_alive():  # stuck: close the socket under it
-            self._ctx.destroy(linger=0)
-        else:
-            self._ctx.term()
+        stop_socket_thread(self._stop, self._thread, self._ctx)
 
 
 def ask_rendezvous(address: str, request: RendezvousRequest, timeout: float,

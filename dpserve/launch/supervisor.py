@@ -115,7 +115,6 @@ class Supervisor:
         self.stopping = stopping  # the server drains: clean exits are expected then
         self.incarnation: dict[int, int] = {}  # rank -> its current process's incarnation
         self.budget = RestartBudget(self.max_restarts)
-        self.num_restarts = 0  # engine restarts, all ranks
         self._restarting: set[int] = set()  # ranks whose new engine is starting
         self._out: set[int] = set()  # ranks dead for good (isolate, or past the limit)
         self._handled: set[BaseProcess] = set()  # coordinator processes whose exit was handled
@@ -256,7 +255,6 @@ class Supervisor:
     def _restart(self, rank: int, incarnation: int, events: zmq.Socket | None) -> None:
         backoff = min(_MAX_BACKOFF_S, _FIRST_BACKOFF_S * 2 ** len(self.budget.times[rank]))
         self.budget.take(rank)
-        self.num_restarts += 1
         if self._stop.wait(backoff):
             return
         self.incarnation[rank] = incarnation
