@@ -62,6 +62,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     serving = OpenAIServing(async_llm, served_model_name)
     metrics = ServerMetrics(served_model_name, api_server_index=api_server_index)
     async_llm.add_stats_listener(metrics)
+    # Moves show in every engine message's wake: count them in this API server then.
+    async_llm.add_stats_listener(_MovedListener(metrics, async_llm))
     app = FastAPI(title="dpserve", version=__version__)
     app.state.serving, app.state.metrics = serving, metrics
     auth = [Depends(_bearer_check(api_key))] if api_key else []
@@ -108,9 +110,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
         client = async_llm.client
         metrics.set_wave(getattr(client, "current_wave", 0))
         metrics.set_ranks({r["rank"]: (r["state"], r["incarnation"])
-                           for r in _rank_states(async_llm)},
-                          tuple(getattr(client, name, 0) for name in (
-                              "num_retries", "num_migrations", "recomputed_tokens")))
+                           for r in _rank_states(async_llm)})
+        metrics.record_moved(_moved(client))
         return Response(metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     @app.get("/version")
@@ -131,6 +132,22 @@ async def _error_response(request: Request, exc: Exception) -> JSONResponse:
                                          param=error.param, code=error.code))
     headers = {"WWW-Authenticate": "Bearer"} if error.status_code == 401 else error.headers
     return JSONResponse(body.model_dump(), status_code=error.status_code, headers=headers)
+
+
+class _MovedListener:
+    """After each engine message, bring the moved-request counters up to date."""
+
+    def __init__(self, metrics: ServerMetrics, async_llm: AsyncLLM) -> None:
+        self.metrics, self.async_llm = metrics, async_llm
+
+    def record(self, engine_index: Any, scheduler_stats: Any, iteration: Any) -> None:
+        self.metrics.record_moved(_moved(self.async_llm.client))
+
+
+def _moved(client: Any) -> tuple[int, int, int]:
+    """The engine client's totals of re-sent and migrated requests and recomputed tokens."""
+    return tuple(getattr(client, name, 0)  # type: ignore[return-value]
+                 for name in ("num_retries", "num_migrations", "recomputed_tokens"))
 
 
 def _rank_states(async_llm: AsyncLLM) -> list[dict[str, Any]]:

@@ -197,10 +197,19 @@ class ServerMetrics:
     def set_wave(self, wave: int) -> None:
         self.wave.set(wave)
 
-    def set_ranks(self, states: dict[int, tuple[str, int]],
-                  moved: tuple[int, int, int]) -> None:
-        """The front-end's view at scrape time: rank -> (state, incarnation = restarts),
-        and its running totals of (re-sent requests, migrated requests, recomputed tokens)."""
+    def record_moved(self, moved: tuple[int, int, int]) -> None:
+        """This API server's running totals of (re-sent requests, migrated requests,
+        recomputed tokens): counted as they change, in every API server (not only
+        in the one that answers a scrape)."""
+        if moved == self._moved:
+            return
+        for counter, new, old in zip((self.retries, self.migrations, self.recomputed), moved,
+                                     self._moved):
+            counter.labels(self.model_name).inc(max(0, new - old))
+        self._moved = moved
+
+    def set_ranks(self, states: dict[int, tuple[str, int]]) -> None:
+        """The front-end's view at scrape time: rank -> (state, incarnation = restarts)."""
         from dpserve.protocol import RankState
 
         for rank, (state, restarts) in states.items():
@@ -214,10 +223,6 @@ class ServerMetrics:
             else:
                 self.engine_restarts.labels(*labels)
             self._restarts[rank] = max(restarts, self._restarts.get(rank, 0))
-        for counter, new, old in zip((self.retries, self.migrations, self.recomputed), moved,
-                                     self._moved):
-            counter.labels(self.model_name).inc(max(0, new - old))
-        self._moved = moved
 
     def render(self) -> bytes:
         """The text exposition format, for GET /metrics (all API servers' values)."""
