@@ -69,7 +69,9 @@ class EngineCore:
 
         Unknown or already finished ids are ignored.
         """
-        return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        outputs = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self._forget_if_idle()
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -92,13 +94,26 @@ class EngineCore:
             runner_output = self.runner.execute(scheduler_output)
             self.num_forward_passes += 1
         # 3. Update: append tokens, check stops, free finished requests.
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._forget_if_idle()
+        return outputs
+
+    def _forget_if_idle(self) -> None:
+        """With nothing left to schedule, no step will carry the ids of the requests that
+        just finished to the runner: hand them over now, so nothing of theirs stays."""
+        if not self.scheduler.has_unfinished_requests():
+            self.runner.forget_requests(self.scheduler.take_finished_ids())
 
     # ---- utility methods ------------------------------------------------
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block; False if requests still hold blocks."""
         return self.scheduler.reset_prefix_cache()
+
+    def request_state_sizes(self) -> dict[str, int]:
+        """Entries in every per-request structure of the scheduler, KV manager and model
+        runner (leak checks: all 0, with every KV block free, once idle)."""
+        return {**self.scheduler.state_sizes(), "generators": len(self.runner.generators)}
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

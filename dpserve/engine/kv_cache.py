@@ -330,6 +330,15 @@ class KVCacheManager:
         if table is not None:
             self.pool.free_blocks(reversed(table.blocks))
 
+    def state_sizes(self) -> dict[str, int]:
+        """Per-request state and block accounting, for leak checks: `tables` is 0 and
+        `held` is 0 once every request has ended (each block free or cached-free)."""
+        pool = self.pool
+        return {"kv_tables": len(self._tables), "kv_blocks": pool.num_blocks,
+                "kv_free": pool.num_free_blocks,
+                "kv_held": sum(1 for b in pool.blocks if b.ref_cnt > 0),
+                "kv_cached": len(pool.cached)}
+
     def get_block_ids(self, request_id: str) -> list[int]:
         table = self._tables.get(request_id)
         return table.block_ids.copy() if table else []

@@ -92,7 +92,7 @@ FAULT_RANK_ENV = "DPSERVE_FAULT_RANK"
 # whose outputs would bypass the routing in the busy loop.
 _NOT_UTILITIES = frozenset({"add_request", "abort_requests", "step"})
 # Utility calls answered by the process itself rather than its EngineCore.
-_PROC_UTILITIES = frozenset({"get_dp_state"})
+_PROC_UTILITIES = frozenset({"get_dp_state", "request_state_sizes"})
 
 _IO_FAILED = "io-thread-failed"  # internal input-queue tag: an IO thread died
 _PEER_LOST = "front-end-lost"  # internal input-queue tag: a remote engine lost its front-end
@@ -356,6 +356,10 @@ class EngineCoreProc:
         self.output_queue.put_nowait((client, EngineCoreOutputs(
             engine_index=self.rank, outputs=outputs, scheduler_stats=stats,
             timestamp=time.monotonic())))
+
+    def request_state_sizes(self) -> dict[str, int]:
+        """Utility: the core's per-request state sizes plus this process's routing map."""
+        return {**self.engine_core.request_state_sizes(), "client_of": len(self._client_of)}
 
     def get_dp_state(self) -> dict[str, int | bool] | None:
         """Utility: this engine's DP state (wave, dummy batches...); None without DP."""

@@ -122,6 +122,18 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def take_finished_ids(self) -> list[str]:
+        """Ids of requests finished since the last call (each step's schedule() passes
+        them to the model runner; an idle engine hands them over itself)."""
+        finished, self._finished_ids = self._finished_ids, []
+        return finished
+
+    def state_sizes(self) -> dict[str, int]:
+        """How many entries each per-request structure holds (all 0 when idle)."""
+        return {"requests": len(self.requests), "waiting": len(self.waiting),
+                "running": len(self.running), "finished_pending": len(self._finished_ids),
+                **self.kv_cache.state_sizes()}
+
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache.reset_prefix_cache()
 
@@ -148,7 +160,7 @@ class Scheduler:
         # 3. Decode-shaped entries first, as the model runner expects.
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         others = [s for s in scheduled if s.num_new_tokens != 1]
-        finished, self._finished_ids = self._finished_ids, []
+        finished = self.take_finished_ids()
         return SchedulerOutput(
             scheduled=decodes + others, num_decodes=len(decodes),
             total_num_tokens=sum(s.num_new_tokens for s in scheduled),

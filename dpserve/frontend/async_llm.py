@@ -332,6 +332,13 @@ class AsyncLLM:
 
     # ---- stats, state, shutdown ----------------------------------------------
 
+    def request_state_sizes(self) -> dict[str, int]:
+        """Entries of every per-request structure of the front-end: this object, the
+        output processor and the engine client (leak checks: all 0 once idle)."""
+        client_sizes = getattr(self.client, "request_state_sizes", None)
+        return {"tracked": len(self._requests), "background_tasks": len(self._background),
+                **self.processor.state_sizes(), **(client_sizes() if client_sizes else {})}
+
     def add_stats_listener(self, listener: StatsListener) -> None:
         self._listeners.append(listener)
 

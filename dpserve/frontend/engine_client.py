@@ -297,6 +297,12 @@ class AsyncEngineClient:
             raise UtilityCallError(out.failure_message)
         return out.result if result_type is None else msgspec.convert(out.result, result_type)
 
+    def request_state_sizes(self) -> dict[str, int]:
+        """Entries of the per-request structures (0 once every request has ended)."""
+        return {"client_inflight": len(self._inflight), "client_calls": len(self._calls),
+                "client_outputs_queued": self._outputs.qsize(),
+                "client_rank_requests": sum(e.num_requests for e in self.engines.values())}
+
     async def call_utility_all(self, method: str, *args: Any, timeout: float = 30.0,
                                result_type: Any = None) -> dict[int, Any]:
         """`call_utility` on every live engine at once: rank -> its result."""

@@ -114,6 +114,11 @@ class OutputProcessor:
         entry = self._by_engine_id.get(engine_request_id)
         return entry[0].request_id if entry is not None else None
 
+    def state_sizes(self) -> dict[str, int]:
+        """Entries of the per-request maps (0 once every request has ended)."""
+        return {"processor_states": len(self._states),
+                "processor_by_engine_id": len(self._by_engine_id)}
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
 

@@ -146,8 +146,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step; one sampled token per request with sample=True."""
-        for req_id in scheduler_output.finished_req_ids:
-            self.generators.pop(req_id, None)
+        self.forget_requests(scheduler_output.finished_req_ids)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self.prepare_inputs(scheduler_output)
@@ -165,6 +164,11 @@ class ModelRunner:
         tokens, logprobs = self.sampler(logits, meta)
         return ModelRunnerOutput(req_ids=[r.request_id for r in inputs.sampled],
                                  sampled_token_ids=tokens.tolist(), logprobs=logprobs)
+
+    def forget_requests(self, req_ids: list[str]) -> None:
+        """Drop what the runner keeps for finished requests (their seeded generators)."""
+        for req_id in req_ids:
+            self.generators.pop(req_id, None)
 
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         """Host-side input building for one step (also the test seam for logits)."""

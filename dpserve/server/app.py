@@ -2,7 +2,8 @@
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models (behind the API
 key when one is set), /health (200; 503 once the engine is dead), /metrics
-(Prometheus), /version. While the server drains (`AsyncLLM.draining`, set on
+(Prometheus), /version, /debug/request_state (sizes of the per-request state,
+for leak checks). While the server drains (`AsyncLLM.draining`, set on
 SIGTERM), /health and every /v1 route answer 503 with `Retry-After` and code
 "server_draining"; requests already in flight go on. The
 `X-data-parallel-rank: k` header pins a request
@@ -113,6 +114,18 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
                            for r in _rank_states(async_llm)})
         metrics.record_moved(_moved(client))
         return Response(metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    @app.get("/debug/request_state")
+    async def request_state() -> dict[str, Any]:
+        """Entries of every per-request structure, in this API server and in each live
+        engine: all 0 (and every KV block free or cached) when nothing is in flight."""
+        client = async_llm.client
+        if hasattr(client, "call_utility_all"):
+            engines = await client.call_utility_all("request_state_sizes", timeout=10)
+        else:
+            engines = {0: await client.call_utility("request_state_sizes")}
+        return {"api_server": async_llm.request_state_sizes(),
+                "engines": {str(rank): sizes for rank, sizes in engines.items()}}
 
     @app.get("/version")
     async def version() -> dict[str, str]:
