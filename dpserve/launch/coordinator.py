@@ -641,9 +641,12 @@ class DPCoordinatorProc:
     def _publish_counts(self) -> None:
         counts = self.loads.take()
         update = CoordinatorUpdate(counts if self.publish_counts else None, self.wave,
-                                   self.running, list(self.health.status), self.control,
-                                   list(self.control_done),
-                                   list(self.loads.tokens) if self.publish_counts else None)
+                                   self.running, list(self.health.status),
+                                   # (no news while nothing was ever changed or waits)
+                                   self.control if self.control.seq else None,
+                                   list(self.control_done) if self.control.seq else None,
+                                   list(self.loads.tokens) if self.publish_counts
+                                   and any(self.loads.tokens) else None)
         self.front.send(msgspec.msgpack.encode(update))
         self._last_publish = time.monotonic()
 
