@@ -224,9 +224,12 @@ class EngineCoreProc:
             #    then tell the coordinator when [waiting, running] or the wave changed.
             if self.dp is not None:
                 self.dp.step_done()
-                self.dp.has_work = core.has_unfinished_requests()
+                has_work = core.has_unfinished_requests()
+                # Paused / asleep on purpose is no stall (heartbeats); a lockstep wave
+                # still runs while paused requests wait, so resume needs no wake-up.
+                self.dp.has_work = has_work and self.control.can_step
                 self.dp.after_step(executed=core.num_forward_passes > forward_passes,
-                                   has_work=self.dp.has_work,
+                                   has_work=has_work,
                                    run_dummy_batch=core.execute_dummy_batch
                                    if self.control.state.sleep_level == 0 else _no_dummy)
                 self._report_load()

@@ -11,6 +11,11 @@ OpenAI-shaped body `{"error": {"message", "type", "param", "code"}}` with a
 4xx status for bad input, never a 500. A client that disconnects, streaming
 or not, has its request aborted in the engine.
 
+With `enable_admin_api`, the operator routes of `server/control.py` (pause,
+resume, sleep, wake_up, reset_prefix_cache, is_paused, is_sleeping) are
+mounted, behind the API key when one is set; its `Admission` check answers
+503 while paused or asleep and 429 when every engine's queue is full.
+
 Not here: starting uvicorn or the engine (`dpserve serve` does that).
 """
 
