@@ -41,6 +41,7 @@ class RequestType(bytes, enum.Enum):
     UTILITY = b"\x02"
     START_DP_WAVE = b"\x03"  # coordinator -> engines: join wave N
     REGROUP_DP = b"\x04"  # coordinator -> engines: the lockstep DP group is now this
+    CONTROL = b"\x05"  # coordinator -> engines: be in this ControlState (pause / sleep)
 
 
 # Sent by a dying engine on every output socket instead of EngineCoreOutputs,
@@ -123,6 +124,19 @@ class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     result: Any = None
 
 
+class ControlState(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The pause / sleep state every rank should be in (an operator's last word).
+
+    `seq` counts changes (the coordinator's, or one engine's without a
+    coordinator); `token` is the front-end's tag of the change that made it."""
+
+    seq: int = 0
+    paused: str | None = None  # None | "abort" | "wait" | "keep"
+    sleep_level: int = 0  # 0 awake; 1 KV cache freed; 2 weights too
+    prefix_resets: int = 0  # reset_prefix_cache calls so far
+    token: int = 0
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One message from an engine to one front-end."""
 
@@ -131,6 +145,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
     utility_output: UtilityOutput | None = None
+    # No coordinator: the engine tells every front-end its ControlState when it
+    # is applied (so each API server answers 503 while paused or asleep).
+    control: ControlState | None = None
 
 
 class HandshakeHello(msgspec.Struct, array_like=True, gc=False):
@@ -170,7 +187,10 @@ class HandshakeReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 # Front publish socket (coordinator XPUB <-> front-end XSUB, subscribed to b""):
 #     coordinator -> front-ends: CoordinatorUpdate;
 #     front-ends and the launcher -> coordinator: a CoordinatorRequest
-#     (WakeEngines | ScaleEngines | RankEvent).
+#     (WakeEngines | ScaleEngines | RankEvent | ControlChange).
+# Control (pause / sleep): [RequestType.CONTROL.value, ControlState] on the engine
+#     publish socket after every change (and after READY to a late engine); engines
+#     answer EngineReport(control_done=seq) once in that state.
 
 COORDINATOR_READY = b"READY"
 
@@ -216,6 +236,8 @@ class EngineReport(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     # Lockstep: a collective (or joining) of this DP group generation failed here;
     # the engine waits, paused, for the coordinator to name the next generation.
     group_failed: int | None = None
+    control_done: int | None = None  # this engine is in ControlState `seq` (applied)
+    waiting_tokens: int = 0  # with request_counts: prompt tokens of the waiting requests
 
 
 class StartDPWave(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -243,6 +265,9 @@ class CoordinatorUpdate(msgspec.Struct, array_like=True, gc=False):
     wave: int  # the current request wave
     running: bool  # engines are running (False: paused, a new request must wake them)
     ranks: list[RankStatus] | None = None  # [num_engines]; None: no state news
+    control: ControlState | None = None  # pause / sleep state (None: no news)
+    control_done: list[int] | None = None  # [num_engines] the ControlState seq each applied
+    waiting_tokens: list[int] | None = None  # [num_engines] with counts: waiting prompt tokens
 
 
 class WakeEngines(msgspec.Struct, tag="wake", array_like=True, gc=False):
@@ -266,7 +291,16 @@ class RankEvent(msgspec.Struct, tag="rank", array_like=True, gc=False):
     status: RankStatus
 
 
-CoordinatorRequest = WakeEngines | ScaleEngines | RankEvent
+class ControlChange(msgspec.Struct, tag="control", array_like=True, gc=False):
+    """Front-end -> coordinator: pause / resume / sleep / wake_up / reset_prefix_cache
+    on every rank (`arg`: the pause mode or sleep level; `token`: the sender's tag)."""
+
+    op: str
+    arg: str | int | None = None
+    token: int = 0
+
+
+CoordinatorRequest = WakeEngines | ScaleEngines | RankEvent | ControlChange
 
 
 # ---- rendezvous (external / hybrid load balancing) ------------------------------

@@ -115,6 +115,18 @@ class EngineCore:
         runner (leak checks: all 0, with every KV block free, once idle)."""
         return {**self.scheduler.state_sizes(), "generators": len(self.runner.generators)}
 
+    def sleep(self, level: int) -> None:
+        """Free the KV cache (level 1) and the weights (level 2). Every request must
+        be finished first (EngineControl aborts them); cached prefixes are forgotten."""
+        if self.scheduler.has_unfinished_requests():
+            raise RuntimeError("sleep with requests in flight; abort them first")
+        self.scheduler.reset_prefix_cache()
+        self.runner.set_sleep_level(level)
+
+    def wake_up(self) -> None:
+        """Restore what `sleep` freed; the KV cache comes back empty."""
+        self.runner.set_sleep_level(0)
+
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 

@@ -111,7 +111,7 @@ class DPLink:
         self._publish.setsockopt(zmq.SUBSCRIBE, b"")
         self._publish.connect(publish_address)
         self._encoder = msgspec.msgpack.Encoder()
-        self._last_counts: tuple[int, int, int] | None = None  # (waiting, running, wave)
+        self._last_counts: tuple[int, ...] | None = None  # (waiting, running, tokens, wave)
         self._step = 0  # steps run so far: orders this engine's reports at the coordinator
 
     # ---- start-up ----------------------------------------------------------------
@@ -302,16 +302,21 @@ class DPLink:
         """Count one engine step (reports carry the step they were taken after)."""
         self._step += 1
 
-    def report(self, counts: tuple[int, int]) -> None:
-        """Send `(waiting, running)` with `(step, wave)` if counts or wave changed."""
-        key = (*counts, self.wave)
+    def report(self, counts: tuple[int, int], waiting_tokens: int = 0) -> None:
+        """Send `(waiting, running)` (and the waiting prompt tokens) with `(step, wave)`
+        if counts or wave changed."""
+        key = (*counts, waiting_tokens, self.wave)
         if key == self._last_counts:
             return
         if self._send(EngineReport(self.rank, request_counts=list(counts), step=self._step,
-                                   wave=self.wave)):
+                                   wave=self.wave, waiting_tokens=waiting_tokens)):
             self._last_counts = key
         else:
             self._last_counts = None  # try again next time
+
+    def report_control_done(self, seq: int) -> None:
+        """Tell the coordinator this engine has reached pause / sleep state `seq`."""
+        self._send(EngineReport(self.rank, control_done=seq))
 
     def state(self) -> dict[str, int | bool | list[int]]:
         """What the engine's `get_dp_state` utility call answers."""

@@ -49,12 +49,16 @@ import msgspec
 import zmq
 
 from dpserve.config import EngineConfig
+from dpserve.control import next_state
+from dpserve.engine.control import EngineControl
 from dpserve.engine.dp import DPLink
 from dpserve.launch.process import start_parent_watcher
 from dpserve.logging_utils import name_process
 from dpserve.protocol import (
     COORDINATOR_READY,
     ENGINE_CORE_DEAD,
+    ControlChange,
+    ControlState,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -93,6 +97,9 @@ FAULT_RANK_ENV = "DPSERVE_FAULT_RANK"
 _NOT_UTILITIES = frozenset({"add_request", "abort_requests", "step"})
 # Utility calls answered by the process itself rather than its EngineCore.
 _PROC_UTILITIES = frozenset({"get_dp_state", "request_state_sizes"})
+# Pause / sleep without a coordinator: `control(op, arg, token)` changes this engine's
+# ControlState; answered (with the state) once it is reached.
+_CONTROL_UTILITY = "control"
 
 _IO_FAILED = "io-thread-failed"  # internal input-queue tag: an IO thread died
 _PEER_LOST = "front-end-lost"  # internal input-queue tag: a remote engine lost its front-end
@@ -175,6 +182,9 @@ class EngineCoreProc:
                              collective_timeout=parallel.data_parallel_collective_timeout)
         _choose_device(self.config, self.rank)
         self.engine_core = _build_engine_core(self.config, self.rank, self.incarnation)
+        self.control = EngineControl(self.engine_core)  # pause / sleep (dpserve.control)
+        self._control_acked = 0  # the ControlState seq reported reached
+        self._control_waiters: list[tuple[int, int, int]] = []  # (client, call_id, seq)
         if self.dp is not None:
             self.dp.wait_ready()  # every engine is subscribed: reports are heard
             # Lockstep: the busy loop joins the DP group the coordinator names next.
@@ -198,23 +208,30 @@ class EngineCoreProc:
                 self._drain_step()
             # 1. Take in everything the front-ends sent; block only when idle.
             self._process_input_queue()
+            self._control_check()
             if self.dp is not None and self.dp.needs_group():
                 self._wait_for_group()  # lockstep: no steps outside a formed DP group
                 continue
             self._report_load()
             # 2. Step the engine: schedule -> execute -> update.
             forward_passes = core.num_forward_passes
-            outputs = core.step()
-            # 3. Send each request's delta to the front-end that owns it.
+            outputs = core.step() if self.control.can_step else []  # paused/asleep: no
+            # 3. Send each request's delta to the front-end that owns it; say when a
+            #    pause / sleep state is reached.
             self._publish(outputs)
+            self._control_check()
             # 4. DP: lockstep bookkeeping (dummy batch, all-reduce, wave end),
             #    then tell the coordinator when [waiting, running] or the wave changed.
             if self.dp is not None:
                 self.dp.step_done()
-                self.dp.has_work = core.has_unfinished_requests()
+                has_work = core.has_unfinished_requests()
+                # Paused / asleep on purpose is no stall (heartbeats); a lockstep wave
+                # still runs while paused requests wait, so resume needs no wake-up.
+                self.dp.has_work = has_work and self.control.can_step
                 self.dp.after_step(executed=core.num_forward_passes > forward_passes,
-                                   has_work=self.dp.has_work,
-                                   run_dummy_batch=core.execute_dummy_batch)
+                                   has_work=has_work,
+                                   run_dummy_batch=core.execute_dummy_batch
+                                   if self.control.state.sleep_level == 0 else _no_dummy)
                 self._report_load()
 
     def begin_drain(self) -> None:
@@ -256,12 +273,13 @@ class EngineCoreProc:
 
     def _report_load(self) -> None:
         if self.dp is not None:
-            self.dp.report(self.engine_core.get_request_counts())
+            self.dp.report(self.engine_core.get_request_counts(),
+                           self.engine_core.scheduler.num_waiting_tokens())
 
     def _process_input_queue(self) -> None:
         # Lockstep: a running wave keeps every engine stepping, work or not.
-        idle = not self.engine_core.has_unfinished_requests() and not (
-            self.dp is not None and self.dp.running)
+        idle = not (self.engine_core.has_unfinished_requests() and self.control.can_step) \
+            and not (self.dp is not None and self.dp.running)
         if idle:
             try:  # nothing to step: wait, but not forever
                 self._handle(*self.input_queue.get(timeout=_IDLE_WAIT_S))
@@ -287,6 +305,8 @@ class EngineCoreProc:
         elif request_type is RequestType.REGROUP_DP:
             if self.dp is not None:
                 self.dp.on_regroup(body)
+        elif request_type is RequestType.CONTROL:
+            self._publish(self.control.apply(body))
         elif request_type == _IO_FAILED:
             raise RuntimeError(f"engine IO thread failed: {body}")
         elif request_type == _PEER_LOST:
@@ -306,6 +326,8 @@ class EngineCoreProc:
                                  f"(this engine serves {self.num_clients} front-ends)")
             if self.drain_deadline is not None:
                 raise ValueError("the engine is shutting down")
+            if self.control.rejects_new:
+                raise ValueError("the engine is paused or asleep")
             if self.dp is not None:
                 self.dp.on_request(request.current_wave)
             self.engine_core.add_request(request)
@@ -319,6 +341,9 @@ class EngineCoreProc:
     def _call_utility(self, call: UtilityCall, client_index: int) -> None:
         """Run `EngineCore.<method>(*args)`; a failure is reported, never fatal."""
         out = UtilityOutput(call.call_id)
+        if call.method == _CONTROL_UTILITY:
+            self._control_call(call, client_index)
+            return
         try:
             owner = self if call.method in _PROC_UTILITIES else self.engine_core
             method = getattr(owner, call.method, None)
@@ -333,6 +358,38 @@ class EngineCoreProc:
             out.failure_message = f"{call.method}() failed: {type(e).__name__}: {e}"
         self.output_queue.put_nowait((client_index, EngineCoreOutputs(
             engine_index=self.rank, utility_output=out, timestamp=time.monotonic())))
+
+    def _control_call(self, call: UtilityCall, client_index: int) -> None:
+        """`control(op, arg, token)` without a coordinator: change this engine's state,
+        tell every front-end, answer once the state is reached (`_control_check`)."""
+        try:
+            state = next_state(self.control.state, ControlChange(*call.args))
+        except (TypeError, ValueError) as e:
+            self.output_queue.put_nowait((client_index, EngineCoreOutputs(
+                engine_index=self.rank, utility_output=UtilityOutput(
+                    call.call_id, failure_message=f"control() failed: {e}"))))
+            return
+        self._publish(self.control.apply(state))
+        for client in range(self.num_clients):
+            self.output_queue.put_nowait((client, EngineCoreOutputs(
+                engine_index=self.rank, control=state, timestamp=time.monotonic())))
+        self._control_waiters.append((client_index, call.call_id, state.seq))
+        self._control_check()
+
+    def _control_check(self) -> None:
+        """Once the control state is reached: tell the coordinator, answer waiters."""
+        state = self.control.state
+        if self._control_acked == state.seq or not self.control.done:
+            return
+        self._control_acked = state.seq
+        if self.dp is not None:
+            self.dp.report_control_done(state.seq)
+        result = msgspec.to_builtins(state)
+        for client, call_id, _ in self._control_waiters:
+            self.output_queue.put_nowait((client, EngineCoreOutputs(
+                engine_index=self.rank, utility_output=UtilityOutput(call_id, result=result),
+                timestamp=time.monotonic())))
+        self._control_waiters.clear()
 
     def _publish(self, outputs: list[EngineCoreOutput]) -> None:
         """Group outputs by front-end; a finished request forgets its front-end."""
@@ -396,7 +453,8 @@ class EngineCoreProc:
                     RequestType.ABORT: msgspec.msgpack.Decoder(list[str]),
                     RequestType.UTILITY: msgspec.msgpack.Decoder(UtilityCall)}
         coordinator_decoders = {RequestType.START_DP_WAVE: msgspec.msgpack.Decoder(StartDPWave),
-                                RequestType.REGROUP_DP: msgspec.msgpack.Decoder(RegroupDP)}
+                                RequestType.REGROUP_DP: msgspec.msgpack.Decoder(RegroupDP),
+                                RequestType.CONTROL: msgspec.msgpack.Decoder(ControlState)}
         with zmq.Context() as ctx:
             poller = zmq.Poller()
             index_of: dict[zmq.Socket, int] = {}
@@ -481,6 +539,10 @@ class EngineCoreProc:
             thread.join(timeout=2.0)
         if self.dp is not None:
             self.dp.close()
+
+
+def _no_dummy() -> None:
+    """Asleep (no KV cache, maybe no weights): keep the lockstep count, run nothing."""
 
 
 def _say_hello(sock: zmq.Socket, local: bool, address: str,

@@ -115,6 +115,10 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
 
+    def num_waiting_tokens(self) -> int:
+        """Prompt tokens of the waiting requests (front-ends' admission control)."""
+        return sum(r.num_prompt_tokens for r in self.waiting)
+
     def get_request_counts(self) -> tuple[int, int]:
         """(num_waiting, num_running)."""
         return len(self.waiting), len(self.running)

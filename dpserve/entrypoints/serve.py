@@ -80,6 +80,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None,
                         help="Require 'Authorization: Bearer KEY' on /v1/* "
                              "(default: $DPSERVE_API_KEY; none = open).")
+    parser.add_argument("--enable-admin-api", action="store_true",
+                        help="Serve the operator routes (/pause, /resume, /sleep, "
+                             "/wake_up, /reset_prefix_cache, ...), behind --api-key if set.")
+    parser.add_argument("--max-num-queued-requests", type=int, default=None,
+                        help="Answer 429 (Retry-After) when every serving engine has this "
+                             "many requests waiting (default: no limit).")
+    parser.add_argument("--max-num-queued-tokens", type=int, default=None,
+                        help="Answer 429 (Retry-After) when every serving engine has this "
+                             "many prompt tokens waiting (default: no limit).")
     parser.add_argument("--served-model-name", default=None,
                         help="Model name clients use (default: the model argument, or "
                              "SmolLM2-135M-Instruct).")
@@ -114,6 +123,10 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.max_request_body_bytes < 1024:
         raise ConfigError(f"--max-request-body-bytes must be at least 1024, got "
                           f"{args.max_request_body_bytes}")
+    for option in ("max_num_queued_requests", "max_num_queued_tokens"):
+        value = getattr(args, option, None)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{option.replace('_', '-')} must be at least 1, got {value}")
     if args.api_server_count < 1:
         raise ConfigError(f"--api-server-count must be at least 1, got "
                           f"{args.api_server_count}")

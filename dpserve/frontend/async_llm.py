@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -126,6 +126,9 @@ class AsyncLLM:
         # Set by the server on SIGTERM: it takes no new work (HTTP 503) while
         # the requests in flight finish; generate() itself does not check it.
         self.draining = False
+        # Set by the server: called with the prompt lengths of a request before it is
+        # sent; raises to refuse it (paused, asleep, queues full: server/control.py).
+        self.admission: Callable[[list[int]], None] | None = None
 
     # ---- prompts ----------------------------------------------------------
 

@@ -81,6 +81,8 @@ import zmq.asyncio
 from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError
 from dpserve.protocol import (
     ENGINE_CORE_DEAD,
+    ControlChange,
+    ControlState,
     CoordinatorUpdate,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -118,6 +120,8 @@ class EngineState:
     waiting: int = 0  # from the coordinator's last publish
     running: int = 0  # from the coordinator's last publish
     sent_since_publish: int = 0  # requests this client sent it since that publish
+    waiting_tokens: int = 0  # prompt tokens waiting there, from the coordinator
+    tokens_since_publish: int = 0  # prompt tokens this client sent it since that publish
     status: RankStatus = field(default_factory=RankStatus)  # as last heard (module doc)
     # Direct evidence (ENGINE_CORE_DEAD, an exit, an unreachable socket) that this
     # incarnation died: it outranks any news of the same incarnation still serving.
@@ -202,6 +206,13 @@ class AsyncEngineClient:
         self.current_wave = 0  # the request wave, from the coordinator
         self.engines_running = False  # the coordinator's last word (or our own wake-up)
         self._turn = client_index  # round-robin position
+        # Pause / sleep (dpserve.control): the state as last heard (coordinator, or the
+        # engines without one), the seq each rank reached, tokens of changes seen.
+        self.control = ControlState()
+        self.control_done: list[int] = []
+        self.control_tokens: dict[int, int] = {}  # a change's token -> its seq
+        self.all_ranks: list[RankStatus] = []  # every rank's state, from the coordinator
+        self.control_changed = asyncio.Event()  # replaced by a new one on every news
         if coordinator_address is not None:
             self._coordinator = secure(self._ctx.socket(zmq.XSUB), "client", secret)
             self._coordinator.setsockopt(zmq.LINGER, 0)
@@ -232,6 +243,7 @@ class AsyncEngineClient:
         self._inflight[request.request_id] = _InFlight(request, engine.rank)
         engine.num_requests += 1
         engine.sent_since_publish += 1
+        engine.tokens_since_publish += len(request.prompt_token_ids)
         try:
             await self._send(engine, RequestType.ADD, request)
         except BaseException:
@@ -246,6 +258,38 @@ class AsyncEngineClient:
             self.engines_running = True
             await self._coordinator.send(self._encoder.encode(
                 WakeEngines(request.current_wave, engine.rank)))
+
+    @property
+    def has_coordinator(self) -> bool:
+        return self.balanced
+
+    async def send_control(self, change: ControlChange) -> None:
+        """Send a pause / sleep change to the coordinator (see dpserve.frontend.control)."""
+        self._check_alive()
+        await self._coordinator.send(self._encoder.encode(change))
+
+    def _on_control(self, state: ControlState, done: list[int] | None = None) -> None:
+        if state.seq >= self.control.seq or state.token not in self.control_tokens:
+            self.control = state  # (a restarted coordinator counts from 1 again)
+        self.control_tokens[state.token] = state.seq
+        if len(self.control_tokens) > 256:
+            self.control_tokens.pop(next(iter(self.control_tokens)))
+        if done is not None:
+            self.control_done = done
+        changed, self.control_changed = self.control_changed, asyncio.Event()
+        changed.set()
+
+    def queued(self, engine: EngineState) -> tuple[int, int]:
+        """(requests, prompt tokens) at `engine` for admission control: waiting ones,
+        from the coordinator's figures plus what this client sent since; without a
+        coordinator, its own requests in flight there (running ones too) and the
+        prompt tokens of those with no token yet."""
+        if self.balanced:
+            return (engine.waiting + engine.sent_since_publish,
+                    engine.waiting_tokens + engine.tokens_since_publish)
+        flights = [f for f in self._inflight.values() if f.rank == engine.rank]
+        return (len(flights), sum(len(f.request.prompt_token_ids) for f in flights
+                                  if not f.generated))
 
     def engine_of(self, request_id: str) -> int | None:
         """The rank of the engine running a request in flight (None: not in flight)."""
@@ -627,18 +671,26 @@ class AsyncEngineClient:
             self.current_wave, self.engines_running = update.wave, update.running
             for rank, status in enumerate(update.ranks or []):
                 self.set_rank_status(rank, status)
+            if update.ranks is not None:
+                self.all_ranks = list(update.ranks)
+            if update.control is not None:
+                self._on_control(update.control, update.control_done)
             if update.counts is None:
                 continue  # wave news only
+            tokens = update.waiting_tokens or [0] * len(update.counts)
             for rank, (waiting, running) in enumerate(update.counts):
                 engine = self.engines.get(rank)
                 if engine is not None:
                     engine.waiting, engine.running = waiting, running
-                    engine.sent_since_publish = 0
+                    engine.waiting_tokens = tokens[rank] if rank < len(tokens) else 0
+                    engine.sent_since_publish = engine.tokens_since_publish = 0
 
     def _dispatch(self, outputs: EngineCoreOutputs) -> None:
         engine = self.engines.get(outputs.engine_index)
         if engine is not None and outputs.scheduler_stats is not None:
             engine.stats = outputs.scheduler_stats
+        if outputs.control is not None:  # no coordinator: the engine's own state
+            self._on_control(outputs.control)
         call = outputs.utility_output
         if call is not None:
             future = self._calls.get(call.call_id)

@@ -10,6 +10,10 @@ Scope:
   of a finished wave (`start_wave`), makes the coordinator broadcast
   START_DP_WAVE to the engines. Wave news is published to front-ends at once.
 * Scale: `ScaleEngines` changes the number of engines at run time.
+* Pause / sleep (`ControlChange` from a front-end): keeps the `ControlState`
+  (rules in `dpserve.control`), broadcasts it to every engine as CONTROL (and
+  to an engine that subscribes late, after READY), records the seq each
+  engine reports reached (`control_done`), publishes both to the front-ends.
 * Lockstep DP group (`dp_store` given): hosts the engines' TCP store (here, so
   that any rank may die) and decides each group generation (`_DPGroup`): the
   serving ranks that have sent a heartbeat (so are loaded and stepping), sent
@@ -46,11 +50,14 @@ from typing import Any
 import msgspec
 import zmq
 
+from dpserve.control import next_state
 from dpserve.launch.addresses import AddressAllocator
 from dpserve.launch.process import ProcessGroup, start_parent_watcher
 from dpserve.logging_utils import name_process
 from dpserve.protocol import (
     COORDINATOR_READY,
+    ControlChange,
+    ControlState,
     CoordinatorRequest,
     CoordinatorUpdate,
     EngineReport,
@@ -167,6 +174,7 @@ class _LoadTable:
 
     def __init__(self, num_engines: int) -> None:
         self.counts = [[0, 0] for _ in range(num_engines)]  # [num_engines][waiting, running]
+        self.tokens = [0] * num_engines  # [num_engines] prompt tokens waiting (admission)
         self._seen = [(-1, -1)] * num_engines  # engine -> (wave, step) of its counts
         self._latest = (-1, -1)  # newest (wave, step) from any engine
         self.snapshot: list[list[int]] | None = None
@@ -175,7 +183,8 @@ class _LoadTable:
     def __len__(self) -> int:
         return len(self.counts)
 
-    def apply(self, index: int, wave: int, step: int, counts: list[int]) -> bool:
+    def apply(self, index: int, wave: int, step: int, counts: list[int],
+              waiting_tokens: int = 0) -> bool:
         """Record one engine's counts; False when the report was stale."""
         if (wave, step) < self._seen[index]:
             logger.warning("dropping stale counts from engine %d: (wave, step) %s < %s",
@@ -187,6 +196,7 @@ class _LoadTable:
             self._latest = (wave, step)
         self._seen[index] = (wave, step)
         self.counts[index] = [int(counts[0]), int(counts[1])]
+        self.tokens[index] = int(waiting_tokens)
         if self.changed_at is None:
             self.changed_at = time.monotonic()
         return True
@@ -194,6 +204,7 @@ class _LoadTable:
     def resize(self, num_engines: int) -> None:
         del self.counts[num_engines:], self._seen[num_engines:]
         grow = num_engines - len(self.counts)
+        self.tokens = (self.tokens + [0] * num_engines)[:num_engines]
         self.counts += [[0, 0] for _ in range(grow)]
         self._seen += [(-1, -1)] * grow
         self.snapshot = None
@@ -349,6 +360,8 @@ class DPCoordinatorProc:
         self._store = _host_store(*dp_store) if dp_store is not None else None
         self.wave = 0  # the current request wave
         self.running = False  # engines are in a running wave (else paused)
+        self.control = ControlState()  # pause / sleep state of every rank
+        self.control_done = [0] * num_engines  # the control seq each engine reached
         self._published_wave = 0
         self.stats_interval_s = stats_interval_s
         self.idle_publish_s = idle_publish_s
@@ -450,6 +463,8 @@ class DPCoordinatorProc:
         if frame[:1] == bytes([_SUBSCRIBE]):
             logger.info("an engine subscribed after start-up; sending READY")
             self.engines.send(COORDINATOR_READY)
+            if self.control.seq:  # it starts paused / asleep like the others
+                self._send_control()
         elif frame[:1] != b"\x00":
             logger.error("engine socket: dropping a frame that is no subscription: %r",
                          frame[:32])
@@ -481,6 +496,8 @@ class DPCoordinatorProc:
             self._on_scale(request.num_engines)
         elif isinstance(request, RankEvent):
             self._on_rank_event(request)
+        elif isinstance(request, ControlChange):
+            self._on_control(request)
         else:
             self._on_wake(request)
 
@@ -506,6 +523,21 @@ class DPCoordinatorProc:
         self._send_start_wave(self.wave, exclude)
         self._publish_wave_state()
 
+    def _on_control(self, change: ControlChange) -> None:
+        """Pause / resume / sleep / wake_up / reset_prefix_cache on every engine."""
+        try:
+            self.control = next_state(self.control, change)
+        except ValueError as e:
+            logger.error("ignoring a control change: %s", e)
+            return
+        logger.info("control state %d: %s %s", self.control.seq, change.op, change.arg)
+        self._send_control()
+        self._publish_counts()
+
+    def _send_control(self) -> None:
+        self.engines.send_multipart([RequestType.CONTROL.value,
+                                     msgspec.msgpack.encode(self.control)])
+
     def _on_scale(self, num_engines: int) -> None:
         old = len(self.loads)
         if num_engines < 1:
@@ -513,6 +545,7 @@ class DPCoordinatorProc:
             return
         self.loads.resize(num_engines)
         self.health.resize(num_engines)
+        self.control_done = (self.control_done + [0] * num_engines)[:num_engines]
         if num_engines > old:
             # New engines start in wave 0 and paused; say "paused" so the next
             # request wakes everyone rather than leaving old engines behind.
@@ -543,7 +576,11 @@ class DPCoordinatorProc:
                 self._publish_counts()
             return
         if report.request_counts is not None:
-            self.loads.apply(index, report.wave, report.step, report.request_counts)
+            self.loads.apply(index, report.wave, report.step, report.request_counts,
+                             report.waiting_tokens)
+        if report.control_done is not None:
+            self.control_done[index] = report.control_done
+            self._publish_counts()  # a front-end may wait for it
         if report.group_failed is not None and self.group is not None:
             logger.warning("engine %d: DP group generation %d failed there", index,
                            report.group_failed)
@@ -604,7 +641,12 @@ class DPCoordinatorProc:
     def _publish_counts(self) -> None:
         counts = self.loads.take()
         update = CoordinatorUpdate(counts if self.publish_counts else None, self.wave,
-                                   self.running, list(self.health.status))
+                                   self.running, list(self.health.status),
+                                   # (no news while nothing was ever changed or waits)
+                                   self.control if self.control.seq else None,
+                                   list(self.control_done) if self.control.seq else None,
+                                   list(self.loads.tokens) if self.publish_counts
+                                   and any(self.loads.tokens) else None)
         self.front.send(msgspec.msgpack.encode(update))
         self._last_publish = time.monotonic()
 

@@ -19,6 +19,7 @@ import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,19 +55,49 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.model.dtype)
         self.block_size = config.cache.block_size
-        model_cls = get_model_class(config.model.architecture)
-        self.model = model_cls(config.model.hf_config, self.dtype, self.device)
-        from dpserve.model.loader import iter_weights
-
-        self.model.load_weights(iter_weights(Path(config.model.path)))
-        if self.model.prepack_weights():
-            logger.info("linear weights pre-packed for oneDNN")
+        self.model = self._load_model()
+        self.sleep_level = 0  # 1: KV cache freed; 2: weights too (see set_sleep_level)
         self.vocab_size = self.model.dims.vocab
         self.kv_elems_per_token = self.model.dims.kv_heads * self.model.dims.head_dim
         self.sampler = Sampler(config.model.seed, self.device)
         self.generators: dict[str, torch.Generator] = {}  # request id -> its seeded generator
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0  # usable blocks; block `num_blocks` is the scratch block
+
+    def _load_model(self) -> Any:
+        """Build the model and read its weights from the checkpoint."""
+        from dpserve.model.loader import iter_weights
+
+        model = get_model_class(self.config.model.architecture)(
+            self.config.model.hf_config, self.dtype, self.device)
+        model.load_weights(iter_weights(Path(self.config.model.path)))
+        if model.prepack_weights():
+            logger.info("linear weights pre-packed for oneDNN")
+        return model
+
+    # ---- sleep (free device memory while idle) ----------------------------
+
+    def set_sleep_level(self, level: int) -> None:
+        """0: awake; 1: the KV cache freed (its contents are lost); 2: the weights
+        too: on CUDA moved to host memory, on CPU dropped and read again from the
+        checkpoint on wake (pre-packed CPU weights cannot be copied out). Going
+        back to a lower level restores what it needs (the KV cache zeroed)."""
+        if level >= 1 and self.kv_caches:
+            self.kv_caches = []
+        if level >= 2 and self.sleep_level < 2:
+            if self.device.type == "cuda":
+                self.model.to("cpu")
+            else:
+                self.model = None
+        if level < 2 and self.sleep_level >= 2:
+            if self.device.type == "cuda":
+                self.model.to(self.device)
+            else:
+                self.model = self._load_model()
+        self.sleep_level = level
+        _release_memory(self.device)
+        if level == 0 and not self.kv_caches:
+            self.initialize_kv_cache(self.num_blocks)
 
     # ---- KV cache --------------------------------------------------------
 
@@ -203,3 +234,18 @@ class ModelRunner:
                                         self.block_size, self.dtype, self.device)
         zero = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.model(zero, zero, meta, self.kv_caches)
+
+
+def _release_memory(device: torch.device) -> None:
+    """Give freed tensor memory back to the system (CUDA cache; glibc's heap on CPU)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the allocator keeps what it keeps
+        pass

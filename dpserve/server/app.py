@@ -12,6 +12,11 @@ OpenAI-shaped body `{"error": {"message", "type", "param", "code"}}` with a
 4xx status for bad input, never a 500. A client that disconnects, streaming
 or not, has its request aborted in the engine.
 
+With `enable_admin_api`, the operator routes of `server/control.py` (pause,
+resume, sleep, wake_up, reset_prefix_cache, is_paused, is_sleeping) are
+mounted, behind the API key when one is set; its `Admission` check answers
+503 while paused or asleep and 429 when every engine's queue is full.
+
 Not here: starting uvicorn or the engine (`dpserve serve` does that).
 """
 
@@ -33,6 +38,7 @@ from starlette.types import Send
 from dpserve import __version__
 from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.errors import EngineDeadError
+from dpserve.server.control import Admission, control_router
 from dpserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from dpserve.server.protocol import (
     APIError,
@@ -53,11 +59,14 @@ _M = TypeVar("_M", bound=BaseModel)
 
 def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              api_server_index: int = 0) -> FastAPI:
+              api_server_index: int = 0, enable_admin_api: bool = False,
+              max_num_queued: tuple[int | None, int | None] = (None, None)) -> FastAPI:
     """An OpenAI-compatible app over `async_llm`; `api_key` defaults to $DPSERVE_API_KEY.
 
     The app does not own `async_llm`: whoever built it shuts it down.
     `api_server_index` labels this API server's series in /metrics.
+    `enable_admin_api` mounts the operator routes (server/control.py);
+    `max_num_queued`: (requests, prompt tokens) waiting per engine before a 429.
     """
     api_key = api_key or os.environ.get("DPSERVE_API_KEY") or None
     serving = OpenAIServing(async_llm, served_model_name)
@@ -132,6 +141,11 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
         return {"version": __version__}
 
     app.include_router(v1)
+    if hasattr(async_llm.client, "control"):  # pause / sleep / queue limits (control.py)
+        async_llm.admission = Admission(
+            async_llm.client, *max_num_queued, async_llm.config.scheduler.max_num_seqs)
+        if enable_admin_api:
+            app.include_router(control_router(async_llm.client), dependencies=auth)
     for exc_type in (APIError, ValidationError, RequestValidationError, ValueError,
                      EngineDeadError, StarletteHTTPException, Exception):
         app.add_exception_handler(exc_type, _error_response)

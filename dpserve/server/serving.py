@@ -224,6 +224,9 @@ class OpenAIServing:
         """Validate every prompt, then open one generate() stream per prompt."""
         for _, ids in prompts:
             self.llm.validate(ids, params, data_parallel_rank)
+        admit = getattr(self.llm, "admission", None)  # paused / asleep / queues full
+        if admit is not None:
+            admit([len(ids) for _, ids in prompts] * params.n)
         return [self.llm.generate(ids, params, f"{request_id}-{i}", text, data_parallel_rank)
                 for i, (text, ids) in enumerate(prompts)]
 
