@@ -115,10 +115,13 @@ async def _client_loop(url: str, model: str, seed: int, deadline: float, load: L
 
 def _label(proc: psutil.Process) -> str:
     with contextlib.suppress(psutil.Error):
-        title = proc.cmdline()[0] if proc.cmdline() else proc.name()
+        cmdline = proc.cmdline()
+        title = cmdline[0] if cmdline else proc.name()
         if title.startswith("dpserve::"):
             return title[len("dpserve::"):].split()[0]
-        return "launcher" if "dpserve.cli" in " ".join(proc.cmdline()) else proc.name()
+        if "resource_tracker" in " ".join(cmdline):
+            return "resource_tracker"  # multiprocessing's helper
+        return "launcher" if "dpserve.cli" in " ".join(cmdline) else proc.name()
     return f"pid{proc.pid}"
 
 
@@ -128,8 +131,6 @@ def _rss_by_process(root: psutil.Process) -> dict[str, float]:
     for proc in [root, *_descendants(root.pid)]:
         with contextlib.suppress(psutil.Error):
             name = _label(proc)
-            if name.startswith("resource_tracker") or "multiprocessing" in name:
-                continue
             rss[name] = proc.memory_info().rss / _MB
     return rss
 
