@@ -107,6 +107,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_preemptions: int  # cumulative
     num_free_blocks: int
     wave: int = 0  # the engine's DP request wave (lockstep; set by the engine process)
+    num_generated_tokens: int = 0  # output tokens sampled, cumulative
 
 
 class UtilityCall(msgspec.Struct, array_like=True, gc=False):
@@ -170,7 +171,8 @@ class HandshakeReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 # Front publish socket (coordinator XPUB <-> front-end XSUB, subscribed to b""):
 #     coordinator -> front-ends: CoordinatorUpdate;
 #     front-ends and the launcher -> coordinator: a CoordinatorRequest
-#     (WakeEngines | ScaleEngines | RankEvent).
+#     (WakeEngines | ScaleEngines | RankEvent | RankControl); launchers (their
+#     supervisors) read the updates too, for `CoordinatorUpdate.restart`.
 
 COORDINATOR_READY = b"READY"
 
@@ -216,6 +218,11 @@ class EngineReport(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     # Lockstep: a collective (or joining) of this DP group generation failed here;
     # the engine waits, paused, for the coordinator to name the next generation.
     group_failed: int | None = None
+    # Heartbeat: what /engines shows (the coordinator publishes it as EngineInfo).
+    kv_cache_usage: float = 0.0
+    generated_tokens: int = 0  # output tokens sampled by this process, cumulative
+    pid: int | None = None
+    host: str = ""
 
 
 class StartDPWave(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -236,6 +243,27 @@ class RegroupDP(msgspec.Struct, array_like=True, gc=False):
     members: list[int]
 
 
+class EngineInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Coordinator -> front-ends: one rank as `GET /engines` shows it (besides its
+    counts and state). `cordoned`: an operator took it out of placement (no new
+    requests; what it holds goes on)."""
+
+    cordoned: bool = False
+    kv_cache_usage: float = 0.0  # fraction of KV blocks held, at its last heartbeat
+    tokens_per_s: float = 0.0  # output tokens per second over the last few seconds
+    wave: int = 0  # its request wave at its last load report
+    pid: int | None = None
+    host: str = ""
+
+
+class RestartRank(msgspec.Struct, array_like=True, gc=False):
+    """Coordinator -> launchers: restart `rank`'s process `incarnation` (an operator
+    asked; the launcher that runs it does it, the others ignore it)."""
+
+    rank: int
+    incarnation: int
+
+
 class CoordinatorUpdate(msgspec.Struct, array_like=True, gc=False):
     """Coordinator -> front-ends: engine load and the global wave state."""
 
@@ -243,6 +271,8 @@ class CoordinatorUpdate(msgspec.Struct, array_like=True, gc=False):
     wave: int  # the current request wave
     running: bool  # engines are running (False: paused, a new request must wake them)
     ranks: list[RankStatus] | None = None  # [num_engines]; None: no state news
+    engines: list[EngineInfo] | None = None  # [num_engines]; None: no news
+    restart: RestartRank | None = None  # for the launchers (supervisors) only
 
 
 class WakeEngines(msgspec.Struct, tag="wake", array_like=True, gc=False):
@@ -266,7 +296,16 @@ class RankEvent(msgspec.Struct, tag="rank", array_like=True, gc=False):
     status: RankStatus
 
 
-CoordinatorRequest = WakeEngines | ScaleEngines | RankEvent
+class RankControl(msgspec.Struct, tag="control", array_like=True, gc=False):
+    """API server -> coordinator: an operator's `POST /engines/{rank}/{action}`;
+    action "cordon" | "uncordon" (published in `EngineInfo.cordoned`) or "restart"
+    (published as `CoordinatorUpdate.restart` for the rank's launcher)."""
+
+    rank: int
+    action: str
+
+
+CoordinatorRequest = WakeEngines | ScaleEngines | RankEvent | RankControl
 
 
 # ---- rendezvous (external / hybrid load balancing) ------------------------------

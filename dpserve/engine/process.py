@@ -212,6 +212,8 @@ class EngineCoreProc:
             if self.dp is not None:
                 self.dp.step_done()
                 self.dp.has_work = core.has_unfinished_requests()
+                self.dp.kv_cache_usage = core.scheduler.kv_cache.usage
+                self.dp.generated_tokens = core.scheduler.num_generated_tokens
                 self.dp.after_step(executed=core.num_forward_passes > forward_passes,
                                    has_work=self.dp.has_work,
                                    run_dummy_batch=core.execute_dummy_batch)

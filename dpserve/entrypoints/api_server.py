@@ -92,12 +92,14 @@ class APIServerOptions:
     max_request_body_bytes: int
     load_balance: str  # "least-loaded" | "round-robin"
     uvicorn_log_level: str
+    enable_admin_api: bool = False  # /engines/{rank}/... and other admin routes exist
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> APIServerOptions:
         return cls(served_model_name=args.served_model_name or _default_served_name(args.model),
                    api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes,
-                   load_balance=args.load_balance, uvicorn_log_level=args.uvicorn_log_level)
+                   load_balance=args.load_balance, uvicorn_log_level=args.uvicorn_log_level,
+                   enable_admin_api=getattr(args, "enable_admin_api", False))
 
 
 @dataclass(frozen=True)
@@ -167,7 +169,8 @@ async def serve_http(options: APIServerOptions, config: EngineConfig, spec: APIS
         llm = AsyncLLM(config, client)
         app = build_app(llm, options.served_model_name, api_key=options.api_key,
                         max_request_body_bytes=options.max_request_body_bytes,
-                        api_server_index=spec.index)
+                        api_server_index=spec.index,
+                        enable_admin_api=options.enable_admin_api)
         # log_config=None: uvicorn's loggers use ours, so its lines name the process too.
         server = DrainingServer(uvicorn.Config(
             app, log_level=options.uvicorn_log_level, log_config=None, access_log=False,

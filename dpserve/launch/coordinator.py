@@ -10,6 +10,12 @@ Scope:
   of a finished wave (`start_wave`), makes the coordinator broadcast
   START_DP_WAVE to the engines. Wave news is published to front-ends at once.
 * Scale: `ScaleEngines` changes the number of engines at run time.
+* Operators (`RankControl` from an API server): cordon / uncordon a rank
+  (published in `EngineInfo.cordoned`: front-ends send it nothing new), or
+  restart it (published once as `CoordinatorUpdate.restart`; the launcher that
+  runs the rank restarts it). Per-rank figures for /engines (`RankInfoTable`:
+  KV usage, tokens/s, pid, host from heartbeats) are published with the
+  counts, at most every `INFO_PUBLISH_S` when only they changed.
 * Lockstep DP group (`dp_store` given): hosts the engines' TCP store (here, so
   that any rank may die) and decides each group generation (`_DPGroup`): the
   serving ranks that have sent a heartbeat (so are loaded and stepping), sent
@@ -54,15 +60,18 @@ from dpserve.protocol import (
     CoordinatorRequest,
     CoordinatorUpdate,
     EngineReport,
+    RankControl,
     RankEvent,
     RankState,
     RankStatus,
     RegroupDP,
     RequestType,
+    RestartRank,
     ScaleEngines,
     StartDPWave,
     WakeEngines,
 )
+from dpserve.rank_info import INFO_PUBLISH_S, RankInfoTable
 from dpserve.security import secure
 
 logger = logging.getLogger(__name__)
@@ -345,6 +354,7 @@ class DPCoordinatorProc:
                  dp_store: tuple[str, int] | None = None) -> None:
         self.loads = _LoadTable(num_engines)
         self.health = _HealthTable(num_engines, heartbeat_timeout_s, stall_timeout_s)
+        self.info = RankInfoTable(num_engines)  # what /engines shows besides counts
         self.group = _DPGroup() if dp_store is not None else None  # lockstep only
         self._store = _host_store(*dp_store) if dp_store is not None else None
         self.wave = 0  # the current request wave
@@ -462,6 +472,8 @@ class DPCoordinatorProc:
         if loads.changed_at is not None:
             settle = min(_SETTLE_S, self.stats_interval_s / 2)
             return max(self._last_publish + self.stats_interval_s, loads.changed_at + settle)
+        if self.info.changed:  # only the /engines figures moved
+            return self._last_publish + min(INFO_PUBLISH_S, self.idle_publish_s)
         return self._last_publish + self.idle_publish_s
 
     # ---- front-ends -------------------------------------------------------------
@@ -481,6 +493,8 @@ class DPCoordinatorProc:
             self._on_scale(request.num_engines)
         elif isinstance(request, RankEvent):
             self._on_rank_event(request)
+        elif isinstance(request, RankControl):
+            self._on_rank_control(request)
         else:
             self._on_wake(request)
 
@@ -494,6 +508,25 @@ class DPCoordinatorProc:
                         event.status.incarnation,
                         f": {event.status.reason}" if event.status.reason else "")
             self._publish_counts()
+
+    def _on_rank_control(self, control: RankControl) -> None:
+        """An operator's cordon / uncordon (published at once) or restart (published
+        once, for the rank's launcher)."""
+        rank = control.rank
+        if not 0 <= rank < len(self.loads):
+            logger.warning("%s for unknown rank %d (have %d)", control.action, rank,
+                           len(self.loads))
+        elif control.action in ("cordon", "uncordon"):
+            if self.info.cordon(rank, control.action == "cordon"):
+                logger.info("rank %d %sed by an operator", rank, control.action)
+            self._publish_counts()  # also when unchanged: the asker waits for an update
+        elif control.action == "restart":
+            incarnation = self.health.status[rank].incarnation
+            logger.info("rank %d (incarnation %d): restart asked by an operator", rank,
+                        incarnation)
+            self._publish_counts(restart=RestartRank(rank, incarnation))
+        else:
+            logger.warning("unknown rank control %r dropped", control.action)
 
     def _on_wake(self, request: WakeEngines) -> None:
         """A front-end sent a request while it thought the engines were paused."""
@@ -513,6 +546,7 @@ class DPCoordinatorProc:
             return
         self.loads.resize(num_engines)
         self.health.resize(num_engines)
+        self.info.resize(num_engines)
         if num_engines > old:
             # New engines start in wave 0 and paused; say "paused" so the next
             # request wakes everyone rather than leaving old engines behind.
@@ -538,12 +572,14 @@ class DPCoordinatorProc:
             logger.warning("report from unknown engine %d (have %d)", index, len(self.loads))
             return
         if report.heartbeat:
+            self.info.on_heartbeat(report, time.monotonic())
             if self.health.on_heartbeat(report, time.monotonic()):
                 logger.info("rank %d serving (incarnation %d)", index, report.incarnation)
                 self._publish_counts()
             return
         if report.request_counts is not None:
-            self.loads.apply(index, report.wave, report.step, report.request_counts)
+            if self.loads.apply(index, report.wave, report.step, report.request_counts):
+                self.info.on_wave(index, report.wave)
         if report.group_failed is not None and self.group is not None:
             logger.warning("engine %d: DP group generation %d failed there", index,
                            report.group_failed)
@@ -601,10 +637,11 @@ class DPCoordinatorProc:
         self._published_wave = self.wave
         self.front.send(msgspec.msgpack.encode(CoordinatorUpdate(None, self.wave, self.running)))
 
-    def _publish_counts(self) -> None:
+    def _publish_counts(self, restart: RestartRank | None = None) -> None:
         counts = self.loads.take()
         update = CoordinatorUpdate(counts if self.publish_counts else None, self.wave,
-                                   self.running, list(self.health.status))
+                                   self.running, list(self.health.status), self.info.take(),
+                                   restart)
         self.front.send(msgspec.msgpack.encode(update))
         self._last_publish = time.monotonic()
 

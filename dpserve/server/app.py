@@ -2,8 +2,10 @@
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models (behind the API
 key when one is set), /health (200; 503 once the engine is dead), /metrics
-(Prometheus), /version. While the server drains (`AsyncLLM.draining`, set on
-SIGTERM), /health and every /v1 route answer 503 with `Retry-After` and code
+(Prometheus), /version, /engines and /dashboard (`dpserve.server.engines`);
+with `enable_admin_api` the admin routes (`dpserve.server.admin`).
+While the server drains (`AsyncLLM.draining`, set on SIGTERM), /health and
+every /v1 route answer 503 with `Retry-After` and code
 "server_draining"; requests already in flight go on. The
 `X-data-parallel-rank: k` header pins a request
 to engine k (a bad value is a 400). Every error, whatever raised it, leaves as an
@@ -32,6 +34,8 @@ from starlette.types import Send
 from dpserve import __version__
 from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.errors import EngineDeadError
+from dpserve.server.admin import admin_dependencies, admin_router
+from dpserve.server.engines import engines_router
 from dpserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from dpserve.server.protocol import (
     APIError,
@@ -52,11 +56,13 @@ _M = TypeVar("_M", bound=BaseModel)
 
 def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              api_server_index: int = 0) -> FastAPI:
+              api_server_index: int = 0, enable_admin_api: bool = False) -> FastAPI:
     """An OpenAI-compatible app over `async_llm`; `api_key` defaults to $DPSERVE_API_KEY.
 
     The app does not own `async_llm`: whoever built it shuts it down.
     `api_server_index` labels this API server's series in /metrics.
+    `enable_admin_api`: mount the admin routers (`dpserve.server.admin`), behind
+    `api_key` when one is set; without it they do not exist (404).
     """
     api_key = api_key or os.environ.get("DPSERVE_API_KEY") or None
     serving = OpenAIServing(async_llm, served_model_name)
@@ -119,6 +125,9 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
         return {"version": __version__}
 
     app.include_router(v1)
+    app.include_router(engines_router(async_llm, admin=enable_admin_api))  # open, as /metrics
+    if enable_admin_api:
+        app.include_router(admin_router(async_llm, admin_dependencies(api_key)))
     for exc_type in (APIError, ValidationError, RequestValidationError, ValueError,
                      EngineDeadError, StarletteHTTPException, Exception):
         app.add_exception_handler(exc_type, _error_response)
