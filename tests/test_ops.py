@@ -166,8 +166,8 @@ def test_cordon_stops_new_work_in_both_api_servers_and_uncordon_resumes(tiny_lla
 def test_drain_answers_when_empty_and_restart_serves_as_a_new_incarnation(tiny_llama):
     model = str(tiny_llama)
     with serve(model, *DP_ARGS, "--enable-admin-api") as (proc, url):
-        # Drain under load pinned to rank 1: answered once rank 1 holds nothing.
-        with Load(url, model, streams=16, rank=1, rounds=1) as load:
+        # Drain under load pinned to rank 1 (seconds of work): answered once it holds nothing.
+        with Load(url, model, streams=48, rank=1, rounds=1) as load:
             wait_until(lambda: row(url, 1)["running"] > 0, 60, "rank 1 busy")
             resp = httpx.post(f"{url}/engines/1/drain?timeout=120", timeout=150)
             assert resp.status_code == 200, resp.text
@@ -175,7 +175,7 @@ def test_drain_answers_when_empty_and_restart_serves_as_a_new_incarnation(tiny_l
             assert (resp.json()["waiting"], resp.json()["running"]) == (0, 0)
             view = row(url, 1)
             assert view["cordoned"] and view["waiting"] == view["running"] == 0
-        assert load.stop() == ["length"] * 16  # drained, not cut
+        assert load.stop() == ["length"] * 48  # drained, not cut
         before = finished_by_engine(url)
         assert asyncio.run(complete(url, model, 8)) == ["length"] * 8
         assert finished_by_engine(url).get(1, 0) == before.get(1, 0)  # stays cordoned
