@@ -108,6 +108,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_preemptions: int  # cumulative
     num_free_blocks: int
     wave: int = 0  # the engine's DP request wave (lockstep; set by the engine process)
+    num_generated_tokens: int = 0  # output tokens sampled, cumulative
 
 
 class UtilityCall(msgspec.Struct, array_like=True, gc=False):
@@ -187,7 +188,8 @@ class HandshakeReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 # Front publish socket (coordinator XPUB <-> front-end XSUB, subscribed to b""):
 #     coordinator -> front-ends: CoordinatorUpdate;
 #     front-ends and the launcher -> coordinator: a CoordinatorRequest
-#     (WakeEngines | ScaleEngines | RankEvent | ControlChange).
+#     (WakeEngines | ScaleEngines | RankEvent | ControlChange | RankControl); launchers
+#     (their supervisors) read the updates too, for `CoordinatorUpdate.restart`.
 # Control (pause / sleep): [RequestType.CONTROL.value, ControlState] on the engine
 #     publish socket after every change (and after READY to a late engine); engines
 #     answer EngineReport(control_done=seq) once in that state.
@@ -238,6 +240,11 @@ class EngineReport(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     group_failed: int | None = None
     control_done: int | None = None  # this engine is in ControlState `seq` (applied)
     waiting_tokens: int = 0  # with request_counts: prompt tokens of the waiting requests
+    # Heartbeat: what /engines shows (the coordinator publishes it as EngineInfo).
+    kv_cache_usage: float = 0.0
+    generated_tokens: int = 0  # output tokens sampled by this process, cumulative
+    pid: int | None = None
+    host: str = ""
 
 
 class StartDPWave(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -258,6 +265,27 @@ class RegroupDP(msgspec.Struct, array_like=True, gc=False):
     members: list[int]
 
 
+class EngineInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Coordinator -> front-ends: one rank as `GET /engines` shows it (besides its
+    counts and state). `cordoned`: an operator took it out of placement (no new
+    requests; what it holds goes on)."""
+
+    cordoned: bool = False
+    kv_cache_usage: float = 0.0  # fraction of KV blocks held, at its last heartbeat
+    tokens_per_s: float = 0.0  # output tokens per second over the last few seconds
+    wave: int = 0  # its request wave at its last load report
+    pid: int | None = None
+    host: str = ""
+
+
+class RestartRank(msgspec.Struct, array_like=True, gc=False):
+    """Coordinator -> launchers: restart `rank`'s process `incarnation` (an operator
+    asked; the launcher that runs it does it, the others ignore it)."""
+
+    rank: int
+    incarnation: int
+
+
 class CoordinatorUpdate(msgspec.Struct, array_like=True, gc=False):
     """Coordinator -> front-ends: engine load and the global wave state."""
 
@@ -268,6 +296,8 @@ class CoordinatorUpdate(msgspec.Struct, array_like=True, gc=False):
     control: ControlState | None = None  # pause / sleep state (None: no news)
     control_done: list[int] | None = None  # [num_engines] the ControlState seq each applied
     waiting_tokens: list[int] | None = None  # [num_engines] with counts: waiting prompt tokens
+    engines: list[EngineInfo] | None = None  # [num_engines]; None: no news
+    restart: RestartRank | None = None  # for the launchers (supervisors) only
 
 
 class WakeEngines(msgspec.Struct, tag="wake", array_like=True, gc=False):
@@ -300,7 +330,16 @@ class ControlChange(msgspec.Struct, tag="control", array_like=True, gc=False):
     token: int = 0
 
 
-CoordinatorRequest = WakeEngines | ScaleEngines | RankEvent | ControlChange
+class RankControl(msgspec.Struct, tag="rank_control", array_like=True, gc=False):
+    """API server -> coordinator: an operator's `POST /engines/{rank}/{action}`;
+    action "cordon" | "uncordon" (published in `EngineInfo.cordoned`) or "restart"
+    (published as `CoordinatorUpdate.restart` for the rank's launcher)."""
+
+    rank: int
+    action: str
+
+
+CoordinatorRequest = WakeEngines | ScaleEngines | RankEvent | ControlChange | RankControl
 
 
 # ---- rendezvous (external / hybrid load balancing) ------------------------------

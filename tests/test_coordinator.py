@@ -26,9 +26,12 @@ from dpserve.launch.coordinator import _LoadTable
 from dpserve.protocol import (
     COORDINATOR_READY,
     CoordinatorUpdate,
+    EngineInfo,
+    RankControl,
     RankEvent,
     RankState,
     RankStatus,
+    RestartRank,
     ScaleEngines,
     StartDPWave,
     WakeEngines,
@@ -45,7 +48,8 @@ def running2(make_coordinator, ctx):
     frontend = FakeFrontend(ctx, coord)
     first = frontend.recv()  # a new subscriber gets the state at once
     assert first == CoordinatorUpdate([[0, 0], [0, 0]], wave=0, running=False,
-                                      ranks=[RankStatus(), RankStatus()])
+                                      ranks=[RankStatus(), RankStatus()],
+                                      engines=[EngineInfo(), EngineInfo()])
     return coord, engines, frontend
 
 
@@ -331,3 +335,27 @@ def test_draining_rank_is_published_and_stays_draining(running2):
     engines.report(engine_index=0, request_counts=[7, 7], step=1)  # a marker after it
     update = frontend.wait_for(lambda u: u.counts is not None and u.counts[0] == [7, 7])
     assert _state(update, 1) is RankState.DRAINING
+
+
+def test_operators_cordon_restart_and_rank_figures(running2):
+    """RankControl cordon / uncordon: published at once; restart: published once for the
+    launchers, with the rank's incarnation; heartbeats' figures reach /engines' info."""
+    _, engines, frontend = running2
+    frontend.sock.send(msgspec.msgpack.encode(RankControl(1, "cordon")))
+    update = frontend.wait_for(lambda u: u.engines is not None and u.engines[1].cordoned)
+    assert not update.engines[0].cordoned and update.restart is None
+    frontend.sock.send(msgspec.msgpack.encode(RankControl(1, "uncordon")))
+    frontend.wait_for(lambda u: u.engines is not None and not u.engines[1].cordoned)
+    frontend.sock.send(msgspec.msgpack.encode(RankControl(0, "restart")))
+    update = frontend.wait_for(lambda u: u.restart is not None)
+    assert update.restart == RestartRank(0, 0)
+    # Heartbeats: 100 tokens a beat -> a rate > 0, KV usage, pid and host as sent.
+    for i in range(3):
+        engines.report(engine_index=1, heartbeat=True, step=i, generated_tokens=100 * i,
+                       kv_cache_usage=0.25, pid=4242, host="h1")
+        time.sleep(0.3)
+    update = frontend.wait_for(lambda u: u.engines is not None and u.engines[1].pid == 4242
+                               and u.engines[1].tokens_per_s > 0)
+    info = update.engines[1]
+    assert (info.kv_cache_usage, info.host) == (0.25, "h1") and info.tokens_per_s > 100
+    assert update.engines[0].pid is None  # rank 0 sent no heartbeat

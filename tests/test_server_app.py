@@ -458,3 +458,28 @@ def test_dead_engine_fails_requests_at_once(tiny_llama):
         assert served.llm.is_dead
         _check_error(http.post(C, json=body), 503, None)
         _check_error(http.get("/health"), 503, None)
+
+
+# ---- /engines and the admin routes with one in-process engine ------------------------
+
+
+def test_engines_view_of_one_engine_and_no_admin_routes_without_the_flag(srv, http, oai):
+    first = http.get("/engines").json()
+    assert first["data_parallel_size"] == 1 and first["admin"] is False
+    [row] = first["engines"]
+    assert (row["rank"], row["state"], row["cordoned"], row["restarts"]) == (
+        0, "serving", False, 0)
+    oai.completions.create(model=MODEL, prompt="Hello world", max_tokens=32, **GREEDY)
+    [row] = http.get("/engines").json()["engines"]
+    assert row["tokens_per_s"] > 0  # tokens were generated between the two polls
+    resp = http.post("/engines/0/cordon")
+    assert resp.status_code == 404 and "message" in resp.json()["error"]
+
+
+def test_admin_routes_need_a_coordinator(tiny_llama):
+    with serve(tiny_llama, enable_admin_api=True) as served:
+        resp = httpx.post(served.url + "/engines/0/cordon", timeout=10)
+        assert resp.status_code == 400, resp.text
+        assert "coordinator" in resp.json()["error"]["message"]
+        assert httpx.post(served.url + "/engines/0/reboot", timeout=10).status_code == 404
+        assert httpx.get(served.url + "/engines", timeout=10).json()["admin"] is True

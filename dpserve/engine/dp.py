@@ -48,6 +48,8 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -82,6 +84,8 @@ class DPLink:
         self.incarnation = incarnation  # which process of this rank (restarts count up)
         self.has_work = False  # set by the busy loop after each step, read by heartbeats
         self.draining = False  # set on SIGTERM: heartbeats say so, front-ends stop sending
+        self.kv_cache_usage = 0.0  # set by the busy loop after each step, read by heartbeats
+        self.generated_tokens = 0  # ... and the output tokens sampled so far
         self._report_address = report_address
         self._secret = secret
         self._beats = threading.Event()  # set: heartbeats stop
@@ -147,11 +151,15 @@ class DPLink:
         sock.setsockopt(zmq.SNDHWM, 4)  # a coordinator away: drop beats, never pile up
         sock.connect(self._report_address)
         encoder = msgspec.msgpack.Encoder()
+        pid, host = os.getpid(), socket.gethostname()
         try:
             while not self._beats.is_set():
                 beat = EngineReport(self.rank, step=self._step, heartbeat=True,
                                     has_work=self.has_work, incarnation=self.incarnation,
-                                    draining=self.draining)
+                                    draining=self.draining,
+                                    kv_cache_usage=self.kv_cache_usage,
+                                    generated_tokens=self.generated_tokens, pid=pid,
+                                    host=host)
                 try:
                     sock.send(encoder.encode(beat), flags=zmq.NOBLOCK)
                 except zmq.Again:

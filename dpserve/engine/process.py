@@ -228,6 +228,8 @@ class EngineCoreProc:
                 # Paused / asleep on purpose is no stall (heartbeats); a lockstep wave
                 # still runs while paused requests wait, so resume needs no wake-up.
                 self.dp.has_work = has_work and self.control.can_step
+                self.dp.kv_cache_usage = core.scheduler.kv_cache.usage
+                self.dp.generated_tokens = core.scheduler.num_generated_tokens
                 self.dp.after_step(executed=core.num_forward_passes > forward_passes,
                                    has_work=has_work,
                                    run_dummy_batch=core.execute_dummy_batch

@@ -77,6 +77,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: list[str] = []  # finished since the last schedule()
         self.num_preemptions = 0
+        self.num_generated_tokens = 0  # output tokens sampled, cumulative (/engines tokens/s)
 
     # ---- queues --------------------------------------------------------------
 
@@ -147,7 +148,7 @@ class Scheduler:
             num_waiting=len(self.waiting), num_running=len(self.running),
             kv_cache_usage=kv.usage, prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits, num_preemptions=self.num_preemptions,
-            num_free_blocks=kv.num_free_blocks)
+            num_free_blocks=kv.num_free_blocks, num_generated_tokens=self.num_generated_tokens)
 
     # ---- schedule ------------------------------------------------------------
 
@@ -247,6 +248,7 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished or aborted since schedule(): its row is stale
             request.append_output_token(token)
+            self.num_generated_tokens += 1
             self.kv_cache.update_block_hashes(request)
             finished = self._check_stop(request, token)
             new_logprobs = None

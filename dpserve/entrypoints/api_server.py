@@ -92,7 +92,7 @@ class APIServerOptions:
     max_request_body_bytes: int
     load_balance: str  # "least-loaded" | "round-robin"
     uvicorn_log_level: str
-    enable_admin_api: bool = False  # the operator routes (pause, sleep, ...)
+    enable_admin_api: bool = False  # the admin routes (pause, sleep, /engines/{rank}/...)
     max_num_queued_requests: int | None = None  # admission control (429)
     max_num_queued_tokens: int | None = None
 
@@ -101,9 +101,9 @@ class APIServerOptions:
         return cls(served_model_name=args.served_model_name or _default_served_name(args.model),
                    api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes,
                    load_balance=args.load_balance, uvicorn_log_level=args.uvicorn_log_level,
-                   enable_admin_api=args.enable_admin_api,
-                   max_num_queued_requests=args.max_num_queued_requests,
-                   max_num_queued_tokens=args.max_num_queued_tokens)
+                   enable_admin_api=getattr(args, "enable_admin_api", False),
+                   max_num_queued_requests=getattr(args, "max_num_queued_requests", None),
+                   max_num_queued_tokens=getattr(args, "max_num_queued_tokens", None))
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,11 @@ engine death, and placement over several engines (`EngineState` per engine):
 * `load_balance="round-robin"`: serving engines in turn from this client's own
   index, blind to load (a baseline for benchmarks, and what simple balancers do).
 
+Cordon (an operator's, through the coordinator: `control_rank`, then
+`EngineInfo.cordoned` in its updates): a cordoned rank gets no new work,
+pinned or moved requests included, while what it holds goes on; its other
+figures (`EngineState.info`) are what `GET /engines` shows.
+
 Rank states (`RankStatus`: state, incarnation, reason) come from the
 coordinator's updates (heartbeats: unhealthy / serving again; the launchers'
 RankEvents: dead / restarting / serving), from the launcher directly
@@ -87,7 +92,9 @@ from dpserve.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineInfo,
     FinishReason,
+    RankControl,
     RankState,
     RankStatus,
     RequestType,
@@ -127,10 +134,20 @@ class EngineState:
     # incarnation died: it outranks any news of the same incarnation still serving.
     dead_incarnation: int | None = None
     stats: SchedulerStats | None = None  # the last figures it sent
+    info: EngineInfo = field(default_factory=EngineInfo)  # from the coordinator (/engines)
 
     @property
     def serving(self) -> bool:
         return self.status.state is RankState.SERVING
+
+    @property
+    def cordoned(self) -> bool:
+        return self.info.cordoned
+
+    @property
+    def placeable(self) -> bool:
+        """It may get new work: serving and not cordoned."""
+        return self.serving and not self.info.cordoned
 
 
 @dataclass
@@ -204,6 +221,7 @@ class AsyncEngineClient:
         self.load_balance = load_balance
         self.lockstep = lockstep and coordinator_address is not None
         self.current_wave = 0  # the request wave, from the coordinator
+        self.info_updates = 0  # coordinator updates with per-rank figures, so far
         self.engines_running = False  # the coordinator's last word (or our own wake-up)
         self._turn = client_index  # round-robin position
         # Pause / sleep (dpserve.control): the state as last heard (coordinator, or the
@@ -213,6 +231,7 @@ class AsyncEngineClient:
         self.control_tokens: dict[int, int] = {}  # a change's token -> its seq
         self.all_ranks: list[RankStatus] = []  # every rank's state, from the coordinator
         self.control_changed = asyncio.Event()  # replaced by a new one on every news
+        self._coordinator: zmq.asyncio.Socket | None = None
         if coordinator_address is not None:
             self._coordinator = secure(self._ctx.socket(zmq.XSUB), "client", secret)
             self._coordinator.setsockopt(zmq.LINGER, 0)
@@ -259,9 +278,6 @@ class AsyncEngineClient:
             await self._coordinator.send(self._encoder.encode(
                 WakeEngines(request.current_wave, engine.rank)))
 
-    @property
-    def has_coordinator(self) -> bool:
-        return self.balanced
 
     async def send_control(self, change: ControlChange) -> None:
         """Send a pause / sleep change to the coordinator (see dpserve.frontend.control)."""
@@ -436,7 +452,7 @@ class AsyncEngineClient:
 
     def _live_engines(self, exclude: int | None = None) -> list[EngineState]:
         """The serving engines (but `exclude`); EngineUnavailableError when there are none."""
-        live = [e for e in self.engines.values() if e.serving and e.rank != exclude]
+        live = [e for e in self.engines.values() if e.placeable and e.rank != exclude]
         if not live:
             raise EngineUnavailableError("no engine is serving: " + self.describe_ranks())
         return live
@@ -444,6 +460,7 @@ class AsyncEngineClient:
     def describe_ranks(self) -> str:
         """`rank 0 serving, rank 1 dead (exit code -9)`."""
         return ", ".join(f"rank {e.rank} {e.status.state.value}"
+                         + (" cordoned" if e.cordoned else "")
                          + (f" ({e.status.reason})" if e.status.reason else "")
                          for e in self.engines.values())
 
@@ -459,6 +476,9 @@ class AsyncEngineClient:
                 raise EngineUnavailableError(
                     f"data_parallel_rank {engine.rank} is {engine.status.state.value}"
                     + (f" ({engine.status.reason})" if engine.status.reason else ""))
+            if engine.cordoned:
+                raise EngineUnavailableError(f"data_parallel_rank {engine.rank} is cordoned "
+                                             f"(an operator took it out of placement)")
             return engine
         live = self._live_engines(exclude)
         if self.load_balance == "round-robin":
@@ -488,6 +508,25 @@ class AsyncEngineClient:
             reason = f"unreachable: {e}"
             self.mark_engine_dead(engine.rank, reason)
             raise EngineUnavailableError(f"engine {engine.rank} is {reason}") from e
+
+    # ---- operators ---------------------------------------------------------------------
+
+    @property
+    def has_coordinator(self) -> bool:
+        """A DP coordinator feeds this client (loads, rank states, per-rank figures)."""
+        return self._coordinator is not None
+
+    async def control_rank(self, rank: int, action: str) -> None:
+        """Send an operator's "cordon" / "uncordon" / "restart" of `rank` to the DP
+        coordinator (every front-end learns the outcome from its updates). ValueError
+        without a coordinator or for a rank this client does not have."""
+        if self._coordinator is None:
+            raise ValueError("per-rank controls go through the DP coordinator, and this "
+                             "server has none (--data-parallel-size 1)")
+        if rank not in self.engines:
+            raise ValueError(f"rank must be one of this server's ranks {self.engine_ranks}, "
+                             f"got {rank}")
+        await self._coordinator.send(self._encoder.encode(RankControl(rank, action)))
 
     # ---- rank states and moving requests ----------------------------------------------
 
@@ -675,6 +714,11 @@ class AsyncEngineClient:
                 self.all_ranks = list(update.ranks)
             if update.control is not None:
                 self._on_control(update.control, update.control_done)
+            for rank, info in enumerate(update.engines or []):
+                if rank in self.engines:
+                    self.engines[rank].info = info
+            if update.engines is not None:
+                self.info_updates += 1
             if update.counts is None:
                 continue  # wave news only
             tokens = update.waiting_tokens or [0] * len(update.counts)

@@ -14,6 +14,12 @@ Scope:
   (rules in `dpserve.control`), broadcasts it to every engine as CONTROL (and
   to an engine that subscribes late, after READY), records the seq each
   engine reports reached (`control_done`), publishes both to the front-ends.
+* Operators (`RankControl` from an API server): cordon / uncordon a rank
+  (published in `EngineInfo.cordoned`: front-ends send it nothing new), or
+  restart it (published once as `CoordinatorUpdate.restart`; the launcher that
+  runs the rank restarts it). Per-rank figures for /engines (`RankInfoTable`:
+  KV usage, tokens/s, pid, host from heartbeats) are published with the
+  counts, at most every `INFO_PUBLISH_S` when only they changed.
 * Lockstep DP group (`dp_store` given): hosts the engines' TCP store (here, so
   that any rank may die) and decides each group generation (`_DPGroup`): the
   serving ranks that have sent a heartbeat (so are loaded and stepping), sent
@@ -61,15 +67,18 @@ from dpserve.protocol import (
     CoordinatorRequest,
     CoordinatorUpdate,
     EngineReport,
+    RankControl,
     RankEvent,
     RankState,
     RankStatus,
     RegroupDP,
     RequestType,
+    RestartRank,
     ScaleEngines,
     StartDPWave,
     WakeEngines,
 )
+from dpserve.rank_info import INFO_PUBLISH_S, RankInfoTable
 from dpserve.security import secure
 
 logger = logging.getLogger(__name__)
@@ -356,6 +365,7 @@ class DPCoordinatorProc:
                  dp_store: tuple[str, int] | None = None) -> None:
         self.loads = _LoadTable(num_engines)
         self.health = _HealthTable(num_engines, heartbeat_timeout_s, stall_timeout_s)
+        self.info = RankInfoTable(num_engines)  # what /engines shows besides counts
         self.group = _DPGroup() if dp_store is not None else None  # lockstep only
         self._store = _host_store(*dp_store) if dp_store is not None else None
         self.wave = 0  # the current request wave
@@ -477,6 +487,8 @@ class DPCoordinatorProc:
         if loads.changed_at is not None:
             settle = min(_SETTLE_S, self.stats_interval_s / 2)
             return max(self._last_publish + self.stats_interval_s, loads.changed_at + settle)
+        if self.info.changed:  # only the /engines figures moved
+            return self._last_publish + min(INFO_PUBLISH_S, self.idle_publish_s)
         return self._last_publish + self.idle_publish_s
 
     # ---- front-ends -------------------------------------------------------------
@@ -498,6 +510,8 @@ class DPCoordinatorProc:
             self._on_rank_event(request)
         elif isinstance(request, ControlChange):
             self._on_control(request)
+        elif isinstance(request, RankControl):
+            self._on_rank_control(request)
         else:
             self._on_wake(request)
 
@@ -511,6 +525,25 @@ class DPCoordinatorProc:
                         event.status.incarnation,
                         f": {event.status.reason}" if event.status.reason else "")
             self._publish_counts()
+
+    def _on_rank_control(self, control: RankControl) -> None:
+        """An operator's cordon / uncordon (published at once) or restart (published
+        once, for the rank's launcher)."""
+        rank = control.rank
+        if not 0 <= rank < len(self.loads):
+            logger.warning("%s for unknown rank %d (have %d)", control.action, rank,
+                           len(self.loads))
+        elif control.action in ("cordon", "uncordon"):
+            if self.info.cordon(rank, control.action == "cordon"):
+                logger.info("rank %d %sed by an operator", rank, control.action)
+            self._publish_counts()  # also when unchanged: the asker waits for an update
+        elif control.action == "restart":
+            incarnation = self.health.status[rank].incarnation
+            logger.info("rank %d (incarnation %d): restart asked by an operator", rank,
+                        incarnation)
+            self._publish_counts(restart=RestartRank(rank, incarnation))
+        else:
+            logger.warning("unknown rank control %r dropped", control.action)
 
     def _on_wake(self, request: WakeEngines) -> None:
         """A front-end sent a request while it thought the engines were paused."""
@@ -546,6 +579,7 @@ class DPCoordinatorProc:
         self.loads.resize(num_engines)
         self.health.resize(num_engines)
         self.control_done = (self.control_done + [0] * num_engines)[:num_engines]
+        self.info.resize(num_engines)
         if num_engines > old:
             # New engines start in wave 0 and paused; say "paused" so the next
             # request wakes everyone rather than leaving old engines behind.
@@ -571,13 +605,15 @@ class DPCoordinatorProc:
             logger.warning("report from unknown engine %d (have %d)", index, len(self.loads))
             return
         if report.heartbeat:
+            self.info.on_heartbeat(report, time.monotonic())
             if self.health.on_heartbeat(report, time.monotonic()):
                 logger.info("rank %d serving (incarnation %d)", index, report.incarnation)
                 self._publish_counts()
             return
         if report.request_counts is not None:
-            self.loads.apply(index, report.wave, report.step, report.request_counts,
-                             report.waiting_tokens)
+            if self.loads.apply(index, report.wave, report.step, report.request_counts,
+                                report.waiting_tokens):
+                self.info.on_wave(index, report.wave)
         if report.control_done is not None:
             self.control_done[index] = report.control_done
             self._publish_counts()  # a front-end may wait for it
@@ -638,7 +674,7 @@ class DPCoordinatorProc:
         self._published_wave = self.wave
         self.front.send(msgspec.msgpack.encode(CoordinatorUpdate(None, self.wave, self.running)))
 
-    def _publish_counts(self) -> None:
+    def _publish_counts(self, restart: RestartRank | None = None) -> None:
         counts = self.loads.take()
         update = CoordinatorUpdate(counts if self.publish_counts else None, self.wave,
                                    self.running, list(self.health.status),
@@ -646,7 +682,8 @@ class DPCoordinatorProc:
                                    self.control if self.control.seq else None,
                                    list(self.control_done) if self.control.seq else None,
                                    list(self.loads.tokens) if self.publish_counts
-                                   and any(self.loads.tokens) else None)
+                                   and any(self.loads.tokens) else None,
+                                   engines=self.info.take(), restart=restart)
         self.front.send(msgspec.msgpack.encode(update))
         self._last_publish = time.monotonic()
 

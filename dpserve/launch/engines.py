@@ -88,6 +88,14 @@ class EngineProcManager:
         return {watched[p]: f"{p.name} (pid {p.pid}) exited with code {p.exitcode}"
                 for p in wait_for_any_exit(list(watched), timeout=timeout)}
 
+    def kill(self, rank: int) -> None:
+        """SIGKILL `rank`'s process and reap it (an operator's restart: its requests
+        move as on a crash)."""
+        proc = self.processes[self.ranks.index(rank)]
+        if proc.is_alive():
+            proc.kill()
+        proc.join(timeout=5.0)
+
     def restart(self, rank: int, incarnation: int, init: EngineInitMetadata,
                 timeout: float) -> HandshakeReady:
         """Start a new process for `rank` (whose process has exited) and walk it to

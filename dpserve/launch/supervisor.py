@@ -15,6 +15,13 @@ thread. The engines are whatever the launcher started them with, seen through
               again. More than `--max-engine-restarts` restarts in
               `RESTART_WINDOW_S`: the rank stays DEAD and the log says so.
 
+An operator's restart (`POST /engines/{rank}/restart` -> the coordinator ->
+`CoordinatorUpdate.restart`, read on the same socket the RankEvents go out
+on) of a rank this host runs, in its current incarnation: RESTARTING (the
+front-ends move its requests as on a crash), the engine is killed (a process:
+SIGKILL; a Ray actor: by the restart), and a new one started at once, under
+any policy and outside `--max-engine-restarts`.
+
 A dead coordinator is restarted under any policy but stop (its sockets keep
 their addresses, so engines and front-ends reconnect by themselves; front-ends
 balance on their own counts meanwhile).
@@ -39,7 +46,14 @@ import msgspec
 import zmq
 
 from dpserve.launch.process import wait_for_any_exit
-from dpserve.protocol import EngineInitMetadata, HandshakeReady, RankEvent, RankState, RankStatus
+from dpserve.protocol import (
+    CoordinatorUpdate,
+    EngineInitMetadata,
+    HandshakeReady,
+    RankEvent,
+    RankState,
+    RankStatus,
+)
 from dpserve.security import secure
 
 if TYPE_CHECKING:
@@ -176,6 +190,7 @@ class Supervisor:
                         continue
                     self._coordinator_died(f"{proc.name} (pid {proc.pid}) exited with code "
                                            f"{proc.exitcode}")
+                self._read_restart_requests(events)
             if events is not None:
                 events.close(linger=500)
 
@@ -201,14 +216,50 @@ class Supervisor:
         return False
 
     def _event_socket(self, ctx: zmq.Context) -> zmq.Socket | None:
-        """An XSUB to the coordinator's front socket (it takes our RankEvents)."""
+        """An XSUB to the coordinator's front socket (it takes our RankEvents; we read
+        its updates for operators' restarts)."""
         address = self.launch.coordinator_address
         if address is None:
             return None
         sock = secure(ctx.socket(zmq.XSUB), "client", self.secret)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(address)
+        sock.send(b"\x01")  # subscribe to every update
         return sock
+
+    def _read_restart_requests(self, events: zmq.Socket | None) -> None:
+        """Act on the operators' restarts among the coordinator's updates so far."""
+        if events is None:
+            return
+        decoder = msgspec.msgpack.Decoder(CoordinatorUpdate)
+        while True:
+            try:
+                with self._send_lock:  # restart threads send on this socket
+                    body = events.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                restart = decoder.decode(body).restart
+            except msgspec.DecodeError:
+                continue
+            if restart is not None and not self._stop.is_set():
+                self._restart_requested(restart.rank, restart.incarnation, events)
+
+    def _restart_requested(self, rank: int, incarnation: int,
+                           events: zmq.Socket | None) -> None:
+        """Restart `rank` now if this host runs its process `incarnation`."""
+        if rank not in getattr(self.engines, "ranks", []) or rank in self._restarting \
+                or rank in self._out or incarnation != self.incarnation.get(rank, 0):
+            return  # not ours, already restarting or out, or stale news
+        what = "restart asked by an operator"
+        logger.warning("rank %d: %s", rank, what)
+        self._announce(rank, RankStatus(RankState.RESTARTING, incarnation, what), events)
+        self._restarting.add(rank)
+        kill = getattr(self.engines, "kill", None)  # processes; a Ray restart kills the actor
+        if kill is not None:
+            kill(rank)
+        threading.Thread(target=self._restart, args=(rank, incarnation + 1, events, True),
+                         name=f"restart-rank-{rank}", daemon=True).start()
 
     def _announce(self, rank: int, status: RankStatus, events: zmq.Socket | None) -> None:
         try:
@@ -252,11 +303,16 @@ class Supervisor:
     def _may_restart(self, rank: int) -> bool:
         return self.budget.left(rank)
 
-    def _restart(self, rank: int, incarnation: int, events: zmq.Socket | None) -> None:
-        backoff = min(_MAX_BACKOFF_S, _FIRST_BACKOFF_S * 2 ** len(self.budget.times[rank]))
-        self.budget.take(rank)
-        if self._stop.wait(backoff):
-            return
+    def _restart(self, rank: int, incarnation: int, events: zmq.Socket | None,
+                 requested: bool = False) -> None:
+        """Start `rank`'s new engine (after a backoff, taken from the budget, unless an
+        operator asked) and announce it serving; a failed start is one more death."""
+        if not requested:
+            backoff = min(_MAX_BACKOFF_S,
+                          _FIRST_BACKOFF_S * 2 ** len(self.budget.times[rank]))
+            self.budget.take(rank)
+            if self._stop.wait(backoff):
+                return
         self.incarnation[rank] = incarnation
         try:
             with self._restart_lock:

@@ -3,8 +3,10 @@
 Routes: /v1/completions, /v1/chat/completions, /v1/models (behind the API
 key when one is set), /health (200; 503 once the engine is dead), /metrics
 (Prometheus), /version, /debug/request_state (sizes of the per-request state,
-for leak checks). While the server drains (`AsyncLLM.draining`, set on
-SIGTERM), /health and every /v1 route answer 503 with `Retry-After` and code
+for leak checks), /engines and /dashboard (`dpserve.server.engines`); with
+`enable_admin_api` the admin routes (`dpserve.server.admin`, `dpserve.server.control`).
+While the server drains (`AsyncLLM.draining`, set on SIGTERM), /health and
+every /v1 route answer 503 with `Retry-After` and code
 "server_draining"; requests already in flight go on. The
 `X-data-parallel-rank: k` header pins a request
 to engine k (a bad value is a 400). Every error, whatever raised it, leaves as an
@@ -38,7 +40,9 @@ from starlette.types import Send
 from dpserve import __version__
 from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.errors import EngineDeadError
+from dpserve.server.admin import admin_dependencies, admin_router
 from dpserve.server.control import Admission, control_router
+from dpserve.server.engines import engines_router
 from dpserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from dpserve.server.protocol import (
     APIError,
@@ -65,8 +69,10 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
 
     The app does not own `async_llm`: whoever built it shuts it down.
     `api_server_index` labels this API server's series in /metrics.
-    `enable_admin_api` mounts the operator routes (server/control.py);
-    `max_num_queued`: (requests, prompt tokens) waiting per engine before a 429.
+    `enable_admin_api`: mount the admin routers (`dpserve.server.admin`,
+    `dpserve.server.control`), behind `api_key` when one is set; without it they do
+    not exist (404). `max_num_queued`: (requests, prompt tokens) waiting per engine
+    before a 429.
     """
     api_key = api_key or os.environ.get("DPSERVE_API_KEY") or None
     serving = OpenAIServing(async_llm, served_model_name)
@@ -141,11 +147,15 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
         return {"version": __version__}
 
     app.include_router(v1)
+    app.include_router(engines_router(async_llm, admin=enable_admin_api))  # open, as /metrics
     if hasattr(async_llm.client, "control"):  # pause / sleep / queue limits (control.py)
         async_llm.admission = Admission(
             async_llm.client, *max_num_queued, async_llm.config.scheduler.max_num_seqs)
-        if enable_admin_api:
-            app.include_router(control_router(async_llm.client), dependencies=auth)
+    if enable_admin_api:
+        admin = admin_dependencies(api_key)
+        app.include_router(admin_router(async_llm, admin))
+        if hasattr(async_llm.client, "control"):
+            app.include_router(control_router(async_llm.client), dependencies=admin)
     for exc_type in (APIError, ValidationError, RequestValidationError, ValueError,
                      EngineDeadError, StarletteHTTPException, Exception):
         app.add_exception_handler(exc_type, _error_response)

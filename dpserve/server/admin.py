@@ -1,0 +1,144 @@
+"""Admin routes: they exist only with `--enable-admin-api` (`build_app` mounts them).
+
+Scope: `admin_dependencies(api_key)`, the guard every admin router shares
+(with an API key: `Authorization: Bearer KEY`, else 401), and `admin_router`,
+the per-rank controls:
+
+    POST /engines/{rank}/cordon     the rank gets no new requests, in every API
+                                    server (through the DP coordinator); what it
+                                    holds goes on. 200 once this API server sees it.
+    POST /engines/{rank}/uncordon   undoes it.
+    POST /engines/{rank}/drain      cordon, then wait until the rank holds no request
+                                    (200; `?timeout=S`, default 300: 504 after it);
+                                    the rank stays cordoned.
+    POST /engines/{rank}/restart    the launcher that runs the rank kills its engine
+                                    and starts a new one at once (incarnation + 1),
+                                    under any --engine-failure-policy and outside
+                                    --max-engine-restarts; its requests move to other
+                                    ranks as on a crash (drain first to avoid that).
+                                    200 when the new one serves (`?timeout=S`,
+                                    default 300: 504). A cordon outlives it.
+
+Each answers the rank's /engines row. A rank this server does not have, or a
+bad timeout: 400; an action not listed: 404; a server without a DP
+coordinator (--data-parallel-size 1): 400. Ranks of `--headless` hosts are
+not restarted (their launcher does not hear the coordinator): 504.
+
+Not here: the read-only /engines and /dashboard (`dpserve.server.engines`);
+the coordinator and launcher sides (`dpserve.launch.coordinator`, `supervisor`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+
+from dpserve.frontend.async_llm import AsyncLLM
+from dpserve.frontend.errors import EngineDeadError
+from dpserve.server.engines import engine_rows
+from dpserve.server.protocol import APIError
+
+ACTIONS = ("cordon", "uncordon", "drain", "restart")
+CONTROL_TIMEOUT_S = 10.0  # cordon / uncordon: the coordinator's update comes within this
+DEFAULT_WAIT_S = 300.0  # drain / restart without ?timeout=
+_POLL_S = 0.05
+_DRAIN_SETTLE_S = 0.5  # requests other API servers sent just before the cordon land first
+
+
+def admin_dependencies(api_key: str | None) -> list[Any]:
+    """The guard of every admin router: the API key when one is set (401 without it)."""
+    if not api_key:
+        return []
+    from dpserve.server.app import _bearer_check  # app imports this module
+
+    return [Depends(_bearer_check(api_key))]
+
+
+def admin_router(async_llm: AsyncLLM, dependencies: list[Any]) -> APIRouter:
+    """The per-rank controls (module docstring) behind `dependencies`."""
+    router = APIRouter(dependencies=dependencies)
+
+    @router.post("/engines/{rank}/{action}")
+    async def control(rank: str, action: str, request: Request) -> dict[str, Any]:
+        if action not in ACTIONS:
+            raise APIError(404, f"no engine action {action!r}; one of {', '.join(ACTIONS)}",
+                           code="not_found")
+        client = async_llm.client
+        number = _rank(client, rank)
+        if not getattr(client, "has_coordinator", False):
+            raise APIError(400, "per-rank controls go through the DP coordinator, and this "
+                           "server has none (--data-parallel-size 1)", code="not_supported")
+        timeout = _timeout(request)
+        if action == "restart":
+            old = client.engines[number].status.incarnation
+            await client.control_rank(number, "restart")
+            await _wait(client, lambda: _restarted(client, number, old), timeout,
+                        f"rank {number} did not serve again within {timeout:g} s of its "
+                        f"restart (a --headless host's rank is not restarted from here)")
+        else:
+            cordon = action != "uncordon"
+            await client.control_rank(number, "cordon" if cordon else "uncordon")
+            await _wait(client, lambda: client.engines[number].cordoned == cordon,
+                        CONTROL_TIMEOUT_S,
+                        f"the DP coordinator did not confirm the {action} of rank {number}")
+            if action == "drain":
+                await asyncio.sleep(_DRAIN_SETTLE_S)
+                await _wait(client, lambda: _empty(client, number), timeout,
+                            f"rank {number} still holds requests after {timeout:g} s; it "
+                            f"stays cordoned")
+        rows = await engine_rows(async_llm)
+        return next(row for row in rows if row["rank"] == number)
+
+    return router
+
+
+def _rank(client: Any, rank: str) -> int:
+    ranks = sorted(getattr(client, "engines", {0: None}))
+    if not rank.isdigit() or int(rank) not in ranks:
+        raise APIError(400, f"rank must be one of this server's ranks {ranks}, got {rank!r}",
+                       param="rank")
+    return int(rank)
+
+
+def _timeout(request: Request) -> float:
+    value = request.query_params.get("timeout")
+    if value is None:
+        return DEFAULT_WAIT_S
+    try:
+        timeout = float(value)
+    except ValueError:
+        timeout = -1.0
+    if not 0 < timeout <= 86400:
+        raise APIError(400, f"timeout must be a number of seconds in (0, 86400], got "
+                       f"{value!r}", param="timeout")
+    return timeout
+
+
+def _restarted(client: Any, rank: int, old_incarnation: int) -> bool:
+    engine = client.engines[rank]
+    return engine.status.incarnation > old_incarnation and engine.serving
+
+
+def _empty(client: Any, rank: int) -> bool:
+    """The rank holds no request: none in flight from here, and the coordinator's
+    counts (which cover every API server's) are zero, or the rank is dead."""
+    engine = client.engines[rank]
+    if engine.num_requests:
+        return False
+    return engine.status.state.value == "dead" or engine.waiting + engine.running == 0
+
+
+async def _wait(client: Any, done: Callable[[], bool], timeout: float, message: str) -> None:
+    """Poll `done()` until true; 504 with `message` after `timeout` s, 503 when the
+    engines die meanwhile."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        if client.dead:
+            raise EngineDeadError(client.dead_reason)
+        if time.monotonic() >= deadline:
+            raise APIError(504, message, type="server_error", code="timeout")
+        await asyncio.sleep(_POLL_S)

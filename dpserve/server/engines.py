@@ -1,0 +1,129 @@
+"""`GET /engines` and `/dashboard`: the read-only view of every DP rank.
+
+Scope: `engines_router(async_llm, admin)`, open like /metrics (no API key,
+no admin flag), and `engine_rows(...)`, the per-rank rows that both /engines
+and the admin routes (`dpserve.server.admin`) answer with:
+
+    {"data_parallel_size": N, "admin": bool, "engines": [{"rank", "state",
+     "cordoned", "waiting", "running", "kv_cache_usage", "tokens_per_s", "wave",
+     "restarts", "incarnation", "host", "pid"}, ...]}
+
+Where the figures come from: with a DP coordinator (N > 1) everything is
+what the coordinator last published to every API server (counts from the
+engines' load reports; state; `EngineInfo`: cordon, KV usage, tokens/s over
+the last ~8 s, wave, pid, host from heartbeats), so every API server answers
+alike. Without one (N = 1) the engine is asked for its `SchedulerStats`
+(`get_stats`) and tokens/s is taken between this API server's polls.
+`restarts` is the rank's processes after its first (= `incarnation`).
+
+The dashboard is one HTML page with its script and style sheet, shipped in
+`dpserve/server/static/` (package data; no build step, nothing from a CDN);
+it polls /engines every second.
+
+Not here: cordon / drain / restart (`dpserve.server.admin`).
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+
+from dpserve.frontend.async_llm import AsyncLLM
+from dpserve.protocol import SchedulerStats
+from dpserve.rank_info import TokenRate
+from dpserve.server.protocol import APIError
+
+_STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+_STATS_TIMEOUT_S = 2.0  # N = 1: how long /engines waits for the engine's figures
+
+
+def engines_router(async_llm: AsyncLLM, admin: bool) -> APIRouter:
+    """GET /engines, GET /dashboard (+ its two static files); `admin`: the admin routes
+    are on (the page shows its buttons)."""
+    router = APIRouter()
+    rates: dict[int, TokenRate] = {}  # N = 1 only: tokens/s between polls
+
+    @router.get("/engines")
+    async def engines() -> dict[str, Any]:
+        rows = await engine_rows(async_llm, rates)
+        return {"data_parallel_size": async_llm.config.parallel.data_parallel_size,
+                "admin": admin, "engines": rows}
+
+    @router.get("/dashboard")
+    async def dashboard() -> Response:
+        return Response(_static("dashboard.html"), media_type="text/html")
+
+    @router.get("/dashboard/{name}")
+    async def dashboard_file(name: str) -> Response:
+        if name not in _STATIC:
+            raise APIError(404, f"no dashboard file {name!r}", code="not_found")
+        return Response(_static(name), media_type=_STATIC[name])
+
+    return router
+
+
+def _static(name: str) -> bytes:
+    return importlib.resources.files("dpserve.server").joinpath("static", name).read_bytes()
+
+
+async def engine_rows(async_llm: AsyncLLM, rates: dict[int, TokenRate] | None = None
+                      ) -> list[dict[str, Any]]:
+    """One row per rank this API server sends to (module docstring)."""
+    client = async_llm.client
+    engines = getattr(client, "engines", None)
+    if engines is None or not getattr(client, "has_coordinator", False):
+        return await _local_rows(async_llm, rates if rates is not None else {})
+    return [_row(e.rank, e.status.state.value, e.status.incarnation, e.waiting, e.running,
+                 e.info.kv_cache_usage, e.info.tokens_per_s, e.info.wave, e.info.cordoned,
+                 e.info.host, e.info.pid)
+            for e in engines.values()]
+
+
+async def _local_rows(async_llm: AsyncLLM, rates: dict[int, TokenRate]
+                      ) -> list[dict[str, Any]]:
+    """No coordinator: ask each engine for its figures (N = 1, or in-process)."""
+    client = async_llm.client
+    engines = getattr(client, "engines", None)
+    rows = []
+    for rank in sorted(engines) if engines is not None else [0]:
+        engine = engines[rank] if engines is not None else None
+        state = engine.status.state.value if engine is not None else "serving"
+        incarnation = engine.status.incarnation if engine is not None else 0
+        stats = await _stats(client, rank if engines is not None else None)
+        rate = rates.setdefault(rank, TokenRate())
+        if stats is not None:
+            rate.add(stats.num_generated_tokens)
+        rows.append(_row(rank, state, incarnation, stats.num_waiting if stats else 0,
+                         stats.num_running if stats else 0,
+                         stats.kv_cache_usage if stats else 0.0, rate.rate(),
+                         stats.wave if stats else 0, False, "", None))
+    return rows
+
+
+async def _stats(client: Any, rank: int | None) -> SchedulerStats | None:
+    """The engine's figures now; None when it cannot answer (dead, restarting)."""
+    try:
+        if rank is None:
+            result = await client.call_utility("get_stats")
+        else:
+            result = await client.call_utility("get_stats", engine=rank,
+                                               timeout=_STATS_TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - a rank that cannot answer shows zeros
+        return None
+    if isinstance(result, SchedulerStats):
+        return result
+    import msgspec
+
+    return msgspec.convert(result, SchedulerStats)
+
+
+def _row(rank: int, state: str, incarnation: int, waiting: int, running: int,
+         kv_cache_usage: float, tokens_per_s: float, wave: int, cordoned: bool, host: str,
+         pid: int | None) -> dict[str, Any]:
+    return {"rank": rank, "state": state, "cordoned": cordoned, "waiting": waiting,
+            "running": running, "kv_cache_usage": kv_cache_usage,
+            "tokens_per_s": tokens_per_s, "wave": wave, "restarts": incarnation,
+            "incarnation": incarnation, "host": host, "pid": pid}

@@ -1,0 +1,104 @@
+"""/dashboard in a real headless browser (Debian's chromium + chromium-driver, driven
+by selenium) against `dpserve serve --data-parallel-size 2 --enable-admin-api` on
+the tiny model: one tile per rank, numbers that move under load, a cordon click
+that /engines agrees with, and a screenshot (kept as docs/dashboard.png when
+DPSERVE_DASHBOARD_SCREENSHOT names where to write it)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import threading
+
+import httpx
+import openai
+import pytest
+from helpers import serve, wait_until
+
+pytestmark = [pytest.mark.procs, pytest.mark.slow]
+
+DP_ARGS = ("--data-parallel-size", "2", "--threads-per-engine", "1", "--max-model-len", "256")
+
+
+@pytest.fixture
+def browser():
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    assert chromium and driver, "chromium and chromium-driver are needed (make setup)"
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1200,800"):
+        options.add_argument(arg)
+    browser = webdriver.Chrome(service=Service(driver), options=options)
+    try:
+        yield browser
+    finally:
+        browser.quit()
+
+
+def _load(url: str, model: str, stop: threading.Event) -> None:
+    async def run() -> None:
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none",
+                                      max_retries=0) as client:
+            while not stop.is_set():
+                await asyncio.gather(*(client.completions.create(
+                    model=model, prompt=f"tile {i}", max_tokens=200, temperature=0,
+                    extra_body={"ignore_eos": True}) for i in range(16)))
+
+    asyncio.run(run())
+
+
+def test_dashboard_tiles_update_live_and_cordon_from_the_page(tiny_llama, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    model = str(tiny_llama)
+    with serve(model, *DP_ARGS, "--enable-admin-api") as (_, url):
+        browser.get(url + "/dashboard")
+        tiles = wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, ".tile"), 30,
+                           "tiles")
+        wait_until(lambda: len(browser.find_elements(By.CSS_SELECTOR, ".tile")) == 2, 30,
+                   "one tile per rank")
+        tiles = browser.find_elements(By.CSS_SELECTOR, ".tile")
+        assert [t.get_attribute("data-rank") for t in tiles] == ["0", "1"]
+        assert all(t.get_attribute("data-state") == "serving" for t in tiles)
+
+        def shown(rank: int, name: str) -> str:
+            return browser.find_element(
+                By.CSS_SELECTOR, f'.tile[data-rank="{rank}"] [data-field="{name}"]').text
+
+        assert shown(1, "tps") == "0.0"  # idle
+        stop = threading.Event()
+        loader = threading.Thread(target=_load, args=(url, model, stop), daemon=True)
+        loader.start()
+        try:  # live numbers: tokens/s and the queue move under load
+            wait_until(lambda: float(shown(0, "tps")) > 0 and float(shown(1, "tps")) > 0, 60,
+                       "tokens/s on both tiles")
+            wait_until(lambda: int(shown(0, "running")) + int(shown(1, "running")) > 0, 60,
+                       "running requests on a tile")
+            # Admin is on: buttons; cordon rank 1 from the page.
+            button = browser.find_element(
+                By.CSS_SELECTOR, '.tile[data-rank="1"] button[data-action="cordon"]')
+            assert button.is_displayed()
+            button.click()
+            wait_until(lambda: browser.find_element(
+                By.CSS_SELECTOR, '.tile[data-rank="1"]').get_attribute("data-cordoned")
+                == "true", 30, "the tile shows the cordon")
+            assert shown(1, "cordon") == "cordoned"
+            assert shown(1, "answer").startswith("200")
+            view = httpx.get(url + "/engines", timeout=5).json()["engines"]
+            assert [e["cordoned"] for e in view] == [False, True]
+            assert browser.find_element(By.ID, "scale-button").is_displayed()
+            browser.execute_script("window.scrollTo(0, 0)")
+            shot = tmp_path / "dashboard.png"
+            assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
+            keep = os.environ.get("DPSERVE_DASHBOARD_SCREENSHOT")
+            if keep:
+                shutil.copy(shot, keep)
+        finally:
+            stop.set()
+            loader.join(timeout=120)
+        assert "cannot reach" not in browser.find_element(By.ID, "status").text
