@@ -278,7 +278,6 @@ class AsyncEngineClient:
             await self._coordinator.send(self._encoder.encode(
                 WakeEngines(request.current_wave, engine.rank)))
 
-
     async def send_control(self, change: ControlChange) -> None:
         """Send a pause / sleep change to the coordinator (see dpserve.frontend.control)."""
         self._check_alive()
