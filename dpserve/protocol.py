@@ -170,7 +170,12 @@ class HandshakeReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 # Front publish socket (coordinator XPUB <-> front-end XSUB, subscribed to b""):
 #     coordinator -> front-ends: CoordinatorUpdate;
 #     front-ends and the launcher -> coordinator: a CoordinatorRequest
-#     (WakeEngines | ScaleEngines | RankEvent).
+#     (WakeEngines | ScaleEngines | RankEvent | ScaleRequest | ScaleResult).
+# Scaling at run time (dpserve.launch.scaler): a front-end's ScaleRequest ->
+#     the coordinator publishes ScaleStatus PENDING (or REJECTED while another
+#     runs) -> the launcher starts engines (ScaleEngines first: new ranks are
+#     STARTING) or drains them (RankEvent DRAINING, then ScaleEngines) ->
+#     ScaleResult -> the coordinator publishes DONE / FAILED.
 
 COORDINATOR_READY = b"READY"
 
@@ -243,6 +248,8 @@ class CoordinatorUpdate(msgspec.Struct, array_like=True, gc=False):
     wave: int  # the current request wave
     running: bool  # engines are running (False: paused, a new request must wake them)
     ranks: list[RankStatus] | None = None  # [num_engines]; None: no state news
+    scale: ScaleStatus | None = None  # the latest change of the engine count (or answer)
+    autoscale_decisions: list[int] | None = None  # [up, down] the autoscaler made, in total
 
 
 class WakeEngines(msgspec.Struct, tag="wake", array_like=True, gc=False):
@@ -258,6 +265,39 @@ class ScaleEngines(msgspec.Struct, tag="scale", array_like=True, gc=False):
     num_engines: int
 
 
+class ScaleRequest(msgspec.Struct, tag="scale_request", array_like=True, gc=False):
+    """Front-end -> coordinator: change the number of DP engines to `num_engines`
+    (answered by a `ScaleStatus` with the same `scale_id` in a `CoordinatorUpdate`)."""
+
+    scale_id: str
+    num_engines: int
+
+
+class ScalePhase(str, enum.Enum):
+    PENDING = "pending"  # accepted by the coordinator; its launcher carries it out
+    DONE = "done"
+    FAILED = "failed"  # the launcher could not do it (the engine count is `old_size`)
+    REJECTED = "rejected"  # another change was running (nothing done)
+
+
+class ScaleStatus(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Coordinator -> front-ends and the launcher: where change `scale_id` stands."""
+
+    scale_id: str
+    phase: ScalePhase
+    old_size: int
+    new_size: int
+    message: str = ""  # why it failed or was rejected; the autoscaler's reason
+
+
+class ScaleResult(msgspec.Struct, tag="scale_result", array_like=True, gc=False):
+    """Launcher -> coordinator: change `scale_id` is done (`ok`) or failed (`message`)."""
+
+    scale_id: str
+    ok: bool
+    message: str = ""
+
+
 class RankEvent(msgspec.Struct, tag="rank", array_like=True, gc=False):
     """Launcher -> coordinator: what it knows first hand of one of its engines
     (the process died, is being restarted, or is READY again)."""
@@ -266,7 +306,7 @@ class RankEvent(msgspec.Struct, tag="rank", array_like=True, gc=False):
     status: RankStatus
 
 
-CoordinatorRequest = WakeEngines | ScaleEngines | RankEvent
+CoordinatorRequest = WakeEngines | ScaleEngines | RankEvent | ScaleRequest | ScaleResult
 
 
 # ---- rendezvous (external / hybrid load balancing) ------------------------------

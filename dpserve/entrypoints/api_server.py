@@ -92,12 +92,14 @@ class APIServerOptions:
     max_request_body_bytes: int
     load_balance: str  # "least-loaded" | "round-robin"
     uvicorn_log_level: str
+    enable_admin_api: bool = False  # admin routes (scale, ...); with api_key they need it
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> APIServerOptions:
         return cls(served_model_name=args.served_model_name or _default_served_name(args.model),
                    api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes,
-                   load_balance=args.load_balance, uvicorn_log_level=args.uvicorn_log_level)
+                   load_balance=args.load_balance, uvicorn_log_level=args.uvicorn_log_level,
+                   enable_admin_api=getattr(args, "enable_admin_api", False))
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,8 @@ async def serve_http(options: APIServerOptions, config: EngineConfig, spec: APIS
                                lockstep=config.parallel.data_parallel_lockstep,
                                secret=config.parallel.data_parallel_secret,
                                max_migrations=config.parallel.max_request_migrations,
-                               fail_stop=config.parallel.engine_failure_policy == "stop")
+                               fail_stop=config.parallel.engine_failure_policy == "stop",
+                               elastic=config.parallel.elastic)
     llm: AsyncLLM | None = None
     died = False
     try:
@@ -168,6 +171,11 @@ async def serve_http(options: APIServerOptions, config: EngineConfig, spec: APIS
         app = build_app(llm, options.served_model_name, api_key=options.api_key,
                         max_request_body_bytes=options.max_request_body_bytes,
                         api_server_index=spec.index)
+        if options.enable_admin_api:
+            from dpserve.server.scale import add_scale_route, admin_guard
+
+            add_scale_route(app, llm, admin_guard(
+                options.api_key or os.environ.get("DPSERVE_API_KEY") or None))
         # log_config=None: uvicorn's loggers use ours, so its lines name the process too.
         server = DrainingServer(uvicorn.Config(
             app, log_level=options.uvicorn_log_level, log_config=None, access_log=False,

@@ -80,6 +80,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None,
                         help="Require 'Authorization: Bearer KEY' on /v1/* "
                              "(default: $DPSERVE_API_KEY; none = open).")
+    parser.add_argument("--enable-admin-api", action="store_true",
+                        help="Serve the admin routes (POST /scale_elastic_ep, ...); with "
+                             "--api-key they need the key too.")
     parser.add_argument("--served-model-name", default=None,
                         help="Model name clients use (default: the model argument, or "
                              "SmolLM2-135M-Instruct).")

@@ -101,8 +101,9 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
                                f"{[r['rank'] for r in ranks]}, got {rank!r}", param="rank")
             ranks = [r for r in ranks if r["rank"] == int(rank)]
         ok = any(r["state"] == "serving" for r in ranks)
-        return JSONResponse({"status": "ok" if ok else "unavailable", "ranks": ranks},
-                            status_code=200 if ok else 503)
+        size = getattr(async_llm.client, "data_parallel_size", len(ranks))
+        return JSONResponse({"status": "ok" if ok else "unavailable", "ranks": ranks,
+                             "data_parallel_size": size}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -112,6 +113,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
         metrics.set_ranks({r["rank"]: (r["state"], r["incarnation"])
                            for r in _rank_states(async_llm)})
         metrics.record_moved(_moved(client))
+        metrics.set_elastic(getattr(client, "data_parallel_size", 1),
+                            getattr(client, "autoscale_decisions", None))
         return Response(metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     @app.get("/version")
