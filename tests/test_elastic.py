@@ -239,3 +239,28 @@ def test_autoscale_up_under_a_burst_and_down_when_idle(tiny_llama):
         assert "autoscale up: 1 -> 2 engines: mean waiting requests per serving rank" in log
         assert "autoscale down: 2 -> 1 engines: mean waiting + running" in log
         assert asyncio.run(complete_n(url, model, 4)) == [200] * 4
+
+
+def test_ray_scale_up_and_down(tiny_llama):
+    """The Ray backend: a new engine actor in a new placement group, then drained and
+    killed; streams run throughout and none is cut."""
+    pytest.importorskip("ray")
+    model = str(tiny_llama)
+    expected = expected_greedy(model, PROMPTS)
+    with serve(model, *ARGS, "--data-parallel-backend", "ray", "--data-parallel-size-max",
+               "2", timeout=180) as (proc, url):
+        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 2))
+        assert resp.status_code == 200, resp.text
+        assert texts == expected
+        assert "EngineCore_1" in _engines(proc)
+        before = finished_by_engine(url).get(1, 0)
+        assert asyncio.run(complete_n(url, model, 4, rank=1)) == [200] * 4
+        assert finished_by_engine(url)[1] - before == 4
+        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 1))
+        assert resp.status_code == 200, resp.text
+        assert texts == expected
+        assert metric_sum(url, "dpserve:request_migrations_total") == 0
+        wait_until(lambda: "EngineCore_1" not in _engines(proc), 60, "actor 1 to be gone")
+        assert httpx.get(url + "/health", timeout=5).json()["data_parallel_size"] == 1
+        assert asyncio.run(complete_n(url, model, 4)) == [200] * 4
+        assert proc.poll() is None

@@ -122,7 +122,6 @@ class EngineLaunch:
         self.manager.remove_rank(rank, timeout)
         self.ready.pop(rank, None)
         self.ranks = tuple(r for r in self.ranks if r != rank)
-        self.init = msgspec.structs.replace(self.init, dp_size=len(self.ranks))
 
     def restart_engine(self, rank: int, incarnation: int) -> None:
         """A new engine (process or Ray actor) for this host's `rank`, READY when this
