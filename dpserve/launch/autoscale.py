@@ -63,8 +63,14 @@ class Autoscaler:
         load = sum(sum(counts[r]) for r in range(min(size, len(counts)))) / len(serving)
         high = waiting > c.up_queue and size < c.max_size
         low = load < c.down_load and size > c.min_size
-        self._high_since = (self._high_since or now) if high else None
-        self._low_since = (self._low_since or now) if low else None
+        if not high:
+            self._high_since = None
+        elif self._high_since is None:
+            self._high_since = now
+        if not low:
+            self._low_since = None
+        elif self._low_since is None:
+            self._low_since = now
         if self._high_since is not None and now - self._high_since >= c.up_window_s:
             return size + 1, (f"mean waiting requests per serving rank {waiting:.2f} > "
                               f"{c.up_queue:g} for {c.up_window_s:g} s")
