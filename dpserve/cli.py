@@ -63,6 +63,15 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_serve)
 
 
+def _scale_parser(sub: argparse._SubParsersAction) -> None:
+    from dpserve.entrypoints.scale import add_scale_args, run_scale
+
+    p = sub.add_parser("scale", help="Change a running server's number of DP engines.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_scale_args(p)
+    p.set_defaults(func=run_scale)
+
+
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
     from dpserve.benchmark import serve as bench_serve
 
@@ -80,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     _generate_parser(sub)
     _serve_parser(sub)
     _bench_parser(sub)
+    _scale_parser(sub)
     args = parser.parse_args(argv)
     setup_logging()
     try:

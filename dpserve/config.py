@@ -80,6 +80,19 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class AutoscaleConfig:
+    """`--data-parallel-autoscale MIN:MAX` and its targets (`dpserve.launch.autoscale`)."""
+
+    min_size: int
+    max_size: int
+    up_queue: float = 2.0  # mean waiting requests per serving rank above this ...
+    up_window_s: float = 10.0  # ... for this long: add a rank
+    down_load: float = 0.5  # mean waiting + running per serving rank below this ...
+    down_window_s: float = 60.0  # ... for this long: remove a rank
+    cooldown_s: float = 30.0  # no decision this long after a change ends
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     data_parallel_size: int  # engine replicas, on every host together
     threads_per_engine: int | None  # torch CPU threads (None: torch's default)
@@ -106,6 +119,17 @@ class ParallelConfig:
     engine_failure_policy: str = "restart"  # restart | isolate | stop
     max_engine_restarts: int = 5  # per rank per RESTART_WINDOW_S; then it stays out
     max_request_migrations: int = 3  # moves of one request to another rank
+    # Scaling at run time (README "Scaling at run time"): the most engines a change may
+    # reach (resolved: the option, else the autoscale MAX, else data_parallel_size).
+    data_parallel_size_max: int = 1
+    autoscale: AutoscaleConfig | None = None  # --data-parallel-autoscale
+
+    @property
+    def elastic(self) -> bool:
+        """The engine count may change at run time (one host's mp engines, or Ray)."""
+        return self.data_parallel_size_max > 1 and (
+            self.data_parallel_backend == "ray"
+            or (not self.has_remote_engines and not self.local_lb))
 
     @property
     def local_ranks(self) -> list[int]:
@@ -214,6 +238,22 @@ class EngineArgs:
                                     "rank stays out.")
     max_request_migrations: int = _opt(3, "How often one request may move to another rank "
                                        "when its rank fails.")
+    data_parallel_size_max: int | None = _opt(None, "Most engines a change at run time "
+                                              "(POST /scale_elastic_ep, dpserve scale, the "
+                                              "autoscaler) may reach (default: the autoscale "
+                                              "MAX, else --data-parallel-size).")
+    data_parallel_autoscale: str | None = _opt(None, "MIN:MAX: add or remove engines with "
+                                               "the load, between MIN and MAX engines.")
+    autoscale_up_queue: float = _opt(2.0, "Autoscale: add an engine when the mean number "
+                                     "of waiting requests per serving engine stays above "
+                                     "this for --autoscale-up-window s.")
+    autoscale_up_window: float = _opt(10.0, "Autoscale: seconds the queue must stay high.")
+    autoscale_down_load: float = _opt(0.5, "Autoscale: remove an engine when the mean "
+                                      "waiting + running requests per serving engine stay "
+                                      "below this for --autoscale-down-window s.")
+    autoscale_down_window: float = _opt(60.0, "Autoscale: seconds the load must stay low.")
+    autoscale_cooldown: float = _opt(30.0, "Autoscale: seconds after a change before the "
+                                     "next decision.")
     shutdown_timeout: float = _opt(30.0, "On SIGTERM (or Ctrl-C), seconds that requests in "
                                    "flight get to finish before they are aborted; new "
                                    "requests get 503 meanwhile.")
@@ -280,6 +320,7 @@ class EngineArgs:
             block_size=self.block_size, kv_cache_memory=kv_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
             enable_prefix_caching=self.enable_prefix_caching, num_kv_blocks=self.num_kv_blocks)
+        autoscale = self._autoscale()
         budget = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
         scheduler = SchedulerConfig(max_num_batched_tokens=budget,
                                     max_num_seqs=self.max_num_seqs, max_model_len=max_model_len)
@@ -287,7 +328,7 @@ class EngineArgs:
             data_parallel_size=self.data_parallel_size,
             threads_per_engine=self._threads_per_engine(device),
             data_parallel_lockstep=(self.data_parallel_lockstep or _is_moe(hf_config))
-            and self.data_parallel_size > 1,
+            and self._size_max(autoscale) > 1,
             data_parallel_sync_interval=self.data_parallel_sync_interval,
             data_parallel_collective_timeout=self.data_parallel_collective_timeout,
             data_parallel_size_local=self._size_local(),
@@ -305,7 +346,8 @@ class EngineArgs:
             engine_stall_timeout=self.engine_stall_timeout,
             engine_failure_policy=self.engine_failure_policy,
             max_engine_restarts=self.max_engine_restarts,
-            max_request_migrations=self.max_request_migrations)
+            max_request_migrations=self.max_request_migrations,
+            data_parallel_size_max=self._size_max(autoscale), autoscale=autoscale)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             parallel=parallel, device=device,
                             shutdown_timeout=float(self.shutdown_timeout))
@@ -319,6 +361,50 @@ class EngineArgs:
         cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                  else os.cpu_count() or 1)
         return max(1, cores // local)
+
+    def _autoscale(self) -> AutoscaleConfig | None:
+        """--data-parallel-autoscale MIN:MAX and its targets, validated."""
+        spec = self.data_parallel_autoscale
+        if spec is None:
+            return None
+        lo, _, hi = spec.partition(":")
+        if not (lo.strip().isdigit() and hi.strip().isdigit()):
+            raise ConfigError(f"data_parallel_autoscale must be MIN:MAX (two whole numbers, "
+                              f"e.g. 1:4), got {spec!r}")
+        low, high = int(lo), int(hi)
+        if not 1 <= low <= self.data_parallel_size <= high:
+            raise ConfigError(f"data_parallel_autoscale {spec} must satisfy 1 <= MIN <= "
+                              f"data_parallel_size ({self.data_parallel_size}) <= MAX")
+        for name in ("autoscale_up_queue", "autoscale_up_window", "autoscale_down_window"):
+            self._need(getattr(self, name) > 0, name, "must be positive")
+        for name in ("autoscale_down_load", "autoscale_cooldown"):
+            self._need(getattr(self, name) >= 0, name, "must not be negative")
+        self._need(self.autoscale_down_load < self.autoscale_up_queue, "autoscale_down_load",
+                   f"must be below autoscale_up_queue ({self.autoscale_up_queue}) "
+                   f"(hysteresis)")
+        return AutoscaleConfig(low, high, self.autoscale_up_queue, self.autoscale_up_window,
+                               self.autoscale_down_load, self.autoscale_down_window,
+                               self.autoscale_cooldown)
+
+    def _size_max(self, autoscale: AutoscaleConfig | None) -> int:
+        """The most engines a change at run time may reach (validated)."""
+        size = self.data_parallel_size
+        scaling = autoscale is not None or (self.data_parallel_size_max or size) > size
+        fixed_hosts = (self._size_local() < size or self.data_parallel_rank is not None
+                       or self.data_parallel_hybrid_lb)
+        if scaling and fixed_hosts and self.data_parallel_backend != "ray":
+            raise ConfigError("data_parallel_size_max: scaling at run time (it, or "
+                              "--data-parallel-autoscale) needs one host's engines (mp) or "
+                              "Ray, not headless hosts or external/hybrid load balancing")
+        if self.data_parallel_size_max is None:
+            return autoscale.max_size if autoscale is not None else size
+        self._need(self.data_parallel_size_max >= size, "data_parallel_size_max",
+                   f"must be at least data_parallel_size ({size})")
+        if autoscale is not None:
+            self._need(self.data_parallel_size_max >= autoscale.max_size,
+                       "data_parallel_size_max",
+                       f"must be at least the autoscale MAX ({autoscale.max_size})")
+        return self.data_parallel_size_max
 
     def _size_local(self) -> int:
         if self.data_parallel_size_local is not None:

@@ -188,8 +188,14 @@ class HandshakeReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 # Front publish socket (coordinator XPUB <-> front-end XSUB, subscribed to b""):
 #     coordinator -> front-ends: CoordinatorUpdate;
 #     front-ends and the launcher -> coordinator: a CoordinatorRequest
-#     (WakeEngines | ScaleEngines | RankEvent | ControlChange | RankControl); launchers
-#     (their supervisors) read the updates too, for `CoordinatorUpdate.restart`.
+#     (WakeEngines | ScaleEngines | RankEvent | ScaleRequest | ScaleResult |
+#     ControlChange | RankControl); launchers (their supervisors) read the updates
+#     too, for `CoordinatorUpdate.restart`.
+# Scaling at run time (dpserve.launch.scaler): a front-end's ScaleRequest ->
+#     the coordinator publishes ScaleStatus PENDING (or REJECTED while another
+#     runs) -> the launcher starts engines (ScaleEngines first: new ranks are
+#     STARTING) or drains them (RankEvent DRAINING, then ScaleEngines) ->
+#     ScaleResult -> the coordinator publishes DONE / FAILED.
 # Control (pause / sleep): [RequestType.CONTROL.value, ControlState] on the engine
 #     publish socket after every change (and after READY to a late engine); engines
 #     answer EngineReport(control_done=seq) once in that state.
@@ -298,6 +304,8 @@ class CoordinatorUpdate(msgspec.Struct, array_like=True, gc=False):
     waiting_tokens: list[int] | None = None  # [num_engines] with counts: waiting prompt tokens
     engines: list[EngineInfo] | None = None  # [num_engines]; None: no news
     restart: RestartRank | None = None  # for the launchers (supervisors) only
+    scale: ScaleStatus | None = None  # the latest change of the engine count (or answer)
+    autoscale_decisions: list[int] | None = None  # [up, down] the autoscaler made, in total
 
 
 class WakeEngines(msgspec.Struct, tag="wake", array_like=True, gc=False):
@@ -311,6 +319,39 @@ class ScaleEngines(msgspec.Struct, tag="scale", array_like=True, gc=False):
     """Launcher/front-end -> coordinator: the number of DP engines is now `num_engines`."""
 
     num_engines: int
+
+
+class ScaleRequest(msgspec.Struct, tag="scale_request", array_like=True, gc=False):
+    """Front-end -> coordinator: change the number of DP engines to `num_engines`
+    (answered by a `ScaleStatus` with the same `scale_id` in a `CoordinatorUpdate`)."""
+
+    scale_id: str
+    num_engines: int
+
+
+class ScalePhase(str, enum.Enum):
+    PENDING = "pending"  # accepted by the coordinator; its launcher carries it out
+    DONE = "done"
+    FAILED = "failed"  # the launcher could not do it (the engine count is `old_size`)
+    REJECTED = "rejected"  # another change was running (nothing done)
+
+
+class ScaleStatus(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Coordinator -> front-ends and the launcher: where change `scale_id` stands."""
+
+    scale_id: str
+    phase: ScalePhase
+    old_size: int
+    new_size: int
+    message: str = ""  # why it failed or was rejected; the autoscaler's reason
+
+
+class ScaleResult(msgspec.Struct, tag="scale_result", array_like=True, gc=False):
+    """Launcher -> coordinator: change `scale_id` is done (`ok`) or failed (`message`)."""
+
+    scale_id: str
+    ok: bool
+    message: str = ""
 
 
 class RankEvent(msgspec.Struct, tag="rank", array_like=True, gc=False):
@@ -339,7 +380,8 @@ class RankControl(msgspec.Struct, tag="rank_control", array_like=True, gc=False)
     action: str
 
 
-CoordinatorRequest = WakeEngines | ScaleEngines | RankEvent | ControlChange | RankControl
+CoordinatorRequest = (WakeEngines | ScaleEngines | RankEvent | ScaleRequest | ScaleResult
+                      | ControlChange | RankControl)
 
 
 # ---- rendezvous (external / hybrid load balancing) ------------------------------

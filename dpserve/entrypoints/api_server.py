@@ -166,7 +166,8 @@ async def serve_http(options: APIServerOptions, config: EngineConfig, spec: APIS
                                lockstep=config.parallel.data_parallel_lockstep,
                                secret=config.parallel.data_parallel_secret,
                                max_migrations=config.parallel.max_request_migrations,
-                               fail_stop=config.parallel.engine_failure_policy == "stop")
+                               fail_stop=config.parallel.engine_failure_policy == "stop",
+                               elastic=config.parallel.elastic)
     llm: AsyncLLM | None = None
     died = False
     try:

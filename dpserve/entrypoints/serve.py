@@ -82,8 +82,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "(default: $DPSERVE_API_KEY; none = open).")
     parser.add_argument("--enable-admin-api", action="store_true",
                         help="Serve the admin routes (/pause, /resume, /sleep, /wake_up, "
-                             "/reset_prefix_cache, per-rank cordon/uncordon/drain/restart, "
-                             "...); with --api-key they need the key too.")
+                             "/reset_prefix_cache, /scale_elastic_ep, per-rank cordon/uncordon/"
+                             "drain/restart); with --api-key they need the key too.")
     parser.add_argument("--max-num-queued-requests", type=int, default=None,
                         help="Answer 429 (Retry-After) when every serving engine has this "
                              "many requests waiting (default: no limit).")

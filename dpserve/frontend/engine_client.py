@@ -98,6 +98,9 @@ from dpserve.protocol import (
     RankState,
     RankStatus,
     RequestType,
+    ScalePhase,
+    ScaleRequest,
+    ScaleStatus,
     SchedulerStats,
     UtilityCall,
     WakeEngines,
@@ -178,7 +181,7 @@ class AsyncEngineClient:
                  coordinator_address: str | None = None,
                  load_balance: str = "least-loaded", lockstep: bool = False,
                  secret: str | None = None, max_migrations: int = 3,
-                 fail_stop: bool = False) -> None:
+                 fail_stop: bool = False, elastic: bool = False) -> None:
         if load_balance not in LOAD_BALANCE_POLICIES:
             raise ValueError(f"load_balance must be one of {', '.join(LOAD_BALANCE_POLICIES)}, "
                              f"got {load_balance!r}")
@@ -232,6 +235,12 @@ class AsyncEngineClient:
         self.all_ranks: list[RankStatus] = []  # every rank's state, from the coordinator
         self.control_changed = asyncio.Event()  # replaced by a new one on every news
         self._coordinator: zmq.asyncio.Socket | None = None
+        # Elastic (the engine count changes at run time): the coordinator's rank list
+        # is the engine set; ranks that registered before we heard of them.
+        self.elastic = elastic and coordinator_address is not None
+        self._early: set[int] = set()
+        self._scales: dict[str, asyncio.Future] = {}  # scale_id -> its final ScaleStatus
+        self.autoscale_decisions: list[int] | None = None  # [up, down], from the coordinator
         if coordinator_address is not None:
             self._coordinator = secure(self._ctx.socket(zmq.XSUB), "client", secret)
             self._coordinator.setsockopt(zmq.LINGER, 0)
@@ -242,6 +251,11 @@ class AsyncEngineClient:
     def engine_ranks(self) -> list[int]:
         """The ranks of every engine this client sends to."""
         return sorted(self.engines)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The number of DP engines now (it changes when the server scales)."""
+        return len(self.engines)
 
     # ---- requests ------------------------------------------------------------
 
@@ -324,8 +338,10 @@ class AsyncEngineClient:
             if rank is not None:
                 by_rank.setdefault(rank, []).append(rid)
         for rank, ids in by_rank.items():
+            engine = self.engines.get(rank)  # None: removed (its requests are moving)
             with contextlib.suppress(EngineUnavailableError):  # gone: nothing to abort there
-                await self._send(self.engines[rank], RequestType.ABORT, ids)
+                if engine is not None:
+                    await self._send(engine, RequestType.ABORT, ids)
 
     async def call_utility(self, method: str, *args: Any, engine: int | None = None,
                            timeout: float = 30.0, result_type: Any = None) -> Any:
@@ -443,6 +459,58 @@ class AsyncEngineClient:
     async def __aexit__(self, *exc: Any) -> None:
         await self.aclose()
 
+    # ---- scaling at run time (dpserve.launch.scaler) ------------------------------------
+
+    async def request_scale(self, num_engines: int, timeout: float) -> ScaleStatus:
+        """Ask the coordinator to change the engine count; its final answer (DONE,
+        FAILED or REJECTED). TimeoutError after `timeout` s."""
+        self._check_alive()
+        if not self.elastic:
+            raise EngineUnavailableError("this server cannot change its engine count")
+        scale_id = f"api{self.client_index}-{next(self._call_ids)}-{id(self):x}"
+        future = self._scales[scale_id] = self._loop.create_future()
+        try:
+            await self._coordinator.send(self._encoder.encode(ScaleRequest(scale_id,
+                                                                           num_engines)))
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"the change to {num_engines} engines did not finish within "
+                               f"{timeout:.0f} s") from None
+        finally:
+            self._scales.pop(scale_id, None)
+
+    def _on_scale_news(self, update: CoordinatorUpdate) -> None:
+        """A coordinator update: the engine set's size, and answers to our scale requests."""
+        if update.autoscale_decisions is not None:
+            self.autoscale_decisions = update.autoscale_decisions
+        scale = update.scale
+        if scale is not None and scale.phase is not ScalePhase.PENDING:
+            future = self._scales.get(scale.scale_id)
+            if future is not None and not future.done():
+                future.set_result(scale)
+        if self.elastic and update.ranks is not None and len(update.ranks) != len(self.engines):
+            self._resize(len(update.ranks))
+
+    def _resize(self, size: int) -> None:
+        """The engine set is ranks [0, size) now: new ranks start as the coordinator says
+        (STARTING); removed ones get nothing more, and what they still hold moves."""
+        for rank in [r for r in self.engines if r >= size]:
+            engine = self.engines.pop(rank)
+            logger.info("front-end %d: rank %d removed (scaled down to %d engines)",
+                        self.client_index, rank, size)
+            engine.status = RankStatus(RankState.DEAD, engine.status.incarnation,
+                                       f"removed: scaled down to {size} engines")
+            self._spawn(self._evacuate(engine, abort=True))
+        for rank in range(size):
+            if rank not in self.engines:
+                engine = self.engines[rank] = EngineState(rank, engine_identity(rank),
+                                                          status=RankStatus(RankState.STARTING))
+                if rank in self._early:
+                    engine.registered.set()
+                logger.info("front-end %d: rank %d added (scaled up to %d engines)",
+                            self.client_index, rank, size)
+        self._early -= set(self.engines)
+
     # ---- internals ----------------------------------------------------------------
 
     def _check_alive(self) -> None:
@@ -495,7 +563,7 @@ class AsyncEngineClient:
 
     def _forget(self, request_id: str) -> None:
         flight = self._inflight.pop(request_id, None)
-        if flight is not None:
+        if flight is not None and flight.rank in self.engines:
             self.engines[flight.rank].num_requests -= 1
 
     async def _send(self, engine: EngineState, request_type: RequestType, body: Any) -> None:
@@ -589,12 +657,14 @@ class AsyncEngineClient:
         self._tasks.append(task)
         task.add_done_callback(lambda t: t in self._tasks and self._tasks.remove(t))
 
-    async def _evacuate(self, engine: EngineState) -> None:
-        """Move every request of `engine` (no longer serving) to a serving rank."""
+    async def _evacuate(self, engine: EngineState, abort: bool | None = None) -> None:
+        """Move every request of `engine` (no longer serving) to a serving rank;
+        `abort` (default: unless it is dead) sends it an ABORT for them first."""
         ids = [rid for rid, f in self._inflight.items() if f.rank == engine.rank]
         if not ids:
             return
-        if engine.status.state is not RankState.DEAD:  # it may come back: no duplicates
+        if abort if abort is not None else engine.status.state is not RankState.DEAD:
+            # It may come back (or still runs): no duplicates
             with contextlib.suppress(zmq.ZMQError):
                 await self._input.send_multipart(
                     [engine.identity, RequestType.ABORT.value, self._encoder.encode(ids)],
@@ -610,7 +680,9 @@ class AsyncEngineClient:
         """Re-send a request to another serving rank with the tokens it already has, so
         its stream goes on; past `max_migrations`, pinned, or with no rank serving, it
         ends with an error output instead."""
-        self.engines[flight.rank].num_requests -= 1
+        source = self.engines.get(flight.rank)  # None: removed by a scale-down
+        if source is not None:
+            source.num_requests -= 1
         moved = msgspec.structs.replace(
             flight.request, current_wave=self.current_wave,
             prior_output_token_ids=list(flight.generated) or None)
@@ -667,7 +739,9 @@ class AsyncEngineClient:
             identity, *frames = await self._input.recv_multipart()
             rank = int.from_bytes(identity, "little")
             engine = self.engines.get(rank)
-            if engine is None:
+            if engine is None and self.elastic and frames == [b""]:
+                self._early.add(rank)  # a new rank (scaling up) we have not heard of yet
+            elif engine is None:
                 logger.warning("message from unexpected engine rank %d ignored", rank)
             elif frames == [b""]:
                 logger.debug("engine %d registered with front-end %d", rank,
@@ -707,6 +781,7 @@ class AsyncEngineClient:
                 logger.error("undecodable message from the DP coordinator dropped: %s", e)
                 continue
             self.current_wave, self.engines_running = update.wave, update.running
+            self._on_scale_news(update)
             for rank, status in enumerate(update.ranks or []):
                 self.set_rank_status(rank, status)
             if update.ranks is not None:

@@ -9,7 +9,10 @@ Scope:
   sent a request while paused (`WakeEngines`), or an engine that got a request
   of a finished wave (`start_wave`), makes the coordinator broadcast
   START_DP_WAVE to the engines. Wave news is published to front-ends at once.
-* Scale: `ScaleEngines` changes the number of engines at run time.
+* Scale: a front-end's `ScaleRequest` (or the autoscaler, `--data-parallel-
+  autoscale`) becomes a `ScaleStatus` that the launcher (`dpserve.launch.scaler`)
+  carries out; `ScaleEngines` from it resizes the tables (new ranks STARTING),
+  its `ScaleResult` ends the change (`dpserve.launch.autoscale.ScaleBook`).
 * Pause / sleep (`ControlChange` from a front-end): keeps the `ControlState`
   (rules in `dpserve.control`), broadcasts it to every engine as CONTROL (and
   to an engine that subscribes late, after READY), records the seq each
@@ -56,8 +59,10 @@ from typing import Any
 import msgspec
 import zmq
 
+from dpserve.config import AutoscaleConfig
 from dpserve.control import next_state
 from dpserve.launch.addresses import AddressAllocator
+from dpserve.launch.autoscale import ScaleBook
 from dpserve.launch.process import ProcessGroup, start_parent_watcher
 from dpserve.logging_utils import name_process
 from dpserve.protocol import (
@@ -75,6 +80,8 @@ from dpserve.protocol import (
     RequestType,
     RestartRank,
     ScaleEngines,
+    ScaleRequest,
+    ScaleResult,
     StartDPWave,
     WakeEngines,
 )
@@ -109,7 +116,8 @@ class DPCoordinator:
                  secret: str | None = None, stats_interval_s: float = 0.1,
                  idle_publish_s: float = 5.0, startup_timeout_s: float = 600.0,
                  heartbeat_timeout_s: float = 3.0, stall_timeout_s: float = 30.0,
-                 dp_store: tuple[str, int] | None = None) -> None:
+                 dp_store: tuple[str, int] | None = None, size_max: int | None = None,
+                 autoscale: AutoscaleConfig | None = None) -> None:
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         owned = allocator is None
@@ -127,7 +135,8 @@ class DPCoordinator:
                               idle_publish_s=idle_publish_s,
                               startup_timeout_s=startup_timeout_s,
                               heartbeat_timeout_s=heartbeat_timeout_s,
-                              stall_timeout_s=stall_timeout_s, dp_store=dp_store)
+                              stall_timeout_s=stall_timeout_s, dp_store=dp_store,
+                              size_max=size_max, autoscale=autoscale)
         self.proc: BaseProcess | None = None
         self._group = ProcessGroup(self, on_close=allocator.cleanup if owned else None)
 
@@ -247,9 +256,11 @@ class _HealthTable:
         self._step: list[tuple[int, float, bool]] = [(-1, 0.0, False)] * num_engines
 
     def resize(self, num_engines: int) -> None:
+        """Ranks past `num_engines` go; new ones are STARTING until they beat."""
         grow = num_engines - len(self.status)
         del self.status[num_engines:], self._last_beat[num_engines:], self._step[num_engines:]
-        self.status += [RankStatus() for _ in range(grow)]
+        self.status += [RankStatus(RankState.STARTING, reason="scaling up")
+                        for _ in range(grow)]
         self._last_beat += [None] * grow
         self._step += [(-1, 0.0, False)] * grow
 
@@ -362,8 +373,10 @@ class DPCoordinatorProc:
                  stats_interval_s: float = 0.1, idle_publish_s: float = 5.0,
                  startup_timeout_s: float = 600.0, heartbeat_timeout_s: float = 3.0,
                  stall_timeout_s: float = 30.0,
-                 dp_store: tuple[str, int] | None = None) -> None:
+                 dp_store: tuple[str, int] | None = None, size_max: int | None = None,
+                 autoscale: AutoscaleConfig | None = None) -> None:
         self.loads = _LoadTable(num_engines)
+        self.scaling = ScaleBook(size_max, autoscale)  # run-time changes of the engine count
         self.health = _HealthTable(num_engines, heartbeat_timeout_s, stall_timeout_s)
         self.info = RankInfoTable(num_engines)  # what /engines shows besides counts
         self.group = _DPGroup() if dp_store is not None else None  # lockstep only
@@ -463,7 +476,11 @@ class DPCoordinatorProc:
             # 6. Lockstep: a new DP group generation when membership changed or
             #    a collective failed.
             self._regroup()
-            # 7. Publish the counts when due.
+            # 7. Autoscale (--data-parallel-autoscale): a change when load says so.
+            if self.scaling.autoscale_due(self.loads.counts, self.health.status,
+                                          time.monotonic()):
+                self._publish_counts()
+            # 8. Publish the counts when due.
             if time.monotonic() >= self._next_publish():
                 self._publish_counts()
 
@@ -506,6 +523,13 @@ class DPCoordinatorProc:
             return
         if isinstance(request, ScaleEngines):
             self._on_scale(request.num_engines)
+        elif isinstance(request, (ScaleRequest, ScaleResult)):
+            answer = self.scaling.on_request(request, len(self.loads), time.monotonic())
+            if answer is not None:  # to the asker only in effect: others ignore its id
+                self.front.send(msgspec.msgpack.encode(CoordinatorUpdate(
+                    None, self.wave, self.running, scale=answer)))
+            else:
+                self._publish_counts()
         elif isinstance(request, RankEvent):
             self._on_rank_event(request)
         elif isinstance(request, ControlChange):
@@ -683,7 +707,9 @@ class DPCoordinatorProc:
                                    list(self.control_done) if self.control.seq else None,
                                    list(self.loads.tokens) if self.publish_counts
                                    and any(self.loads.tokens) else None,
-                                   engines=self.info.take(), restart=restart)
+                                   engines=self.info.take(), restart=restart,
+                                   scale=self.scaling.status,
+                                   autoscale_decisions=self.scaling.decisions())
         self.front.send(msgspec.msgpack.encode(update))
         self._last_publish = time.monotonic()
 

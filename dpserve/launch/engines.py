@@ -63,6 +63,7 @@ class EngineProcManager:
         self.local = local
         self.handshake_timeout = handshake_timeout or HANDSHAKE_TIMEOUT_S
         self.ranks = list(range(start_rank, start_rank + num_engines))
+        self._lock = threading.Lock()  # ranks and processes change together (scaling)
         self._group = ProcessGroup(self)
         for rank in self.ranks:
             self._group.spawn(self._target(), f"EngineCore_{rank}", **self._kwargs(rank))
@@ -84,7 +85,9 @@ class EngineProcManager:
     def wait_for_exits(self, ranks: Collection[int], timeout: float) -> dict[int, str]:
         """Block up to `timeout` s until the process of one of `ranks` exits; rank ->
         "EngineCore_1 (pid 42) exited with code -9" for each that did."""
-        watched = {self.processes[self.ranks.index(r)]: r for r in ranks}
+        with self._lock:  # a rank removed meanwhile (scaling down) is not watched
+            watched = {self.processes[self.ranks.index(r)]: r for r in ranks
+                       if r in self.ranks}
         return {watched[p]: f"{p.name} (pid {p.pid}) exited with code {p.exitcode}"
                 for p in wait_for_any_exit(list(watched), timeout=timeout)}
 
@@ -129,6 +132,36 @@ class EngineProcManager:
         old = self.processes[self.ranks.index(rank)]
         old.join(timeout=1.0)
         self._group.replace(old, self._target(), **self._kwargs(rank, incarnation))
+
+    def add_ranks(self, ranks: Sequence[int], init: EngineInitMetadata, timeout: float,
+                  also_watch: Sequence[BaseProcess] = ()) -> dict[int, HandshakeReady]:
+        """Scaling up: new processes for `ranks`, walked to READY, then watched (in
+        `ranks`); on failure they are stopped and EngineStartupError raised."""
+        with self._lock:
+            new = [self._group.spawn(self._target(), f"EngineCore_{rank}", **self._kwargs(rank))
+                   for rank in ranks]
+        try:
+            ready = wait_for_engine_startup(self.handshake_address, init, list(ranks),
+                                            [*new, *also_watch], timeout=timeout,
+                                            secret=self.secret)
+        except BaseException:
+            shutdown(new)
+            with self._lock:
+                for proc in new:
+                    self.processes.remove(proc)
+            raise
+        with self._lock:  # processes [i] belongs to ranks [i]: the new ones are last
+            self.ranks += list(ranks)
+        return ready
+
+    def remove_rank(self, rank: int, timeout: float) -> None:
+        """Scaling down: stop `rank`'s process (SIGTERM: an idle engine exits at once;
+        terminate -> join -> kill after `timeout`) and forget it."""
+        with self._lock:
+            index = self.ranks.index(rank)
+            del self.ranks[index]
+            proc = self.processes.pop(index)
+        shutdown([proc], timeout=timeout)
 
     def finished_procs(self) -> dict[str, int]:
         """Name -> exit code of every process that has exited."""

@@ -29,6 +29,8 @@ from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from dpserve.config import ConfigError, EngineConfig
 from dpserve.launch.addresses import AddressAllocator, ZmqAddresses, url_host
 from dpserve.launch.engines import EngineProcManager, RejoinServer
@@ -43,6 +45,7 @@ from dpserve.protocol import (
 
 if TYPE_CHECKING:
     from dpserve.launch.coordinator import DPCoordinator
+    from dpserve.launch.scaler import Scaler
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +65,7 @@ class EngineLaunch:
     init: EngineInitMetadata | None = None  # what this host's engines are told (restarts)
     ready_timeout: float = 600.0
     supervisor: Supervisor | None = None
+    scaler: Scaler | None = None  # carries out changes of the engine count (elastic)
     rejoin: RejoinServer | None = None  # the head's handshake for restarted remote engines
 
     @property
@@ -93,6 +97,31 @@ class EngineLaunch:
         server drains; clean exits then are expected."""
         if self.manager is not None or self.coordinator is not None:
             self.supervisor = Supervisor(self, config, on_status, on_fatal, stopping)
+        if config.parallel.elastic and self.coordinator_address is not None:
+            from dpserve.launch.scaler import Scaler
+
+            self.scaler = Scaler(self, config)
+
+    def add_engines(self, ranks: list[int]) -> None:
+        """Start engines for new `ranks` (scaling up), READY when this returns; on
+        failure none of them is left running (EngineStartupError)."""
+        assert self.manager is not None and self.init is not None
+        self.init = msgspec.structs.replace(self.init, dp_size=max(ranks) + 1)
+        coordinator = [self.coordinator.proc] if self.coordinator and self.coordinator.proc \
+            else []
+        self.ready.update(self.manager.add_ranks(ranks, self.init, self.ready_timeout,
+                                                 also_watch=coordinator))
+        self.ranks = tuple(sorted({*self.ranks, *ranks}))
+        if self.supervisor is not None:
+            for rank in ranks:
+                self.supervisor.reset_rank(rank)
+
+    def remove_engine(self, rank: int, timeout: float) -> None:
+        """Stop `rank`'s engine (scaling down; it holds no requests any more)."""
+        assert self.manager is not None and self.init is not None
+        self.manager.remove_rank(rank, timeout)
+        self.ready.pop(rank, None)
+        self.ranks = tuple(r for r in self.ranks if r != rank)
 
     def restart_engine(self, rank: int, incarnation: int) -> None:
         """A new engine (process or Ray actor) for this host's `rank`, READY when this
@@ -102,6 +131,8 @@ class EngineLaunch:
         self.ready[rank] = ready
 
     def close(self) -> None:
+        if self.scaler is not None:
+            self.scaler.close()
         if self.supervisor is not None:
             self.supervisor.close()
         try:
@@ -156,7 +187,9 @@ def _start_coordinator(launch: EngineLaunch, config: EngineConfig, ready_timeout
                                 startup_timeout_s=ready_timeout,
                                 heartbeat_timeout_s=p.engine_heartbeat_timeout,
                                 stall_timeout_s=p.engine_stall_timeout,
-                                dp_store=dp_store if p.data_parallel_lockstep else None)
+                                dp_store=dp_store if p.data_parallel_lockstep else None,
+                                size_max=p.data_parallel_size_max if p.elastic else None,
+                                autoscale=p.autoscale if p.elastic else None)
     launch.coordinator = coordinator
     coordinator.start()
     launch.coordinator_address = coordinator.front_publish_address
@@ -172,7 +205,7 @@ def _launch_head(launch: EngineLaunch, config: EngineConfig, num_clients: int,
     addrs = launch.allocator.engine_addresses(
         num_clients, remote_host=p.data_parallel_address if remote else None,
         rpc_port=p.data_parallel_rpc_port)
-    if size > 1:  # the coordinator first: engines connect to it while loading
+    if size > 1 or p.elastic:  # the coordinator first: engines connect to it while loading
         addrs = addrs.with_coordinator(_start_coordinator(
             launch, config, ready_timeout, remote=remote,
             dp_store=(addrs.dp_master_ip, addrs.dp_master_port)))
@@ -249,7 +282,7 @@ def _launch_ray(launch: EngineLaunch, config: EngineConfig, num_clients: int,
     size = p.data_parallel_size
     addrs = launch.allocator.engine_addresses(
         num_clients, remote_host=p.data_parallel_address, rpc_port=p.data_parallel_rpc_port)
-    if size > 1:  # the coordinator first: engines connect to it while loading
+    if size > 1 or p.elastic:  # the coordinator first: engines connect to it while loading
         addrs = addrs.with_coordinator(_start_coordinator(
             launch, config, ready_timeout, remote=True,
             dp_store=(addrs.dp_master_ip, addrs.dp_master_port)))

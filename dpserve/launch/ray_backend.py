@@ -349,16 +349,19 @@ class RayEngineManager:
 
     # ---- start-up ----------------------------------------------------------------
 
-    def _place(self, ranks_per_node: int | None, timeout: float) -> None:
-        """Plan, then one STRICT_PACK placement group per rank pinned to its node."""
+    def _place(self, ranks_per_node: int | None, timeout: float,
+               ranks: list[int] | None = None) -> None:
+        """Plan, then one STRICT_PACK placement group per rank (default: every rank;
+        scaling up: the new ones) pinned to its node."""
         import ray
         from ray.util.placement_group import placement_group
 
+        ranks = self.ranks if ranks is None else ranks
         nodes = _cluster_nodes()
         master = _master_node(nodes, self.node_ip, ray.get_runtime_context().get_node_id())
         self.master_node_id = master.node_id
         need = rank_needs(self.bundles)
-        args = (nodes, master.node_id, need, len(self.ranks), self.pack_strategy)
+        args = (nodes, master.node_id, need, len(ranks), self.pack_strategy)
         try:
             plan = plan_placement(*args, ranks_per_node=ranks_per_node)
         except RayPlacementError as busy:  # maybe resources in use (or a stale view): wait
@@ -366,18 +369,20 @@ class RayEngineManager:
             logger.info("placing on resources in use now, waiting up to %.0f s: %s",
                         timeout, busy)
         tag = uuid.uuid4().hex[:8]
-        for rank, node in zip(self.ranks, plan):
+        groups = []
+        for rank, node in zip(ranks, plan):
             self.node_of[rank] = node
-            self._state.placement_groups.append(placement_group(
+            groups.append(placement_group(
                 self.bundles, strategy="STRICT_PACK", name=f"dpserve-{tag}-dp{rank}",
                 bundle_label_selector=[{NODE_ID_LABEL: node.node_id}] * len(self.bundles)))
-        refs = {pg.ready(): rank for rank, pg in zip(self.ranks, self._state.placement_groups)}
+            self._state.placement_groups.append(groups[-1])
+        refs = {pg.ready(): rank for rank, pg in zip(ranks, groups)}
         _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
         if pending:
             raise RayPlacementError(self._not_placed(sorted(refs[r] for r in pending), need,
                                                      timeout))
-        logger.info("placed %d DP rank(s) (%s): %s", len(self.ranks), self.pack_strategy,
-                    ", ".join(f"{r}->{n.node_id[:8]}" for r, n in self.node_of.items()))
+        logger.info("placed %d DP rank(s) (%s): %s", len(ranks), self.pack_strategy,
+                    ", ".join(f"{r}->{self.node_of[r].node_id[:8]}" for r in ranks))
 
     def _not_placed(self, ranks: list[int], need: dict[str, float], timeout: float) -> str:
         free = {n.node_id: n.available for n in _cluster_nodes()}
@@ -530,6 +535,60 @@ class RayEngineManager:
             within(RAY_CALL_S, release, ray, [actor], [])
             raise
         return self._engine_ready(rank, info)
+
+    def add_ranks(self, ranks: Sequence[int], init: EngineInitMetadata, timeout: float,
+                  also_watch: Sequence[BaseProcess] = ()) -> dict[int, HandshakeReady]:
+        """Scaling up: a new placement group and engine actor per rank of `ranks`
+        (`init`: this manager's from now on), READY and running when this returns;
+        on failure they are removed again and EngineStartupError raised."""
+        import ray
+
+        self.init = init
+        with self._state.lock:
+            self.ranks += list(ranks)  # watched once their run() refs exist
+        try:
+            self._place(None, min(timeout, 60.0), list(ranks))
+            actors = {rank: self._create_actor(rank) for rank in ranks}
+            with self._state.lock:
+                self._state.actors += list(actors.values())
+            ready = {}
+            for rank, actor in actors.items():
+                _raise_for_dead_procs(also_watch, ready, list(ranks))
+                info = self._wait_ready(rank, actor.ready.remote(), timeout)
+                ready[rank] = self._engine_ready(rank, info)
+            with self._state.lock:
+                for rank, actor in actors.items():
+                    self._run_refs[rank] = actor.run.remote()
+            return ready
+        except RayPlacementError as e:
+            self._drop_ranks(ranks, ray)
+            raise EngineStartupError(str(e)) from None
+        except BaseException:
+            self._drop_ranks(ranks, ray)
+            raise
+
+    def remove_rank(self, rank: int, timeout: float) -> None:
+        """Scaling down: kill `rank`'s actor (it holds no requests any more) and
+        remove its placement group."""
+        import ray
+
+        self._drop_ranks([rank], ray)
+
+    def _drop_ranks(self, ranks: Sequence[int], ray: Any) -> None:
+        for rank in ranks:
+            with self._state.lock:
+                if rank not in self.ranks:
+                    continue
+                index = self.ranks.index(rank)
+                del self.ranks[index]
+                self._run_refs.pop(rank, None)
+                actor = (self._state.actors.pop(index)
+                         if index < len(self._state.actors) else None)
+                pg = (self._state.placement_groups.pop(index)
+                      if index < len(self._state.placement_groups) else None)
+            within(RAY_CALL_S, release, ray, [actor] if actor else [], [pg] if pg else [])
+            for table in (self.exit_reasons, self.engine_info, self.node_of):
+                table.pop(rank, None)
 
     def _wait_ready(self, rank: int, ref: Any, timeout: float) -> dict[str, Any]:
         """`ready()` of a restarted actor, waited for in slices (the manager may close)."""

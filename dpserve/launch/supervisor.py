@@ -143,6 +143,12 @@ class Supervisor:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * _POLL_S + 1)
 
+    def reset_rank(self, rank: int) -> None:
+        """A new rank (scaling up), perhaps one that ran before: a fresh record."""
+        self.incarnation.pop(rank, None)
+        self.budget.times.pop(rank, None)
+        self._out.discard(rank)
+
     # ---- watching --------------------------------------------------------------
 
     def _watched_ranks(self) -> list[int]:
@@ -178,6 +184,8 @@ class Supervisor:
                 for rank, what in sorted(ended.items()):
                     if self._stop.is_set():
                         break
+                    if rank not in self.engines.ranks:
+                        continue  # removed by a scale-down: its exit is expected
                     if self._stopped_by_drain(self._exit_code(rank)):
                         self._out.add(rank)  # stays down: the server is stopping
                         continue

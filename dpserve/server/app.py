@@ -53,6 +53,7 @@ from dpserve.server.protocol import (
     ModelCard,
     ModelList,
 )
+from dpserve.server.scale import add_scale_route
 from dpserve.server.serving import OpenAIServing, to_api_error
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
@@ -117,8 +118,9 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
                                f"{[r['rank'] for r in ranks]}, got {rank!r}", param="rank")
             ranks = [r for r in ranks if r["rank"] == int(rank)]
         ok = any(r["state"] == "serving" for r in ranks)
-        return JSONResponse({"status": "ok" if ok else "unavailable", "ranks": ranks},
-                            status_code=200 if ok else 503)
+        size = getattr(async_llm.client, "data_parallel_size", len(ranks))
+        return JSONResponse({"status": "ok" if ok else "unavailable", "ranks": ranks,
+                             "data_parallel_size": size}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -128,6 +130,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
         metrics.set_ranks({r["rank"]: (r["state"], r["incarnation"])
                            for r in _rank_states(async_llm)})
         metrics.record_moved(_moved(client))
+        metrics.set_elastic(getattr(client, "data_parallel_size", 1),
+                            getattr(client, "autoscale_decisions", None))
         return Response(metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     @app.get("/debug/request_state")
@@ -154,6 +158,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     if enable_admin_api:
         admin = admin_dependencies(api_key)
         app.include_router(admin_router(async_llm, admin))
+        add_scale_route(app, async_llm, admin)
         if hasattr(async_llm.client, "control"):
             app.include_router(control_router(async_llm.client), dependencies=admin)
     for exc_type in (APIError, ValidationError, RequestValidationError, ValueError,

@@ -49,8 +49,9 @@ def engines_router(async_llm: AsyncLLM, admin: bool) -> APIRouter:
     @router.get("/engines")
     async def engines() -> dict[str, Any]:
         rows = await engine_rows(async_llm, rates)
-        return {"data_parallel_size": async_llm.config.parallel.data_parallel_size,
-                "admin": admin, "engines": rows}
+        size = getattr(async_llm.client, "data_parallel_size",
+                       async_llm.config.parallel.data_parallel_size)  # the current size
+        return {"data_parallel_size": size, "admin": admin, "engines": rows}
 
     @router.get("/dashboard")
     async def dashboard() -> Response:

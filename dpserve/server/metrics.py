@@ -137,6 +137,18 @@ class ServerMetrics:
                                   registry=r)
         for counter in (self.retries, self.migrations, self.recomputed):
             counter.labels(model_name)
+        self.dp_size = Gauge("dpserve:data_parallel_size", "The number of DP engines now "
+                             "(it changes when the server scales).", registry=r,
+                             multiprocess_mode="mostrecent")
+        # Made by the coordinator: a "max" gauge (multiprocess), shown as the counter.
+        self.autoscale = (
+            Counter("dpserve:autoscale_decisions", "Engines added (up) or removed (down) "
+                    "by the autoscaler.", ["direction"], registry=r)
+            if self.multiprocess_dir is None else
+            Gauge("dpserve:autoscale_decisions" + _CUMULATIVE, "Engines added (up) or "
+                  "removed (down) by the autoscaler.", ["direction"], registry=r,
+                  multiprocess_mode="max"))
+        self._decisions = [0, 0]  # (up, down) already counted
         self._moved = (0, 0, 0)  # (retries, migrations, recomputed tokens) already counted
         self._restarts: dict[int, int] = {}  # engine -> restarts already counted
         # engine index -> last cumulative (queries, hits, preemptions) seen
@@ -207,6 +219,19 @@ class ServerMetrics:
                                      self._moved):
             counter.labels(self.model_name).inc(max(0, new - old))
         self._moved = moved
+
+    def set_elastic(self, size: int, decisions: list[int] | None) -> None:
+        """The engine count now, and the autoscaler's [up, down] decisions (None: off)."""
+        self.dp_size.set(size)
+        if decisions is None:
+            return
+        for i, direction in enumerate(("up", "down")):
+            metric = self.autoscale.labels(direction)
+            if self.multiprocess_dir is not None:
+                metric.set(decisions[i])  # type: ignore[union-attr]
+            else:
+                metric.inc(max(0, decisions[i] - self._decisions[i]))  # type: ignore[union-attr]
+        self._decisions = list(decisions)
 
     def set_ranks(self, states: dict[int, tuple[str, int]]) -> None:
         """The front-end's view at scrape time: rank -> (state, incarnation = restarts)."""

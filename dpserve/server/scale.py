@@ -1,0 +1,87 @@
+"""`POST /scale_elastic_ep`: change the number of DP engines at run time (admin route).
+
+Body `{"new_data_parallel_size": N}` (vLLM's route and body). The API server
+asks the DP coordinator (`AsyncEngineClient.request_scale`), which has the
+launcher start or drain engines (`dpserve.launch.scaler`), and answers when
+the change is done:
+
+    200  {"message", "old_data_parallel_size", "new_data_parallel_size"}
+    400  N is not a whole number, < 1, above --data-parallel-size-max, or this
+         server cannot change its engine count (OpenAI-shaped error body)
+    409  another change runs (code "scale_in_progress")
+    503  the change failed (e.g. a new engine did not start; the size is the old one)
+
+Mounted only with `--enable-admin-api`; with `--api-key` it needs the key too.
+
+Not here: carrying the change out (`dpserve.launch`), the coordinator's one-at-a-
+time rule (`dpserve.launch.autoscale.ScaleBook`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from dpserve.frontend.async_llm import AsyncLLM
+from dpserve.protocol import ScalePhase
+from dpserve.server.protocol import APIError
+
+SCALE_ROUTE = "/scale_elastic_ep"
+_SIZE_FIELD = "new_data_parallel_size"
+_ANSWER_MARGIN_S = 900.0  # beyond --shutdown-timeout: engines loading, stopping
+
+
+def add_scale_route(app: FastAPI, async_llm: AsyncLLM, guard: list[Any]) -> None:
+    """Mount `POST /scale_elastic_ep` on `app`; `guard`: the admin dependencies."""
+    parallel = async_llm.config.parallel
+    size_max = parallel.data_parallel_size_max
+    timeout = async_llm.config.shutdown_timeout + _ANSWER_MARGIN_S
+
+    @app.post(SCALE_ROUTE, dependencies=guard)
+    async def scale_elastic_ep(request: Request) -> JSONResponse:
+        size = _parse_size(await request.body(), size_max)
+        client = async_llm.client
+        if not parallel.elastic or not getattr(client, "elastic", False):
+            raise APIError(400, "this server cannot change its engine count: start it with "
+                           "--data-parallel-size-max M (M > 1), one host's engines or Ray",
+                           param=_SIZE_FIELD)
+        try:
+            answer = await client.request_scale(size, timeout)
+        except TimeoutError as e:
+            raise APIError(503, str(e), type="server_error", code="scale_failed") from None
+        if answer.phase is ScalePhase.REJECTED:
+            raise APIError(409, f"cannot scale to {size} now: {answer.message}; retry when "
+                           f"it is done", type="invalid_request_error",
+                           code="scale_in_progress")
+        if answer.phase is ScalePhase.FAILED:
+            raise APIError(503, f"scaling to {size} engines failed: {answer.message}",
+                           type="server_error", code="scale_failed")
+        return JSONResponse({"message": f"Scaled to {answer.new_size} data parallel engines",
+                             "old_data_parallel_size": answer.old_size,
+                             "new_data_parallel_size": answer.new_size})
+
+
+def _parse_size(body: bytes, size_max: int) -> int:
+    """`new_data_parallel_size` from the body, or a 400 that says what is wrong."""
+    try:
+        data = json.loads(body or b"null")
+    except ValueError:
+        raise APIError(400, "the body must be JSON: {\"new_data_parallel_size\": N}") from None
+    if not isinstance(data, dict) or _SIZE_FIELD not in data:
+        raise APIError(400, "the body must be {\"new_data_parallel_size\": N}",
+                       param=_SIZE_FIELD)
+    unknown = sorted(set(data) - {_SIZE_FIELD})
+    if unknown:
+        raise APIError(400, f"unknown field {unknown[0]!r}; the body is "
+                       f"{{\"new_data_parallel_size\": N}}", param=unknown[0])
+    size = data[_SIZE_FIELD]
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise APIError(400, f"{_SIZE_FIELD} must be a whole number, got {size!r}",
+                       param=_SIZE_FIELD)
+    if not 1 <= size <= size_max:
+        raise APIError(400, f"{_SIZE_FIELD} must be in [1, {size_max}] "
+                       f"(--data-parallel-size-max), got {size}", param=_SIZE_FIELD)
+    return size

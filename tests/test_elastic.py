@@ -1,0 +1,266 @@
+"""Scaling the number of DP engines at run time, for real (`dpserve serve`, tiny model):
+`POST /scale_elastic_ep` and `dpserve scale` up and down under streams (none cut,
+each equal to an undisturbed greedy run), every API server routing to a new rank
+and none to a removed one, the 400 / 409 / 404 / 401 answers, lockstep mode, and
+the autoscaler."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+from helpers import (
+    FAULT_PROMPTS,
+    complete_n,
+    descendants,
+    expected_greedy,
+    finished_by_engine,
+    metric_sum,
+    output,
+    process_names,
+    serve,
+    stream_completion,
+    streams_with_fault,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.procs, pytest.mark.slow]
+
+ARGS = ("--threads-per-engine", "1", "--max-model-len", "256", "--enable-admin-api",
+        "--shutdown-timeout", "120")
+PROMPTS = FAULT_PROMPTS[:16]
+FRESH = {"Connection": "close"}  # a new connection each: every API server answers some
+
+
+def _scale(url: str, size: object, **kw: object) -> httpx.Response:
+    return httpx.post(url + "/scale_elastic_ep", json={"new_data_parallel_size": size},
+                      timeout=300, **kw)
+
+
+def _health_views(url: str, n: int = 12) -> list[dict]:
+    """/health from `n` fresh connections (with 2 API servers: both answer some)."""
+    return [httpx.get(url + "/health", headers=FRESH, timeout=5).json() for _ in range(n)]
+
+
+def _engines(proc: subprocess.Popen) -> set[str]:
+    return {n for n in process_names(descendants(proc.pid)) if n.startswith("EngineCore_")}
+
+
+def _streams_while(url: str, model: str, action) -> tuple[list[str], list]:
+    """16 greedy streams; `action()` once every one has begun; (texts, [its result])."""
+    result: list = []
+    texts = asyncio.run(streams_with_fault(url, model, lambda: result.append(action()),
+                                           prompts=PROMPTS))
+    return texts, result
+
+
+@pytest.mark.parametrize("api_servers", [1, 2])
+def test_scale_1_2_1_under_streams(tiny_llama, api_servers):
+    model = str(tiny_llama)
+    expected = expected_greedy(model, PROMPTS)
+    with serve(model, *ARGS, "--data-parallel-size-max", "2",
+               "--api-server-count", str(api_servers)) as (proc, url):
+        assert _engines(proc) == {"EngineCore_0"}
+        # Up, while 16 streams run on rank 0: none is cut.
+        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 2))
+        assert resp.status_code == 200, resp.text
+        assert resp.json() == {"message": "Scaled to 2 data parallel engines",
+                               "old_data_parallel_size": 1, "new_data_parallel_size": 2}
+        assert texts == expected
+        assert _engines(proc) == {"EngineCore_0", "EngineCore_1"}
+        for view in _health_views(url):  # every API server knows the new rank serves
+            assert view["data_parallel_size"] == 2, view
+            assert [r["state"] for r in view["ranks"]] == ["serving", "serving"], view
+        assert metric_sum(url, "dpserve:data_parallel_size") == 2
+        # Every API server routes to it: pinned and by load, over fresh connections.
+        before = finished_by_engine(url).get(1, 0)
+        assert asyncio.run(complete_n(url, model, 8, rank=1)) == [200] * 8
+        assert finished_by_engine(url)[1] - before == 8
+        statuses = [httpx.post(url + "/v1/completions", headers=FRESH, timeout=60, json={
+            "model": model, "prompt": f"spread {i}", "max_tokens": 2}).status_code
+            for i in range(12)]
+        assert statuses == [200] * 12
+        text = httpx.get(url + "/metrics", timeout=5).text
+        by_server = {m[0]: float(m[1]) for m in re.findall(
+            r'api_server_requests_finished_total\{.*api_server="(\d+)".*\} (\S+)', text)}
+        assert len(by_server) == api_servers and all(v > 0 for v in by_server.values())
+
+        # Down, while 16 streams run on both ranks: rank 1 drains, nothing is cut or moved.
+        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 1))
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["new_data_parallel_size"] == 1
+        assert texts == expected
+        assert metric_sum(url, "dpserve:request_migrations_total") == 0
+        assert metric_sum(url, "dpserve:request_retries_total") == 0
+        wait_until(lambda: _engines(proc) == {"EngineCore_0"}, 30, "EngineCore_1 to exit")
+        for view in _health_views(url):  # no API server knows rank 1 any more
+            assert view["data_parallel_size"] == 1 and len(view["ranks"]) == 1, view
+        done_by_1 = finished_by_engine(url).get(1, 0)
+        assert asyncio.run(complete_n(url, model, 12)) == [200] * 12
+        assert finished_by_engine(url).get(1, 0) == done_by_1
+        pinned = httpx.post(url + "/v1/completions", headers={"X-data-parallel-rank": "1"},
+                            json={"model": model, "prompt": "x", "max_tokens": 2}, timeout=30)
+        assert pinned.status_code == 400, pinned.text
+        assert metric_sum(url, "dpserve:data_parallel_size") == 1
+        assert proc.poll() is None
+
+
+def test_bad_sizes_400_and_a_second_change_409(tiny_llama):
+    model = str(tiny_llama)
+    with serve(model, *ARGS, "--data-parallel-size-max", "2") as (proc, url):
+        for body in ({"new_data_parallel_size": "2"}, {"new_data_parallel_size": 2.5},
+                     {"new_data_parallel_size": True}, {"new_data_parallel_size": 0},
+                     {"new_data_parallel_size": 3}, {}, [2],
+                     {"new_data_parallel_size": 2, "drain": 1}):
+            resp = httpx.post(url + "/scale_elastic_ep", json=body, timeout=30)
+            assert resp.status_code == 400, (body, resp.text)
+            assert resp.json()["error"]["type"] == "invalid_request_error", resp.text
+        resp = httpx.post(url + "/scale_elastic_ep", content=b"{not json", timeout=30)
+        assert resp.status_code == 400, resp.text
+        assert "[1, 2]" in _scale(url, 3).json()["error"]["message"]
+        # A change runs (the new rank is STARTING): a second one gets 409, then it ends.
+        first: list[httpx.Response] = []
+        thread = threading.Thread(target=lambda: first.append(_scale(url, 2)))
+        thread.start()
+        wait_until(lambda: any(r["state"] == "starting" for r in
+                               httpx.get(url + "/health", timeout=5).json()["ranks"]),
+                   60, "rank 1 to start")
+        second = _scale(url, 1)
+        assert second.status_code == 409, second.text
+        assert second.json()["error"]["code"] == "scale_in_progress"
+        thread.join(timeout=300)
+        assert first and first[0].status_code == 200, first
+        # The same size again: 200, nothing to do.
+        again = _scale(url, 2)
+        assert again.status_code == 200 and again.json()["old_data_parallel_size"] == 2
+        assert proc.poll() is None
+
+
+def test_scale_cli_one_line_errors(tiny_llama):
+    model = str(tiny_llama)
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "dpserve.cli", "scale", *args],
+                              capture_output=True, text=True, timeout=300)
+
+    with serve(model, *ARGS, "--api-key", "sesame-123", "--data-parallel-size-max", "2") \
+            as (proc, url):
+        headers = {"Authorization": "Bearer sesame-123"}
+        assert _scale(url, 2).status_code == 401  # the admin route needs the key
+        done = cli("2", "--url", url, "--api-key", "sesame-123")
+        assert done.returncode == 0 and "Scaled to 2" in done.stdout, done.stderr
+        assert httpx.get(url + "/health", timeout=5).json()["data_parallel_size"] == 2
+        bad = cli("5", "--url", url, "--api-key", "sesame-123")
+        assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+        assert "[1, 2]" in bad.stderr and "HTTP 400" in bad.stderr
+        no_key = cli("1", "--url", url)
+        assert no_key.returncode == 1 and "HTTP 401" in no_key.stderr, no_key.stderr
+        assert _scale(url, 1, headers=headers).status_code == 200
+    gone = cli("2", "--url", url)  # the server has stopped
+    assert gone.returncode == 1 and gone.stderr.startswith("dpserve: error: cannot reach")
+    assert len(gone.stderr.strip().splitlines()) == 1
+
+
+def test_without_the_flag_or_the_max(tiny_llama):
+    model = str(tiny_llama)
+    plain = ("--threads-per-engine", "1", "--max-model-len", "256")
+    with serve(model, *plain) as (_, url):
+        assert _scale(url, 2).status_code == 404  # no --enable-admin-api: no route
+    with serve(model, *plain, "--enable-admin-api") as (_, url):
+        resp = _scale(url, 1)  # no --data-parallel-size-max: the one engine stays
+        assert resp.status_code == 400 and "--data-parallel-size-max" in resp.text
+    for option, value in (("--data-parallel-autoscale", "3"), ("--data-parallel-autoscale",
+                                                                "2:1"),
+                          ("--data-parallel-size-max", "0"), ("--autoscale-up-window", "0")):
+        extra = () if option == "--data-parallel-autoscale" else (
+            "--data-parallel-autoscale", "1:2")
+        done = subprocess.run([sys.executable, "-m", "dpserve.cli", "serve", model, *plain,
+                               "--port", "0", option, value, *extra],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr
+        last = done.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"dpserve: error: {option} "), done.stderr
+
+
+def test_lockstep_scale_up_and_down(tiny_llama):
+    model = str(tiny_llama)
+    expected = expected_greedy(model, PROMPTS)
+    with serve(model, *ARGS, "--data-parallel-size", "2", "--data-parallel-size-max", "3",
+               "--data-parallel-lockstep") as (proc, url):
+        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 3))
+        assert resp.status_code == 200, resp.text
+        assert texts == expected
+        # Rank 2 steps only inside a DP group: serving it proves the group took it in.
+        assert asyncio.run(complete_n(url, model, 4, rank=2)) == [200] * 4
+        assert "ranks [0, 1, 2]" in output(proc)
+        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 2))
+        assert resp.status_code == 200, resp.text
+        assert texts == expected
+        wait_until(lambda: _engines(proc) == {"EngineCore_0", "EngineCore_1"}, 30,
+                   "EngineCore_2 to exit")
+        # Waves go on with the group formed again without rank 2.
+        assert asyncio.run(complete_n(url, model, 8)) == [200] * 8
+        log = output(proc)
+        assert log.rindex("ranks [0, 1]") > log.index("ranks [0, 1, 2]")
+        assert proc.poll() is None
+
+
+def test_autoscale_up_under_a_burst_and_down_when_idle(tiny_llama):
+    model = str(tiny_llama)
+    expected = expected_greedy(model, PROMPTS)
+    with serve(model, *ARGS, "--data-parallel-autoscale", "1:2", "--max-num-seqs", "2",
+               "--autoscale-up-queue", "1", "--autoscale-up-window", "0.5",
+               "--autoscale-down-load", "0.5", "--autoscale-down-window", "2",
+               "--autoscale-cooldown", "1") as (proc, url):
+        def size() -> int:
+            return httpx.get(url + "/health", timeout=5).json()["data_parallel_size"]
+
+        assert size() == 1
+        # A burst: 14 of the 16 streams wait on rank 0 (2 run at a time).
+        async def burst() -> list[str]:
+            chunks = [0] * len(PROMPTS)
+            async with httpx.AsyncClient(timeout=300) as client:
+                streams = asyncio.gather(*(stream_completion(client, url, model, p, chunks, i)
+                                           for i, p in enumerate(PROMPTS)))
+                await asyncio.to_thread(wait_until, lambda: size() == 2, 120,
+                                        "the autoscaler to add a rank")
+                return await streams
+
+        assert asyncio.run(burst()) == expected
+        wait_until(lambda: size() == 1, 120, "the autoscaler to remove the idle rank")
+        assert metric_sum(url, 'dpserve:autoscale_decisions_total{direction="up"}') >= 1
+        assert metric_sum(url, 'dpserve:autoscale_decisions_total{direction="down"}') >= 1
+        log = output(proc)
+        assert "autoscale up: 1 -> 2 engines: mean waiting requests per serving rank" in log
+        assert "autoscale down: 2 -> 1 engines: mean waiting + running" in log
+        assert asyncio.run(complete_n(url, model, 4)) == [200] * 4
+
+
+def test_ray_scale_up_and_down(tiny_llama):
+    """The Ray backend: a new engine actor in a new placement group, then drained and
+    killed; streams run throughout and none is cut."""
+    pytest.importorskip("ray")
+    model = str(tiny_llama)
+    expected = expected_greedy(model, PROMPTS)
+    with serve(model, *ARGS, "--data-parallel-backend", "ray", "--data-parallel-size-max",
+               "2", timeout=180) as (proc, url):
+        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 2))
+        assert resp.status_code == 200, resp.text
+        assert texts == expected
+        assert "EngineCore_1" in _engines(proc)
+        before = finished_by_engine(url).get(1, 0)
+        assert asyncio.run(complete_n(url, model, 4, rank=1)) == [200] * 4
+        assert finished_by_engine(url)[1] - before == 4
+        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 1))
+        assert resp.status_code == 200, resp.text
+        assert texts == expected
+        assert metric_sum(url, "dpserve:request_migrations_total") == 0
+        wait_until(lambda: "EngineCore_1" not in _engines(proc), 60, "actor 1 to be gone")
+        assert httpx.get(url + "/health", timeout=5).json()["data_parallel_size"] == 1
+        assert asyncio.run(complete_n(url, model, 4)) == [200] * 4
+        assert proc.poll() is None
