@@ -20,7 +20,7 @@ import torch
 from dpserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from dpserve.engine.request import Request
 from dpserve.engine.types import ScheduledRequest, SchedulerOutput
-from dpserve.model.layers import rope_spec_from_config
+from dpserve.model.layers import bucket_rows, can_prepack, linear, prepack, rope_spec_from_config
 from dpserve.model.llama import LlamaForCausalLM
 from dpserve.model.runner import ModelRunner
 from dpserve.sampling_params import SamplingParams
@@ -317,3 +317,27 @@ def test_profile_run_works_on_cpu(driver, model_path, monkeypatch):
     # The runner still computes what transformers does.
     reqs = make_requests(vocab(driver), [7, 5])
     check_step(model_path, *driver.step([(r, r.num_tokens) for r in reqs]))
+
+
+def test_bucket_rows_bounds_the_shapes():
+    sizes = [bucket_rows(n) for n in range(1, 4097)]
+    assert all(b >= n for n, b in zip(range(1, 4097), sizes))
+    assert sizes[:8] == list(range(1, 9))  # small decode batches run as they are
+    assert all(b - n < max(8, n / 8) for n, b in zip(range(1, 4097), sizes))
+    assert len(set(sizes)) == 63
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bucketed_linear_equals_plain_linear(dtype):
+    torch.manual_seed(0)
+    weight = torch.randn(48, 32, dtype=dtype)
+    bias = torch.randn(48, dtype=dtype)
+    packed = dtype == torch.float32 and can_prepack(dtype, "cpu")
+    w = prepack(weight) if packed else weight
+    for rows in (1, 7, 9, 13, 65, 100, 513):
+        x = torch.randn(rows, 32, dtype=dtype)
+        out = linear(x, w, bias, packed)
+        assert out.shape == (rows, 48)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias),
+                                   rtol=tol, atol=tol)

@@ -53,36 +53,35 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def bucket_rows(rows: int) -> int:
-    """The row count a packed linear runs with: `rows` rounded up to a few sizes.
+    """The row count a CPU oneDNN linear runs with: `rows` rounded up to a few sizes.
 
     oneDNN keeps compiled kernels (and their buffers) per input shape, in two caches
     of 1,024 entries each, about 0.5 MB an entry for SmolLM2's shapes: with a new
-    token count at nearly every step, an engine grew by hundreds of MB over its first
-    hour. Rounding bounds the shapes to 45 for up to 4,096 rows (exact up to 8, then
-    steps of 8, 32 from 64, 128 from 512, 512 from 2,048). A step's cost barely moves:
-    small batches are bound by reading the weights, large ones waste under 1/16.
+    token count at nearly every step, an engine grew by 500 MB in half an hour
+    (bench/soak.py). Rounding leaves 63 shapes up to 4,096 rows: exact up to 8,
+    steps of 8 up to 64, then eight steps per doubling, so padding stays under 1/8
+    of the rows (small batches, bound by reading the weights, barely notice it).
     """
-    for limit, step in _ROW_BUCKETS:
-        if rows <= limit:
-            return -(-rows // step) * step
-    return -(-rows // 512) * 512
-
-
-_ROW_BUCKETS = ((8, 1), (64, 8), (512, 32), (2048, 128))
+    if rows <= 8:
+        return rows
+    step = 8 if rows <= 64 else 1 << ((rows - 1).bit_length() - 4)
+    return -(-rows // step) * step
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: bool) -> torch.Tensor:
     """x [T, in] -> [T, out]; `packed` says whether `weight` came from `prepack`.
 
-    Packed linears run on `bucket_rows(T)` rows (zero padding, dropped after).
+    On CPU, oneDNN linears (packed float32, and bfloat16/float16) run on
+    `bucket_rows(T)` rows (zero padding, dropped after).
     """
-    if packed:
+    if packed or (x.is_cpu and x.dtype != torch.float32):  # oneDNN (bf16 goes there too)
         rows = x.shape[0]
         padded = bucket_rows(rows)
         if padded != rows:
             x = F.pad(x, (0, 0, 0, padded - rows))
-        out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        out = (torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "") if packed
+               else F.linear(x, weight, bias))
         return out[:rows] if padded != rows else out
     return F.linear(x, weight, bias)
 
