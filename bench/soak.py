@@ -33,6 +33,7 @@ import json
 import random
 import re
 import shlex
+import signal
 import sys
 import tempfile
 import time
@@ -286,6 +287,8 @@ def main() -> int:
     log = Path(tempfile.mkstemp(prefix="dpserve-soak-", suffix=".log")[1])
     server = ServeProcess(args.model, _free_port(), tuple(soak_server_options(args)), log)
     soak = Soak(args)
+    # A SIGTERM stops the server too (the finally below), rather than orphaning it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     print(f"server log: {log}", flush=True)
     try:
         server.start(timeout=600)
