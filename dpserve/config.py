@@ -90,6 +90,7 @@ class AutoscaleConfig:
     down_load: float = 0.5  # mean waiting + running per serving rank below this ...
     down_window_s: float = 60.0  # ... for this long: remove a rank
     cooldown_s: float = 30.0  # no decision this long after a change ends
+    up_ttft_s: float | None = None  # or a serving rank's recent mean TTFT above this (s)
 
 
 @dataclass(frozen=True)
@@ -247,7 +248,12 @@ class EngineArgs:
     autoscale_up_queue: float = _opt(2.0, "Autoscale: add an engine when the mean number "
                                      "of waiting requests per serving engine stays above "
                                      "this for --autoscale-up-window s.")
-    autoscale_up_window: float = _opt(10.0, "Autoscale: seconds the queue must stay high.")
+    autoscale_up_ttft: float | None = _opt(None, "Autoscale: also add an engine when a "
+                                           "serving engine's mean time to first token over "
+                                           "the last 10 s stays above this many seconds "
+                                           "for --autoscale-up-window s (default: off).")
+    autoscale_up_window: float = _opt(10.0, "Autoscale: seconds the queue (or TTFT) must "
+                                      "stay high.")
     autoscale_down_load: float = _opt(0.5, "Autoscale: remove an engine when the mean "
                                       "waiting + running requests per serving engine stay "
                                       "below this for --autoscale-down-window s.")
@@ -379,12 +385,14 @@ class EngineArgs:
             self._need(getattr(self, name) > 0, name, "must be positive")
         for name in ("autoscale_down_load", "autoscale_cooldown"):
             self._need(getattr(self, name) >= 0, name, "must not be negative")
+        self._need(self.autoscale_up_ttft is None or self.autoscale_up_ttft > 0,
+                   "autoscale_up_ttft", "must be positive")
         self._need(self.autoscale_down_load < self.autoscale_up_queue, "autoscale_down_load",
                    f"must be below autoscale_up_queue ({self.autoscale_up_queue}) "
                    f"(hysteresis)")
         return AutoscaleConfig(low, high, self.autoscale_up_queue, self.autoscale_up_window,
                                self.autoscale_down_load, self.autoscale_down_window,
-                               self.autoscale_cooldown)
+                               self.autoscale_cooldown, self.autoscale_up_ttft)
 
     def _size_max(self, autoscale: AutoscaleConfig | None) -> int:
         """The most engines a change at run time may reach (validated)."""

@@ -249,6 +249,7 @@ class EngineReport(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     # Heartbeat: what /engines shows (the coordinator publishes it as EngineInfo).
     kv_cache_usage: float = 0.0
     generated_tokens: int = 0  # output tokens sampled by this process, cumulative
+    ttft_s: float = 0.0  # mean time to first token in this engine over the last 10 s
     pid: int | None = None
     host: str = ""
 
@@ -282,6 +283,7 @@ class EngineInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     wave: int = 0  # its request wave at its last load report
     pid: int | None = None
     host: str = ""
+    ttft_s: float = 0.0  # mean time to first token in the engine over the last 10 s
 
 
 class RestartRank(msgspec.Struct, array_like=True, gc=False):

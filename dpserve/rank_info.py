@@ -75,6 +75,7 @@ class RankInfoTable:
             self._rates[rank] = TokenRate()
         self._rates[rank].add(report.generated_tokens, now)
         self._set(rank, kv_cache_usage=round(report.kv_cache_usage, 4),
+                  ttft_s=round(report.ttft_s, 3),
                   tokens_per_s=round(self._rates[rank].rate(now), 2), pid=report.pid,
                   host=report.host)
 

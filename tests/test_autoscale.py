@@ -51,6 +51,22 @@ def test_autoscale_up_after_the_window_then_cooldown_then_down():
     assert book.decisions() == [1, 1]
 
 
+def test_autoscale_up_on_a_slow_first_token_even_with_a_short_queue():
+    config = AutoscaleConfig(1, 3, up_queue=2.0, up_window_s=5.0, down_load=0.5,
+                             down_window_s=10.0, cooldown_s=20.0, up_ttft_s=1.5)
+    book = ScaleBook(size_max=3, autoscale=config)
+    short = [[1, 4]]  # 1 waiting: the queue alone says nothing
+    assert not book.autoscale_due(short, [SERVING], now=0.0, ttft=[0.4])
+    assert not book.autoscale_due(short, [SERVING], now=10.0, ttft=[2.5])  # window opens
+    assert not book.autoscale_due(short, [SERVING], now=14.0, ttft=[2.5])
+    assert book.autoscale_due(short, [SERVING], now=15.0, ttft=[2.5])
+    assert "mean time to first token 2.50 s > 1.5 s for 5 s" in book.status.message
+    # Without a TTFT target the same figures decide nothing.
+    plain = ScaleBook(size_max=3, autoscale=CONFIG)
+    assert not any(plain.autoscale_due(short, [SERVING], now=float(t), ttft=[9.0])
+                   for t in range(0, 60, 5))
+
+
 def test_autoscale_hysteresis_between_the_thresholds_and_the_bounds():
     book = ScaleBook(size_max=3, autoscale=CONFIG)
     middle = [[1, 1], [1, 1]]  # waiting 1 <= 2 per rank, load 2 >= 0.5: neither

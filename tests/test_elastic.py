@@ -252,7 +252,8 @@ def test_ray_scale_up_and_down(tiny_llama):
         texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 2))
         assert resp.status_code == 200, resp.text
         assert texts == expected
-        assert "EngineCore_1" in _engines(proc)
+        # (Ray titles the actor's process once its run() task starts: wait for it.)
+        wait_until(lambda: "EngineCore_1" in _engines(proc), 60, "actor 1's process title")
         before = finished_by_engine(url).get(1, 0)
         assert asyncio.run(complete_n(url, model, 4, rank=1)) == [200] * 4
         assert finished_by_engine(url)[1] - before == 4

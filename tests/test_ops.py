@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.procs, pytest.mark.slow]
 
 DP_ARGS = ("--data-parallel-size", "2", "--threads-per-engine", "1", "--max-model-len", "256")
 ROW_KEYS = {"rank", "state", "cordoned", "waiting", "running", "kv_cache_usage",
-            "tokens_per_s", "wave", "restarts", "incarnation", "host", "pid"}
+            "tokens_per_s", "wave", "restarts", "incarnation", "host", "pid", "ttft_s"}
 
 
 def engines(url: str) -> dict:
@@ -138,6 +138,8 @@ def test_cordon_stops_new_work_in_both_api_servers_and_uncordon_resumes(tiny_lla
                        60, "tokens/s on every rank")
             wait_until(lambda: any(e["kv_cache_usage"] > 0 for e in engines(url)["engines"]),
                        60, "KV usage under load")
+            wait_until(lambda: all(e["ttft_s"] > 0 for e in engines(url)["engines"]),
+                       60, "a time to first token on every rank")
         assert set(load.finishes) == {"length"}
 
         resp = httpx.post(f"{url}/engines/1/cordon", timeout=15)

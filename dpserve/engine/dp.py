@@ -57,6 +57,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
+from dpserve.engine.scheduler import TTFT_WINDOW_S
 from dpserve.protocol import COORDINATOR_READY, EngineReport, RegroupDP, StartDPWave
 from dpserve.security import secure
 
@@ -86,6 +87,8 @@ class DPLink:
         self.draining = False  # set on SIGTERM: heartbeats say so, front-ends stop sending
         self.kv_cache_usage = 0.0  # set by the busy loop after each step, read by heartbeats
         self.generated_tokens = 0  # ... and the output tokens sampled so far
+        self.ttft_s = 0.0  # ... and the recent mean time to first token (at `ttft_at`;
+        self.ttft_at = 0.0  # an engine idle for a whole window reports 0)
         self._report_address = report_address
         self._secret = secret
         self._beats = threading.Event()  # set: heartbeats stop
@@ -158,6 +161,8 @@ class DPLink:
                                     has_work=self.has_work, incarnation=self.incarnation,
                                     draining=self.draining,
                                     kv_cache_usage=self.kv_cache_usage,
+                                    ttft_s=self.ttft_s if time.monotonic() - self.ttft_at
+                                    < TTFT_WINDOW_S else 0.0,
                                     generated_tokens=self.generated_tokens, pid=pid,
                                     host=host)
                 try:

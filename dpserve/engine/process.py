@@ -229,6 +229,8 @@ class EngineCoreProc:
                 # still runs while paused requests wait, so resume needs no wake-up.
                 self.dp.has_work = has_work and self.control.can_step
                 self.dp.kv_cache_usage = core.scheduler.kv_cache.usage
+                self.dp.ttft_s, self.dp.ttft_at = (core.scheduler.recent_ttft.mean(
+                    time.monotonic()), time.monotonic())
                 self.dp.generated_tokens = core.scheduler.num_generated_tokens
                 self.dp.after_step(executed=core.num_forward_passes > forward_passes,
                                    has_work=has_work,

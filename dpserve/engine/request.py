@@ -62,6 +62,8 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.engine_arrival = time.monotonic()  # this engine's clock (arrival_time may not be)
+        self.first_token_at: float | None = None  # when this engine sampled its first token
 
         # A migrated request arrives with the tokens another engine already
         # generated: they count as outputs (max_tokens, min_tokens, penalties),

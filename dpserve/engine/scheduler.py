@@ -15,6 +15,7 @@ One step, as `EngineCore.step()` drives it:
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -25,6 +26,29 @@ from dpserve.engine.types import Logprobs, ModelRunnerOutput, ScheduledRequest, 
 from dpserve.protocol import EngineCoreOutput, SchedulerStats, TokenLogprobs
 
 logger = logging.getLogger(__name__)
+
+
+TTFT_WINDOW_S = 10.0
+
+
+class RecentMean:
+    """The mean of the values added in the last `window_s` seconds (0.0 when none)."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._values: deque[tuple[float, float]] = deque()  # (time, value), oldest first
+
+    def add(self, now: float, value: float) -> None:
+        self._values.append((now, value))
+        self._drop_old(now)
+
+    def mean(self, now: float) -> float:
+        self._drop_old(now)
+        return sum(v for _, v in self._values) / len(self._values) if self._values else 0.0
+
+    def _drop_old(self, now: float) -> None:
+        while self._values and self._values[0][0] < now - self.window_s:
+            self._values.popleft()
 
 
 class Scheduler:
@@ -77,6 +101,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: list[str] = []  # finished since the last schedule()
         self.num_preemptions = 0
+        # Time to first token inside this engine (arrival -> first sampled token), over
+        # the last TTFT_WINDOW_S: heartbeats carry it to the autoscaler and /engines.
+        self.recent_ttft = RecentMean(TTFT_WINDOW_S)
         self.num_generated_tokens = 0  # output tokens sampled, cumulative (/engines tokens/s)
 
     # ---- queues --------------------------------------------------------------
@@ -249,6 +276,9 @@ class Scheduler:
                 continue  # finished or aborted since schedule(): its row is stale
             request.append_output_token(token)
             self.num_generated_tokens += 1
+            if request.first_token_at is None:
+                request.first_token_at = now = time.monotonic()
+                self.recent_ttft.add(now, now - request.engine_arrival)
             self.kv_cache.update_block_hashes(request)
             finished = self._check_stop(request, token)
             new_logprobs = None

@@ -8,7 +8,8 @@ Scope (inside the coordinator process, no sockets here):
   launcher's `ScaleResult` ends it (DONE / FAILED).
 * `Autoscaler` (`--data-parallel-autoscale MIN:MAX`): from the engines' load
   counts, one rank more when the mean number of waiting requests per serving
-  rank stays above `up_queue` for `up_window_s`; one rank less when the mean
+  rank stays above `up_queue` (or, with `up_ttft_s`, a serving rank's recent
+  mean time to first token stays above it) for `up_window_s`; one rank less when the mean
   of waiting + running stays below `down_load` for `down_window_s`. Hysteresis:
   separate thresholds and windows, and no decision within `cooldown_s` of the
   end of the last change (or while one runs). Every decision is logged with
@@ -51,8 +52,9 @@ class Autoscaler:
         self._high_since = self._low_since = None
 
     def decide(self, counts: list[list[int]], status: list[RankStatus],
-               now: float) -> tuple[int, str] | None:
-        """(new size, reason) when a window has passed, else None."""
+               now: float, ttft: list[float] | None = None) -> tuple[int, str] | None:
+        """(new size, reason) when a window has passed, else None. `ttft`: each rank's
+        recent mean time to first token (s), from its heartbeats."""
         c = self.config
         size = len(status)
         serving = [r for r, s in enumerate(status) if s.state is RankState.SERVING]
@@ -61,7 +63,9 @@ class Autoscaler:
             return None
         waiting = sum(counts[r][0] for r in range(min(size, len(counts)))) / len(serving)
         load = sum(sum(counts[r]) for r in range(min(size, len(counts)))) / len(serving)
-        high = waiting > c.up_queue and size < c.max_size
+        slowest = max((ttft[r] for r in serving if r < len(ttft)), default=0.0) if ttft else 0.0
+        slow = c.up_ttft_s is not None and slowest > c.up_ttft_s
+        high = (waiting > c.up_queue or slow) and size < c.max_size
         low = load < c.down_load and size > c.min_size
         if not high:
             self._high_since = None
@@ -72,8 +76,11 @@ class Autoscaler:
         elif self._low_since is None:
             self._low_since = now
         if self._high_since is not None and now - self._high_since >= c.up_window_s:
-            return size + 1, (f"mean waiting requests per serving rank {waiting:.2f} > "
-                              f"{c.up_queue:g} for {c.up_window_s:g} s")
+            why = (f"mean waiting requests per serving rank {waiting:.2f} > {c.up_queue:g}"
+                   if waiting > c.up_queue else
+                   f"a serving rank's mean time to first token {slowest:.2f} s > "
+                   f"{c.up_ttft_s:g} s")
+            return size + 1, f"{why} for {c.up_window_s:g} s"
         if self._low_since is not None and now - self._low_since >= c.down_window_s:
             return size - 1, (f"mean waiting + running requests per serving rank "
                               f"{load:.2f} < {c.down_load:g} for {c.down_window_s:g} s")
@@ -145,14 +152,14 @@ class ScaleBook:
             status.old_size, status.new_size, f": {result.message}" if result.message else "")
 
     def autoscale_due(self, counts: list[list[int]], status: list[RankStatus],
-                      now: float) -> bool:
+                      now: float, ttft: list[float] | None = None) -> bool:
         """Autoscale: start a change when the load says so; True when one started."""
         scaler = self.autoscaler
         if scaler is None or self.busy:
             return False
         if self._ended_at is not None and now - self._ended_at < scaler.config.cooldown_s:
             return False
-        decision = scaler.decide(counts, status, now)
+        decision = scaler.decide(counts, status, now, ttft)
         if decision is None:
             return False
         size, reason = decision

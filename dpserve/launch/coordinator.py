@@ -478,7 +478,8 @@ class DPCoordinatorProc:
             self._regroup()
             # 7. Autoscale (--data-parallel-autoscale): a change when load says so.
             if self.scaling.autoscale_due(self.loads.counts, self.health.status,
-                                          time.monotonic()):
+                                          time.monotonic(),
+                                          [i.ttft_s for i in self.info.info]):
                 self._publish_counts()
             # 8. Publish the counts when due.
             if time.monotonic() >= self._next_publish():

@@ -6,7 +6,7 @@ and the admin routes (`dpserve.server.admin`) answer with:
 
     {"data_parallel_size": N, "admin": bool, "engines": [{"rank", "state",
      "cordoned", "waiting", "running", "kv_cache_usage", "tokens_per_s", "wave",
-     "restarts", "incarnation", "host", "pid"}, ...]}
+     "restarts", "incarnation", "host", "pid", "ttft_s"}, ...]}
 
 Where the figures come from: with a DP coordinator (N > 1) everything is
 what the coordinator last published to every API server (counts from the
@@ -79,7 +79,7 @@ async def engine_rows(async_llm: AsyncLLM, rates: dict[int, TokenRate] | None = 
         return await _local_rows(async_llm, rates if rates is not None else {})
     return [_row(e.rank, e.status.state.value, e.status.incarnation, e.waiting, e.running,
                  e.info.kv_cache_usage, e.info.tokens_per_s, e.info.wave, e.info.cordoned,
-                 e.info.host, e.info.pid)
+                 e.info.host, e.info.pid, e.info.ttft_s)
             for e in engines.values()]
 
 
@@ -123,8 +123,8 @@ async def _stats(client: Any, rank: int | None) -> SchedulerStats | None:
 
 def _row(rank: int, state: str, incarnation: int, waiting: int, running: int,
          kv_cache_usage: float, tokens_per_s: float, wave: int, cordoned: bool, host: str,
-         pid: int | None) -> dict[str, Any]:
+         pid: int | None, ttft_s: float = 0.0) -> dict[str, Any]:
     return {"rank": rank, "state": state, "cordoned": cordoned, "waiting": waiting,
             "running": running, "kv_cache_usage": kv_cache_usage,
             "tokens_per_s": tokens_per_s, "wave": wave, "restarts": incarnation,
-            "incarnation": incarnation, "host": host, "pid": pid}
+            "incarnation": incarnation, "host": host, "pid": pid, "ttft_s": ttft_s}

@@ -47,6 +47,7 @@ function makeTile(rank) {
     '<dt>running</dt><dd data-field="running"></dd>' +
     '<dt>KV cache</dt><dd data-field="kv"></dd>' +
     '<dt>tokens/s</dt><dd data-field="tps"></dd>' +
+    '<dt>TTFT</dt><dd data-field="ttft"></dd>' +
     '<dt>wave</dt><dd data-field="wave"></dd>' +
     '<dt>restarts</dt><dd data-field="restarts"></dd></dl>' +
     '<div class="bar"><div data-bar="kv"></div></div>' +
@@ -90,6 +91,7 @@ function render(data) {
     field(tile, "running", e.running);
     field(tile, "kv", (100 * e.kv_cache_usage).toFixed(1) + " %");
     field(tile, "tps", e.tokens_per_s.toFixed(1));
+    field(tile, "ttft", e.ttft_s ? (1000 * e.ttft_s).toFixed(0) + " ms" : "-");
     field(tile, "wave", e.wave);
     field(tile, "restarts", e.restarts);
     field(tile, "where", (e.host || "?") + (e.pid ? " pid " + e.pid : "") +
