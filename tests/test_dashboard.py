@@ -1,7 +1,7 @@
 """/dashboard in a real headless browser (Debian's chromium + chromium-driver, driven
 by selenium) against `dpserve serve --data-parallel-size 2 --enable-admin-api` on
 the tiny model: one tile per rank, numbers that move under load, a cordon click
-that /engines agrees with, and a screenshot (kept as docs/dashboard.png when
+that /engines agrees with, a scale from the page that adds a tile, and a screenshot (kept as docs/dashboard.png when
 DPSERVE_DASHBOARD_SCREENSHOT names where to write it)."""
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ def test_dashboard_tiles_update_live_and_cordon_from_the_page(tiny_llama, browse
     from selenium.webdriver.common.by import By
 
     model = str(tiny_llama)
-    with serve(model, *DP_ARGS, "--enable-admin-api") as (_, url):
+    with serve(model, *DP_ARGS, "--enable-admin-api", "--data-parallel-size-max", "3"
+               ) as (_, url):
         browser.get(url + "/dashboard")
         tiles = wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, ".tile"), 30,
                            "tiles")
@@ -102,3 +103,17 @@ def test_dashboard_tiles_update_live_and_cordon_from_the_page(tiny_llama, browse
             stop.set()
             loader.join(timeout=120)
         assert "cannot reach" not in browser.find_element(By.ID, "status").text
+
+        # Scale from the page: a third tile appears once the new rank is in view.
+        size = browser.find_element(By.ID, "scale-size")
+        size.clear()
+        size.send_keys("3")
+        browser.find_element(By.ID, "scale-button").click()
+        wait_until(lambda: browser.find_element(By.ID, "scale-result").text.startswith("200"),
+                   180, "the page's scale call to answer")
+        wait_until(lambda: len(browser.find_elements(By.CSS_SELECTOR, ".tile")) == 3, 30,
+                   "a tile for the new rank")
+        assert httpx.get(url + "/engines", timeout=5).json()["data_parallel_size"] == 3
+        wait_until(lambda: browser.find_element(
+            By.CSS_SELECTOR, '.tile[data-rank="2"]').get_attribute("data-state") == "serving",
+            30, "the new rank's tile to show it serving")
