@@ -1,8 +1,9 @@
 """/dashboard in a real headless browser (Debian's chromium + chromium-driver, driven
 by selenium) against `dpserve serve --data-parallel-size 2 --enable-admin-api` on
 the tiny model: one tile per rank, numbers that move under load, a cordon click
-that /engines agrees with, a scale from the page that adds a tile, and a screenshot (kept as docs/dashboard.png when
-DPSERVE_DASHBOARD_SCREENSHOT names where to write it)."""
+that /engines agrees with, a scale from the page that adds a tile, and a
+screenshot (kept as docs/dashboard.png when DPSERVE_DASHBOARD_SCREENSHOT names
+where to write it)."""
 
 from __future__ import annotations
 
