@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from dpserve.config import EngineConfig
 from dpserve.engine.request import Request, RequestStatus
@@ -35,12 +36,12 @@ def check_prompt(ids: list[int], max_model_len: int, vocab_size: int) -> None:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, dp_rank: int = 0) -> None:
         from dpserve.model.runner import ModelRunner
 
         start = time.monotonic()
         self.config = config
-        self.runner = ModelRunner(config)
+        self.runner = ModelRunner(config, dp_rank)  # the rank picks its experts under EP
         # The block count is a run-time result: it travels as a value, the
         # config stays as the user resolved it.
         self.num_kv_blocks = self.runner.determine_num_blocks()
@@ -132,3 +133,12 @@ class EngineCore:
 
     def execute_dummy_batch(self) -> None:
         self.runner.execute_dummy()
+
+    def expert_info(self) -> dict[str, Any] | None:
+        """Utility: the routed experts this engine holds (range, parameter bytes, and
+        the expert-parallel collectives run); None for a dense model."""
+        model = self.runner.model
+        if model is None or not hasattr(model, "expert_info"):
+            return None
+        ep = self.runner.expert_parallel
+        return {**model.expert_info(), "collectives": ep.collectives if ep else 0}

@@ -179,9 +179,13 @@ class EngineCoreProc:
                              sync_interval=parallel.data_parallel_sync_interval,
                              master_ip=init.dp_master_ip, master_port=init.dp_master_port,
                              incarnation=self.incarnation,
-                             collective_timeout=parallel.data_parallel_collective_timeout)
+                             collective_timeout=parallel.data_parallel_collective_timeout,
+                             expert_parallel=parallel.enable_expert_parallel)
         _choose_device(self.config, self.rank)
         self.engine_core = _build_engine_core(self.config, self.rank, self.incarnation)
+        ep = self.engine_core.runner.expert_parallel
+        if ep is not None and self.dp is not None:  # MoE layers use the lockstep DP group
+            ep.group_source = self.dp.expert_group
         self.control = EngineControl(self.engine_core)  # pause / sleep (dpserve.control)
         self._control_acked = 0  # the ControlState seq reported reached
         self._control_waiters: list[tuple[int, int, int]] = []  # (client, call_id, seq)
@@ -633,7 +637,7 @@ def _choose_device(config: EngineConfig, rank: int) -> None:
 def _build_engine_core(config: EngineConfig, rank: int, incarnation: int) -> EngineCore:
     from dpserve.engine.core import EngineCore
 
-    engine_core = EngineCore(config)
+    engine_core = EngineCore(config, dp_rank=rank)
     _maybe_inject_forward_fault(engine_core, rank, incarnation)
     return engine_core
 
