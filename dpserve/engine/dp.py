@@ -249,7 +249,7 @@ class DPLink:
         self.generation, self.members = message.generation, list(message.members)
         self._pending = self.rank in self.members
         if self.expert_parallel and self.members != list(range(self.dp_size)):
-            logger.warning("engine %d: expert parallel needs every rank's experts; holding "
+            logger.info("engine %d: expert parallel needs every rank's experts; holding "
                            "requests until the DP group has all %d ranks", self.rank,
                            self.dp_size)
             self._pending = False
