@@ -11,12 +11,23 @@ client, lockstep switches on without --data-parallel-lockstep.
 
 from __future__ import annotations
 
+import asyncio
+import re
+import signal
 import time
 
 import httpx
 import openai
 import pytest
-from helpers import offline_greedy_texts, serve
+from helpers import (
+    descendants,
+    expected_greedy,
+    offline_greedy_texts,
+    output,
+    proc_named,
+    serve,
+    streams_with_fault,
+)
 
 from dpserve import LLM, SamplingParams
 from dpserve.testing.tiny_model import make_tiny_model
@@ -26,6 +37,7 @@ pytestmark = pytest.mark.procs
 PROMPTS = [{"prompt_token_ids": [5 + i, 17, 99, 3, 42 + 2 * i, 7, 8]} for i in range(6)]
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 TEXT_PROMPTS = [f"Once upon a time {i}" for i in range(6)]
+FAULT_PROMPTS = [f"Once upon a time {i}" for i in range(12)]
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +135,26 @@ def test_moe_without_expert_parallel_runs_lockstep_by_itself(tiny_mixtral):
         engines = httpx.get(url + "/debug/dp_state", timeout=10).json()["engines"]
         assert all(engines[r]["dp"]["lockstep"] for r in "01")
         assert [engines[r]["experts"]["experts"] for r in "01"] == [[0, 8], [0, 8]]
+
+
+def test_a_rank_killed_under_expert_parallel_loses_nothing(tiny_mixtral):
+    """SIGKILL rank 1 mid-stream: rank 0's collective fails at once, it drops that step
+    (its requests recompute later) and holds every request, its own and those moved
+    from rank 1, until rank 1's new process is back in the group; every stream then
+    ends as an undisturbed run does."""
+    model = str(tiny_mixtral)
+    expected = expected_greedy(model, FAULT_PROMPTS)
+    with serve(model, "--data-parallel-size", "2", "--enable-expert-parallel",
+               "--threads-per-engine", "1", "--max-model-len", "256",
+               "--engine-failure-policy", "restart") as (proc, url):
+        victim = proc_named(descendants(proc.pid), "EngineCore_1")
+        got = asyncio.run(streams_with_fault(url, model, lambda: victim.send_signal(
+            signal.SIGKILL), FAULT_PROMPTS))
+        assert got == expected
+        log = output(proc)
+        assert "expert-parallel step failed" in log  # rank 0 was mid-forward: dropped
+        assert "engine 0 hit a fatal error" not in log
+        assert "engine 0: expert parallel needs every rank's experts; holding" in log
+        assert re.search(r"engine 1: joined DP group generation \d+", log)
+        engines = httpx.get(url + "/debug/dp_state", timeout=10).json()["engines"]
+        assert engines["1"]["dp"]["regroups"] >= 1 and engines["0"]["dp"]["regroups"] >= 2

@@ -214,6 +214,8 @@ class DPLink:
                 return  # paused and idle
             run_dummy_batch()  # running: the other ranks' collectives need our step
             self.dummy_batches += 1
+            if self._group is None:  # its expert-parallel collectives failed: group left
+                return
         self.running = True
         self._steps_since_sync += 1
         if self._steps_since_sync < self.sync_interval:
@@ -286,6 +288,11 @@ class DPLink:
         logger.info("engine %d: joined DP group generation %d (wave %d, %s)", self.rank,
                     self.generation, self.wave, "running" if self.running else "paused")
         return True
+
+    def group_failed(self, reason: str) -> None:
+        """A collective outside this class failed (expert parallel): leave the group."""
+        if self._group is not None:
+            self._group_failed(reason)
 
     def _group_failed(self, reason: str) -> None:
         """Leave the group, paused, and tell the coordinator (it forms the next)."""

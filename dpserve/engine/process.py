@@ -234,11 +234,23 @@ class EngineCoreProc:
                 self.dp.has_work = has_work and self.control.can_step
                 self.dp.kv_cache_usage = core.scheduler.kv_cache.usage
                 self.dp.generated_tokens = core.scheduler.num_generated_tokens
+                self._leave_group_if_ep_failed()
                 self.dp.after_step(executed=core.num_forward_passes > forward_passes,
                                    has_work=has_work,
-                                   run_dummy_batch=core.execute_dummy_batch
+                                   run_dummy_batch=self._dummy_batch
                                    if self.control.state.sleep_level == 0 else _no_dummy)
                 self._report_load()
+
+    def _dummy_batch(self) -> None:
+        self.engine_core.execute_dummy_batch()
+        self._leave_group_if_ep_failed()
+
+    def _leave_group_if_ep_failed(self) -> None:
+        """An expert-parallel collective failed (a peer died): leave the DP group and
+        hold every request until the coordinator forms one with every rank again."""
+        reason, self.engine_core.ep_failure = self.engine_core.ep_failure, None
+        if reason is not None and self.dp is not None:
+            self.dp.group_failed(f"expert-parallel collective: {reason}")
 
     def begin_drain(self) -> None:
         """Finish the requests in flight (up to the shutdown timeout), then exit.

@@ -18,8 +18,9 @@ nothing to do runs a dummy batch, whose forward goes through the same
 collectives. The group is the lockstep DP group (gloo; tensors on CUDA are
 staged through host memory); `group_source` returns the current one, or None
 before one is formed (only the CUDA start-up profile run forwards then: it
-computes with the local experts alone). A failed collective raises
-RuntimeError (the engine then fails, like any forward error).
+computes with the local experts alone). A failed collective (a peer died: at
+once; froze: after the group's timeout) raises `ExpertParallelError`; the
+engine then drops the step (`EngineCore.step`) and leaves the DP group.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from dpserve.errors import ExpertParallelError
+
+__all__ = ["ExpertParallel", "ExpertParallelError"]
 
 
 class ExpertParallel:
@@ -86,7 +91,10 @@ class ExpertParallel:
 
         options = dist.ReduceScatterOptions()
         options.reduceOp = dist.ReduceOp.SUM
-        group.reduce_scatter([own], [list(padded.cpu().unbind(0))], options).wait()
+        try:
+            group.reduce_scatter([own], [list(padded.cpu().unbind(0))], options).wait()
+        except RuntimeError as e:
+            raise ExpertParallelError(f"reduce-scatter: {e}") from e
         self.collectives += 1
         return own[:num_tokens].to(device=x.device, dtype=x.dtype)
 
@@ -99,5 +107,8 @@ class ExpertParallel:
         return torch.stack(outs).to(t.device)
 
     def _all_gather(self, group: Any, outs: list[torch.Tensor], t: torch.Tensor) -> None:
-        group.allgather([outs], [t]).wait()
+        try:
+            group.allgather([outs], [t]).wait()
+        except RuntimeError as e:
+            raise ExpertParallelError(f"all-gather: {e}") from e
         self.collectives += 1
