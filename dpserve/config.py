@@ -371,6 +371,10 @@ class EngineArgs:
         self._need(self.data_parallel_size <= experts, "data_parallel_size",
                    f"must not exceed the model's {experts} experts with "
                    f"enable_expert_parallel")
+        if self.engine_failure_policy == "isolate":
+            raise ConfigError("engine_failure_policy 'isolate' cannot serve on without a "
+                              "rank's experts under enable_expert_parallel; use restart or "
+                              "stop")
         if self._size_max(autoscale) > self.data_parallel_size:
             raise ConfigError("enable_expert_parallel: changing the number of engines at "
                               "run time (data_parallel_size_max, autoscale) is not "
