@@ -158,3 +158,15 @@ def test_a_rank_killed_under_expert_parallel_loses_nothing(tiny_mixtral):
         assert re.search(r"engine 1: joined DP group generation \d+", log)
         engines = httpx.get(url + "/debug/dp_state", timeout=10).json()["engines"]
         assert engines["1"]["dp"]["regroups"] >= 1 and engines["0"]["dp"]["regroups"] >= 2
+
+
+def test_sigterm_to_the_process_group_drains_under_expert_parallel(tiny_mixtral):
+    """As systemd stops a service: every process gets SIGTERM at once. A rank without
+    requests of its own must not leave while the others' requests need its experts:
+    under expert parallelism it stays in the running wave (dummy batches) and leaves
+    when the wave ends; every stream finishes whole, exit code 0."""
+    from test_drain import _check_drain_finishes_streams
+
+    _check_drain_finishes_streams(str(tiny_mixtral), "--shutdown-timeout", "120",
+                                  "--data-parallel-size", "2", "--enable-expert-parallel",
+                                  "--threads-per-engine", "1", group_signal=signal.SIGTERM)

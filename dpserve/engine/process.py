@@ -273,9 +273,15 @@ class EngineCoreProc:
             logger.warning("engine %d: shutdown timeout: aborting %d request(s)", self.rank,
                            len(self._client_of))
             self._publish(self.engine_core.abort_requests(list(self._client_of)))
-        if timed_out or not self.engine_core.has_unfinished_requests():
+        if timed_out or not self.holds_work():
             logger.info("engine %d: drained", self.rank)
             raise SystemExit(0)
+
+    def holds_work(self) -> bool:
+        """Requests here, or (expert parallel) a running wave: the other ranks' requests
+        need this rank's experts until the wave ends everywhere."""
+        return self.engine_core.has_unfinished_requests() or (
+            self.dp is not None and self.dp.expert_parallel and self.dp.running)
 
     def _wait_for_group(self) -> None:
         """Lockstep without a DP group: hold every request (no step) until the
@@ -750,7 +756,8 @@ class _StopSignals:
     """An engine process's SIGTERM/SIGINT (module docstring); installs itself.
 
     SIGTERM raises SystemExit in the main thread when the engine is not
-    serving yet, is idle or already drains; otherwise it only starts the
+    serving yet, is idle (under expert parallelism: outside a running wave too)
+    or already drains; otherwise it only starts the
     drain. Once SystemExit was raised, signals no longer interrupt the cleanup.
     """
 
@@ -764,8 +771,7 @@ class _StopSignals:
         if signum == signal.SIGINT or self.exiting:
             return
         proc = self.proc
-        if proc is None or proc.drain_deadline is not None or \
-                not proc.engine_core.has_unfinished_requests():
+        if proc is None or proc.drain_deadline is not None or not proc.holds_work():
             self.exiting = True
             raise SystemExit(0)
         proc.begin_drain()
