@@ -102,6 +102,7 @@ class ParallelConfig:
     data_parallel_lockstep: bool = False
     data_parallel_sync_interval: int = 32  # lockstep: steps between "any work left?" all-reduces
     data_parallel_collective_timeout: float = 10.0  # lockstep: s for one join or all-reduce
+    enable_expert_parallel: bool = False  # MoE: each DP rank holds 1/N of the experts
     # Where the engines run (see DESIGN "Launch modes"). This host runs ranks
     # [start_rank, start_rank + size_local); the others run on other hosts.
     data_parallel_size_local: int = 1
@@ -202,6 +203,11 @@ class EngineArgs:
                                                    "collective (all-reduce, group join) "
                                                    "may wait for the other ranks; past "
                                                    "it the DP group is formed again.")
+    enable_expert_parallel: bool = _opt(False, "Mixture-of-experts models: each of the "
+                                        "--data-parallel-size ranks holds its share of "
+                                        "the experts (attention stays data parallel); "
+                                        "tokens meet their experts through collectives "
+                                        "over the lockstep DP group.")
     data_parallel_size_local: int | None = _opt(None, "Engines on this host (default: all "
                                                 "of them; 1 with --data-parallel-rank).")
     data_parallel_start_rank: int | None = _opt(None, "DP rank of this host's first engine "
@@ -337,6 +343,7 @@ class EngineArgs:
             and self._size_max(autoscale) > 1,
             data_parallel_sync_interval=self.data_parallel_sync_interval,
             data_parallel_collective_timeout=self.data_parallel_collective_timeout,
+            enable_expert_parallel=self._expert_parallel(hf_config, arch, autoscale),
             data_parallel_size_local=self._size_local(),
             data_parallel_start_rank=self._start_rank(),
             data_parallel_address=self.data_parallel_address,
@@ -357,6 +364,28 @@ class EngineArgs:
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             parallel=parallel, device=device,
                             shutdown_timeout=float(self.shutdown_timeout))
+
+    def _expert_parallel(self, hf_config: Mapping[str, Any], arch: str,
+                         autoscale: AutoscaleConfig | None) -> bool:
+        """--enable-expert-parallel, checked against the model and the DP layout."""
+        if not self.enable_expert_parallel:
+            return False
+        experts = _num_experts(hf_config)
+        if not experts:
+            raise ConfigError(f"enable_expert_parallel needs a mixture-of-experts model; "
+                              f"{arch} has no experts")
+        self._need(self.data_parallel_size <= experts, "data_parallel_size",
+                   f"must not exceed the model's {experts} experts with "
+                   f"enable_expert_parallel")
+        if self.engine_failure_policy == "isolate":
+            raise ConfigError("engine_failure_policy 'isolate' cannot serve on without a "
+                              "rank's experts under enable_expert_parallel; use restart or "
+                              "stop")
+        if self._size_max(autoscale) > self.data_parallel_size:
+            raise ConfigError("enable_expert_parallel: changing the number of engines at "
+                              "run time (data_parallel_size_max, autoscale) is not "
+                              "supported with expert parallelism")
+        return True
 
     def _threads_per_engine(self, device: str) -> int | None:
         """The user's choice; on CPU with several (local) engines, a fair share of the cores."""
@@ -534,7 +563,12 @@ def _resolve_device(device: str) -> str:
 
 def _is_moe(hf_config: Mapping[str, Any]) -> bool:
     """Mixture-of-experts models (their expert-parallel ranks must step together)."""
-    return any(hf_config.get(k) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+    return _num_experts(hf_config) > 0
+
+
+def _num_experts(hf_config: Mapping[str, Any]) -> int:
+    return max(int(hf_config.get(k) or 0)
+               for k in ("num_local_experts", "num_experts", "n_routed_experts"))
 
 
 def _model_context_length(hf_config: Mapping[str, Any]) -> int:

@@ -3,3 +3,8 @@
 
 class ConfigError(ValueError):
     """A bad option; the message names it."""
+
+
+class ExpertParallelError(RuntimeError):
+    """An expert-parallel collective failed (a peer rank died or froze): the step's
+    results are lost (raised by `dpserve.model.expert_parallel`)."""

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from dpserve.config import EngineConfig
 from dpserve.engine.request import Request, RequestStatus
 from dpserve.engine.scheduler import Scheduler
 from dpserve.engine.types import ModelRunnerOutput
+from dpserve.errors import ExpertParallelError
 from dpserve.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -35,12 +37,12 @@ def check_prompt(ids: list[int], max_model_len: int, vocab_size: int) -> None:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, dp_rank: int = 0) -> None:
         from dpserve.model.runner import ModelRunner
 
         start = time.monotonic()
         self.config = config
-        self.runner = ModelRunner(config)
+        self.runner = ModelRunner(config, dp_rank)  # the rank picks its experts under EP
         # The block count is a run-time result: it travels as a value, the
         # config stays as the user resolved it.
         self.num_kv_blocks = self.runner.determine_num_blocks()
@@ -48,6 +50,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks)
         self.vocab_size = int(config.model.hf_config["vocab_size"])
         self.num_forward_passes = 0  # model executions by step(), cumulative
+        self.ep_failure: str | None = None  # set when an expert-parallel collective failed
         logger.info("engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens)",
                     time.monotonic() - start, self.num_kv_blocks, config.cache.block_size,
                     self.num_kv_blocks * config.cache.block_size)
@@ -91,12 +94,30 @@ class EngineCore:
         # 2. Execute: one forward pass over all of them, then sample.
         runner_output = _EMPTY_OUTPUT
         if not scheduler_output.is_empty:
-            runner_output = self.runner.execute(scheduler_output)
+            try:
+                runner_output = self.runner.execute(scheduler_output)
+            except ExpertParallelError as e:
+                self.runner.forget_requests(scheduler_output.finished_req_ids)
+                self._drop_failed_step(str(e))
+                return []
             self.num_forward_passes += 1
         # 3. Update: append tokens, check stops, free finished requests.
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._forget_if_idle()
         return outputs
+
+    def _drop_failed_step(self, reason: str) -> None:
+        """An expert-parallel collective failed mid-forward (a peer rank died): nothing
+        of the step is kept. Every running request is preempted (it recomputes its
+        prompt and outputs so far later) and the prefix cache is dropped, since
+        blocks of this step may hold partial KV. `ep_failure` tells the engine
+        process to leave the DP group."""
+        logger.warning("expert-parallel step failed (%s): %d running request(s) preempted, "
+                       "prefix cache dropped", reason.splitlines()[0],
+                       len(self.scheduler.running))
+        self.scheduler.preempt_all()
+        self.scheduler.reset_prefix_cache()
+        self.ep_failure = reason
 
     def _forget_if_idle(self) -> None:
         """With nothing left to schedule, no step will carry the ids of the requests that
@@ -131,4 +152,17 @@ class EngineCore:
         return self.scheduler.make_stats()
 
     def execute_dummy_batch(self) -> None:
-        self.runner.execute_dummy()
+        try:
+            self.runner.execute_dummy()
+        except ExpertParallelError as e:  # nothing to drop: the dummy computes nothing
+            logger.warning("expert-parallel dummy batch failed (%s)", str(e).splitlines()[0])
+            self.ep_failure = str(e)
+
+    def expert_info(self) -> dict[str, Any] | None:
+        """Utility: the routed experts this engine holds (range, parameter bytes, and
+        the expert-parallel collectives run); None for a dense model."""
+        model = self.runner.model
+        if model is None or not hasattr(model, "expert_info"):
+            return None
+        ep = self.runner.expert_parallel
+        return {**model.expert_info(), "collectives": ep.collectives if ep else 0}

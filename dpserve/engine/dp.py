@@ -80,7 +80,7 @@ class DPLink:
                  *, lockstep: bool = False, sync_interval: int = 32,
                  master_ip: str = "127.0.0.1", master_port: int = 0,
                  secret: str | None = None, incarnation: int = 0,
-                 collective_timeout: float = 10.0) -> None:
+                 collective_timeout: float = 10.0, expert_parallel: bool = False) -> None:
         self.rank = rank
         self.incarnation = incarnation  # which process of this rank (restarts count up)
         self.has_work = False  # set by the busy loop after each step, read by heartbeats
@@ -94,6 +94,9 @@ class DPLink:
         self._beats = threading.Event()  # set: heartbeats stop
         self.dp_size = dp_size
         self.lockstep = lockstep
+        # Expert parallel: a group without every rank lacks experts, so it is not joined
+        # (the engine holds its requests until a generation has every rank).
+        self.expert_parallel = expert_parallel
         self.sync_interval = sync_interval
         self.master = (master_ip, master_port)
         self.wave = 0  # the wave this engine is in (lockstep)
@@ -216,6 +219,8 @@ class DPLink:
                 return  # paused and idle
             run_dummy_batch()  # running: the other ranks' collectives need our step
             self.dummy_batches += 1
+            if self._group is None:  # its expert-parallel collectives failed: group left
+                return
         self.running = True
         self._steps_since_sync += 1
         if self._steps_since_sync < self.sync_interval:
@@ -250,6 +255,11 @@ class DPLink:
         self._group = self._store = None
         self.generation, self.members = message.generation, list(message.members)
         self._pending = self.rank in self.members
+        if self.expert_parallel and self.members != list(range(self.dp_size)):
+            logger.info("engine %d: expert parallel needs every rank's experts; holding "
+                           "requests until the DP group has all %d ranks", self.rank,
+                           self.dp_size)
+            self._pending = False
 
     def join_pending(self, has_work: bool) -> bool:
         """Join the generation named last, if we are a member and have not yet; then
@@ -284,6 +294,11 @@ class DPLink:
                     self.generation, self.wave, "running" if self.running else "paused")
         return True
 
+    def group_failed(self, reason: str) -> None:
+        """A collective outside this class failed (expert parallel): leave the group."""
+        if self._group is not None:
+            self._group_failed(reason)
+
     def _group_failed(self, reason: str) -> None:
         """Leave the group, paused, and tell the coordinator (it forms the next)."""
         logger.warning("engine %d: DP group generation %d failed (%s); waiting for the "
@@ -308,6 +323,10 @@ class DPLink:
             return None
         self.all_reduces += 1
         return [int(v) for v in tensor.tolist()]
+
+    def expert_group(self) -> object | None:
+        """The formed DP group (expert-parallel MoE layers run their collectives on it)."""
+        return self._group
 
     # ---- load reports -------------------------------------------------------------------
 

@@ -179,9 +179,13 @@ class EngineCoreProc:
                              sync_interval=parallel.data_parallel_sync_interval,
                              master_ip=init.dp_master_ip, master_port=init.dp_master_port,
                              incarnation=self.incarnation,
-                             collective_timeout=parallel.data_parallel_collective_timeout)
+                             collective_timeout=parallel.data_parallel_collective_timeout,
+                             expert_parallel=parallel.enable_expert_parallel)
         _choose_device(self.config, self.rank)
         self.engine_core = _build_engine_core(self.config, self.rank, self.incarnation)
+        ep = self.engine_core.runner.expert_parallel
+        if ep is not None and self.dp is not None:  # MoE layers use the lockstep DP group
+            ep.group_source = self.dp.expert_group
         self.control = EngineControl(self.engine_core)  # pause / sleep (dpserve.control)
         self._control_acked = 0  # the ControlState seq reported reached
         self._control_waiters: list[tuple[int, int, int]] = []  # (client, call_id, seq)
@@ -232,11 +236,23 @@ class EngineCoreProc:
                 self.dp.ttft_s, self.dp.ttft_at = (core.scheduler.recent_ttft.mean(
                     time.monotonic()), time.monotonic())
                 self.dp.generated_tokens = core.scheduler.num_generated_tokens
+                self._leave_group_if_ep_failed()
                 self.dp.after_step(executed=core.num_forward_passes > forward_passes,
                                    has_work=has_work,
-                                   run_dummy_batch=core.execute_dummy_batch
+                                   run_dummy_batch=self._dummy_batch
                                    if self.control.state.sleep_level == 0 else _no_dummy)
                 self._report_load()
+
+    def _dummy_batch(self) -> None:
+        self.engine_core.execute_dummy_batch()
+        self._leave_group_if_ep_failed()
+
+    def _leave_group_if_ep_failed(self) -> None:
+        """An expert-parallel collective failed (a peer died): leave the DP group and
+        hold every request until the coordinator forms one with every rank again."""
+        reason, self.engine_core.ep_failure = self.engine_core.ep_failure, None
+        if reason is not None and self.dp is not None:
+            self.dp.group_failed(f"expert-parallel collective: {reason}")
 
     def begin_drain(self) -> None:
         """Finish the requests in flight (up to the shutdown timeout), then exit.
@@ -259,9 +275,15 @@ class EngineCoreProc:
             logger.warning("engine %d: shutdown timeout: aborting %d request(s)", self.rank,
                            len(self._client_of))
             self._publish(self.engine_core.abort_requests(list(self._client_of)))
-        if timed_out or not self.engine_core.has_unfinished_requests():
+        if timed_out or not self.holds_work():
             logger.info("engine %d: drained", self.rank)
             raise SystemExit(0)
+
+    def holds_work(self) -> bool:
+        """Requests here, or (expert parallel) a running wave: the other ranks' requests
+        need this rank's experts until the wave ends everywhere."""
+        return self.engine_core.has_unfinished_requests() or (
+            self.dp is not None and self.dp.expert_parallel and self.dp.running)
 
     def _wait_for_group(self) -> None:
         """Lockstep without a DP group: hold every request (no step) until the
@@ -635,7 +657,7 @@ def _choose_device(config: EngineConfig, rank: int) -> None:
 def _build_engine_core(config: EngineConfig, rank: int, incarnation: int) -> EngineCore:
     from dpserve.engine.core import EngineCore
 
-    engine_core = EngineCore(config)
+    engine_core = EngineCore(config, dp_rank=rank)
     _maybe_inject_forward_fault(engine_core, rank, incarnation)
     return engine_core
 
@@ -736,7 +758,8 @@ class _StopSignals:
     """An engine process's SIGTERM/SIGINT (module docstring); installs itself.
 
     SIGTERM raises SystemExit in the main thread when the engine is not
-    serving yet, is idle or already drains; otherwise it only starts the
+    serving yet, is idle (under expert parallelism: outside a running wave too)
+    or already drains; otherwise it only starts the
     drain. Once SystemExit was raised, signals no longer interrupt the cleanup.
     """
 
@@ -750,8 +773,7 @@ class _StopSignals:
         if signum == signal.SIGINT or self.exiting:
             return
         proc = self.proc
-        if proc is None or proc.drain_deadline is not None or \
-                not proc.engine_core.has_unfinished_requests():
+        if proc is None or proc.drain_deadline is not None or not proc.holds_work():
             self.exiting = True
             raise SystemExit(0)
         proc.begin_drain()

@@ -247,6 +247,11 @@ class Scheduler:
         return ScheduledRequest(request, start, num_new, block_ids,
                                 sample=start + num_new == request.num_tokens)
 
+    def preempt_all(self) -> None:
+        """Preempt every running request (a failed expert-parallel step)."""
+        while self.running:
+            self._preempt(self.running.pop())
+
     def _preempt(self, request: Request) -> None:
         """Drop the request's KV; it will recompute prompt + outputs so far."""
         self.kv_cache.free(request)

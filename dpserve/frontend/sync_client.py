@@ -147,6 +147,11 @@ class SyncEngineClient:
         return self._call(self._client().call_utility("get_stats", engine=rank,
                                                       result_type=SchedulerStats))
 
+    def call_utility(self, method: str, *args: Any, rank: int = 0) -> Any:
+        """`EngineCore.<method>(*args)` in engine `rank` (e.g. "expert_info")."""
+        self._check_alive()
+        return self._call(self._client().call_utility(method, *args, engine=rank))
+
     def reset_prefix_cache(self) -> bool:
         self._check_alive()
         return all([self._call(self._client().call_utility("reset_prefix_cache", engine=r))

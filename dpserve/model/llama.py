@@ -62,14 +62,15 @@ class ModelDims:
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
         heads = int(c["num_attention_heads"])
-        is_qwen2 = c.get("model_type") == "qwen2"
+        is_qwen2 = c.get("model_type") in ("qwen2", "qwen2_moe")
         dims = cls(hidden=int(c["hidden_size"]), heads=heads,
                    kv_heads=int(c.get("num_key_value_heads") or heads),
                    head_dim=int(c.get("head_dim") or int(c["hidden_size"]) // heads),
                    intermediate=int(c["intermediate_size"]), layers=int(c["num_hidden_layers"]),
                    vocab=int(c["vocab_size"]), eps=float(c.get("rms_norm_eps", 1e-6)),
                    max_positions=int(c.get("max_position_embeddings", 2048)),
-                   qkv_bias=is_qwen2 or bool(c.get("attention_bias", False)),
+                   qkv_bias=(bool(c.get("qkv_bias", True)) if is_qwen2
+                             else bool(c.get("attention_bias", False))),
                    o_bias=not is_qwen2 and bool(c.get("attention_bias", False)),
                    mlp_bias=bool(c.get("mlp_bias", False)),
                    tied=bool(c.get("tie_word_embeddings", False)))
@@ -91,6 +92,8 @@ class LlamaAttention(nn.Module):
         self.o_weight = _param(d.hidden, d.heads * d.head_dim, dtype=dtype, device=device)
         self.o_bias = _param(d.hidden, dtype=dtype, device=device) if d.o_bias else None
         self.packed = False  # weights in oneDNN layout (see prepack_weights)
+
+    PACKABLE = ("qkv_weight", "o_weight")  # what prepack_weights may pack
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -114,6 +117,8 @@ class LlamaMLP(nn.Module):
         self.down_weight = _param(d.hidden, d.intermediate, dtype=dtype, device=device)
         self.down_bias = _param(d.hidden, dtype=dtype, device=device) if d.mlp_bias else None
         self.packed = False  # weights in oneDNN layout (see prepack_weights)
+
+    PACKABLE = ("gate_up_weight", "down_weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.packed)  # [T, 2I]
@@ -149,13 +154,19 @@ class LlamaForCausalLM(nn.Module):
         d = self.dims = ModelDims.from_config(hf_config)
         self.dtype = dtype
         self.embed = _param(d.vocab, d.hidden, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(d, dtype, device) for _ in range(d.layers))
+        self.layers = nn.ModuleList(self._make_layer(i, hf_config, dtype, device)
+                                    for i in range(d.layers))
         self.norm = RMSNorm(d.hidden, d.eps, dtype, device)
         self.lm_head = self.embed if d.tied else _param(d.vocab, d.hidden, dtype=dtype,
                                                         device=device)
         self.rotary = RotaryEmbedding(d.head_dim, d.max_positions,
                                       rope_spec_from_config(hf_config), dtype, device)
         self.packed = False
+
+    def _make_layer(self, index: int, hf_config: Mapping[str, Any], dtype: torch.dtype,
+                    device: Any) -> nn.Module:
+        """Decoder layer `index` (subclasses build other kinds)."""
+        return LlamaDecoderLayer(self.dims, dtype, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -178,13 +189,12 @@ class LlamaForCausalLM(nn.Module):
             return False
         # Packed tensors are opaque (not strided), so they replace the
         # parameters as plain attributes.
-        for layer in self.layers:
-            for module, names in ((layer.attn, ("qkv_weight", "o_weight")),
-                                  (layer.mlp, ("gate_up_weight", "down_weight"))):
-                for name in names:
-                    packed = prepack(getattr(module, name).data)
-                    delattr(module, name)
-                    setattr(module, name, packed)
+        for module in self.layers.modules():  # every module naming PACKABLE weights
+            for name in getattr(module, "PACKABLE", ()):
+                packed = prepack(getattr(module, name).data)
+                delattr(module, name)
+                setattr(module, name, packed)
+            if getattr(module, "PACKABLE", ()):
                 module.packed = True
         head = prepack(self.lm_head.data)
         del self.lm_head  # the parameter name only: a tied `embed` stays
@@ -205,25 +215,27 @@ class LlamaForCausalLM(nn.Module):
         if not d.tied:
             targets["lm_head.weight"] = (self.lm_head, 0, d.vocab)
         for i, layer in enumerate(self.layers):
-            pre, a, m = f"model.layers.{i}.", layer.attn, layer.mlp
-            parts: dict[str, tuple[torch.Tensor | None, int, int]] = {
+            pre, a = f"model.layers.{i}.", layer.attn
+            parts: dict[str, tuple[torch.Tensor | None, int, int] | None] = {
                 "input_layernorm.weight": (layer.input_norm.weight, 0, d.hidden),
                 "post_attention_layernorm.weight": (layer.post_attn_norm.weight, 0, d.hidden),
                 "self_attn.o_proj.weight": (a.o_weight, 0, d.hidden),
                 "self_attn.o_proj.bias": (a.o_bias, 0, d.hidden),
-                "mlp.down_proj.weight": (m.down_weight, 0, d.hidden),
-                "mlp.down_proj.bias": (m.down_bias, 0, d.hidden),
             }
-            for kind in ("weight", "bias"):  # fused row ranges: q | k | v and gate | up
+            for kind in ("weight", "bias"):  # fused row ranges: q | k | v
                 fused = a.qkv_weight if kind == "weight" else a.qkv_bias
                 for name, start, n in zip("qkv", (0, q, q + kv), (q, kv, kv), strict=True):
                     parts[f"self_attn.{name}_proj.{kind}"] = (fused, start, n)
-                gu = m.gate_up_weight if kind == "weight" else m.gate_up_bias
-                parts[f"mlp.gate_proj.{kind}"] = (gu, 0, d.intermediate)
-                parts[f"mlp.up_proj.{kind}"] = (gu, d.intermediate, d.intermediate)
-            targets.update({pre + k: (t, s, n) for k, (t, s, n) in parts.items()
-                            if t is not None})
+            parts.update(self._mlp_targets(i, layer))
+            targets.update({pre + k: v for k, v in parts.items()
+                            if v is None or v[0] is not None})
         return targets
+
+    def _mlp_targets(self, index: int, layer: nn.Module
+                     ) -> dict[str, tuple[torch.Tensor | None, int, int] | None]:
+        """Layer `index`'s MLP weights (names after `model.layers.N.`); subclasses
+        add theirs. A target of None: a known weight this model does not hold."""
+        return mlp_targets("mlp.", layer.mlp, self.dims.hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face tensors in, fusing q/k/v and gate/up.
@@ -239,7 +251,11 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name not in targets:
                 raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
-            param, start, rows = targets[name]
+            target = targets[name]
+            if target is None:  # known, held by another rank (expert parallel)
+                seen.add(name)
+                continue
+            param, start, rows = target
             dest = param.data[start:start + rows]
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
@@ -250,6 +266,20 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"missing weights ({len(missing)}): {', '.join(missing[:5])}"
                              + (" ..." if len(missing) > 5 else ""))
+
+
+def mlp_targets(prefix: str, mlp: LlamaMLP, hidden: int
+                ) -> dict[str, tuple[torch.Tensor | None, int, int]]:
+    """HF names (after `prefix`) of a SwiGLU MLP -> rows of its fused gate | up matrix."""
+    inter = mlp.down_weight.shape[1]
+    parts: dict[str, tuple[torch.Tensor | None, int, int]] = {
+        "down_proj.weight": (mlp.down_weight, 0, hidden),
+        "down_proj.bias": (mlp.down_bias, 0, hidden)}
+    for kind in ("weight", "bias"):
+        gu = mlp.gate_up_weight if kind == "weight" else mlp.gate_up_bias
+        parts[f"gate_proj.{kind}"] = (gu, 0, inter)
+        parts[f"up_proj.{kind}"] = (gu, inter, inter)
+    return {prefix + k: v for k, v in parts.items()}
 
 
 def _natural_key(name: str) -> list[Any]:

@@ -12,6 +12,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("dpserve.model.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("dpserve.model.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("dpserve.model.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("dpserve.model.moe_models", "MoEForCausalLM"),
+    "MixtralForCausalLM": ("dpserve.model.moe_models", "MoEForCausalLM"),
+    "Qwen2MoeForCausalLM": ("dpserve.model.moe_models", "MoEForCausalLM"),
+    "Qwen3MoeForCausalLM": ("dpserve.model.moe_models", "MoEForCausalLM"),
+    "OlmoeForCausalLM": ("dpserve.model.moe_models", "MoEForCausalLM"),
 }
 
 

@@ -28,6 +28,7 @@ from dpserve.config import EngineConfig
 from dpserve.engine.request import Request
 from dpserve.engine.types import ModelRunnerOutput, SchedulerOutput
 from dpserve.model.attention import AttentionMetadata, build_attention_metadata, token_positions
+from dpserve.model.expert_parallel import ExpertParallel
 from dpserve.model.registry import get_model_class
 from dpserve.model.sampler import Sampler, SamplingMetadata, make_generator
 
@@ -48,13 +49,19 @@ class StepInputs:
 class ModelRunner:
     """Executes scheduled steps on one device; see the module docstring."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, dp_rank: int = 0) -> None:
         if config.parallel.threads_per_engine:
             torch.set_num_threads(config.parallel.threads_per_engine)
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.model.dtype)
         self.block_size = config.cache.block_size
+        # Expert parallel: this rank holds its share of the experts; the engine
+        # process hands it the lockstep DP group (`ExpertParallel.group_source`).
+        size = config.parallel.data_parallel_size
+        self.expert_parallel = (ExpertParallel(dp_rank, size)
+                                if config.parallel.enable_expert_parallel and size > 1
+                                else None)
         self.model = self._load_model()
         self.sleep_level = 0  # 1: KV cache freed; 2: weights too (see set_sleep_level)
         self.vocab_size = self.model.dims.vocab
@@ -68,11 +75,17 @@ class ModelRunner:
         """Build the model and read its weights from the checkpoint."""
         from dpserve.model.loader import iter_weights
 
+        extra = {"ep": self.expert_parallel} if self.expert_parallel is not None else {}
         model = get_model_class(self.config.model.architecture)(
-            self.config.model.hf_config, self.dtype, self.device)
+            self.config.model.hf_config, self.dtype, self.device, **extra)
         model.load_weights(iter_weights(Path(self.config.model.path)))
         if model.prepack_weights():
             logger.info("linear weights pre-packed for oneDNN")
+        if hasattr(model, "expert_info"):
+            info = model.expert_info()
+            logger.info("experts %d..%d of %d held here: %.1f MiB", info["experts"][0],
+                        info["experts"][1] - 1, info["num_experts"],
+                        info["expert_bytes"] / 2**20)
         return model
 
     # ---- sleep (free device memory while idle) ----------------------------

@@ -146,6 +146,19 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
         return {"api_server": async_llm.request_state_sizes(),
                 "engines": {str(rank): sizes for rank, sizes in engines.items()}}
 
+    @app.get("/debug/dp_state")
+    async def dp_state() -> dict[str, Any]:
+        """Each live engine's DP state (lockstep, wave, dummy batches, all-reduces) and
+        the routed experts it holds (MoE; None for a dense model or one engine)."""
+        client = async_llm.client
+        if not hasattr(client, "call_utility_all"):
+            return {"engines": {"0": {"dp": None,
+                                      "experts": await client.call_utility("expert_info")}}}
+        dp = await client.call_utility_all("get_dp_state", timeout=10)
+        experts = await client.call_utility_all("expert_info", timeout=10)
+        return {"engines": {str(rank): {"dp": dp[rank], "experts": experts.get(rank)}
+                            for rank in dp}}
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}

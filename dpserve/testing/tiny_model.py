@@ -28,7 +28,21 @@ _ARCH = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    # Mixture of experts: 8 experts (so each of 2 or 4 expert-parallel ranks holds some)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 96, "norm_topk_prob": False}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "norm_topk_prob": True, "head_dim": 16}),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              {"num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False,
+               "clip_qkv": 4.0}),
 }
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
 def make_tokenizer(path: Path, vocab_size: int = 384):
@@ -51,7 +65,7 @@ def make_tokenizer(path: Path, vocab_size: int = 384):
 
 def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0,
                     **overrides: Any) -> Path:
-    """Write a tiny random `arch` checkpoint (llama | mistral | qwen2) to `path`."""
+    """Write a tiny random `arch` checkpoint (a key of `_ARCH`) to `path`."""
     import torch
     import transformers
 

@@ -1,0 +1,176 @@
+"""Qwen3 (dense) and the mixture-of-experts decoders: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE.
+
+Scope: what these architectures add to the Llama family (`llama.py`), read
+from config.json as transformers' modeling code defines it:
+* q/k RMSNorm: per head over head_dim (Qwen3, Qwen3-MoE), or over the whole
+  q / k projection before the heads are split (OLMoE, which may also clamp
+  q/k/v at `clip_qkv`);
+* sparse MoE MLPs (`moe.FusedMoE`): softmax then top-k routing, renormalised
+  for Mixtral and where `norm_topk_prob` says so; Qwen2-MoE's shared expert
+  behind a sigmoid gate; Qwen2/3-MoE's dense layers (`mlp_only_layers`,
+  `decoder_sparse_step`).
+Checkpoints name experts one by one (`...experts.N.w1` / `gate_proj` ...); the
+loader stacks them into the per-expert tensors, skipping experts that other
+ranks hold under expert parallelism.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpserve.model.attention import AttentionMetadata, paged_attention
+from dpserve.model.expert_parallel import ExpertParallel
+from dpserve.model.layers import RMSNorm, apply_rotary, linear
+from dpserve.model.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    ModelDims,
+    mlp_targets,
+)
+from dpserve.model.moe import FusedMoE, MoESpec
+
+# model_type -> (q/k norm: "" | "head" | "full", MoE block prefix in weight names,
+#                expert weight names (gate, up, down))
+_ARCH: dict[str, tuple[str, str, tuple[str, str, str]]] = {
+    "qwen3": ("head", "mlp.", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("", "block_sparse_moe.", ("w1", "w3", "w2")),
+    "qwen2_moe": ("", "mlp.", ("gate_proj", "up_proj", "down_proj")),
+    "qwen3_moe": ("head", "mlp.", ("gate_proj", "up_proj", "down_proj")),
+    "olmoe": ("full", "mlp.", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
+def moe_spec(c: Mapping[str, Any]) -> MoESpec | None:
+    """The routing of a config's MoE layers; None for a dense model."""
+    kind = c.get("model_type")
+    experts = int(c.get("num_local_experts") or c.get("num_experts") or 0)  # both spellings
+    if not experts:
+        return None
+    return MoESpec(
+        num_experts=experts, top_k=int(c["num_experts_per_tok"]),
+        intermediate=int(c.get("moe_intermediate_size") or c["intermediate_size"]),
+        renormalize=kind == "mixtral" or bool(c.get("norm_topk_prob", False)),
+        float32_weights=kind == "mixtral",
+        shared_intermediate=int(c.get("shared_expert_intermediate_size") or 0)
+        if kind == "qwen2_moe" else 0)
+
+
+def is_moe_layer(c: Mapping[str, Any], index: int) -> bool:
+    """Whether decoder layer `index` has a sparse MoE block (else a dense MLP)."""
+    if c.get("model_type") not in ("qwen2_moe", "qwen3_moe"):
+        return True
+    step = int(c.get("decoder_sparse_step") or 1)
+    return index not in (c.get("mlp_only_layers") or []) and (index + 1) % step == 0
+
+
+class QKNormAttention(LlamaAttention):
+    """Llama attention with RMSNorm on q and k ("head": per head; "full": over the
+    whole projection) and OLMoE's optional clamp of q, k and v."""
+
+    def __init__(self, d: ModelDims, qk_norm: str, clip_qkv: float | None,
+                 dtype: torch.dtype, device: Any) -> None:
+        super().__init__(d, dtype, device)
+        self.per_head = qk_norm == "head"
+        q_width, k_width = ((d.head_dim, d.head_dim) if self.per_head
+                            else (d.heads * d.head_dim, d.kv_heads * d.head_dim))
+        self.q_norm = RMSNorm(q_width, d.eps, dtype, device)
+        self.k_norm = RMSNorm(k_width, d.eps, dtype, device)
+        self.clip = clip_qkv
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens, hd = x.shape[0], self.head_dim
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed)  # [T, (H + 2KV) * d]
+        q_end, k_end = self.heads * hd, (self.heads + self.kv_heads) * hd
+        q, k, v = qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:]
+        if self.per_head:
+            q = self.q_norm(q.reshape(num_tokens, self.heads, hd))
+            k = self.k_norm(k.reshape(num_tokens, self.kv_heads, hd))
+        else:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        q = apply_rotary(q.reshape(num_tokens, self.heads, hd), cos, sin)
+        k = apply_rotary(k.reshape(num_tokens, self.kv_heads, hd), cos, sin)
+        v = v.reshape(num_tokens, self.kv_heads, hd)
+        attn = paged_attention(q, k, v, kv_cache, meta)  # [T, H * d]
+        return linear(attn, self.o_weight, self.o_bias, self.packed)
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    """Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (see the module docstring).
+
+    `ep`: this rank's expert parallelism (None: every expert is held here).
+    """
+
+    def __init__(self, hf_config: Mapping[str, Any], dtype: torch.dtype,
+                 device: torch.device | str, ep: ExpertParallel | None = None) -> None:
+        kind = hf_config.get("model_type")
+        if kind not in _ARCH:
+            raise ValueError(f"model_type {kind!r} is not one of {', '.join(_ARCH)}")
+        self.qk_norm, self.moe_prefix, self.expert_names = _ARCH[kind]
+        self.moe = moe_spec(hf_config)
+        self.ep = ep
+        super().__init__(hf_config, dtype, device)
+
+    def _make_layer(self, index: int, hf_config: Mapping[str, Any], dtype: torch.dtype,
+                    device: Any) -> nn.Module:
+        layer = LlamaDecoderLayer(self.dims, dtype, device)
+        if self.qk_norm:
+            layer.attn = QKNormAttention(self.dims, self.qk_norm, hf_config.get("clip_qkv"),
+                                         dtype, device)
+        if self.moe is not None and is_moe_layer(hf_config, index):
+            layer.mlp = FusedMoE(self.dims, self.moe, dtype, device, self.ep)
+        return layer
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        if self.ep is not None:
+            self.ep.begin_forward(input_ids.shape[0])  # every rank's token count, once
+        return super().forward(input_ids, positions, attn_meta, kv_caches)
+
+    def expert_info(self) -> dict[str, Any]:
+        """The routed experts held here: their range and parameter bytes (all layers)."""
+        blocks = [m for m in self.layers.modules() if isinstance(m, FusedMoE)]
+        first, end = blocks[0].expert_range if blocks else (0, 0)
+        return dict(num_experts=self.moe.num_experts if self.moe else 0,
+                    experts=[first, end], expert_bytes=sum(b.expert_bytes() for b in blocks),
+                    expert_parallel=self.ep is not None and self.ep.size > 1)
+
+    def _mlp_targets(self, index: int, layer: nn.Module
+                     ) -> dict[str, tuple[torch.Tensor | None, int, int] | None]:
+        parts: dict[str, tuple[torch.Tensor | None, int, int] | None] = {}
+        attn = layer.attn
+        if isinstance(attn, QKNormAttention):
+            parts["self_attn.q_norm.weight"] = (attn.q_norm.weight, 0,
+                                                attn.q_norm.weight.shape[0])
+            parts["self_attn.k_norm.weight"] = (attn.k_norm.weight, 0,
+                                                attn.k_norm.weight.shape[0])
+        mlp = layer.mlp
+        if isinstance(mlp, LlamaMLP):
+            parts.update(mlp_targets("mlp.", mlp, self.dims.hidden))
+            return parts
+        assert isinstance(mlp, FusedMoE) and self.moe is not None
+        pre, (gate, up, down) = self.moe_prefix, self.expert_names
+        inter, hidden = self.moe.intermediate, self.dims.hidden
+        parts[f"{pre}gate.weight"] = (mlp.router, 0, self.moe.num_experts)
+        first, end = mlp.expert_range
+        for e in range(self.moe.num_experts):
+            names = [f"{pre}experts.{e}.{n}.weight" for n in (gate, up, down)]
+            if not first <= e < end:
+                parts.update(dict.fromkeys(names))  # another rank's expert
+                continue
+            local = e - first
+            parts[names[0]] = (mlp.w13[local], 0, inter)
+            parts[names[1]] = (mlp.w13[local], inter, inter)
+            parts[names[2]] = (mlp.w2[local], 0, hidden)
+        if mlp.shared is not None:
+            parts.update(mlp_targets(f"{pre}shared_expert.", mlp.shared, hidden))
+            parts[f"{pre}shared_expert_gate.weight"] = (mlp.shared_gate, 0, 1)
+        return parts
