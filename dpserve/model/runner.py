@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,7 +81,12 @@ class ModelRunner:
             self.config.model.hf_config, self.dtype, self.device, **extra)
         model.load_weights(iter_weights(Path(self.config.model.path)))
         if model.prepack_weights():
-            logger.info("linear weights pre-packed for oneDNN")
+            sched = self.config.scheduler
+            start = time.monotonic()
+            runs = model.warm_up_linears(sched.max_num_batched_tokens, sched.max_num_seqs)
+            _release_memory(self.device)  # the large warm-up buffers, kept free by glibc
+            logger.info("linear weights pre-packed for oneDNN; kernels for %d (shape, rows) "
+                        "pairs compiled in %.1f s", runs, time.monotonic() - start)
         if hasattr(model, "expert_info"):
             info = model.expert_info()
             logger.info("experts %d..%d of %d held here: %.1f MiB", info["experts"][0],
