@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import msgspec
 
+from dpserve.structured.spec import StructuredOutputs
+
 _MAX_LOGPROBS = 20
 
 
@@ -39,6 +41,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # Number of top logprobs to return besides the sampled token's (None: none).
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Output constrained to a JSON schema, regex, choice or grammar (dpserve/structured/).
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -280,7 +280,7 @@ BAD = [  # (id, path, body (dict, or raw bytes), status, param)
     ("tools", CH, _ch(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     ("tool-choice", CH, _ch(tool_choice="auto"), 400, "tool_choice"),
     ("functions", CH, _ch(functions=[{"name": "f"}]), 400, "functions"),
-    ("json-object", CH, _ch(response_format={"type": "json_object"}), 400, "response_format"),
+    ("format-type", CH, _ch(response_format={"type": "yaml"}), 400, "response_format"),
     ("json-schema", CH, _ch(response_format={"type": "json_schema", "json_schema": {}}), 400,
      "response_format"),
     ("logit-bias", C, _c(logit_bias={"5": 10}), 400, "logit_bias"),

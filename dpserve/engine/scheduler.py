@@ -248,6 +248,8 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished or aborted since schedule(): its row is stale
             request.append_output_token(token)
+            if request.grammar is not None:
+                request.grammar.accept(token)
             self.num_generated_tokens += 1
             self.kv_cache.update_block_hashes(request)
             finished = self._check_stop(request, token)
@@ -270,6 +272,10 @@ class Scheduler:
         """Set a finished status if `token` ends the request; True if it did."""
         params = request.sampling_params
         num_out = request.num_output_tokens
+        # 0. A grammar that took its stop token is complete.
+        if request.grammar is not None and request.grammar.terminated:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
         # 1. Below min_tokens only the length limits below can stop a request.
         if num_out >= params.min_tokens:
             # 2. EOS, 3. stop token ids.

@@ -6,6 +6,7 @@ Order of operations (vLLM semantics):
 2. penalties: repetition (prompt + output; divide positive logits, multiply
    negative ones), then frequency and presence (output tokens only);
 3. min_tokens: EOS and stop ids get -inf while a row is still too short;
+   structured output: tokens a row's grammar forbids get -inf;
 4. greedy rows take the argmax; the others go through temperature, min-p,
    top-k, top-p and then inverse-CDF sampling with one uniform draw per row.
 
@@ -29,6 +30,7 @@ import torch
 
 from dpserve.engine.request import Request
 from dpserve.engine.types import Logprobs
+from dpserve.structured.manager import apply_bitmask, grammar_bitmask
 
 _TOP_P_CANDIDATES = 128
 
@@ -59,6 +61,8 @@ class SamplingMetadata:
     penalties: PenaltyMetadata | None
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) -> -inf
     max_num_logprobs: int | None  # N of the top-N; None when no row asks
+    # (bitmask [R, ceil(V/32)] int32, rows [R]) of rows with a grammar; None if none
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_requests(cls, requests: Sequence[Request],
@@ -89,7 +93,8 @@ class SamplingMetadata:
                         if requests[i].request_id in generators},
             penalties=_penalty_metadata(requests, vocab_size, device),
             min_tokens_mask=_min_tokens_mask(requests, vocab_size, device),
-            max_num_logprobs=max(asked) if asked else None)
+            max_num_logprobs=max(asked) if asked else None,
+            grammar=grammar_bitmask(requests, vocab_size))
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -126,8 +131,8 @@ def _min_tokens_mask(requests: Sequence[Request], vocab_size: int,
     ids: list[int] = []
     for i, r in enumerate(requests):
         p = r.sampling_params
-        if r.num_output_tokens >= p.min_tokens:
-            continue
+        if r.num_output_tokens >= p.min_tokens or r.grammar is not None:
+            continue  # (a grammar decides when its stop token may come)
         stop = [t for t in p.stop_token_ids if t < vocab_size]
         if r.eos_token_id is not None and not p.ignore_eos:
             stop.append(r.eos_token_id)
@@ -162,6 +167,8 @@ class Sampler:
         if meta.min_tokens_mask is not None:
             logits.index_put_(meta.min_tokens_mask,
                               torch.tensor(float("-inf"), device=logits.device))
+        if meta.grammar is not None:
+            apply_bitmask(logits, *meta.grammar)
         if meta.all_greedy:
             tokens = logits.argmax(dim=-1)
         else:

@@ -6,7 +6,7 @@ wrong JSON types fail here with the field named. Value ranges that
 this module checks only what it alone knows (n and stop limits, fields we do
 not support). Unknown fields are ignored, as OpenAI clients send many;
 fields that would change the result and that dpserve does not implement
-(tools, logit_bias, json response formats, echo, suffix, best_of > n) are
+(tools, logit_bias, echo, suffix, best_of > n) are
 rejected with a message naming them.
 """
 
@@ -93,6 +93,12 @@ class SamplingRequest(_Model):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Structured output (vLLM names; server/structured.py reads them).
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -226,7 +232,8 @@ class ChatMessage(_Model):
 
 
 class ResponseFormat(_Model):
-    type: str
+    type: str  # text | json_object | json_schema (server/structured.py)
+    json_schema: dict[str, Any] | None = None  # {"name", "schema", "strict"}
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -254,13 +261,6 @@ class ChatCompletionRequest(SamplingRequest):
         if v is not None and v != "none":
             raise _unsupported(str(info.field_name))
         return None
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v: ResponseFormat | None) -> ResponseFormat | None:
-        if v is not None and v.type != "text":
-            raise _unsupported("response_format", f" with type {v.type!r}; only 'text' is")
-        return v
 
     @field_validator("top_logprobs")
     @classmethod

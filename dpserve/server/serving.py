@@ -49,6 +49,7 @@ from dpserve.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from dpserve.server.structured import structured_from_request
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +211,10 @@ class OpenAIServing:
                 stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
                 min_tokens=req.min_tokens, logprobs=logprobs,
                 include_stop_str_in_output=req.include_stop_str_in_output,
-                skip_special_tokens=req.skip_special_tokens, **given)
+                skip_special_tokens=req.skip_special_tokens,
+                structured_outputs=structured_from_request(req), **given)
+        except RequestError:
+            raise
         except ValueError as e:
             name, _, rest = str(e).partition(" ")
             if name not in _PARAM_FIELDS:
