@@ -141,3 +141,33 @@ def test_migrated_request_feeds_prior_tokens(llm: LLM) -> None:
             break
     text = llm.tokenizer.decode(prior + tokens, skip_special_tokens=True)
     jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_json_strings_are_valid_utf8_and_json(tiny_llama) -> None:
+    """Random walks over every token the grammar allows (no model): xgrammar alone lets
+    UTF-16 surrogates and, in length-bounded strings, control characters through; the
+    narrowed character classes keep every decoded string valid and within maxLength."""
+    import random
+
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from dpserve.structured.grammar import compile_spec
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok)))
+    rng = random.Random(0)
+    for schema in ({"type": "string", "maxLength": 2}, {"type": "string", "maxLength": 30}):
+        compiled = compile_spec(compiler, StructuredOutputs(json=json.dumps(schema)))
+        for _ in range(300):
+            matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=[tok.eos_token_id])
+            mask = xgr.allocate_token_bitmask(1, len(tok))
+            ids = []
+            while not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(mask, 0)
+                bits = ((mask[0].view(-1, 1) >> torch.arange(32)) & 1).flatten()[:len(tok)]
+                ids.append(rng.choice(bits.nonzero().flatten().tolist()))
+                assert matcher.accept_token(ids[-1])
+            text = tok.decode(ids, skip_special_tokens=True)
+            assert "\ufffd" not in text, (text, tok.convert_ids_to_tokens(ids))
+            jsonschema.validate(json.loads(text), schema)

@@ -95,6 +95,7 @@ class APIServerOptions:
     enable_admin_api: bool = False  # the admin routes (pause, sleep, /engines/{rank}/...)
     max_num_queued_requests: int | None = None  # admission control (429)
     max_num_queued_tokens: int | None = None
+    tool_call_parser: str | None = None  # set: tool_choice "auto" parses calls
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> APIServerOptions:
@@ -103,7 +104,9 @@ class APIServerOptions:
                    load_balance=args.load_balance, uvicorn_log_level=args.uvicorn_log_level,
                    enable_admin_api=getattr(args, "enable_admin_api", False),
                    max_num_queued_requests=getattr(args, "max_num_queued_requests", None),
-                   max_num_queued_tokens=getattr(args, "max_num_queued_tokens", None))
+                   max_num_queued_tokens=getattr(args, "max_num_queued_tokens", None),
+                   tool_call_parser=getattr(args, "tool_call_parser", None)
+                   if getattr(args, "enable_auto_tool_choice", False) else None)
 
 
 @dataclass(frozen=True)
@@ -177,7 +180,8 @@ async def serve_http(options: APIServerOptions, config: EngineConfig, spec: APIS
                         api_server_index=spec.index,
                         enable_admin_api=options.enable_admin_api,
                         max_num_queued=(options.max_num_queued_requests,
-                                        options.max_num_queued_tokens))
+                                        options.max_num_queued_tokens),
+                        tool_call_parser=options.tool_call_parser)
         # log_config=None: uvicorn's loggers use ours, so its lines name the process too.
         server = DrainingServer(uvicorn.Config(
             app, log_level=options.uvicorn_log_level, log_config=None, access_log=False,

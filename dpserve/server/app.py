@@ -65,7 +65,8 @@ _M = TypeVar("_M", bound=BaseModel)
 def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               api_server_index: int = 0, enable_admin_api: bool = False,
-              max_num_queued: tuple[int | None, int | None] = (None, None)) -> FastAPI:
+              max_num_queued: tuple[int | None, int | None] = (None, None),
+              tool_call_parser: str | None = None) -> FastAPI:
     """An OpenAI-compatible app over `async_llm`; `api_key` defaults to $DPSERVE_API_KEY.
 
     The app does not own `async_llm`: whoever built it shuts it down.
@@ -73,10 +74,10 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     `enable_admin_api`: mount the admin routers (`dpserve.server.admin`,
     `dpserve.server.control`), behind `api_key` when one is set; without it they do
     not exist (404). `max_num_queued`: (requests, prompt tokens) waiting per engine
-    before a 429.
+    before a 429. `tool_call_parser`: parse tool calls for tool_choice "auto".
     """
     api_key = api_key or os.environ.get("DPSERVE_API_KEY") or None
-    serving = OpenAIServing(async_llm, served_model_name)
+    serving = OpenAIServing(async_llm, served_model_name, tool_call_parser)
     metrics = ServerMetrics(served_model_name, api_server_index=api_server_index)
     async_llm.add_stats_listener(metrics)
     # Moves show in every engine message's wake: count them in this API server then.

@@ -226,9 +226,11 @@ class ContentPart(_Model):
 
 
 class ChatMessage(_Model):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this result answers
 
 
 class ResponseFormat(_Model):
@@ -243,23 +245,24 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True  # extension
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Any] | None = None  # server/tools.py
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
-    def _no_tools(cls, v: list[Any] | None, info: ValidationInfo) -> None:
+    def _no_functions(cls, v: list[Any] | None, info: ValidationInfo) -> None:
         if v:
-            raise _unsupported(str(info.field_name))
+            raise _unsupported("functions", "; use tools")
         return None
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("function_call")
     @classmethod
-    def _no_tool_choice(cls, v: Any, info: ValidationInfo) -> None:
+    def _no_function_call(cls, v: Any, info: ValidationInfo) -> None:
         if v is not None and v != "none":
-            raise _unsupported(str(info.field_name))
+            raise _unsupported("function_call", "; use tool_choice")
         return None
 
     @field_validator("top_logprobs")
@@ -284,9 +287,22 @@ class ChatLogprobs(_Model):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(_Model):
+    name: str | None = None
+    arguments: str | None = None  # JSON text
+
+
+class ToolCall(_Model):
+    id: str | None = None
+    type: Literal["function"] | None = "function"
+    function: FunctionCall
+    index: int | None = None  # stream deltas only
+
+
 class ChatResponseMessage(_Model):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Model):
@@ -309,6 +325,7 @@ class ChatCompletionResponse(_Model):
 class DeltaMessage(_Model):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatStreamChoice(_Model):

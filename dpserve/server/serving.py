@@ -22,6 +22,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from pydantic import BaseModel, ValidationError
 
 from dpserve.frontend.async_llm import AsyncLLM
@@ -35,7 +36,6 @@ from dpserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatResponseMessage,
     ChatStreamChoice,
     ChatTokenLogprob,
     CompletionChoice,
@@ -50,6 +50,14 @@ from dpserve.server.protocol import (
     UsageInfo,
 )
 from dpserve.server.structured import structured_from_request
+from dpserve.server.tool_serving import chat_tool_stream, history_message, tool_message
+from dpserve.server.tools import (
+    ToolPlan,
+    plan_tools,
+    render_messages,
+    template_supports_tools,
+    tool_constraint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +78,11 @@ class _Choice:
 class OpenAIServing:
     """Completions and chat completions over one AsyncLLM."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+    def __init__(self, llm: AsyncLLM, model_name: str,
+                 tool_call_parser: str | None = None) -> None:
         self.llm = llm
         self.model_name = model_name
+        self.tool_call_parser = tool_call_parser  # None: tool_choice "auto" is refused
         self.token_text = functools.lru_cache(maxsize=65536)(
             lambda token_id: llm.decode([token_id]))
 
@@ -136,7 +146,15 @@ class OpenAIServing:
             req, max_tokens=max_tokens, logprobs=num_logprobs,
             renames={"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"
                      if req.max_completion_tokens is not None else "max_tokens"})
-        prompt_ids = self._render_chat(req)
+        plan = plan_tools(req, self.tool_call_parser)
+        constraint = tool_constraint(plan) if plan is not None else None
+        if constraint is not None:
+            if params.structured_outputs is not None:
+                raise RequestError(f"tool_choice {req.tool_choice!r} cannot be combined with "
+                                   f"response_format or structured_outputs",
+                                   param="tool_choice")
+            params = msgspec.structs.replace(params, structured_outputs=constraint)
+        prompt_ids = self._render_chat(req, plan)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             streams = self._start(request_id, [(None, prompt_ids)], params,
@@ -146,15 +164,22 @@ class OpenAIServing:
                                e.code) from None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            if plan is not None and plan.mode != "none":
+                return chat_tool_stream(self, request_id, streams, params, include_usage, plan)
             return self._chat_stream(request_id, streams, params, include_usage)
         choices, usage = await self._collect(streams, params.n)
-        return ChatCompletionResponse(id=request_id, model=self.model_name, usage=usage, choices=[
-            ChatChoice(index=i, message=ChatResponseMessage(content="".join(c.text)),
-                       finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                       logprobs=self._chat_logprobs(c.logprobs, params.logprobs))
-            for i, c in enumerate(choices)])
+        out = []
+        for i, c in enumerate(choices):
+            message, finish = tool_message("".join(c.text), c.finish_reason, plan)
+            out.append(ChatChoice(index=i, message=message, finish_reason=finish,
+                                  stop_reason=c.stop_reason,
+                                  logprobs=self._chat_logprobs(c.logprobs, params.logprobs)))
+        return ChatCompletionResponse(id=request_id, model=self.model_name, usage=usage,
+                                      choices=out)
 
-    def _render_chat(self, req: ChatCompletionRequest) -> list[int]:
+    def _render_chat(self, req: ChatCompletionRequest, plan: ToolPlan | None = None,
+                     ) -> list[int]:
+        native = template_supports_tools(self.llm.chat_template)
         messages = []
         for i, m in enumerate(req.messages):
             content = m.content if isinstance(m.content, str) else ""
@@ -164,9 +189,14 @@ class OpenAIServing:
                                        f"supported", param="messages")
                 content = "".join(p.text or "" for p in m.content)
             role = "system" if m.role == "developer" else m.role
-            messages.append({"role": role, "content": content})
+            messages.append(history_message(role, content, m, native))
+        tools = plan.tools if plan is not None else None
+        messages = render_messages(messages, tools, native)
         try:
-            return self.llm.apply_chat_template(messages, req.add_generation_prompt)
+            return self.llm.apply_chat_template(
+                messages, req.add_generation_prompt,
+                tools=[{"type": "function", "function": t} for t in tools]
+                if tools and native else None)
         except Exception as e:  # noqa: BLE001 - templates raise what they like on bad input
             raise RequestError(f"cannot apply the chat template: {e}",
                                param="messages") from None

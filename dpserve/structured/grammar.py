@@ -63,19 +63,21 @@ def _grammar(spec: StructuredOutputs) -> Any:
         raise ValueError(f"invalid {_NAMES[kind]}: {reason}") from None
 
 
-# xgrammar 0.2.8 writes strings with minLength/maxLength as characters other than
-# `"`, `\`, CR and LF: control characters (invalid in JSON) pass. Narrowed here.
-_LOOSE_CHARS = r'[^\"\\\r\n]'
-_JSON_CHARS = r'[^\"\\\0-\x1f]'
+# xgrammar 0.2.8's JSON string characters let invalid JSON / UTF-8 through:
+# strings with minLength/maxLength take control characters, and every string takes
+# UTF-16 surrogates (U+D800-DFFF, not encodable in UTF-8: they decode as U+FFFD).
+# The character classes are narrowed here: (written by xgrammar, narrowed).
+_CHAR_CLASSES = [(r'[^\"\\\r\n]', r'[^\"\\\0-\x1f\uD800-\uDFFF]'),
+                 (r'[^\0-\x1f\"\\\r\n]', r'[^\0-\x1f\"\\\uD800-\uDFFF]')]
 
 
 def _no_control_chars(grammar: Any) -> Any:
     import xgrammar as xgr
 
-    text = str(grammar)
-    if _LOOSE_CHARS not in text:
-        return grammar
-    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHARS, _JSON_CHARS))
+    text = original = str(grammar)
+    for loose, strict in _CHAR_CLASSES:
+        text = text.replace(loose, strict)
+    return grammar if text == original else xgr.Grammar.from_ebnf(text)
 
 
 _NAMES = {"json": "JSON schema", "json_object": "JSON object grammar",
