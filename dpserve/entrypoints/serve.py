@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING
 
 from dpserve.config import ConfigError, EngineArgs, EngineConfig, ParallelConfig
 from dpserve.logging_utils import name_process
+from dpserve.server.extras import add_http_args
 
 if TYPE_CHECKING:
     from dpserve.entrypoints.api_server import APIServerOptions, APIServerSpec
@@ -90,9 +91,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-queued-tokens", type=int, default=None,
                         help="Answer 429 (Retry-After) when every serving engine has this "
                              "many prompt tokens waiting (default: no limit).")
-    parser.add_argument("--served-model-name", default=None,
-                        help="Model name clients use (default: the model argument, or "
-                             "SmolLM2-135M-Instruct).")
+    parser.add_argument("--served-model-name", default=None, nargs="+",
+                        help="Model name(s) clients use; the first is reported (default: "
+                             "the model argument, or SmolLM2-135M-Instruct).")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='Parse tool calls from the output for tool_choice "auto" (with '
                              "--tool-call-parser). \"required\" and named tool choices need "
@@ -120,6 +121,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="Log level of uvicorn's own logger.")
+    add_http_args(parser.add_argument_group("HTTP options"))
     EngineArgs.add_cli_args(parser.add_argument_group("engine options"))
 
 

@@ -223,8 +223,13 @@ class OpenAIServing:
 
     # ---- shared --------------------------------------------------------------------
 
+    model_aliases: tuple[str, ...] = ()  # more names clients may use (--served-model-name)
+
+    def check_model(self, model: str | None) -> None:
+        self._check_model(model)
+
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and model not in self.model_aliases:
             raise APIError(404, f"The model `{model}` does not exist.", param="model",
                            code="model_not_found")
 
