@@ -43,6 +43,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     skip_special_tokens: bool = True
     # Output constrained to a JSON schema, regex, choice or grammar (dpserve/structured/).
     structured_outputs: StructuredOutputs | None = None
+    # token id -> bias added to its logit before sampling (OpenAI: [-100, 100]).
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,6 +74,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                "stop strings must be non-empty strings")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "token ids must be non-negative")
+        _check(not self.logit_bias or all(
+            isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0
+            for t, b in self.logit_bias.items()), "logit_bias",
+            "maps token ids (>= 0) to biases in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

@@ -136,3 +136,26 @@ def test_tls_with_a_self_signed_certificate(tiny_llama, tmp_path: Path) -> None:
     finally:
         stop(proc)
         log.close()
+
+
+def test_logit_bias_echo_and_cached_tokens(server) -> None:
+    url, client = server
+    token = httpx.post(url + "/tokenize", json={"prompt": " fox"}).json()["tokens"][-1]
+    forced = httpx.post(url + "/detokenize", json={"tokens": [token] * 4}).json()["prompt"]
+    out = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0,
+                                    logit_bias={str(token): 100})
+    assert out.choices[0].text == forced
+    out = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0,
+                                    logit_bias={str(token): -100})
+    assert " fox" not in out.choices[0].text
+    out = client.completions.create(model="tiny", prompt=["Hello", "Once upon"], max_tokens=3,
+                                    echo=True, n=2)
+    assert [c.text[:5] for c in out.choices] == ["Hello", "Hello", "Once ", "Once "]
+    stream = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, echo=True,
+                                       stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices).startswith("Hello")
+    prompt = "Data parallel serving runs several replicas of one model. " * 3
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    second = client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16  # a whole block or more

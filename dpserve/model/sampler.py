@@ -4,7 +4,7 @@ Order of operations (vLLM semantics):
 
 1. logprobs, if any row asks, from the raw model logits (log_softmax);
 2. penalties: repetition (prompt + output; divide positive logits, multiply
-   negative ones), then frequency and presence (output tokens only);
+   negative ones), then frequency and presence (output tokens only); logit_bias;
 3. min_tokens: EOS and stop ids get -inf while a row is still too short;
    structured output: tokens a row's grammar forbids get -inf;
 4. greedy rows take the argmax; the others go through temperature, min-p,
@@ -63,6 +63,8 @@ class SamplingMetadata:
     max_num_logprobs: int | None  # N of the top-N; None when no row asks
     # (bitmask [R, ceil(V/32)] int32, rows [R]) of rows with a grammar; None if none
     grammar: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (rows, token ids, biases) of logit_bias entries; None when no row has one
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_requests(cls, requests: Sequence[Request],
@@ -94,7 +96,8 @@ class SamplingMetadata:
             penalties=_penalty_metadata(requests, vocab_size, device),
             min_tokens_mask=_min_tokens_mask(requests, vocab_size, device),
             max_num_logprobs=max(asked) if asked else None,
-            grammar=grammar_bitmask(requests, vocab_size))
+            grammar=grammar_bitmask(requests, vocab_size),
+            logit_bias=_logit_bias(params, vocab_size, device))
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -144,6 +147,18 @@ def _min_tokens_mask(requests: Sequence[Request], vocab_size: int,
             torch.tensor(ids, dtype=torch.int64, device=device))
 
 
+def _logit_bias(params: Sequence, vocab_size: int, device: torch.device,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    entries = [(i, t, b) for i, p in enumerate(params) if p.logit_bias
+               for t, b in p.logit_bias.items() if t < vocab_size]
+    if not entries:
+        return None
+    rows, ids, biases = zip(*entries, strict=True)
+    return (torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor(ids, dtype=torch.int64, device=device),
+            torch.tensor(biases, dtype=torch.float32, device=device))
+
+
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
@@ -164,6 +179,9 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [S, V]
         if meta.penalties is not None:
             apply_penalties(logits, meta.penalties)
+        if meta.logit_bias is not None:
+            rows, ids, biases = meta.logit_bias
+            logits.index_put_((rows, ids), biases.to(logits.dtype), accumulate=True)
         if meta.min_tokens_mask is not None:
             logits.index_put_(meta.min_tokens_mask,
                               torch.tensor(float("-inf"), device=logits.device))

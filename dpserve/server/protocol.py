@@ -6,7 +6,7 @@ wrong JSON types fail here with the field named. Value ranges that
 this module checks only what it alone knows (n and stop limits, fields we do
 not support). Unknown fields are ignored, as OpenAI clients send many;
 fields that would change the result and that dpserve does not implement
-(tools, logit_bias, echo, suffix, best_of > n) are
+(suffix, best_of > n, echo with logprobs) are
 rejected with a message naming them.
 """
 
@@ -117,10 +117,10 @@ class SamplingRequest(_Model):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v: dict[str, float] | None) -> None:
-        if v:
-            raise _unsupported("logit_bias")
-        return None
+    def _logit_bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v and not all(k.isdigit() for k in v):
+            raise PydanticCustomError("logit_bias", "logit_bias keys must be token ids")
+        return v
 
     @field_validator("stream_options")
     @classmethod
@@ -164,9 +164,9 @@ class CompletionRequest(SamplingRequest):
 
     @field_validator("echo")
     @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise _unsupported("echo")
+    def _echo_without_logprobs(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("logprobs") is not None:
+            raise _unsupported("echo", " together with logprobs")
         return v
 
     @field_validator("suffix")
@@ -194,10 +194,15 @@ class Logprobs(_Model):
     text_offset: list[int] = []
 
 
+class PromptTokensDetails(_Model):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(_Model):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionChoice(_Model):

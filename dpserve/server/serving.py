@@ -45,6 +45,7 @@ from dpserve.server.protocol import (
     ErrorInfo,
     ErrorResponse,
     Logprobs,
+    PromptTokensDetails,
     SamplingRequest,
     TopLogprob,
     UsageInfo,
@@ -101,15 +102,29 @@ class OpenAIServing:
                    for p in batch]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = self._start(request_id, prompts, params, data_parallel_rank)
+        # echo: each choice starts with its prompt's text.
+        echo = [(t if t is not None else self.llm.decode(ids)) if req.echo else ""
+                for t, ids in prompts]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._completion_stream(request_id, streams, params, include_usage)
+            lines = self._completion_stream(request_id, streams, params, include_usage)
+            return self._echo_first(request_id, echo, params.n, lines) if req.echo else lines
         choices, usage = await self._collect(streams, params.n)
         return CompletionResponse(id=request_id, model=self.model_name, usage=usage, choices=[
-            CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason,
+            CompletionChoice(index=i, text=echo[i // params.n] + "".join(c.text),
+                             finish_reason=c.finish_reason,
                              stop_reason=c.stop_reason,
                              logprobs=self._completion_logprobs(c.logprobs, params.logprobs))
             for i, c in enumerate(choices)])
+
+    async def _echo_first(self, request_id: str, echo: list[str], n: int,
+                          lines: AsyncIterator[str]) -> AsyncIterator[str]:
+        for i in range(len(echo) * n):
+            yield _sse(CompletionResponse(id=request_id, model=self.model_name, choices=[
+                CompletionChoice(index=i, text=echo[i // n])]))
+        async with aclosing(lines):  # type: ignore[type-var]
+            async for line in lines:
+                yield line
 
     async def _completion_stream(self, request_id: str, streams: list[AsyncIterator[Any]],
                                  params: SamplingParams, include_usage: bool,
@@ -247,7 +262,8 @@ class OpenAIServing:
                 min_tokens=req.min_tokens, logprobs=logprobs,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
-                structured_outputs=structured_from_request(req), **given)
+                structured_outputs=structured_from_request(req),
+                logit_bias=self._logit_bias(req), **given)
         except RequestError:
             raise
         except ValueError as e:
@@ -256,6 +272,16 @@ class OpenAIServing:
                 raise RequestError(str(e)) from None
             param = (renames or {}).get(name, name)  # the name the client used
             raise RequestError(f"{param} {rest}", param=param) from None
+
+    def _logit_bias(self, req: SamplingRequest) -> dict[int, float] | None:
+        if not req.logit_bias:
+            return None
+        bias = {int(k): float(v) for k, v in req.logit_bias.items()}
+        bad = next((t for t in bias if t >= self.llm.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"logit_bias token id {bad} is outside the vocabulary "
+                               f"[0, {self.llm.vocab_size})", param="logit_bias")
+        return bias
 
     def _start(self, request_id: str, prompts: Sequence[tuple[str | None, list[int]]],
                params: SamplingParams, data_parallel_rank: int | None = None,
@@ -277,6 +303,7 @@ class OpenAIServing:
             async for prompt_index, out in merged:
                 if out.finished:
                     usage.prompt_tokens += len(out.prompt_token_ids)
+                    _add_cached(usage, out)
                 for c in out.outputs:
                     choice = choices[prompt_index * n + c.index]
                     choice.text.append(c.text)
@@ -298,6 +325,7 @@ class OpenAIServing:
                 async for prompt_index, out in merged:
                     if out.finished:
                         usage.prompt_tokens += len(out.prompt_token_ids)
+                        _add_cached(usage, out)
                     for c in out.outputs:
                         index = prompt_index * n + c.index
                         usage.completion_tokens += len(c.token_ids)
@@ -352,6 +380,12 @@ class OpenAIServing:
             content.append(ChatTokenLogprob(**top(token_id, sampled).model_dump(),
                                             top_logprobs=[top(t, lp) for t, lp in best]))
         return ChatLogprobs(content=content)
+
+
+def _add_cached(usage: UsageInfo, out: RequestOutput) -> None:
+    details = usage.prompt_tokens_details or PromptTokensDetails()
+    details.cached_tokens += out.num_cached_tokens
+    usage.prompt_tokens_details = details
 
 
 def _pairs(c: CompletionOutput) -> list[tuple[int, dict[int, Logprob]]]:
