@@ -72,6 +72,9 @@ class EngineCore:
         if req.request_id in self.scheduler.requests or req.request_id in \
                 self.structured.pending:
             raise ValueError(f"request {req.request_id!r} is already in the engine")
+        if req.num_tokens > self.scheduler.max_model_len:  # as scheduler.add_request checks
+            raise ValueError(f"request {req.request_id!r}: prompt of {req.num_tokens} tokens "
+                             f"exceeds {self.scheduler.max_model_len} tokens")
         self.structured.add(req)  # to the scheduler once its grammar is compiled
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
@@ -125,7 +128,11 @@ class EngineCore:
             self.structured.wait(timeout=0.05)
         ready, failed = self.structured.take_ready()
         for request in ready:
-            self.scheduler.add_request(request)
+            try:
+                self.scheduler.add_request(request)
+            except ValueError as e:  # checked in add_request; never fatal here
+                logger.error("%s", e)
+                failed.append((request, str(e)))
         return [EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ABORT)
                 for r, _ in failed]  # (logged by the manager)
 
