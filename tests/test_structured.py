@@ -171,3 +171,17 @@ def test_json_strings_are_valid_utf8_and_json(tiny_llama) -> None:
             text = tok.decode(ids, skip_special_tokens=True)
             assert "\ufffd" not in text, (text, tok.convert_ids_to_tokens(ids))
             jsonschema.validate(json.loads(text), schema)
+
+
+def test_chunked_prefill_and_prefix_cache(tiny_llama) -> None:
+    """Prompts of ~100 tokens prefilled in chunks of 16 tokens, the same prompt twice
+    (the second from the prefix cache): the grammar starts at the first sampled token."""
+    llm = LLM(str(tiny_llama), max_num_batched_tokens=16, max_num_seqs=4)
+    prompt = "Data parallel serving runs several replicas of one model. " * 2
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=200,
+                            structured_outputs=StructuredOutputs(json=json.dumps(SCHEMA)))
+    outs = llm.generate([prompt, prompt, "short"], params, use_tqdm=False)
+    assert outs[1].num_cached_tokens > 0 or outs[0].num_cached_tokens > 0
+    for c in (c for o in outs for c in o.outputs):
+        assert c.finish_reason == "stop", c
+        jsonschema.validate(json.loads(c.text), SCHEMA)
