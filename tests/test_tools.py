@@ -71,6 +71,9 @@ def test_parsers() -> None:
                                       '"parameters": {}}')
     assert content is None and [c["name"] for c in calls] == ["get_weather", "get_time"]
     assert parse_tool_calls(llama, '{"not": "a call"}') == ('{"not": "a call"}', [])
+    single = plan_tools(_req([WEATHER], parallel_tool_calls=False), "llama3_json")
+    assert len(parse_tool_calls(single, '{"name": "a", "parameters": {}}; '
+                                        '{"name": "b", "parameters": {}}')[1]) == 1
 
 
 def test_fallback_rendering() -> None:

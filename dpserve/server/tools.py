@@ -173,6 +173,7 @@ def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[s
             content = None if calls else text
     elif plan.mode == "auto":
         content, calls = (_hermes(text) if plan.parser == "hermes" else _llama3_json(text))
+        calls = calls if plan.parallel else calls[:1]  # parallel_tool_calls=false
     return content, [{"name": c["name"], "arguments": json.dumps(
         c.get("arguments", c.get("parameters", {})))} for c in calls]
 
