@@ -84,7 +84,10 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dpserve import __version__
+
     parser = argparse.ArgumentParser(prog="dpserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"dpserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)

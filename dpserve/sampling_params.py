@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import msgspec
 
+from dpserve.structured.spec import StructuredOutputs
+
 _MAX_LOGPROBS = 20
 
 
@@ -39,6 +41,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # Number of top logprobs to return besides the sampled token's (None: none).
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Output constrained to a JSON schema, regex, choice or grammar (dpserve/structured/).
+    structured_outputs: StructuredOutputs | None = None
+    # token id -> bias added to its logit before sampling (OpenAI: [-100, 100]).
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +74,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                "stop strings must be non-empty strings")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "token ids must be non-negative")
+        _check(not self.logit_bias or all(
+            isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0
+            for t, b in self.logit_bias.items()), "logit_bias",
+            "maps token ids (>= 0) to biases in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

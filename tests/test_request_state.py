@@ -3,7 +3,8 @@
 A real `dpserve serve` with two engines and a small KV cache (so requests are
 preempted and prefix blocks evicted) takes ~1,500 short requests of every kind:
 streamed or not, greedy or sampled, seeded, n=2, with stop strings and logprobs,
-chat, prompts too long (rejected), bad bodies (400) and streams the client drops.
+chat, with a grammar (structured output), prompts too long (rejected), bad bodies
+(400) and streams the client drops.
 Afterwards `/debug/request_state` must show every per-request structure empty (the
 API server's tracked requests, output processor, engine client; each engine's
 scheduler queues, KV block tables, seeded generators and routing map), every KV block
@@ -51,10 +52,13 @@ def _body(rng: random.Random, kind: str) -> tuple[str, dict]:
         body["max_tokens"] = -1
     elif kind in ("stream", "drop"):
         body["stream"] = True
+    elif kind == "json":  # a grammar per request: the engine's structured-output state
+        body.update(stream=rng.random() < 0.5, structured_outputs={"choice": WORDS[:4]})
     return "/v1/completions", body
 
 
-KINDS = ("plain", "chat", "seeded", "n2", "stop", "too_long", "bad", "stream", "drop")
+KINDS = ("plain", "chat", "seeded", "n2", "stop", "too_long", "bad", "stream", "drop",
+         "json")
 EXPECTED_STATUS = {"too_long": 400, "bad": 400}
 
 
@@ -132,7 +136,7 @@ def test_thousands_of_requests_leave_no_per_request_state(tiny_llama):
         series = _series(url)
 
         rng = random.Random(2)
-        kinds = rng.choices(KINDS, weights=(4, 2, 1, 1, 2, 1, 1, 4, 2), k=NUM_REQUESTS)
+        kinds = rng.choices(KINDS, weights=(4, 2, 1, 1, 2, 1, 1, 4, 2, 1), k=NUM_REQUESTS)
         outcomes = asyncio.run(_load(url, kinds, seed=3))
         failures = [r for r in outcomes if r not in ("ok", "dropped")]
         assert not failures, failures[:5]

@@ -71,6 +71,8 @@ class BenchConfig:
     warmup: int = _opt(2, "Warm-up requests sent first and not counted.")
     timeout: float = _opt(300.0, "Seconds one request may take before it counts as failed.")
     max_duration: float = _opt(1800.0, "Seconds the whole run may take; then it stops.")
+    extra_body: str | None = _opt(None, "A JSON object merged into every request body "
+                                  "(e.g. a response_format).")
 
     def __post_init__(self) -> None:
         if self.endpoint not in _ENDPOINTS:
@@ -84,6 +86,8 @@ class BenchConfig:
             raise ValueError("timeout and max_duration must be positive")
         if self.prompt_mix is not None:
             parse_prompt_mix(self.prompt_mix)
+        if self.extra_body is not None and not isinstance(json.loads(self.extra_body), dict):
+            raise ValueError("extra_body must be a JSON object")
 
     @property
     def prompt_desc(self) -> str:
@@ -200,7 +204,8 @@ def _body(config: BenchConfig, model: str, prompt: list[int] | str) -> dict[str,
     inputs = ({"prompt": prompt} if config.endpoint == "completions"
               else {"messages": [{"role": "user", "content": prompt}]})
     return {"model": model, **inputs, "max_tokens": config.output_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            **(json.loads(config.extra_body) if config.extra_body else {})}
 
 
 def _chunk_text(data: dict[str, Any]) -> str:

@@ -35,7 +35,7 @@ class EngineControl:
         aborted: list[EngineCoreOutput] = []
         if (new.paused == "abort" and old.paused != "abort") or \
                 (new.sleep_level > 0 and old.sleep_level == 0):
-            aborted = core.abort_requests(list(core.scheduler.requests))
+            aborted = core.abort_requests(core.unfinished_request_ids())
         if new.prefix_resets > old.prefix_resets and not core.reset_prefix_cache():
             logger.warning("reset_prefix_cache: requests still hold blocks; cache kept")
         if new.sleep_level != old.sleep_level:

@@ -17,7 +17,8 @@ from dpserve.engine.request import Request, RequestStatus
 from dpserve.engine.scheduler import Scheduler
 from dpserve.engine.types import ModelRunnerOutput
 from dpserve.errors import ExpertParallelError
-from dpserve.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from dpserve.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, SchedulerStats
+from dpserve.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class EngineCore:
         self.runner.initialize_kv_cache(self.num_kv_blocks)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks)
         self.vocab_size = int(config.model.hf_config["vocab_size"])
+        # Requests with structured output wait here until their grammar is compiled.
+        self.structured = StructuredOutputManager(config.model.tokenizer, self.vocab_size)
         self.num_forward_passes = 0  # model executions by step(), cumulative
         self.ep_failure: str | None = None  # set when an expert-parallel collective failed
         logger.info("engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens)",
@@ -62,10 +65,20 @@ class EngineCore:
         ids = request.prompt_token_ids
         prior = request.prior_output_token_ids or []
         check_prompt([*ids, *prior], self.config.model.max_model_len, self.vocab_size)
-        self.scheduler.add_request(Request(
+        req = Request(
             request.request_id, ids, request.sampling_params,
             eos_token_id=request.eos_token_id, arrival_time=request.arrival_time or None,
-            prior_output_token_ids=prior))
+            prior_output_token_ids=prior)
+        if request.sampling_params.structured_outputs is None:
+            self.scheduler.add_request(req)
+            return
+        if req.request_id in self.scheduler.requests or req.request_id in \
+                self.structured.pending:
+            raise ValueError(f"request {req.request_id!r} is already in the engine")
+        if req.num_tokens > self.scheduler.max_model_len:  # as scheduler.add_request checks
+            raise ValueError(f"request {req.request_id!r}: prompt of {req.num_tokens} tokens "
+                             f"exceeds {self.scheduler.max_model_len} tokens")
+        self.structured.add(req)  # to the scheduler once its grammar is compiled
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         """Abort requests; returns their final outputs (finish reason ABORT).
@@ -73,22 +86,30 @@ class EngineCore:
         Unknown or already finished ids are ignored.
         """
         outputs = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        outputs += [EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ABORT)
+                    for r in self.structured.abort(request_ids)]
         self._forget_if_idle()
         return outputs
 
+    def unfinished_request_ids(self) -> list[str]:
+        """Every request in the engine: scheduled or waiting for its grammar."""
+        return [*self.scheduler.requests, *self.structured.pending]
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.structured.pending)
 
     def get_request_counts(self) -> tuple[int, int]:
-        """(num_waiting, num_running)."""
-        return self.scheduler.get_request_counts()
+        """(num_waiting, num_running); waiting counts those waiting for a grammar."""
+        waiting, running = self.scheduler.get_request_counts()
+        return waiting + len(self.structured.pending), running
 
     # ---- the step -------------------------------------------------------
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one engine step and return what each request got from it."""
+        failed = self._admit_structured()
         if not self.scheduler.has_unfinished_requests():
-            return []
+            return failed
         # 1. Schedule: which requests compute how many tokens this step.
         scheduler_output = self.scheduler.schedule()
         # 2. Execute: one forward pass over all of them, then sample.
@@ -104,7 +125,24 @@ class EngineCore:
         # 3. Update: append tokens, check stops, free finished requests.
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._forget_if_idle()
-        return outputs
+        return failed + outputs
+
+    def _admit_structured(self) -> list[EngineCoreOutput]:
+        """0. Requests whose grammar is compiled go to the scheduler; with nothing else
+        to run, wait a little for one (no busy spin). Returns failed requests' outputs."""
+        if not self.structured.pending:
+            return []
+        if not self.scheduler.has_unfinished_requests():
+            self.structured.wait(timeout=0.05)
+        ready, failed = self.structured.take_ready()
+        for request in ready:
+            try:
+                self.scheduler.add_request(request)
+            except ValueError as e:  # checked in add_request; never fatal here
+                logger.error("%s", e)
+                failed.append((request, str(e)))
+        return [EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ABORT)
+                for r, _ in failed]  # (logged by the manager)
 
     def _drop_failed_step(self, reason: str) -> None:
         """An expert-parallel collective failed mid-forward (a peer rank died): nothing
@@ -122,7 +160,7 @@ class EngineCore:
     def _forget_if_idle(self) -> None:
         """With nothing left to schedule, no step will carry the ids of the requests that
         just finished to the runner: hand them over now, so nothing of theirs stays."""
-        if not self.scheduler.has_unfinished_requests():
+        if not self.has_unfinished_requests():
             self.runner.forget_requests(self.scheduler.take_finished_ids())
 
     # ---- utility methods ------------------------------------------------
@@ -134,12 +172,13 @@ class EngineCore:
     def request_state_sizes(self) -> dict[str, int]:
         """Entries in every per-request structure of the scheduler, KV manager and model
         runner (leak checks: all 0, with every KV block free, once idle)."""
-        return {**self.scheduler.state_sizes(), "generators": len(self.runner.generators)}
+        return {**self.scheduler.state_sizes(), "generators": len(self.runner.generators),
+                "grammar_pending": len(self.structured.pending)}
 
     def sleep(self, level: int) -> None:
         """Free the KV cache (level 1) and the weights (level 2). Every request must
         be finished first (EngineControl aborts them); cached prefixes are forgotten."""
-        if self.scheduler.has_unfinished_requests():
+        if self.has_unfinished_requests():
             raise RuntimeError("sleep with requests in flight; abort them first")
         self.scheduler.reset_prefix_cache()
         self.runner.set_sleep_level(level)
@@ -149,7 +188,9 @@ class EngineCore:
         self.runner.set_sleep_level(0)
 
     def get_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        stats = self.scheduler.make_stats()
+        stats.num_waiting += len(self.structured.pending)
+        return stats
 
     def execute_dummy_batch(self) -> None:
         try:

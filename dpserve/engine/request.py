@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 from dpserve.protocol import FinishReason
 from dpserve.sampling_params import SamplingParams
@@ -78,6 +79,8 @@ class Request:
         self.stop_reason: int | str | None = None
         # Hashes of this request's full blocks, filled by the KV-cache manager.
         self.block_hashes: list[bytes] = []  # sha256 digests (kv_cache.hash_block)
+        # structured.manager.RequestGrammar when the output is constrained, else None.
+        self.grammar: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -280,6 +280,8 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished or aborted since schedule(): its row is stale
             request.append_output_token(token)
+            if request.grammar is not None:
+                request.grammar.accept(token)
             self.num_generated_tokens += 1
             if request.first_token_at is None:
                 request.first_token_at = now = time.monotonic()
@@ -305,6 +307,10 @@ class Scheduler:
         """Set a finished status if `token` ends the request; True if it did."""
         params = request.sampling_params
         num_out = request.num_output_tokens
+        # 0. A grammar that took its stop token is complete.
+        if request.grammar is not None and request.grammar.terminated:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
         # 1. Below min_tokens only the length limits below can stop a request.
         if num_out >= params.min_tokens:
             # 2. EOS, 3. stop token ids.

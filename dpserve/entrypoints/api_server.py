@@ -67,6 +67,7 @@ from dpserve.frontend.errors import EngineDeadError
 from dpserve.launch.api_servers import API_SERVER_READY_TIMEOUT_S, ControlMessage
 from dpserve.launch.process import start_parent_watcher
 from dpserve.logging_utils import name_process
+from dpserve.server.extras import HTTPOptions, uvicorn_kwargs
 
 if TYPE_CHECKING:
     import socket
@@ -95,15 +96,22 @@ class APIServerOptions:
     enable_admin_api: bool = False  # the admin routes (pause, sleep, /engines/{rank}/...)
     max_num_queued_requests: int | None = None  # admission control (429)
     max_num_queued_tokens: int | None = None
+    tool_call_parser: str | None = None  # set: tool_choice "auto" parses calls
+    http: HTTPOptions = HTTPOptions()  # CORS, TLS, root path, chat template, aliases
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> APIServerOptions:
-        return cls(served_model_name=args.served_model_name or _default_served_name(args.model),
+        names = args.served_model_name
+        first = names[0] if isinstance(names, list) and names else names
+        return cls(served_model_name=first or _default_served_name(args.model),
+                   http=HTTPOptions.from_args(args),
                    api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes,
                    load_balance=args.load_balance, uvicorn_log_level=args.uvicorn_log_level,
                    enable_admin_api=getattr(args, "enable_admin_api", False),
                    max_num_queued_requests=getattr(args, "max_num_queued_requests", None),
-                   max_num_queued_tokens=getattr(args, "max_num_queued_tokens", None))
+                   max_num_queued_tokens=getattr(args, "max_num_queued_tokens", None),
+                   tool_call_parser=getattr(args, "tool_call_parser", None)
+                   if getattr(args, "enable_auto_tool_choice", False) else None)
 
 
 @dataclass(frozen=True)
@@ -177,11 +185,12 @@ async def serve_http(options: APIServerOptions, config: EngineConfig, spec: APIS
                         api_server_index=spec.index,
                         enable_admin_api=options.enable_admin_api,
                         max_num_queued=(options.max_num_queued_requests,
-                                        options.max_num_queued_tokens))
+                                        options.max_num_queued_tokens),
+                        tool_call_parser=options.tool_call_parser, http_options=options.http)
         # log_config=None: uvicorn's loggers use ours, so its lines name the process too.
         server = DrainingServer(uvicorn.Config(
             app, log_level=options.uvicorn_log_level, log_config=None, access_log=False,
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S), llm)
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **uvicorn_kwargs(options.http)), llm)
         await on_ready(client, server)
         watchdog = asyncio.create_task(_watch_lifecycle(llm, server, config.shutdown_timeout))
         try:

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING
 
 from dpserve.config import ConfigError, EngineArgs, EngineConfig, ParallelConfig
 from dpserve.logging_utils import name_process
+from dpserve.server.extras import add_http_args
 
 if TYPE_CHECKING:
     from dpserve.entrypoints.api_server import APIServerOptions, APIServerSpec
@@ -90,9 +91,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-queued-tokens", type=int, default=None,
                         help="Answer 429 (Retry-After) when every serving engine has this "
                              "many prompt tokens waiting (default: no limit).")
-    parser.add_argument("--served-model-name", default=None,
-                        help="Model name clients use (default: the model argument, or "
-                             "SmolLM2-135M-Instruct).")
+    parser.add_argument("--served-model-name", default=None, nargs="+",
+                        help="Model name(s) clients use; the first is reported (default: "
+                             "the model argument, or SmolLM2-135M-Instruct).")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='Parse tool calls from the output for tool_choice "auto" (with '
+                             "--tool-call-parser). \"required\" and named tool choices need "
+                             "no flag: the output is constrained to the tools' schema.")
+    parser.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                        help="How tool calls are written in the model's output: hermes "
+                             "(<tool_call>{...}</tool_call>), llama3_json ({\"name\": ..., "
+                             "\"parameters\": ...}).")
     parser.add_argument("--engine-ready-timeout", type=float, default=600.0,
                         help="Seconds to wait for the engines to load the model.")
     parser.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
@@ -112,6 +121,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="Log level of uvicorn's own logger.")
+    add_http_args(parser.add_argument_group("HTTP options"))
     EngineArgs.add_cli_args(parser.add_argument_group("engine options"))
 
 
@@ -124,6 +134,9 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.max_request_body_bytes < 1024:
         raise ConfigError(f"--max-request-body-bytes must be at least 1024, got "
                           f"{args.max_request_body_bytes}")
+    if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser "
+                          "(hermes or llama3_json)")
     for option in ("max_num_queued_requests", "max_num_queued_tokens"):
         value = getattr(args, option, None)
         if value is not None and value < 1:

@@ -136,8 +136,15 @@ class AsyncLLM:
         return self.tokenizer.encode(text)
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> list[int]:
-        return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """`tools` (OpenAI `tools` entries) go to templates that render them."""
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt,
+                                   tools=tools)
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.tokenizer, "chat_template", None)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)

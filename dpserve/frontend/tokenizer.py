@@ -14,7 +14,8 @@ def load_tokenizer(path: str) -> Any:
 
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
                         add_generation_prompt: bool = True,
-                        chat_template: str | None = None) -> list[int]:
+                        chat_template: str | None = None,
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Render `messages` with the model's chat template and tokenise them."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; pass chat_template= or use "
@@ -24,7 +25,8 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
             raise ValueError("each chat message must be a dict with 'role' and 'content'")
     text = tokenizer.apply_chat_template(messages, tokenize=False,
                                          add_generation_prompt=add_generation_prompt,
-                                         chat_template=chat_template)
+                                         chat_template=chat_template,
+                                         **({"tools": tools} if tools else {}))
     # The template already holds any BOS token; do not add special tokens twice.
     return tokenizer.encode(text, add_special_tokens=False)
 

@@ -4,8 +4,9 @@ Order of operations (vLLM semantics):
 
 1. logprobs, if any row asks, from the raw model logits (log_softmax);
 2. penalties: repetition (prompt + output; divide positive logits, multiply
-   negative ones), then frequency and presence (output tokens only);
+   negative ones), then frequency and presence (output tokens only); logit_bias;
 3. min_tokens: EOS and stop ids get -inf while a row is still too short;
+   structured output: tokens a row's grammar forbids get -inf;
 4. greedy rows take the argmax; the others go through temperature, min-p,
    top-k, top-p and then inverse-CDF sampling with one uniform draw per row.
 
@@ -29,6 +30,7 @@ import torch
 
 from dpserve.engine.request import Request
 from dpserve.engine.types import Logprobs
+from dpserve.structured.manager import apply_bitmask, grammar_bitmask
 
 _TOP_P_CANDIDATES = 128
 
@@ -59,6 +61,10 @@ class SamplingMetadata:
     penalties: PenaltyMetadata | None
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) -> -inf
     max_num_logprobs: int | None  # N of the top-N; None when no row asks
+    # (bitmask [R, ceil(V/32)] int32, rows [R]) of rows with a grammar; None if none
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (rows, token ids, biases) of logit_bias entries; None when no row has one
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_requests(cls, requests: Sequence[Request],
@@ -89,7 +95,9 @@ class SamplingMetadata:
                         if requests[i].request_id in generators},
             penalties=_penalty_metadata(requests, vocab_size, device),
             min_tokens_mask=_min_tokens_mask(requests, vocab_size, device),
-            max_num_logprobs=max(asked) if asked else None)
+            max_num_logprobs=max(asked) if asked else None,
+            grammar=grammar_bitmask(requests, vocab_size),
+            logit_bias=_logit_bias(params, vocab_size, device))
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -126,8 +134,8 @@ def _min_tokens_mask(requests: Sequence[Request], vocab_size: int,
     ids: list[int] = []
     for i, r in enumerate(requests):
         p = r.sampling_params
-        if r.num_output_tokens >= p.min_tokens:
-            continue
+        if r.num_output_tokens >= p.min_tokens or r.grammar is not None:
+            continue  # (a grammar decides when its stop token may come)
         stop = [t for t in p.stop_token_ids if t < vocab_size]
         if r.eos_token_id is not None and not p.ignore_eos:
             stop.append(r.eos_token_id)
@@ -137,6 +145,18 @@ def _min_tokens_mask(requests: Sequence[Request], vocab_size: int,
         return None
     return (torch.tensor(rows, dtype=torch.int64, device=device),
             torch.tensor(ids, dtype=torch.int64, device=device))
+
+
+def _logit_bias(params: Sequence, vocab_size: int, device: torch.device,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    entries = [(i, t, b) for i, p in enumerate(params) if p.logit_bias
+               for t, b in p.logit_bias.items() if t < vocab_size]
+    if not entries:
+        return None
+    rows, ids, biases = zip(*entries, strict=True)
+    return (torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor(ids, dtype=torch.int64, device=device),
+            torch.tensor(biases, dtype=torch.float32, device=device))
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
@@ -159,9 +179,14 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [S, V]
         if meta.penalties is not None:
             apply_penalties(logits, meta.penalties)
+        if meta.logit_bias is not None:
+            rows, ids, biases = meta.logit_bias
+            logits.index_put_((rows, ids), biases.to(logits.dtype), accumulate=True)
         if meta.min_tokens_mask is not None:
             logits.index_put_(meta.min_tokens_mask,
                               torch.tensor(float("-inf"), device=logits.device))
+        if meta.grammar is not None:
+            apply_bitmask(logits, *meta.grammar)
         if meta.all_greedy:
             tokens = logits.argmax(dim=-1)
         else:

@@ -43,6 +43,7 @@ from dpserve.frontend.errors import EngineDeadError
 from dpserve.server.admin import admin_dependencies, admin_router
 from dpserve.server.control import Admission, control_router
 from dpserve.server.engines import engines_router
+from dpserve.server.extras import HTTPOptions, install_extras
 from dpserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from dpserve.server.protocol import (
     APIError,
@@ -65,7 +66,9 @@ _M = TypeVar("_M", bound=BaseModel)
 def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               api_server_index: int = 0, enable_admin_api: bool = False,
-              max_num_queued: tuple[int | None, int | None] = (None, None)) -> FastAPI:
+              max_num_queued: tuple[int | None, int | None] = (None, None),
+              tool_call_parser: str | None = None,
+              http_options: HTTPOptions | None = None) -> FastAPI:
     """An OpenAI-compatible app over `async_llm`; `api_key` defaults to $DPSERVE_API_KEY.
 
     The app does not own `async_llm`: whoever built it shuts it down.
@@ -73,10 +76,16 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     `enable_admin_api`: mount the admin routers (`dpserve.server.admin`,
     `dpserve.server.control`), behind `api_key` when one is set; without it they do
     not exist (404). `max_num_queued`: (requests, prompt tokens) waiting per engine
-    before a 429.
+    before a 429. `tool_call_parser`: parse tool calls for tool_choice "auto".
+    `http_options`: CORS, model aliases, chat template (server/extras.py).
     """
     api_key = api_key or os.environ.get("DPSERVE_API_KEY") or None
-    serving = OpenAIServing(async_llm, served_model_name)
+    serving = OpenAIServing(async_llm, served_model_name, tool_call_parser)
+    http_options = http_options or HTTPOptions()
+    serving.model_aliases = http_options.model_aliases
+    if http_options.chat_template:
+        async_llm.tokenizer.chat_template = http_options.chat_template
+    names = (served_model_name, *http_options.model_aliases)
     metrics = ServerMetrics(served_model_name, api_server_index=api_server_index)
     async_llm.add_stats_listener(metrics)
     # Moves show in every engine message's wake: count them in this API server then.
@@ -97,10 +106,18 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
         return await _respond(request, serving.create_chat_completion(body,
                                                                       _dp_rank(request)))
 
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=async_llm.config.model.path,
+                         max_model_len=async_llm.max_model_len)
+
     @v1.get("/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=served_model_name, root=async_llm.config.model.path,
-                                         max_model_len=async_llm.max_model_len)])
+        return ModelList(data=[card(name) for name in names])
+
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        serving.check_model(model_id)
+        return card(model_id)
 
     @app.get("/health")
     async def health(request: Request) -> Response:
@@ -164,6 +181,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
         return {"version": __version__}
 
     app.include_router(v1)
+    install_extras(app, async_llm, serving, metrics.registry, http_options)
     app.include_router(engines_router(async_llm, admin=enable_admin_api))  # open, as /metrics
     if hasattr(async_llm.client, "control"):  # pause / sleep / queue limits (control.py)
         async_llm.admission = Admission(

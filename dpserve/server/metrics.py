@@ -37,11 +37,14 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
     values,
 )
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
+
+disable_created_metrics()  # no `*_created` series: dpserve's dashboards never read them
 
 if TYPE_CHECKING:
     from dpserve.frontend.async_llm import IterationStats

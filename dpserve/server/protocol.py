@@ -6,7 +6,7 @@ wrong JSON types fail here with the field named. Value ranges that
 this module checks only what it alone knows (n and stop limits, fields we do
 not support). Unknown fields are ignored, as OpenAI clients send many;
 fields that would change the result and that dpserve does not implement
-(tools, logit_bias, json response formats, echo, suffix, best_of > n) are
+(suffix, best_of > n, echo with logprobs) are
 rejected with a message naming them.
 """
 
@@ -93,6 +93,12 @@ class SamplingRequest(_Model):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Structured output (vLLM names; server/structured.py reads them).
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -111,10 +117,10 @@ class SamplingRequest(_Model):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v: dict[str, float] | None) -> None:
-        if v:
-            raise _unsupported("logit_bias")
-        return None
+    def _logit_bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v and not all(k.isdigit() for k in v):
+            raise PydanticCustomError("logit_bias", "logit_bias keys must be token ids")
+        return v
 
     @field_validator("stream_options")
     @classmethod
@@ -158,9 +164,9 @@ class CompletionRequest(SamplingRequest):
 
     @field_validator("echo")
     @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise _unsupported("echo")
+    def _echo_without_logprobs(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("logprobs") is not None:
+            raise _unsupported("echo", " together with logprobs")
         return v
 
     @field_validator("suffix")
@@ -188,10 +194,15 @@ class Logprobs(_Model):
     text_offset: list[int] = []
 
 
+class PromptTokensDetails(_Model):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(_Model):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionChoice(_Model):
@@ -220,13 +231,16 @@ class ContentPart(_Model):
 
 
 class ChatMessage(_Model):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this result answers
 
 
 class ResponseFormat(_Model):
-    type: str
+    type: str  # text | json_object | json_schema (server/structured.py)
+    json_schema: dict[str, Any] | None = None  # {"name", "schema", "strict"}
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -236,31 +250,25 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True  # extension
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Any] | None = None  # server/tools.py
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
-    def _no_tools(cls, v: list[Any] | None, info: ValidationInfo) -> None:
+    def _no_functions(cls, v: list[Any] | None, info: ValidationInfo) -> None:
         if v:
-            raise _unsupported(str(info.field_name))
+            raise _unsupported("functions", "; use tools")
         return None
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("function_call")
     @classmethod
-    def _no_tool_choice(cls, v: Any, info: ValidationInfo) -> None:
+    def _no_function_call(cls, v: Any, info: ValidationInfo) -> None:
         if v is not None and v != "none":
-            raise _unsupported(str(info.field_name))
+            raise _unsupported("function_call", "; use tool_choice")
         return None
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v: ResponseFormat | None) -> ResponseFormat | None:
-        if v is not None and v.type != "text":
-            raise _unsupported("response_format", f" with type {v.type!r}; only 'text' is")
-        return v
 
     @field_validator("top_logprobs")
     @classmethod
@@ -284,9 +292,22 @@ class ChatLogprobs(_Model):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(_Model):
+    name: str | None = None
+    arguments: str | None = None  # JSON text
+
+
+class ToolCall(_Model):
+    id: str | None = None
+    type: Literal["function"] | None = "function"
+    function: FunctionCall
+    index: int | None = None  # stream deltas only
+
+
 class ChatResponseMessage(_Model):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Model):
@@ -309,6 +330,7 @@ class ChatCompletionResponse(_Model):
 class DeltaMessage(_Model):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatStreamChoice(_Model):

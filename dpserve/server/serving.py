@@ -22,6 +22,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from pydantic import BaseModel, ValidationError
 
 from dpserve.frontend.async_llm import AsyncLLM
@@ -35,7 +36,6 @@ from dpserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatResponseMessage,
     ChatStreamChoice,
     ChatTokenLogprob,
     CompletionChoice,
@@ -45,9 +45,19 @@ from dpserve.server.protocol import (
     ErrorInfo,
     ErrorResponse,
     Logprobs,
+    PromptTokensDetails,
     SamplingRequest,
     TopLogprob,
     UsageInfo,
+)
+from dpserve.server.structured import structured_from_request
+from dpserve.server.tool_serving import chat_tool_stream, history_message, tool_message
+from dpserve.server.tools import (
+    ToolPlan,
+    plan_tools,
+    render_messages,
+    template_supports_tools,
+    tool_constraint,
 )
 
 logger = logging.getLogger(__name__)
@@ -69,9 +79,11 @@ class _Choice:
 class OpenAIServing:
     """Completions and chat completions over one AsyncLLM."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+    def __init__(self, llm: AsyncLLM, model_name: str,
+                 tool_call_parser: str | None = None) -> None:
         self.llm = llm
         self.model_name = model_name
+        self.tool_call_parser = tool_call_parser  # None: tool_choice "auto" is refused
         self.token_text = functools.lru_cache(maxsize=65536)(
             lambda token_id: llm.decode([token_id]))
 
@@ -90,15 +102,29 @@ class OpenAIServing:
                    for p in batch]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = self._start(request_id, prompts, params, data_parallel_rank)
+        # echo: each choice starts with its prompt's text.
+        echo = [(t if t is not None else self.llm.decode(ids)) if req.echo else ""
+                for t, ids in prompts]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._completion_stream(request_id, streams, params, include_usage)
+            lines = self._completion_stream(request_id, streams, params, include_usage)
+            return self._echo_first(request_id, echo, params.n, lines) if req.echo else lines
         choices, usage = await self._collect(streams, params.n)
         return CompletionResponse(id=request_id, model=self.model_name, usage=usage, choices=[
-            CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason,
+            CompletionChoice(index=i, text=echo[i // params.n] + "".join(c.text),
+                             finish_reason=c.finish_reason,
                              stop_reason=c.stop_reason,
                              logprobs=self._completion_logprobs(c.logprobs, params.logprobs))
             for i, c in enumerate(choices)])
+
+    async def _echo_first(self, request_id: str, echo: list[str], n: int,
+                          lines: AsyncIterator[str]) -> AsyncIterator[str]:
+        for i in range(len(echo) * n):
+            yield _sse(CompletionResponse(id=request_id, model=self.model_name, choices=[
+                CompletionChoice(index=i, text=echo[i // n])]))
+        async with aclosing(lines):  # type: ignore[type-var]
+            async for line in lines:
+                yield line
 
     async def _completion_stream(self, request_id: str, streams: list[AsyncIterator[Any]],
                                  params: SamplingParams, include_usage: bool,
@@ -135,7 +161,15 @@ class OpenAIServing:
             req, max_tokens=max_tokens, logprobs=num_logprobs,
             renames={"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"
                      if req.max_completion_tokens is not None else "max_tokens"})
-        prompt_ids = self._render_chat(req)
+        plan = plan_tools(req, self.tool_call_parser)
+        constraint = tool_constraint(plan) if plan is not None else None
+        if constraint is not None:
+            if params.structured_outputs is not None:
+                raise RequestError(f"tool_choice {req.tool_choice!r} cannot be combined with "
+                                   f"response_format or structured_outputs",
+                                   param="tool_choice")
+            params = msgspec.structs.replace(params, structured_outputs=constraint)
+        prompt_ids = self._render_chat(req, plan)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             streams = self._start(request_id, [(None, prompt_ids)], params,
@@ -145,15 +179,22 @@ class OpenAIServing:
                                e.code) from None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            if plan is not None and plan.mode != "none":
+                return chat_tool_stream(self, request_id, streams, params, include_usage, plan)
             return self._chat_stream(request_id, streams, params, include_usage)
         choices, usage = await self._collect(streams, params.n)
-        return ChatCompletionResponse(id=request_id, model=self.model_name, usage=usage, choices=[
-            ChatChoice(index=i, message=ChatResponseMessage(content="".join(c.text)),
-                       finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                       logprobs=self._chat_logprobs(c.logprobs, params.logprobs))
-            for i, c in enumerate(choices)])
+        out = []
+        for i, c in enumerate(choices):
+            message, finish = tool_message("".join(c.text), c.finish_reason, plan)
+            out.append(ChatChoice(index=i, message=message, finish_reason=finish,
+                                  stop_reason=c.stop_reason,
+                                  logprobs=self._chat_logprobs(c.logprobs, params.logprobs)))
+        return ChatCompletionResponse(id=request_id, model=self.model_name, usage=usage,
+                                      choices=out)
 
-    def _render_chat(self, req: ChatCompletionRequest) -> list[int]:
+    def _render_chat(self, req: ChatCompletionRequest, plan: ToolPlan | None = None,
+                     ) -> list[int]:
+        native = template_supports_tools(self.llm.chat_template)
         messages = []
         for i, m in enumerate(req.messages):
             content = m.content if isinstance(m.content, str) else ""
@@ -163,9 +204,14 @@ class OpenAIServing:
                                        f"supported", param="messages")
                 content = "".join(p.text or "" for p in m.content)
             role = "system" if m.role == "developer" else m.role
-            messages.append({"role": role, "content": content})
+            messages.append(history_message(role, content, m, native))
+        tools = plan.tools if plan is not None else None
+        messages = render_messages(messages, tools, native)
         try:
-            return self.llm.apply_chat_template(messages, req.add_generation_prompt)
+            return self.llm.apply_chat_template(
+                messages, req.add_generation_prompt,
+                tools=[{"type": "function", "function": t} for t in tools]
+                if tools and native else None)
         except Exception as e:  # noqa: BLE001 - templates raise what they like on bad input
             raise RequestError(f"cannot apply the chat template: {e}",
                                param="messages") from None
@@ -192,8 +238,13 @@ class OpenAIServing:
 
     # ---- shared --------------------------------------------------------------------
 
+    model_aliases: tuple[str, ...] = ()  # more names clients may use (--served-model-name)
+
+    def check_model(self, model: str | None) -> None:
+        self._check_model(model)
+
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and model not in self.model_aliases:
             raise APIError(404, f"The model `{model}` does not exist.", param="model",
                            code="model_not_found")
 
@@ -210,13 +261,27 @@ class OpenAIServing:
                 stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
                 min_tokens=req.min_tokens, logprobs=logprobs,
                 include_stop_str_in_output=req.include_stop_str_in_output,
-                skip_special_tokens=req.skip_special_tokens, **given)
+                skip_special_tokens=req.skip_special_tokens,
+                structured_outputs=structured_from_request(req),
+                logit_bias=self._logit_bias(req), **given)
+        except RequestError:
+            raise
         except ValueError as e:
             name, _, rest = str(e).partition(" ")
             if name not in _PARAM_FIELDS:
                 raise RequestError(str(e)) from None
             param = (renames or {}).get(name, name)  # the name the client used
             raise RequestError(f"{param} {rest}", param=param) from None
+
+    def _logit_bias(self, req: SamplingRequest) -> dict[int, float] | None:
+        if not req.logit_bias:
+            return None
+        bias = {int(k): float(v) for k, v in req.logit_bias.items()}
+        bad = next((t for t in bias if t >= self.llm.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"logit_bias token id {bad} is outside the vocabulary "
+                               f"[0, {self.llm.vocab_size})", param="logit_bias")
+        return bias
 
     def _start(self, request_id: str, prompts: Sequence[tuple[str | None, list[int]]],
                params: SamplingParams, data_parallel_rank: int | None = None,
@@ -238,6 +303,7 @@ class OpenAIServing:
             async for prompt_index, out in merged:
                 if out.finished:
                     usage.prompt_tokens += len(out.prompt_token_ids)
+                    _add_cached(usage, out)
                 for c in out.outputs:
                     choice = choices[prompt_index * n + c.index]
                     choice.text.append(c.text)
@@ -259,6 +325,7 @@ class OpenAIServing:
                 async for prompt_index, out in merged:
                     if out.finished:
                         usage.prompt_tokens += len(out.prompt_token_ids)
+                        _add_cached(usage, out)
                     for c in out.outputs:
                         index = prompt_index * n + c.index
                         usage.completion_tokens += len(c.token_ids)
@@ -313,6 +380,12 @@ class OpenAIServing:
             content.append(ChatTokenLogprob(**top(token_id, sampled).model_dump(),
                                             top_logprobs=[top(t, lp) for t, lp in best]))
         return ChatLogprobs(content=content)
+
+
+def _add_cached(usage: UsageInfo, out: RequestOutput) -> None:
+    details = usage.prompt_tokens_details or PromptTokensDetails()
+    details.cached_tokens += out.num_cached_tokens
+    usage.prompt_tokens_details = details
 
 
 def _pairs(c: CompletionOutput) -> list[tuple[int, dict[int, Logprob]]]:

@@ -1,0 +1,7 @@
+"""`python -m dpserve ...` is the `dpserve` command."""
+
+import sys
+
+from dpserve.cli import main
+
+sys.exit(main())

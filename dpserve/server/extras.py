@@ -1,0 +1,166 @@
+"""The smaller OpenAI / vLLM surface: HTTP options (CORS, root path, TLS, chat
+template, model aliases), `/tokenize`, `/detokenize`, `/v1/models/{id}`, and HTTP
+responses by route and status in /metrics.
+
+`add_http_args` adds the flags to `dpserve serve`; `HTTPOptions.from_args` reads
+them once; `install_extras(app, ...)` adds the routes and middleware to the app
+`build_app` made; `uvicorn_kwargs` is what uvicorn itself needs (TLS, root path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, FastAPI, Request
+
+from dpserve.errors import ConfigError
+from dpserve.frontend.errors import RequestError
+
+if TYPE_CHECKING:  # prometheus_client is imported late: it reads its env on import
+    from prometheus_client import CollectorRegistry
+
+
+@dataclass(frozen=True)
+class HTTPOptions:
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    root_path: str = ""
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    chat_template: str | None = None  # the template text (read from a file if a path)
+    model_aliases: tuple[str, ...] = ()  # more --served-model-name values
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> HTTPOptions:
+        if bool(getattr(args, "ssl_keyfile", None)) != bool(getattr(args, "ssl_certfile", None)):
+            raise ConfigError("--ssl-keyfile and --ssl-certfile go together")
+        for option in ("ssl_keyfile", "ssl_certfile"):
+            path = getattr(args, option, None)
+            if path and not Path(path).is_file():
+                raise ConfigError(f"--{option.replace('_', '-')}: no such file: {path}")
+        names = getattr(args, "served_model_name", None)
+        aliases = tuple(names[1:]) if isinstance(names, list) else ()
+        return cls(
+            allowed_origins=tuple(_json_list(args, "allowed_origins")),
+            allowed_methods=tuple(_json_list(args, "allowed_methods")),
+            allowed_headers=tuple(_json_list(args, "allowed_headers")),
+            allow_credentials=bool(getattr(args, "allow_credentials", False)),
+            root_path=getattr(args, "root_path", "") or "",
+            ssl_keyfile=getattr(args, "ssl_keyfile", None),
+            ssl_certfile=getattr(args, "ssl_certfile", None),
+            chat_template=load_chat_template(getattr(args, "chat_template", None)),
+            model_aliases=aliases)
+
+
+def _json_list(args: argparse.Namespace, name: str) -> list[str]:
+    raw = getattr(args, name, None)
+    if raw is None:
+        return ["*"]
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"--{name.replace('_', '-')} must be a JSON list of strings, "
+                          f"e.g. '[\"https://example.com\"]', got {raw!r}")
+    return value
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """A path to a Jinja file, or the template itself (when it holds '{')."""
+    if not value:
+        return None
+    path = Path(value)
+    if "{" not in value:
+        if not path.is_file():
+            raise ConfigError(f"--chat-template: no such file: {value}")
+        return path.read_text()
+    return value
+
+
+def add_http_args(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--allowed-origins", default=None,
+      help='CORS: origins allowed, a JSON list (default ["*"]).')
+    a("--allowed-methods", default=None, help='CORS: methods allowed (default ["*"]).')
+    a("--allowed-headers", default=None, help='CORS: headers allowed (default ["*"]).')
+    a("--allow-credentials", action="store_true", help="CORS: allow credentials.")
+    a("--root-path", default="", help="The path prefix a proxy serves this server under.")
+    a("--ssl-keyfile", default=None, help="Serve HTTPS: the private key file (PEM).")
+    a("--ssl-certfile", default=None, help="Serve HTTPS: the certificate file (PEM).")
+    a("--chat-template", default=None,
+      help="Chat template (Jinja) replacing the model's: a file, or the template itself.")
+
+
+def uvicorn_kwargs(options: HTTPOptions) -> dict[str, Any]:
+    kw: dict[str, Any] = {"root_path": options.root_path}
+    if options.ssl_certfile:
+        kw.update(ssl_keyfile=options.ssl_keyfile, ssl_certfile=options.ssl_certfile)
+    return kw
+
+
+def install_extras(app: FastAPI, llm: Any, serving: Any, registry: CollectorRegistry,
+                   options: HTTPOptions, v1: APIRouter | None = None) -> None:
+    """CORS, HTTP-response metrics and the extra routes (see the module docstring)."""
+    from fastapi.middleware.cors import CORSMiddleware
+    from prometheus_client import Counter
+
+    app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
+                       allow_methods=list(options.allowed_methods),
+                       allow_headers=list(options.allowed_headers),
+                       allow_credentials=options.allow_credentials)
+    responses = Counter("dpserve:http_responses", "HTTP responses by route and status.",
+                        ["route", "status"], registry=registry)
+
+    @app.middleware("http")
+    async def count_responses(request: Request, call_next: Any) -> Any:
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", None) or "unmatched"
+        responses.labels(path, str(response.status_code)).inc()
+        return response
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = await _json_body(request)
+        serving.check_model(body.get("model"))
+        if "messages" in body:
+            ids = llm.apply_chat_template(body["messages"],
+                                          bool(body.get("add_generation_prompt", True)))
+        elif isinstance(body.get("prompt"), str):
+            ids = (llm.tokenizer.encode(body["prompt"]) if body.get("add_special_tokens", True)
+                   else llm.tokenizer.encode(body["prompt"], add_special_tokens=False))
+        else:
+            raise RequestError("tokenize needs a prompt (string) or messages", param="prompt")
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": llm.max_model_len,
+                               "tokens": ids}
+        if body.get("return_token_strs"):
+            out["token_strs"] = llm.tokenizer.convert_ids_to_tokens(ids)
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = await _json_body(request)
+        serving.check_model(body.get("model"))
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and 0 <= t < llm.vocab_size for t in tokens):
+            raise RequestError(f"tokens must be a list of token ids in [0, {llm.vocab_size})",
+                               param="tokens")
+        return {"prompt": llm.decode(tokens)}
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body() or b"{}")
+    except json.JSONDecodeError as e:
+        raise RequestError(f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    return body

@@ -1,0 +1,211 @@
+"""Tool calling for /v1/chat/completions: plans, constraints, rendering, parsing.
+
+* `plan_tools(req, parser)`: `tools` + `tool_choice` -> a `ToolPlan`: `none` (the
+  tools are shown to the model, nothing is parsed), `auto` (needs the server's
+  `--enable-auto-tool-choice --tool-call-parser NAME`; the text is parsed for
+  calls), `required` and a named function (the output is constrained by a JSON
+  schema built from the tools, so they work with any model and need no flag).
+  `tool_choice` left out means `auto` when the server parses calls, else `none`.
+* `tool_constraint(plan)`: `required` -> an array of `{"name", "arguments"}` objects,
+  one per call (exactly one when `parallel_tool_calls` is false); named -> the
+  function's `parameters` (the output is the arguments object).
+* `render_messages`: history messages (assistant `tool_calls`, `tool` results) for
+  the chat template. A template that does not mention tools gets the documented
+  fallback (Hermes style): the tools in a system message inside `<tools></tools>`,
+  each call as `<tool_call>{"name": ..., "arguments": ...}</tool_call>` in the
+  assistant's text, each result as a user message inside `<tool_response></tool_response>`.
+* `parse_tool_calls(plan, text)`: (content, calls) from a finished output.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from dpserve.frontend.errors import RequestError
+from dpserve.structured.spec import StructuredOutputs
+
+PARSERS = ("hermes", "llama3_json")
+
+
+@dataclass
+class ToolPlan:
+    mode: str  # "none" | "auto" | "required" | "named"
+    tools: list[dict[str, Any]]  # the `function` objects: name, description, parameters
+    name: str | None = None  # the named function
+    parallel: bool = True
+    parser: str | None = None  # auto: hermes | llama3_json
+    ids: list[str] = field(default_factory=list)
+
+
+def plan_tools(req: Any, parser: str | None) -> ToolPlan | None:
+    """The request's tool plan (None: no tools); RequestError for a bad combination."""
+    tools = [_function(t, i) for i, t in enumerate(req.tools or [])]
+    choice = req.tool_choice
+    if not tools:
+        if choice not in (None, "none"):
+            raise RequestError("tool_choice needs tools", param="tool_choice")
+        return None
+    if choice is None:
+        choice = "auto" if parser else "none"
+    parallel = req.parallel_tool_calls is not False
+    if choice == "none":
+        return ToolPlan("none", tools)
+    if choice == "auto":
+        if not parser:
+            raise RequestError('"auto" tool choice requires the server to be started with '
+                               "--enable-auto-tool-choice and --tool-call-parser",
+                               param="tool_choice")
+        return ToolPlan("auto", tools, parallel=parallel, parser=parser)
+    if choice == "required":
+        return ToolPlan("required", tools, parallel=parallel)
+    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(name, str):
+        raise RequestError('tool_choice must be "none", "auto", "required" or {"type": '
+                           '"function", "function": {"name": ...}}', param="tool_choice")
+    if name not in {t["name"] for t in tools}:
+        raise RequestError(f"tool_choice names {name!r}, which is not in tools",
+                           param="tool_choice")
+    return ToolPlan("named", tools, name=name, parallel=False)
+
+
+def _function(tool: Any, i: int) -> dict[str, Any]:
+    fn = tool.get("function") if isinstance(tool, dict) else None
+    if (not isinstance(tool, dict) or tool.get("type", "function") != "function"
+            or not isinstance(fn, dict) or not isinstance(fn.get("name"), str)):
+        raise RequestError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
+                           f"{{\"name\": ..., \"parameters\": ...}}}}", param="tools")
+    params = fn.get("parameters")
+    if params is not None and not isinstance(params, dict):
+        raise RequestError(f"tools[{i}].function.parameters must be a JSON schema object",
+                           param="tools")
+    return {k: v for k, v in fn.items() if v is not None}
+
+
+def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    return tool.get("parameters") or {"type": "object", "properties": {}}
+
+
+def tool_constraint(plan: ToolPlan) -> StructuredOutputs | None:
+    """The JSON schema `required` and named calls are constrained by."""
+    if plan.mode == "named":
+        tool = next(t for t in plan.tools if t["name"] == plan.name)
+        return StructuredOutputs(json=json.dumps(_parameters(tool)))
+    if plan.mode != "required":
+        return None
+    calls = [{"type": "object", "properties": {"name": {"const": t["name"]},
+                                               "arguments": _parameters(t)},
+              "required": ["name", "arguments"], "additionalProperties": False}
+             for t in plan.tools]
+    item = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema: dict[str, Any] = {"type": "array", "items": item, "minItems": 1}
+    if not plan.parallel:
+        schema["maxItems"] = 1
+    return StructuredOutputs(json=json.dumps(schema))
+
+
+# ---- history ------------------------------------------------------------------------
+
+
+def template_supports_tools(template: str | None) -> bool:
+    return bool(template) and "tools" in template  # type: ignore[operator]
+
+
+def render_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    native: bool) -> list[dict[str, Any]]:
+    """Messages for the template; `native`: the template renders tools and calls itself."""
+    if native:
+        return messages
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m["role"] == "tool":
+            out.append({"role": "user", "content":
+                        f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"})
+        elif m.get("tool_calls"):
+            calls = "\n".join(
+                "<tool_call>" + json.dumps({"name": c["function"]["name"],
+                                            "arguments": loads_or_text(c["function"]["arguments"])})
+                + "</tool_call>" for c in m["tool_calls"])
+            text = (m.get("content") or "") + ("\n" if m.get("content") else "") + calls
+            out.append({"role": m["role"], "content": text})
+        else:
+            out.append({"role": m["role"], "content": m.get("content") or ""})
+    if tools:
+        listing = "\n".join(json.dumps({"type": "function", "function": t}) for t in tools)
+        system = ("You may call one or more functions. The functions:\n<tools>\n"
+                  f"{listing}\n</tools>\nFor each call, reply with <tool_call>{{\"name\": "
+                  "<function name>, \"arguments\": <arguments object>}</tool_call>.")
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + system}
+        else:
+            out.insert(0, {"role": "system", "content": system})
+    return out
+
+
+def loads_or_text(text: Any) -> Any:
+    try:
+        return json.loads(text) if isinstance(text, str) else text
+    except json.JSONDecodeError:
+        return text
+
+
+# ---- output -------------------------------------------------------------------------
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, [{"name", "arguments" (JSON text)}]) of a finished output. Text that
+    does not parse as calls stays content."""
+    calls: list[dict[str, Any]] = []
+    content: str | None = text
+    if plan.mode == "named":
+        return None, [{"name": plan.name, "arguments": text}]
+    if plan.mode == "required":
+        parsed = loads_or_text(text)
+        if isinstance(parsed, list):
+            calls = [c for c in parsed if isinstance(c, dict) and "name" in c]
+            content = None if calls else text
+    elif plan.mode == "auto":
+        content, calls = (_hermes(text) if plan.parser == "hermes" else _llama3_json(text))
+        calls = calls if plan.parallel else calls[:1]  # parallel_tool_calls=false
+    return content, [{"name": c["name"], "arguments": json.dumps(
+        c.get("arguments", c.get("parameters", {})))} for c in calls]
+
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+
+def _hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    calls = [c for c in (loads_or_text(m) for m in _HERMES.findall(text))
+             if isinstance(c, dict) and isinstance(c.get("name"), str)]
+    if not calls:
+        return text, []
+    before = text[:text.find("<tool_call>")].strip()
+    return before or None, calls
+
+
+def _llama3_json(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if not body.startswith("{"):
+        return text, []
+    calls = []
+    decoder = json.JSONDecoder()
+    pos = 0
+    while pos < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, pos)
+        except json.JSONDecodeError:
+            return text, []
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return text, []
+        calls.append(obj)
+        pos = end
+        while pos < len(body) and body[pos] in " \n;":
+            pos += 1
+    return None, calls

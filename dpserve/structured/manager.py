@@ -1,0 +1,185 @@
+"""The engine's side of structured output.
+
+* `StructuredOutputManager` compiles specs on a small thread pool (never on the
+  busy loop), keeps compiled grammars in an LRU keyed by the spec (concurrent
+  requests for one spec share one compile), and holds the requests whose grammar
+  is not ready yet: `EngineCore` hands them to the scheduler once it is.
+* `RequestGrammar` is one request's matcher. It is created waiting for the
+  compiled grammar; when ready it is fed the request's output tokens so far (a
+  migrated request arrives with some). It survives preemption unchanged: a
+  preempted request keeps its output tokens and only recomputes their KV.
+* `grammar_bitmask` / `apply_bitmask`: the rows of a sampling batch that have a
+  matcher get the tokens it forbids set to -inf, inside the sampler.
+
+The tokenizer and the xgrammar compiler are loaded on the first structured
+request (in the pool), so an engine that never sees one pays nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from dpserve.structured.grammar import compile_spec
+from dpserve.structured.spec import StructuredOutputs
+
+logger = logging.getLogger(__name__)
+
+_CACHE_SIZE = 256  # compiled grammars kept
+_BITS = 32  # tokens per bitmask word (xgrammar's int32 layout)
+
+
+class RequestGrammar:
+    """One request's grammar matcher (see the module docstring)."""
+
+    def __init__(self, future: cf.Future, stop_token_ids: list[int]) -> None:
+        self.future = future
+        self.stop_token_ids = stop_token_ids
+        self.matcher: Any = None
+
+    def start(self, prior_tokens: Sequence[int]) -> str | None:
+        """Make the matcher from the compiled grammar; an error message on failure."""
+        import xgrammar as xgr
+
+        try:
+            compiled = self.future.result()
+        except Exception as e:  # noqa: BLE001 - reported as the request's failure
+            return str(e)
+        self.matcher = xgr.GrammarMatcher(compiled,
+                                          override_stop_tokens=self.stop_token_ids or None)
+        for token in prior_tokens:
+            if not self.accept(token):
+                return f"output token {token} so far does not match the grammar"
+        return None
+
+    def accept(self, token: int) -> bool:
+        """Advance on a sampled token; False if the grammar rejects it."""
+        if self.matcher.is_terminated():
+            return False
+        return bool(self.matcher.accept_token(token))
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and its stop token taken: the request must end."""
+        return self.matcher is not None and self.matcher.is_terminated()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        if not self.matcher.is_terminated():
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+class StructuredOutputManager:
+    """Compiles off the busy loop; holds requests until their grammar is ready."""
+
+    def __init__(self, tokenizer: str, vocab_size: int, max_workers: int = 2) -> None:
+        self.tokenizer_path = tokenizer
+        self.vocab_size = vocab_size
+        self.max_workers = max_workers
+        self.pending: dict[str, Any] = {}  # request id -> Request waiting for its grammar
+        self._cache: collections.OrderedDict[tuple[str, str], cf.Future] = \
+            collections.OrderedDict()
+        self._executor: cf.ThreadPoolExecutor | None = None
+        self._compiler: Any = None
+        self._compiler_lock = threading.Lock()
+
+    # ---- requests ------------------------------------------------------------
+
+    def add(self, request: Any) -> None:
+        """Start (or reuse) the compile of the request's spec; it waits in `pending`."""
+        params = request.sampling_params
+        stops = [request.eos_token_id] if request.eos_token_id is not None else []
+        stops += [t for t in params.stop_token_ids if t not in stops]
+        request.grammar = RequestGrammar(self._compile(params.structured_outputs), stops)
+        self.pending[request.request_id] = request
+
+    def take_ready(self) -> tuple[list[Any], list[tuple[Any, str]]]:
+        """(requests whose grammar is ready, in arrival order; (request, error) failed)."""
+        ready, failed = [], []
+        for req_id, request in list(self.pending.items()):
+            if not request.grammar.future.done():
+                continue
+            del self.pending[req_id]
+            error = request.grammar.start(request.output_token_ids)
+            if error is None:
+                ready.append(request)
+            else:
+                logger.error("request %s: structured output failed: %s", req_id, error)
+                failed.append((request, error))
+        return ready, failed
+
+    def wait(self, timeout: float) -> None:
+        """Block until a pending grammar is ready, at most `timeout` seconds."""
+        futures = [r.grammar.future for r in self.pending.values()]
+        if futures:
+            cf.wait(futures, timeout=timeout, return_when=cf.FIRST_COMPLETED)
+
+    def abort(self, request_ids: Sequence[str]) -> list[Any]:
+        """Remove pending requests; returns those that were pending."""
+        return [r for r in (self.pending.pop(i, None) for i in request_ids) if r is not None]
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- compiling -----------------------------------------------------------
+
+    def _compile(self, spec: StructuredOutputs) -> cf.Future:
+        key = spec.key()
+        future = self._cache.get(key)
+        if future is not None and not (future.done() and future.exception() is not None):
+            self._cache.move_to_end(key)
+            return future
+        if self._executor is None:
+            self._executor = cf.ThreadPoolExecutor(self.max_workers,
+                                                   thread_name_prefix="dpserve-grammar")
+        future = self._executor.submit(self._compile_now, spec)
+        self._cache[key] = future
+        while len(self._cache) > _CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return future
+
+    def _compile_now(self, spec: StructuredOutputs) -> Any:
+        return compile_spec(self._get_compiler(), spec)
+
+    def _get_compiler(self) -> Any:
+        with self._compiler_lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+                info = xgr.TokenizerInfo.from_huggingface(tokenizer,
+                                                          vocab_size=self.vocab_size)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            return self._compiler
+
+
+def grammar_bitmask(requests: Sequence[Any], vocab_size: int,
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(bitmask [R, ceil(V/32)] int32 of the R constrained rows, their rows [R]);
+    None when no row has a grammar. Bit j of word w allows token 32*w + j."""
+    rows = [i for i, r in enumerate(requests)
+            if getattr(r, "grammar", None) is not None and r.grammar.matcher is not None]
+    if not rows:
+        return None
+    bitmask = torch.full((len(rows), -(-vocab_size // _BITS)), -1, dtype=torch.int32)
+    for k, i in enumerate(rows):
+        requests[i].grammar.fill(bitmask, k)
+    return bitmask, torch.tensor(rows, dtype=torch.int64)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place on logits [S, V]: forbidden tokens of the constrained rows -> -inf."""
+    vocab = logits.shape[1]
+    bitmask, rows = bitmask.to(logits.device), rows.to(logits.device)
+    shifts = torch.arange(_BITS, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]  # [R, V]
+    sub = logits.index_select(0, rows)
+    sub.masked_fill_(~allowed, float("-inf"))
+    logits.index_copy_(0, rows, sub)
