@@ -30,6 +30,7 @@ import datetime
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,7 +42,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dp_scaling import ServeProcess, _bench, _free_port, _log, machine  # noqa: E402
+from dp_scaling import ServeProcess, _bench, _free_port, _log, _on_sigterm, machine  # noqa: E402
 
 from dpserve.benchmark.serve import BenchConfig  # noqa: E402
 
@@ -147,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=int, default=200, help="py-spy samples per second.")
     p.add_argument("--out", default=None, help="Append the markdown section to this file.")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, _on_sigterm)  # a timeout still stops the server
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(spy).exists():
         sys.exit("bench/profile.py: py-spy not found (pip install py-spy)")

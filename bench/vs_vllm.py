@@ -23,6 +23,7 @@ import datetime
 import json
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -31,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dp_scaling import ServeProcess, _free_port, _log, machine  # noqa: E402
+from dp_scaling import ServeProcess, _free_port, _log, _on_sigterm, machine  # noqa: E402
 
 WORKLOADS = {"W1": (16, 1), "W16": (64, 16)}  # name -> (requests, concurrency)
 FIGURES = [("output_tok_per_s", "output tok/s", True), ("ttft_ms_p50", "TTFT p50 ms", False),
@@ -136,6 +137,7 @@ def markdown(args: argparse.Namespace, rounds: dict[str, list[dict]], argv: list
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _on_sigterm)  # a timeout still stops the server
     model = Path(args.peers_root) / "models" / "smollm2-135m-instruct"
     if not (model / "config.json").is_file():
         sys.exit(f"bench/vs_vllm.py: no model at {model}: run "
