@@ -1,7 +1,5 @@
 """`python -m dpserve ...` is the `dpserve` command."""
 
-import sys
+from dpserve.cli import entry
 
-from dpserve.cli import main
-
-sys.exit(main())
+entry()

@@ -112,5 +112,21 @@ def _as_flag(message: str) -> str:
     return message
 
 
+def entry() -> None:
+    """The `dpserve` command: `main`, then leave without the interpreter's teardown.
+
+    Every child process is joined and every socket closed by then; unloading torch
+    (imported with the tokenizer) would add a second or more to every stop.
+    """
+    import logging
+    import os
+
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(code or 0))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -185,6 +185,10 @@ def run_serve(args: argparse.Namespace) -> int:
         # unwinds through `finally`.
         signal.signal(signal.SIGTERM, _raise_system_exit)
         signal.signal(signal.SIGINT, _raise_system_exit)
+        if num_api_servers == 1:  # this process serves HTTP: load while the engines start
+            from dpserve.frontend.tokenizer import preload_tokenizer
+
+            preload_tokenizer(config.model.tokenizer)
         launch = launch_engines(config, num_api_servers, ready_timeout=args.engine_ready_timeout)
         specs = [APIServerSpec(i, launch.input_binds(i), launch.output_binds(i), launch.ranks,
                                launch.max_model_len, launch.coordinator_address)

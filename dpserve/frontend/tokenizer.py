@@ -2,14 +2,47 @@
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
 from typing import Any
 
+_preloads: dict[str, Future] = {}
+_preloads_lock = threading.Lock()
 
-def load_tokenizer(path: str) -> Any:
-    """A Hugging Face tokenizer from a local directory (or hub name)."""
+
+def _load(path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def preload_tokenizer(path: str) -> None:
+    """Start loading `path`'s tokenizer on a daemon thread (importing transformers
+    alone takes seconds): a server calls this before it waits for its engines, so
+    the wait and the load overlap; `load_tokenizer(path)` then takes the result."""
+    future: Future = Future()
+    with _preloads_lock:
+        if path in _preloads:
+            return
+        _preloads[path] = future
+
+    def run() -> None:
+        try:
+            future.set_result(_load(path))
+        except BaseException as e:  # noqa: BLE001 - handed to load_tokenizer's caller
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="tokenizer-preload", daemon=True).start()
+
+
+def load_tokenizer(path: str) -> Any:
+    """A Hugging Face tokenizer from a local directory (or hub name); the preloaded
+    one if `preload_tokenizer(path)` ran (each preload is used once)."""
+    with _preloads_lock:
+        future = _preloads.pop(path, None)
+    if future is not None:
+        return future.result()
+    return _load(path)
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
