@@ -175,8 +175,9 @@ class AsyncEngineClient:
                  coordinator_address: str | None = None,
                  load_balance: str = "least-loaded", lockstep: bool = False,
                  secret: str | None = None, max_migrations: int = 3,
-                 fail_stop: bool = False, elastic: bool = False) -> None:
-        self.router = Router(load_balance, client_index=client_index)  # ValueError if bad
+                 fail_stop: bool = False, elastic: bool = False, block_size: int = 16) -> None:
+        # ValueError for a bad policy; block_size: the engines' KV block (cache-aware)
+        self.router = Router(load_balance, client_index=client_index, block_size=block_size)
         self._loop = asyncio.get_running_loop()  # raises outside an event loop
         self._loop_thread = threading.get_ident()
         self.client_index = client_index
@@ -464,6 +465,7 @@ class AsyncEngineClient:
         (STARTING); removed ones get nothing more, and what they still hold moves."""
         for rank in [r for r in self.engines if r >= size]:
             engine = self.engines.pop(rank)
+            self.router.forget(rank)
             logger.info("front-end %d: rank %d removed (scaled down to %d engines)",
                         self.client_index, rank, size)
             engine.status = RankStatus(RankState.DEAD, engine.status.incarnation,
@@ -514,6 +516,7 @@ class AsyncEngineClient:
             if engine.cordoned:
                 raise EngineUnavailableError(f"data_parallel_rank {engine.rank} is cordoned "
                                              f"(an operator took it out of placement)")
+            self.router.record(engine, request=request)
             return engine
         return self.router.choose(self._live_engines(exclude), request, balanced=self.balanced)
 
@@ -593,6 +596,8 @@ class AsyncEngineClient:
         # one die): what the old one held is gone with it.
         replaced = status.incarnation > engine.status.incarnation and was_serving
         engine.status = status
+        if replaced or status.state in (RankState.DEAD, RankState.RESTARTING):
+            self.router.forget(engine.rank)  # its prefix cache is gone
         if not self._closed:
             logger.log(logging.INFO if status.state is RankState.SERVING else logging.WARNING,
                        "front-end %d: rank %d %s (incarnation %d)%s", self.client_index,
