@@ -4,6 +4,7 @@ PrefixTracker's hash chain against the engine's own prefix cache, and its LRU.""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import pytest
@@ -11,13 +12,15 @@ import pytest
 from dpserve import SamplingParams
 from dpserve.engine.kv_cache import KVCacheManager
 from dpserve.engine.request import Request
+from dpserve.frontend.engine_client import AsyncEngineClient
 from dpserve.frontend.routing import (
     CacheAwareOptions,
     PrefixTracker,
     Router,
     kv_capacity_blocks,
 )
-from dpserve.protocol import EngineCoreRequest, SchedulerStats
+from dpserve.launch.addresses import AddressAllocator
+from dpserve.protocol import EngineCoreRequest, RankState, RankStatus, SchedulerStats
 
 BS = 4  # block size of these tests
 
@@ -169,3 +172,29 @@ def test_least_loaded_and_round_robin_are_unchanged():
 def test_an_unknown_policy_is_a_value_error():
     with pytest.raises(ValueError, match="least-loaded, round-robin, cache-aware"):
         Router("random")
+
+
+def test_the_client_records_pinned_requests_and_forgets_a_lost_rank():
+    """AsyncEngineClient's side (real sockets, no engines: placement only)."""
+
+    async def run() -> None:
+        alloc = AddressAllocator()
+        addrs = alloc.engine_addresses(num_clients=1)
+        client = AsyncEngineClient(addrs.inputs[0], addrs.outputs[0], engine_ranks=(0, 1),
+                                   load_balance="cache-aware", block_size=BS)
+        try:
+            tracker = client.router.tracker
+            pinned = EngineCoreRequest("p", prompt(1, 0), SamplingParams(),
+                                       data_parallel_rank=1)
+            assert client._choose_engine(pinned).rank == 1 and tracker.size(1) == 6
+            assert client._choose_engine(request(prompt(1, 1))).rank == 1  # its prefix
+            assert client._choose_engine(request(prompt(2, 0))).rank == 0  # a new one
+            client.set_rank_status(1, RankStatus(RankState.UNHEALTHY, 0, "test"))
+            assert tracker.size(1) == 6  # alive: its cache may still be there
+            client.mark_engine_dead(1, "test")
+            assert tracker.size(1) == 0 and tracker.size(0) == 6
+        finally:
+            await client.aclose()
+            alloc.cleanup()
+
+    asyncio.run(run())
