@@ -198,3 +198,10 @@ def test_the_client_records_pinned_requests_and_forgets_a_lost_rank():
             alloc.cleanup()
 
     asyncio.run(run())
+
+
+def test_new_prefixes_tie_break_from_the_clients_own_index():
+    live = engines(3)
+    firsts = [Router("cache-aware", client_index=i, block_size=BS).choose(
+        live, request(prompt(1, 0)), balanced=True).rank for i in range(4)]
+    assert firsts == [0, 1, 2, 0]

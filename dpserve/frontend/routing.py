@@ -31,7 +31,8 @@ Policies (`LOAD_BALANCE_POLICIES`):
   prefix too). With no such prefix anywhere (a new session), the rank with the
   smallest record among those not hot (ties: the least loaded), so new prefixes
   spread over the ranks' caches even when loads tie (light load); SGLang does
-  the same. A rank that dies or restarts is forgotten (its cache is gone).
+  the same. Remaining ties: scanning from this client's own index. A rank
+  that dies or restarts is forgotten (its cache is gone).
 
 Each front-end (API server) tracks only its own sends: with `--api-server-count
 N`, a session whose requests land on different API servers is learnt by each
@@ -214,7 +215,7 @@ class Router:
         loads = {engine.rank: self.load(engine, balanced) for engine in live}
         matched = {engine.rank: self.tracker.matched_blocks(engine.rank, chain)
                    for engine in live}
-        best = min(live, key=lambda e: (-matched[e.rank], loads[e.rank], e.rank))
+        best = min(live, key=lambda e: (-matched[e.rank], loads[e.rank], self._scan(e)))
         tokens = matched[best.rank] * self.tracker.block_size
         if tokens and tokens >= self.options.cache_threshold * num_tokens:
             if not self._hot(loads[best.rank], floor):
@@ -224,4 +225,9 @@ class Router:
             return least
         self.load_routed += 1
         cool = [e for e in live if not self._hot(loads[e.rank], floor)]
-        return min(cool, key=lambda e: (self.tracker.size(e.rank), loads[e.rank], e.rank))
+        return min(cool, key=lambda e: (self.tracker.size(e.rank), loads[e.rank],
+                                        self._scan(e)))
+
+    def _scan(self, engine: RankLoad) -> int:
+        """Tie-break: ranks from this client's own index on, then the lower ones."""
+        return (engine.rank - self.client_index) % (1 << 30)
