@@ -176,8 +176,8 @@ def table(outcomes: list[Outcome]) -> list[str]:
     for o in outcomes:
         r = o.result
         if r is None:
-            lines.append(f"| {o.policy} | n/a | n/a | n/a | n/a | error: "
-                         f"{o.error.splitlines()[0][:120]} |")
+            why = (o.error.splitlines() or ["no result"])[0][:120]
+            lines.append(f"| {o.policy} | n/a | n/a | n/a | n/a | error: {why} |")
             continue
         req = f"{r.completed} ok" + (f", {r.failed} failed, {r.not_sent} not sent"
                                      if r.failed or r.not_sent else "")
