@@ -259,3 +259,15 @@ def test_main_reports_unreachable_server(capsys) -> None:
     assert f"127.0.0.1:{port}" in capsys.readouterr().err
     assert main(parser.parse_args(["--concurrency", "0"])) == 2
     assert "concurrency must be at least 1" in capsys.readouterr().err
+
+
+def test_given_prompts_are_sent_in_order() -> None:
+    """run_benchmark(config, prompts): those prompts (after the random warm-up), in order."""
+    prompts = [[100 + i] * (3 + i) for i in range(5)]
+    with FakeOpenAIServer() as server:
+        config = BenchConfig(base_url=server.base_url, concurrency=1, warmup=1, output_len=2)
+        res = asyncio.run(run_benchmark(config, prompts))
+        sent = [b["prompt"] for b in server.bodies]
+    assert res.completed == 5 and res.failed == 0
+    assert sent[1:] == prompts and sent[0] not in prompts
+    assert [r.prompt_tokens for r in res.requests] == [3, 4, 5, 6, 7]

@@ -154,7 +154,7 @@ def test_client_places_by_the_coordinators_counts():
                 choose(clients[0], rank=2)
             # Round-robin ignores the counts: in turn, from the client's own index.
             for c in clients:
-                c.load_balance = "round-robin"
+                c.router.policy = "round-robin"
             assert [choose(clients[1]) for _ in range(4)] == [1, 0, 1, 0]
             assert [choose(clients[0]) for _ in range(3)] == [0, 1, 0]
         finally:

@@ -305,8 +305,10 @@ async def discover_model(client: httpx.AsyncClient, config: BenchConfig) -> str:
     return models[0]["id"]
 
 
-async def run_benchmark(config: BenchConfig) -> BenchResult:
-    """Warm up, then run the measured requests; returns when done or at max_duration."""
+async def run_benchmark(config: BenchConfig, prompts: list | None = None) -> BenchResult:
+    """Warm up, then run the measured requests; returns when done or at max_duration.
+    `prompts`: the measured prompts, in order (token-id lists for completions, text
+    for chat), instead of config's random ones (e.g. bench/prefix_routing.py)."""
     deadline = time.monotonic() + config.max_duration
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     limits = httpx.Limits(max_connections=config.concurrency + 4,
@@ -318,7 +320,8 @@ async def run_benchmark(config: BenchConfig) -> BenchResult:
         if config.warmup:
             await _run_phase(client, config, model,
                              make_prompts(config, config.warmup, config.seed + 1), deadline)
-        prompts = make_prompts(config, config.num_prompts, config.seed)
+        if prompts is None:
+            prompts = make_prompts(config, config.num_prompts, config.seed)
         start = time.perf_counter()
         results = await _run_phase(client, config, model, prompts, deadline)
         duration = time.perf_counter() - start

@@ -91,7 +91,7 @@ class APIServerOptions:
     served_model_name: str
     api_key: str | None
     max_request_body_bytes: int
-    load_balance: str  # "least-loaded" | "round-robin"
+    load_balance: str  # "least-loaded" | "round-robin" | "cache-aware"
     uvicorn_log_level: str
     enable_admin_api: bool = False  # the admin routes (pause, sleep, /engines/{rank}/...)
     max_num_queued_requests: int | None = None  # admission control (429)
@@ -175,7 +175,8 @@ async def serve_http(options: APIServerOptions, config: EngineConfig, spec: APIS
                                secret=config.parallel.data_parallel_secret,
                                max_migrations=config.parallel.max_request_migrations,
                                fail_stop=config.parallel.engine_failure_policy == "stop",
-                               elastic=config.parallel.elastic)
+                               elastic=config.parallel.elastic,
+                               block_size=config.cache.block_size)
     llm: AsyncLLM | None = None
     died = False
     try:

@@ -107,9 +107,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
                         help="Larger request bodies get HTTP 413.")
     parser.add_argument("--load-balance", default="least-loaded",
-                        choices=["least-loaded", "round-robin"],
+                        choices=["least-loaded", "round-robin", "cache-aware"],
                         help="How the API server places requests on engines: the lowest "
-                             "4*waiting + running (from the DP coordinator), or in turn.")
+                             "4*waiting + running (from the DP coordinator), in turn, or "
+                             "cache-aware: the engine that holds the longest prefix of the "
+                             "prompt (as far as this API server sent it there) unless it is "
+                             "much busier than the least loaded.")
     parser.add_argument("--api-server-count", type=int, default=1,
                         help="API-server processes sharing the one listening socket (1: the "
                              "API server runs in the main process).")

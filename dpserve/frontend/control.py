@@ -8,6 +8,11 @@ reports the new state reached (pause "wait": once their requests finished).
 Without one (DP 1) it is a `control` utility call on each engine this
 client has, answered once reached; the engine tells every API server.
 
+Also the front-end client's side of operator state (`ControlView`: the
+pause / sleep state as last heard, the seq each rank reached) and of run-time
+scaling (`ScaleRequests`: scale requests sent to the coordinator, until its
+final answer); `AsyncEngineClient` holds one of each.
+
 Not here: the rules of the state (`dpserve.control`), the engine's side
 (`dpserve.engine.control`), HTTP.
 """
@@ -17,11 +22,72 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from dpserve.control import check_change
 from dpserve.frontend.errors import EngineDeadError
-from dpserve.protocol import ControlChange, ControlState, RankState
+from dpserve.protocol import (
+    ControlChange,
+    ControlState,
+    RankState,
+    ScalePhase,
+    ScaleRequest,
+    ScaleStatus,
+)
+
+
+class ControlView:
+    """A front-end's news of the pause / sleep state (the coordinator's, or the
+    engines' without one): `state`, `done` (the seq each rank reached), `tokens`
+    (a change's token -> its seq, the last 256), `changed` (set, then replaced by
+    a new event, on every news). One event loop's thread."""
+
+    def __init__(self) -> None:
+        self.state = ControlState()
+        self.done: list[int] = []
+        self.tokens: dict[int, int] = {}
+        self.changed = asyncio.Event()
+
+    def update(self, state: ControlState, done: list[int] | None = None) -> None:
+        if state.seq >= self.state.seq or state.token not in self.tokens:
+            self.state = state  # (a restarted coordinator counts from 1 again)
+        self.tokens[state.token] = state.seq
+        if len(self.tokens) > 256:
+            self.tokens.pop(next(iter(self.tokens)))
+        if done is not None:
+            self.done = done
+        changed, self.changed = self.changed, asyncio.Event()
+        changed.set()
+
+
+class ScaleRequests:
+    """A front-end's scale requests to the coordinator, each waiting for its final
+    answer (DONE, FAILED or REJECTED) in the coordinator's updates."""
+
+    def __init__(self) -> None:
+        self._futures: dict[str, asyncio.Future] = {}  # scale_id -> its final ScaleStatus
+
+    async def ask(self, send: Callable[[ScaleRequest], Awaitable[Any]], scale_id: str,
+                  num_engines: int, timeout: float) -> ScaleStatus:
+        """Send ScaleRequest(scale_id, num_engines) with `send`; its final status.
+        TimeoutError after `timeout` s."""
+        future = self._futures[scale_id] = asyncio.get_running_loop().create_future()
+        try:
+            await send(ScaleRequest(scale_id, num_engines))
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"the change to {num_engines} engines did not finish within "
+                               f"{timeout:.0f} s") from None
+        finally:
+            self._futures.pop(scale_id, None)
+
+    def on_status(self, scale: ScaleStatus | None) -> None:
+        """A coordinator update's scale news: a final one answers its request."""
+        if scale is not None and scale.phase is not ScalePhase.PENDING:
+            future = self._futures.get(scale.scale_id)
+            if future is not None and not future.done():
+                future.set_result(scale)
 
 
 async def change_control(client: Any, op: str, arg: str | int | None = None,
@@ -39,13 +105,13 @@ async def change_control(client: Any, op: str, arg: str | int | None = None,
     while True:
         if client.dead:
             raise EngineDeadError(client.dead_reason)
-        seq = client.control_tokens.get(change.token)
+        seq = client.controls.tokens.get(change.token)
         if seq is not None and _reached(client, seq):
-            return client.control
+            return client.controls.state
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError(f"{op} was not reached on every rank within {timeout:g} s")
-        event = client.control_changed
+        event = client.controls.changed
         try:  # wake on news, and at least every second to look at the client
             await asyncio.wait_for(event.wait(), min(left, 1.0))
         except asyncio.TimeoutError:
@@ -55,6 +121,6 @@ async def change_control(client: Any, op: str, arg: str | int | None = None,
 def _reached(client: Any, seq: int) -> bool:
     """Every serving (or draining) rank has reached control state `seq` or a later one."""
     ranks = client.all_ranks or [e.status for e in client.engines.values()]
-    done = client.control_done
+    done = client.controls.done
     return all(rank < len(done) and done[rank] >= seq for rank, status in enumerate(ranks)
                if status.state in (RankState.SERVING, RankState.DRAINING))

@@ -9,20 +9,16 @@ engine death, and placement over several engines (`EngineState` per engine):
 * Only SERVING ranks get new work (`EngineState.status`, below). A request
   that pins `data_parallel_rank` goes to that engine (a rank this client does
   not have: ValueError; one that is not serving: EngineUnavailableError).
-* With a DP coordinator (`coordinator_address`, its front publish XPUB): a
-  background task keeps the latest `[waiting, running]` per engine from its
-  `CoordinatorUpdate`s; the request goes to the serving engine with the lowest
-  `4*waiting + running`, scanning from this client's own index (ties go to
-  the first), where what this client sent to an engine since the last
-  publish counts as waiting there (reset on each publish), so bursts spread.
-* Without one (one engine, or the coordinator away): the serving engine with
-  the fewest requests in flight from here.
+* Otherwise the `Router` (`dpserve.frontend.routing`, `load_balance`) picks
+  among the placeable ranks, by the loads kept here: with a DP coordinator
+  (`coordinator_address`, its front publish XPUB) a background task keeps the
+  latest `[waiting, running]` per engine from its `CoordinatorUpdate`s, plus
+  what this client sent each since (reset on each publish); without one (one
+  engine, or the coordinator away), the requests in flight from here.
 * Waves: each request carries the wave this client last heard of from the
   coordinator. In lockstep mode (`lockstep=True`), a request sent while the
   coordinator said "paused" is followed by `WakeEngines(wave, engine)` so the
   coordinator starts the wave on every other engine.
-* `load_balance="round-robin"`: serving engines in turn from this client's own
-  index, blind to load (a baseline for benchmarks, and what simple balancers do).
 
 Cordon (an operator's, through the coordinator: `control_rank`, then
 `EngineInfo.cordoned` in its updates): a cordoned rank gets no new work,
@@ -83,7 +79,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from dpserve.frontend.control import ControlView, ScaleRequests
 from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError
+from dpserve.frontend.routing import Router
 from dpserve.protocol import (
     ENGINE_CORE_DEAD,
     ControlChange,
@@ -98,8 +96,6 @@ from dpserve.protocol import (
     RankState,
     RankStatus,
     RequestType,
-    ScalePhase,
-    ScaleRequest,
     ScaleStatus,
     SchedulerStats,
     UtilityCall,
@@ -109,8 +105,6 @@ from dpserve.protocol import (
 from dpserve.security import secure
 
 logger = logging.getLogger(__name__)
-
-LOAD_BALANCE_POLICIES = ("least-loaded", "round-robin")
 
 _DEAD = object()  # the output-queue item that stands for "the engines are dead"
 
@@ -181,10 +175,9 @@ class AsyncEngineClient:
                  coordinator_address: str | None = None,
                  load_balance: str = "least-loaded", lockstep: bool = False,
                  secret: str | None = None, max_migrations: int = 3,
-                 fail_stop: bool = False, elastic: bool = False) -> None:
-        if load_balance not in LOAD_BALANCE_POLICIES:
-            raise ValueError(f"load_balance must be one of {', '.join(LOAD_BALANCE_POLICIES)}, "
-                             f"got {load_balance!r}")
+                 fail_stop: bool = False, elastic: bool = False, block_size: int = 16) -> None:
+        # ValueError for a bad policy; block_size: the engines' KV block (cache-aware)
+        self.router = Router(load_balance, client_index=client_index, block_size=block_size)
         self._loop = asyncio.get_running_loop()  # raises outside an event loop
         self._loop_thread = threading.get_ident()
         self.client_index = client_index
@@ -221,25 +214,18 @@ class AsyncEngineClient:
         self._tasks = [self._loop.create_task(self._read_registrations()),
                        self._loop.create_task(self._read_outputs())]
         self.balanced = coordinator_address is not None  # place by the coordinator's loads
-        self.load_balance = load_balance
         self.lockstep = lockstep and coordinator_address is not None
         self.current_wave = 0  # the request wave, from the coordinator
         self.info_updates = 0  # coordinator updates with per-rank figures, so far
         self.engines_running = False  # the coordinator's last word (or our own wake-up)
-        self._turn = client_index  # round-robin position
-        # Pause / sleep (dpserve.control): the state as last heard (coordinator, or the
-        # engines without one), the seq each rank reached, tokens of changes seen.
-        self.control = ControlState()
-        self.control_done: list[int] = []
-        self.control_tokens: dict[int, int] = {}  # a change's token -> its seq
+        self.controls = ControlView()  # pause / sleep as last heard (dpserve.control)
         self.all_ranks: list[RankStatus] = []  # every rank's state, from the coordinator
-        self.control_changed = asyncio.Event()  # replaced by a new one on every news
         self._coordinator: zmq.asyncio.Socket | None = None
         # Elastic (the engine count changes at run time): the coordinator's rank list
         # is the engine set; ranks that registered before we heard of them.
         self.elastic = elastic and coordinator_address is not None
         self._early: set[int] = set()
-        self._scales: dict[str, asyncio.Future] = {}  # scale_id -> its final ScaleStatus
+        self._scales = ScaleRequests()
         self.autoscale_decisions: list[int] | None = None  # [up, down], from the coordinator
         if coordinator_address is not None:
             self._coordinator = secure(self._ctx.socket(zmq.XSUB), "client", secret)
@@ -297,16 +283,10 @@ class AsyncEngineClient:
         self._check_alive()
         await self._coordinator.send(self._encoder.encode(change))
 
-    def _on_control(self, state: ControlState, done: list[int] | None = None) -> None:
-        if state.seq >= self.control.seq or state.token not in self.control_tokens:
-            self.control = state  # (a restarted coordinator counts from 1 again)
-        self.control_tokens[state.token] = state.seq
-        if len(self.control_tokens) > 256:
-            self.control_tokens.pop(next(iter(self.control_tokens)))
-        if done is not None:
-            self.control_done = done
-        changed, self.control_changed = self.control_changed, asyncio.Event()
-        changed.set()
+    @property
+    def control(self) -> ControlState:
+        """The pause / sleep state as last heard."""
+        return self.controls.state
 
     def queued(self, engine: EngineState) -> tuple[int, int]:
         """(requests, prompt tokens) at `engine` for admission control: waiting ones,
@@ -468,26 +448,15 @@ class AsyncEngineClient:
         if not self.elastic:
             raise EngineUnavailableError("this server cannot change its engine count")
         scale_id = f"api{self.client_index}-{next(self._call_ids)}-{id(self):x}"
-        future = self._scales[scale_id] = self._loop.create_future()
-        try:
-            await self._coordinator.send(self._encoder.encode(ScaleRequest(scale_id,
-                                                                           num_engines)))
-            return await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"the change to {num_engines} engines did not finish within "
-                               f"{timeout:.0f} s") from None
-        finally:
-            self._scales.pop(scale_id, None)
+        return await self._scales.ask(
+            lambda msg: self._coordinator.send(self._encoder.encode(msg)), scale_id,
+            num_engines, timeout)
 
     def _on_scale_news(self, update: CoordinatorUpdate) -> None:
         """A coordinator update: the engine set's size, and answers to our scale requests."""
         if update.autoscale_decisions is not None:
             self.autoscale_decisions = update.autoscale_decisions
-        scale = update.scale
-        if scale is not None and scale.phase is not ScalePhase.PENDING:
-            future = self._scales.get(scale.scale_id)
-            if future is not None and not future.done():
-                future.set_result(scale)
+        self._scales.on_status(update.scale)
         if self.elastic and update.ranks is not None and len(update.ranks) != len(self.engines):
             self._resize(len(update.ranks))
 
@@ -496,6 +465,7 @@ class AsyncEngineClient:
         (STARTING); removed ones get nothing more, and what they still hold moves."""
         for rank in [r for r in self.engines if r >= size]:
             engine = self.engines.pop(rank)
+            self.router.forget(rank)
             logger.info("front-end %d: rank %d removed (scaled down to %d engines)",
                         self.client_index, rank, size)
             engine.status = RankStatus(RankState.DEAD, engine.status.incarnation,
@@ -533,7 +503,7 @@ class AsyncEngineClient:
 
     def _choose_engine(self, request: EngineCoreRequest,
                        exclude: int | None = None) -> EngineState:
-        """The pinned rank if any, else the least loaded serving engine (module docstring)."""
+        """The pinned rank if any, else the router's choice among the placeable ranks."""
         if request.data_parallel_rank is not None:
             engine = self.engines.get(request.data_parallel_rank)
             if engine is None:
@@ -546,20 +516,9 @@ class AsyncEngineClient:
             if engine.cordoned:
                 raise EngineUnavailableError(f"data_parallel_rank {engine.rank} is cordoned "
                                              f"(an operator took it out of placement)")
+            self.router.record(engine, request=request)
             return engine
-        live = self._live_engines(exclude)
-        if self.load_balance == "round-robin":
-            self._turn += 1
-            return live[(self._turn - 1) % len(live)]
-        if not self.balanced:
-            return min(live, key=lambda e: (e.num_requests, e.rank))
-        start = self.client_index % len(live)
-        best, best_score = live[start], None
-        for engine in live[start:] + live[:start]:
-            score = 4 * (engine.waiting + engine.sent_since_publish) + engine.running
-            if best_score is None or score < best_score:
-                best, best_score = engine, score
-        return best
+        return self.router.choose(self._live_engines(exclude), request, balanced=self.balanced)
 
     def _forget(self, request_id: str) -> None:
         flight = self._inflight.pop(request_id, None)
@@ -637,6 +596,8 @@ class AsyncEngineClient:
         # one die): what the old one held is gone with it.
         replaced = status.incarnation > engine.status.incarnation and was_serving
         engine.status = status
+        if replaced or status.state in (RankState.DEAD, RankState.RESTARTING):
+            self.router.forget(engine.rank)  # its prefix cache is gone
         if not self._closed:
             logger.log(logging.INFO if status.state is RankState.SERVING else logging.WARNING,
                        "front-end %d: rank %d %s (incarnation %d)%s", self.client_index,
@@ -787,7 +748,7 @@ class AsyncEngineClient:
             if update.ranks is not None:
                 self.all_ranks = list(update.ranks)
             if update.control is not None:
-                self._on_control(update.control, update.control_done)
+                self.controls.update(update.control, update.control_done)
             for rank, info in enumerate(update.engines or []):
                 if rank in self.engines:
                     self.engines[rank].info = info
@@ -808,7 +769,7 @@ class AsyncEngineClient:
         if engine is not None and outputs.scheduler_stats is not None:
             engine.stats = outputs.scheduler_stats
         if outputs.control is not None:  # no coordinator: the engine's own state
-            self._on_control(outputs.control)
+            self.controls.update(outputs.control)
         call = outputs.utility_output
         if call is not None:
             future = self._calls.get(call.call_id)

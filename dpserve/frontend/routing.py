@@ -1,0 +1,233 @@
+"""Engine choice: which serving rank gets a request (`--load-balance`).
+
+Scope: the placement policy of one front-end (`Router.choose(live, request,
+balanced)`), over the engines `AsyncEngineClient` says may take new work
+(serving, not cordoned, not excluded). Pinned requests (`data_parallel_rank`),
+rank states and moving requests are the client's; the router only picks among
+`live` and remembers, for cache-aware placement, what it sent where.
+
+A rank's load (`Router.load`): with a DP coordinator (`balanced`), its
+`4*waiting + running` from the coordinator's last publish, where what this
+client sent it since that publish counts as waiting (so bursts spread);
+without one, the requests this client has in flight there.
+
+Policies (`LOAD_BALANCE_POLICIES`):
+
+* `least-loaded` (default): the lowest load; with a coordinator, scanning from
+  this client's own index (ties go to the first) so several API servers start
+  on different ranks; without one, ties go to the lowest rank.
+* `round-robin`: live ranks in turn from this client's own index, blind to load
+  (a baseline for benchmarks, and what simple balancers do).
+* `cache-aware`: like SGLang's router. The router keeps, per rank, an
+  approximate record of the prefix-cache blocks its prompts left there
+  (`PrefixTracker`: the engine's block hash chain, `dpserve.engine.kv_cache.
+  hash_block`, over each prompt's full blocks; an LRU bounded by the rank's KV
+  capacity in blocks, from its `SchedulerStats`, so it forgets roughly what the
+  engine has evicted). A rank is *hot* when its load exceeds the least-loaded
+  rank's by more than `balance_abs` AND is more than `balance_rel` times it.
+  The rank holding the longest prefix of the prompt gets the request when that
+  prefix covers at least `cache_threshold` of the prompt and the rank is not
+  hot; when it is hot, the least-loaded rank (which from then on holds the
+  prefix too). With no such prefix anywhere (a new session), the rank with the
+  smallest record among those not hot (ties: the least loaded), so new prefixes
+  spread over the ranks' caches even when loads tie (light load); SGLang does
+  the same. Remaining ties: scanning from this client's own index. A rank
+  that dies or restarts is forgotten (its cache is gone).
+
+Each front-end (API server) tracks only its own sends: with `--api-server-count
+N`, a session whose requests land on different API servers is learnt by each
+separately (a request routed by one does not teach the others), so affinity is
+weaker than with one API server. Generated tokens are not recorded (only
+prompts), and an operator's prefix-cache reset or a sleep that drops the cache
+is not seen: the record is a hint, and a wrong one costs a cache miss, nothing else.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from dpserve.engine.kv_cache import BlockHash, hash_block
+from dpserve.protocol import EngineCoreRequest, SchedulerStats
+
+LOAD_BALANCE_POLICIES = ("least-loaded", "round-robin", "cache-aware")
+
+# KV capacity assumed for a rank that has not reported its figures yet (blocks).
+DEFAULT_CAPACITY_BLOCKS = 1 << 16
+
+
+class RankLoad(Protocol):
+    """What the router reads of an engine (`engine_client.EngineState` has it)."""
+
+    rank: int
+    num_requests: int  # requests this client has in flight there
+    waiting: int  # from the coordinator's last publish
+    running: int
+    sent_since_publish: int  # requests this client sent it since that publish
+    stats: SchedulerStats | None  # its last figures (KV capacity)
+
+
+@dataclass(frozen=True)
+class CacheAwareOptions:
+    """Thresholds of `cache-aware` (SGLang's router has the same three, in requests)."""
+
+    cache_threshold: float = 0.3  # matched prefix tokens / prompt tokens to prefer a rank
+    balance_abs: int = 8  # a rank is hot when its load exceeds the least loaded's by more
+    balance_rel: float = 1.5  # ... than this, and is more than this times it
+
+
+def kv_capacity_blocks(stats: SchedulerStats | None) -> int | None:
+    """A rank's KV cache size in blocks from its figures (usage = 1 - free / total);
+    None when unknown (no figures yet, or every block held: no free one to scale by)."""
+    if stats is None or stats.num_free_blocks <= 0 or stats.kv_cache_usage >= 1.0:
+        return None
+    return round(stats.num_free_blocks / (1.0 - stats.kv_cache_usage))
+
+
+class PrefixTracker:
+    """Per rank, the block hashes of the prompts sent there: an LRU per rank, bounded by
+    `capacity` blocks at each record. Pure bookkeeping (no I/O, one thread)."""
+
+    def __init__(self, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self._blocks: dict[int, OrderedDict[BlockHash, None]] = {}
+
+    def hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
+        """The hash chain of the prompt's blocks that an engine can serve from its cache:
+        (n - 1) // block_size full blocks (the last token is always computed)."""
+        bs = self.block_size
+        chain: list[BlockHash] = []
+        for i in range((len(token_ids) - 1) // bs if token_ids else 0):
+            chain.append(hash_block(chain[-1] if chain else None, token_ids[i * bs:(i + 1) * bs]))
+        return chain
+
+    def matched_blocks(self, rank: int, chain: Sequence[BlockHash]) -> int:
+        """How many leading blocks of `chain` the rank is thought to hold."""
+        blocks = self._blocks.get(rank)
+        if not blocks:
+            return 0
+        n = 0
+        for h in chain:
+            if h not in blocks:
+                break
+            n += 1
+        return n
+
+    def record(self, rank: int, chain: Sequence[BlockHash], capacity: int) -> None:
+        """The rank now holds `chain` (most recently used); the oldest blocks beyond
+        `capacity` are forgotten."""
+        blocks = self._blocks.setdefault(rank, OrderedDict())
+        for h in chain:
+            blocks[h] = None
+            blocks.move_to_end(h)
+        while len(blocks) > max(capacity, 0):
+            blocks.popitem(last=False)
+
+    def forget(self, rank: int) -> None:
+        """The rank's cache is gone (its process died or was replaced)."""
+        self._blocks.pop(rank, None)
+
+    def size(self, rank: int) -> int:
+        return len(self._blocks.get(rank, ()))
+
+
+class Router:
+    """One front-end's engine choice (module docstring). `policy` is one of
+    LOAD_BALANCE_POLICIES; `block_size` is the engines' KV block size."""
+
+    def __init__(self, policy: str = "least-loaded", *, client_index: int = 0,
+                 block_size: int = 16, options: CacheAwareOptions = CacheAwareOptions(),
+                 default_capacity: int = DEFAULT_CAPACITY_BLOCKS) -> None:
+        if policy not in LOAD_BALANCE_POLICIES:
+            raise ValueError(f"load_balance must be one of {', '.join(LOAD_BALANCE_POLICIES)}, "
+                             f"got {policy!r}")
+        self.policy = policy
+        self.client_index = client_index
+        self.options = options
+        self.default_capacity = default_capacity
+        self.tracker = PrefixTracker(block_size)
+        self._turn = client_index  # round-robin position
+        self.cache_routed = 0  # cache-aware: requests placed by their prefix
+        self.load_routed = 0  # cache-aware: requests placed by load (no match, or hot)
+
+    @staticmethod
+    def load(engine: RankLoad, balanced: bool) -> int:
+        """The rank's load in the units the thresholds use (module docstring)."""
+        if balanced:
+            return 4 * (engine.waiting + engine.sent_since_publish) + engine.running
+        return engine.num_requests
+
+    def choose(self, live: Sequence[RankLoad], request: EngineCoreRequest, *,
+               balanced: bool) -> RankLoad:
+        """The rank among `live` (non-empty) that gets `request`."""
+        if self.policy == "round-robin":
+            self._turn += 1
+            return live[(self._turn - 1) % len(live)]
+        least = self._least_loaded(live, balanced)
+        if self.policy == "least-loaded":
+            return least
+        chain = self.tracker.hashes(request.prompt_token_ids)
+        chosen = self._cache_aware(live, chain, len(request.prompt_token_ids), least,
+                                   balanced)
+        self.record(chosen, chain)
+        return chosen
+
+    def record(self, engine: RankLoad, chain: Sequence[BlockHash] | None = None,
+               request: EngineCoreRequest | None = None) -> None:
+        """Cache-aware: the rank gets this prompt (`chain`, or `request`'s), e.g. a
+        pinned request; other policies keep no record."""
+        if self.policy != "cache-aware":
+            return
+        if chain is None:
+            chain = self.tracker.hashes(request.prompt_token_ids if request else [])
+        capacity = kv_capacity_blocks(engine.stats) or self.default_capacity
+        self.tracker.record(engine.rank, chain, capacity)
+
+    def forget(self, rank: int) -> None:
+        """The rank's prefix cache is gone (dead, restarted or removed)."""
+        self.tracker.forget(rank)
+
+    def _least_loaded(self, live: Sequence[RankLoad], balanced: bool) -> RankLoad:
+        if not balanced:
+            return min(live, key=lambda e: (e.num_requests, e.rank))
+        start = self.client_index % len(live)
+        best, best_load = live[start], None
+        for engine in [*live[start:], *live[:start]]:
+            load = self.load(engine, balanced)
+            if best_load is None or load < best_load:
+                best, best_load = engine, load
+        return best
+
+    def _hot(self, load: int, floor: int) -> bool:
+        opts = self.options
+        return load - floor > opts.balance_abs and load > floor * opts.balance_rel
+
+    def _cache_aware(self, live: Sequence[RankLoad], chain: Sequence[BlockHash],
+                     num_tokens: int, least: RankLoad, balanced: bool) -> RankLoad:
+        """The rank with the longest remembered prefix (ties: the least loaded) if it
+        covers `cache_threshold` of the prompt and is not hot; else the rule for new
+        prefixes or hot ranks (module docstring)."""
+        floor = self.load(least, balanced)
+        loads = {engine.rank: self.load(engine, balanced) for engine in live}
+        matched = {engine.rank: self.tracker.matched_blocks(engine.rank, chain)
+                   for engine in live}
+        best = min(live, key=lambda e: (-matched[e.rank], loads[e.rank], self._scan(e)))
+        tokens = matched[best.rank] * self.tracker.block_size
+        if tokens and tokens >= self.options.cache_threshold * num_tokens:
+            if not self._hot(loads[best.rank], floor):
+                self.cache_routed += 1
+                return best
+            self.load_routed += 1
+            return least
+        self.load_routed += 1
+        cool = [e for e in live if not self._hot(loads[e.rank], floor)]
+        return min(cool, key=lambda e: (self.tracker.size(e.rank), loads[e.rank],
+                                        self._scan(e)))
+
+    def _scan(self, engine: RankLoad) -> int:
+        """Tie-break: ranks from this client's own index on, then the lower ones."""
+        return (engine.rank - self.client_index) % (1 << 30)

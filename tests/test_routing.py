@@ -1,0 +1,207 @@
+"""The engine-choice policies of `dpserve.frontend.routing`, as pure logic: the
+Router over named fake engine states (only the load figures it reads), the
+PrefixTracker's hash chain against the engine's own prefix cache, and its LRU."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+
+from dpserve import SamplingParams
+from dpserve.engine.kv_cache import KVCacheManager
+from dpserve.engine.request import Request
+from dpserve.frontend.engine_client import AsyncEngineClient
+from dpserve.frontend.routing import (
+    CacheAwareOptions,
+    PrefixTracker,
+    Router,
+    kv_capacity_blocks,
+)
+from dpserve.launch.addresses import AddressAllocator
+from dpserve.protocol import EngineCoreRequest, RankState, RankStatus, SchedulerStats
+
+BS = 4  # block size of these tests
+
+
+@dataclass
+class FakeEngineState:
+    """A named fake of `EngineState`: only what the router reads."""
+
+    rank: int
+    num_requests: int = 0
+    waiting: int = 0
+    running: int = 0
+    sent_since_publish: int = 0
+    stats: SchedulerStats | None = None
+
+
+def request(tokens: list[int]) -> EngineCoreRequest:
+    return EngineCoreRequest("r", tokens, SamplingParams())
+
+
+def prompt(session: int, turn: int, prefix_blocks: int = 6) -> list[int]:
+    """Session `session`'s shared prefix (prefix_blocks full blocks), then its turn."""
+    return [1000 * session + i for i in range(prefix_blocks * BS)] + [7, turn, turn, 9]
+
+
+def engines(n: int = 2, **loads: int) -> list[FakeEngineState]:
+    return [FakeEngineState(r, **loads) for r in range(n)]
+
+
+def test_the_hash_chain_is_the_engines():
+    tokens = list(range(100, 123))  # 23 tokens: (23 - 1) // 4 = 5 blocks can hit
+    manager = KVCacheManager(num_blocks=64, block_size=BS, enable_prefix_caching=True)
+    req = Request("x", tokens, SamplingParams())
+    manager.update_block_hashes(req)
+    chain = PrefixTracker(BS).hashes(tokens)
+    assert len(chain) == 5
+    assert chain == req.block_hashes[:5]
+    assert PrefixTracker(BS).hashes([]) == [] and PrefixTracker(BS).hashes([1] * 4) == []
+
+
+def test_tracker_matches_leading_blocks_and_forgets_the_oldest():
+    tracker = PrefixTracker(BS)
+    a, b = tracker.hashes(prompt(1, 0)), tracker.hashes(prompt(2, 0))
+    tracker.record(0, a, capacity=10)
+    assert tracker.matched_blocks(0, a) == 6 and tracker.matched_blocks(1, a) == 0
+    other_start = tracker.hashes([5] * BS + prompt(1, 0))  # same blocks, shifted: no match
+    assert tracker.matched_blocks(0, other_start) == 0
+    tracker.record(0, b, capacity=10)  # 12 blocks > 10: a's two oldest go
+    assert tracker.size(0) == 10
+    assert tracker.matched_blocks(0, b) == 6
+    assert tracker.matched_blocks(0, a) == 0  # its first block is gone: no prefix left
+    tracker.forget(0)
+    assert tracker.size(0) == 0 and tracker.matched_blocks(0, b) == 0
+
+
+def test_capacity_from_the_engines_figures():
+    stats = SchedulerStats(0, 0, kv_cache_usage=0.75, prefix_cache_queries=0,
+                           prefix_cache_hits=0, num_preemptions=0, num_free_blocks=25)
+    assert kv_capacity_blocks(stats) == 100
+    assert kv_capacity_blocks(None) is None
+    full = SchedulerStats(0, 0, 1.0, 0, 0, 0, num_free_blocks=0)
+    assert kv_capacity_blocks(full) is None
+
+
+def test_sessions_stick_to_the_rank_that_holds_their_prefix():
+    router = Router("cache-aware", block_size=BS)
+    live = engines()
+    first = {s: router.choose(live, request(prompt(s, 0)), balanced=True).rank
+             for s in range(4)}
+    assert sorted(first.values()) == [0, 0, 1, 1]  # new prefixes spread (loads tie)
+    live[0].running = live[1].running = 3
+    live[first[0]].running += 4  # busier, but within balance_abs (8)
+    for turn in range(1, 4):
+        for s in range(4):
+            assert router.choose(live, request(prompt(s, turn)), balanced=True).rank \
+                == first[s], (s, turn)
+    assert router.cache_routed == 12 and router.load_routed == 4
+    # The least-loaded policy ignores prefixes: everything to the least loaded rank.
+    plain = Router("least-loaded", block_size=BS)
+    assert {plain.choose(live, request(prompt(s, 1)), balanced=True).rank
+            for s in range(4)} == {1 - first[0]}
+
+
+def test_a_hot_rank_yields_to_load_and_the_prefix_spreads():
+    router = Router("cache-aware", block_size=BS,
+                    options=CacheAwareOptions(balance_abs=8, balance_rel=1.5))
+    live = engines()
+    home = router.choose(live, request(prompt(1, 0)), balanced=True)
+    away = live[1 - home.rank]
+    home.waiting, away.running = 3, 4  # 12 vs 4: +8, not more than 8: still home
+    assert router.choose(live, request(prompt(1, 1)), balanced=True) is home
+    home.waiting = 4  # 16 vs 4: +12 > 8 and > 1.5 x 4: hot
+    assert router.choose(live, request(prompt(1, 2)), balanced=True) is away
+    home.waiting = 0  # cool again: both hold the prefix now, the less loaded wins
+    assert router.choose(live, request(prompt(1, 3)), balanced=True) is home
+    away.running = 0
+    home.running = 2
+    assert router.choose(live, request(prompt(1, 4)), balanced=True) is away
+
+
+def test_relative_threshold_alone_does_not_make_a_rank_hot():
+    router = Router("cache-aware", block_size=BS,
+                    options=CacheAwareOptions(balance_abs=8, balance_rel=1.5))
+    live = engines()
+    home = router.choose(live, request(prompt(1, 0)), balanced=False)
+    home.num_requests, live[1 - home.rank].num_requests = 30, 20  # +10 but 1.5x not passed
+    assert router.choose(live, request(prompt(1, 1)), balanced=False) is home
+
+
+def test_short_matches_and_forgotten_ranks_go_by_load():
+    router = Router("cache-aware", block_size=BS, options=CacheAwareOptions(cache_threshold=0.5))
+    live = engines()
+    home = router.choose(live, request(prompt(1, 0, prefix_blocks=2)), balanced=True)
+    away = live[1 - home.rank]
+    home.running = 1  # loaded a little: a prefix that is too short does not pull
+    long_turn = prompt(1, 0, prefix_blocks=2) + list(range(40))  # 8 of 52 tokens matched
+    assert router.choose(live, request(long_turn), balanced=True) is away
+    router.forget(away.rank)
+    router.forget(home.rank)
+    assert router.tracker.size(home.rank) == router.tracker.size(away.rank) == 0
+    away.running = 2
+    assert router.choose(live, request(prompt(1, 1, prefix_blocks=2)), balanced=True) is home
+
+
+def test_pinned_requests_are_recorded_and_the_lru_is_sized_from_stats():
+    router = Router("cache-aware", block_size=BS)
+    live = engines()
+    live[1].stats = SchedulerStats(0, 0, 0.5, 0, 0, 0, num_free_blocks=4)  # 8 blocks
+    router.record(live[1], request=request(prompt(1, 0)))  # as a pinned request does
+    assert router.choose(live, request(prompt(1, 1)), balanced=True) is live[1]
+    router.record(live[1], request=request(prompt(2, 0)))  # 6 + 6 > 8: session 1 fades
+    assert router.tracker.size(1) == 8
+    live[1].running = 1
+    assert router.choose(live, request(prompt(1, 2)), balanced=True) is live[0]
+
+
+def test_least_loaded_and_round_robin_are_unchanged():
+    live = engines(3)
+    live[0].waiting, live[1].running, live[2].running = 1, 2, 2  # 4, 2, 2
+    assert Router("least-loaded", client_index=2).choose(live, request([1]), balanced=True) \
+        is live[2]  # a tie: the scan starts at the client's own index
+    live[0].num_requests, live[1].num_requests, live[2].num_requests = 1, 0, 0
+    assert Router("least-loaded", client_index=2).choose(live, request([1]),
+                                                         balanced=False) is live[1]
+    rr = Router("round-robin", client_index=1)
+    assert [rr.choose(live, request([1]), balanced=True).rank for _ in range(4)] == [1, 2, 0, 1]
+
+
+def test_an_unknown_policy_is_a_value_error():
+    with pytest.raises(ValueError, match="least-loaded, round-robin, cache-aware"):
+        Router("random")
+
+
+def test_the_client_records_pinned_requests_and_forgets_a_lost_rank():
+    """AsyncEngineClient's side (real sockets, no engines: placement only)."""
+
+    async def run() -> None:
+        alloc = AddressAllocator()
+        addrs = alloc.engine_addresses(num_clients=1)
+        client = AsyncEngineClient(addrs.inputs[0], addrs.outputs[0], engine_ranks=(0, 1),
+                                   load_balance="cache-aware", block_size=BS)
+        try:
+            tracker = client.router.tracker
+            pinned = EngineCoreRequest("p", prompt(1, 0), SamplingParams(),
+                                       data_parallel_rank=1)
+            assert client._choose_engine(pinned).rank == 1 and tracker.size(1) == 6
+            assert client._choose_engine(request(prompt(1, 1))).rank == 1  # its prefix
+            assert client._choose_engine(request(prompt(2, 0))).rank == 0  # a new one
+            client.set_rank_status(1, RankStatus(RankState.UNHEALTHY, 0, "test"))
+            assert tracker.size(1) == 6  # alive: its cache may still be there
+            client.mark_engine_dead(1, "test")
+            assert tracker.size(1) == 0 and tracker.size(0) == 6
+        finally:
+            await client.aclose()
+            alloc.cleanup()
+
+    asyncio.run(run())
+
+
+def test_new_prefixes_tie_break_from_the_clients_own_index():
+    live = engines(3)
+    firsts = [Router("cache-aware", client_index=i, block_size=BS).choose(
+        live, request(prompt(1, 0)), balanced=True).rank for i in range(4)]
+    assert firsts == [0, 1, 2, 0]
