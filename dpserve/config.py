@@ -381,10 +381,10 @@ class EngineArgs:
             raise ConfigError("engine_failure_policy 'isolate' cannot serve on without a "
                               "rank's experts under enable_expert_parallel; use restart or "
                               "stop")
-        if self._size_max(autoscale) > self.data_parallel_size:
-            raise ConfigError("enable_expert_parallel: changing the number of engines at "
-                              "run time (data_parallel_size_max, autoscale) is not "
-                              "supported with expert parallelism")
+        # Elastic EP: a change of the DP size re-shards the experts (up to one per rank).
+        self._need(self._size_max(autoscale) <= experts, "data_parallel_size_max",
+                   f"must not exceed the model's {experts} experts with "
+                   f"enable_expert_parallel")
         return True
 
     def _threads_per_engine(self, device: str) -> int | None:

@@ -270,6 +270,8 @@ class RegroupDP(msgspec.Struct, array_like=True, gc=False):
 
     generation: int
     members: list[int]
+    dp_size: int = 0  # the DP size now (ranks the coordinator's tables hold; 0: unknown).
+    # Expert parallel: a rank re-shards its experts to (rank, dp_size) when this changed.
 
 
 class EngineInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

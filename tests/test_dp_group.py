@@ -85,7 +85,7 @@ def test_first_generation_has_every_rank_and_the_store_lives_in_the_coordinator(
     assert_silent(engines.subs[0], 1.0)  # no group before the engines are heard
     beats.beating.update({0: 0, 1: 0, 2: 0})  # loaded, in their busy loops
     for engine in range(3):  # every engine hears the same generation
-        assert recv_regroup(engines, engine) == RegroupDP(1, [0, 1, 2])
+        assert recv_regroup(engines, engine) == RegroupDP(1, [0, 1, 2], 3)
     # The store the engines form their groups over answers (no engine hosts it).
     client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=5))
@@ -97,11 +97,11 @@ def test_membership_follows_deaths_restarts_and_failures(lockstep3):
     _, engines, front, _, beats = lockstep3
     beats.beating.update({0: 0, 1: 0, 2: 0})
     for engine in range(3):
-        assert recv_regroup(engines, engine) == RegroupDP(1, [0, 1, 2])
+        assert recv_regroup(engines, engine) == RegroupDP(1, [0, 1, 2], 3)
     # Rank 0 dies (the old store host): a generation without it, at once.
     del beats.beating[0]
     rank_event(front, 0, RankState.RESTARTING, 0)
-    assert recv_regroup(engines, 1) == RegroupDP(2, [1, 2])
+    assert recv_regroup(engines, 1) == RegroupDP(2, [1, 2], 3)
     # Rank 1 leads now: its wave_complete counts, rank 2's does not.
     engines.report(engine_index=2, wave_complete=0)
     engines.report(engine_index=1, request_counts=[1, 0], step=1)  # a marker after it
@@ -115,19 +115,19 @@ def test_membership_follows_deaths_restarts_and_failures(lockstep3):
     assert_silent(engines.subs[1], REFORM_DELAY_S / 2)
     engines.report(engine_index=1, group_failed=2)
     engines.report(engine_index=2, group_failed=2)  # one failure, one new generation
-    assert recv_regroup(engines, 1) == RegroupDP(3, [1, 2])
+    assert recv_regroup(engines, 1) == RegroupDP(3, [1, 2], 3)
     assert_silent(engines.subs[1], REFORM_DELAY_S * 1.5)
     # Rank 0's new process beats: serving again, so a generation with it.
     beats.beating[0] = 1
-    assert recv_regroup(engines, 1) == RegroupDP(4, [0, 1, 2])
+    assert recv_regroup(engines, 1) == RegroupDP(4, [0, 1, 2], 3)
     # It stops beating (frozen): unhealthy, left out; the old process's news is
     # dropped. Isolated ranks (dead for good) are left out as well.
     del beats.beating[0]
-    assert recv_regroup(engines, 1) == RegroupDP(5, [1, 2])
+    assert recv_regroup(engines, 1) == RegroupDP(5, [1, 2], 3)
     engines.report(engine_index=0, heartbeat=True, incarnation=0)
     del beats.beating[2]
     rank_event(front, 2, RankState.DEAD, 0)
-    assert recv_regroup(engines, 1) == RegroupDP(6, [1])
+    assert recv_regroup(engines, 1) == RegroupDP(6, [1], 3)
     assert_silent(engines.subs[1], 0.5)
 
 

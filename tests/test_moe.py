@@ -137,7 +137,8 @@ def test_moe_switches_lockstep_on_by_itself(tiny_models, tiny_llama):
 @pytest.mark.parametrize("model, kwargs, message", [
     ("llama", dict(data_parallel_size=2), "needs a mixture-of-experts model"),
     ("mixtral", dict(data_parallel_size=9), "data_parallel_size must not exceed"),
-    ("mixtral", dict(data_parallel_size=2, data_parallel_size_max=4), "at run time"),
+    ("mixtral", dict(data_parallel_size=2, data_parallel_size_max=9),
+     "data_parallel_size_max must not exceed"),
     ("mixtral", dict(data_parallel_size=2, engine_failure_policy="isolate"), "isolate"),
 ])
 def test_expert_parallel_is_refused_where_it_cannot_work(tiny_models, tiny_llama, model,

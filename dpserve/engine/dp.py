@@ -97,6 +97,7 @@ class DPLink:
         # Expert parallel: a group without every rank lacks experts, so it is not joined
         # (the engine holds its requests until a generation has every rank).
         self.expert_parallel = expert_parallel
+        self._reshard_to: int | None = None  # elastic EP: a new DP size, not re-sharded yet
         self.sync_interval = sync_interval
         self.master = (master_ip, master_port)
         self.wave = 0  # the wave this engine is in (lockstep)
@@ -255,11 +256,23 @@ class DPLink:
         self._group = self._store = None
         self.generation, self.members = message.generation, list(message.members)
         self._pending = self.rank in self.members
+        size = message.dp_size or self.dp_size
+        if self.expert_parallel and self._pending and size != self.dp_size and \
+                self.members == list(range(size)):
+            # Elastic EP: every rank of the new size is here; the engine re-shards its
+            # experts to (rank, size) before joining (`take_reshard`).
+            self.dp_size = self._reshard_to = size
         if self.expert_parallel and self.members != list(range(self.dp_size)):
             logger.info("engine %d: expert parallel needs every rank's experts; holding "
                            "requests until the DP group has all %d ranks", self.rank,
                            self.dp_size)
             self._pending = False
+
+    def take_reshard(self) -> int | None:
+        """Expert parallel: the DP size to re-shard the experts to before joining (once);
+        None when it did not change."""
+        size, self._reshard_to = self._reshard_to, None
+        return size
 
     def join_pending(self, has_work: bool) -> bool:
         """Join the generation named last, if we are a member and have not yet; then

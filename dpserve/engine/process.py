@@ -34,6 +34,7 @@ SIGTERM exits at once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -183,6 +184,12 @@ class EngineCoreProc:
                              collective_timeout=parallel.data_parallel_collective_timeout,
                              expert_parallel=parallel.enable_expert_parallel)
         _choose_device(self.config, self.rank)
+        if self.config.parallel.enable_expert_parallel and init.dp_size > 0 and \
+                init.dp_size != self.config.parallel.data_parallel_size:
+            # Elastic EP: a rank started (or restarted) after a change of the DP size
+            # holds its share of the experts for the size now.
+            self.config = dataclasses.replace(self.config, parallel=dataclasses.replace(
+                self.config.parallel, data_parallel_size=init.dp_size))
         self.engine_core = _build_engine_core(self.config, self.rank, self.incarnation)
         ep = self.engine_core.runner.expert_parallel
         if ep is not None and self.dp is not None:  # MoE layers use the lockstep DP group
@@ -332,6 +339,9 @@ class EngineCoreProc:
         elif request_type is RequestType.REGROUP_DP:
             if self.dp is not None:
                 self.dp.on_regroup(body)
+                size = self.dp.take_reshard()
+                if size is not None:  # elastic EP: this rank's new share of the experts
+                    self.engine_core.runner.reshard_experts(self.rank, size)
         elif request_type is RequestType.CONTROL:
             self._publish(self.control.apply(body))
         elif request_type == _IO_FAILED:

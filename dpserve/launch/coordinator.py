@@ -355,7 +355,7 @@ class _DPGroup:
         self._due = None
         self.generation += 1
         self.members = members
-        return RegroupDP(self.generation, members)
+        return RegroupDP(self.generation, members, len(status))
 
     @property
     def leader(self) -> int:

@@ -120,6 +120,7 @@ class EngineLaunch:
         """Stop `rank`'s engine (scaling down; it holds no requests any more)."""
         assert self.manager is not None and self.init is not None
         self.manager.remove_rank(rank, timeout)
+        self.init = msgspec.structs.replace(self.init, dp_size=min(self.init.dp_size, rank))
         self.ready.pop(rank, None)
         self.ranks = tuple(r for r in self.ranks if r != rank)
 

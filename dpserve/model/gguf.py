@@ -6,11 +6,16 @@ to float32 under its Hugging Face name, and the tokenizer with its chat
 template is rebuilt from the metadata by transformers' GGUF tokenizer
 conversion.
 
-Scope: dense decoder models of the `llama` (Llama, Mistral, SmolLM: llama.cpp
-writes them all as `llama`) and `qwen2` families. Dequantisation is our own,
+Scope: decoder models of the `llama` (Llama, Mistral, SmolLM: llama.cpp
+writes them all as `llama`; with `llama.expert_count` it is Mixtral) and
+`qwen2` families, and the mixture-of-experts architectures `qwen2moe` (with
+its gated shared expert), `qwen3moe` and `olmoe`. Expert stacks
+(`ffn_{gate,up,down}_exps`, [E, ...]) are split into Hugging Face's one
+tensor per expert; old Mixtral files with one tensor per expert
+(`ffn_gate.N`) are read too. Dequantisation is our own,
 vectorised over blocks (numpy), for F32, F16, BF16, Q8_0, Q4_0 and Q4_1; other
 types go through `gguf.quants.dequantize` when that knows them. Not done here:
-keeping weights quantised, MoE or multi-modal GGUFs, split (multi-file) GGUFs.
+keeping weights quantised, multi-modal GGUFs, split (multi-file) GGUFs.
 
 Layout facts used below (ggml): a tensor's dims are listed fastest first
 (ne0 = columns), the reverse of torch; quantised rows are runs of 32-element
@@ -23,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,6 +51,18 @@ _BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q8_0: (32, 34), Q4_0: (32, 18
 ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
     "llama": ("LlamaForCausalLM", "llama", True),  # llama.cpp writes Mistral models as llama
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe", False),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
+    "olmoe": ("OlmoeForCausalLM", "olmoe", False),
+}
+_MIXTRAL = ("MixtralForCausalLM", "mixtral", True)  # `llama` with experts
+# MoE model_type -> (routing renormalised when the file has no expert_weights_norm,
+#                    block prefix, expert weight names for gate, up, down)
+_MOE: dict[str, tuple[bool, str, tuple[str, str, str]]] = {
+    "mixtral": (True, "block_sparse_moe.", ("w1", "w3", "w2")),
+    "qwen2_moe": (False, "mlp.", ("gate_proj", "up_proj", "down_proj")),
+    "qwen3_moe": (True, "mlp.", ("gate_proj", "up_proj", "down_proj")),
+    "olmoe": (False, "mlp.", ("gate_proj", "up_proj", "down_proj")),
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                  "output": "lm_head"}
@@ -53,7 +71,13 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+_EXPERT_PARTS = {"ffn_gate": 0, "ffn_up": 1, "ffn_down": 2,  # old Mixtral: blk.N.ffn_gate.E
+                 "ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
 _SHARD_BYTES = 2 << 30  # float32 bytes per output safetensors file
 
 
@@ -159,12 +183,27 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return rows.transpose(1, 2).reshape(w.shape).contiguous()
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """GGUF tensor name -> Hugging Face name ("blk.3.attn_q.weight" -> "model.layers.3...")."""
+def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str:
+    """GGUF tensor name -> Hugging Face name ("blk.3.attn_q.weight" -> "model.layers.3...").
+
+    An expert stack (`ffn_gate_exps`) gives a name with `{e}` where the expert's
+    number goes; `model_type` picks the MoE names (Mixtral's `block_sparse_moe.`).
+    """
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"
     parts = stem.split(".")
+    moe = _MOE.get(model_type)
+    if len(parts) >= 3 and parts[0] == "blk" and moe is not None:
+        layer, what = parts[1], parts[2]
+        _, prefix, names = moe
+        if what == "ffn_gate_inp" and len(parts) == 3:
+            return f"model.layers.{layer}.{prefix}gate.{suffix}"
+        expert = "{e}" if what.endswith("_exps") and len(parts) == 3 else (
+            parts[3] if len(parts) == 4 and parts[3].isdigit() else None)
+        if what in _EXPERT_PARTS and expert is not None:
+            return (f"model.layers.{layer}.{prefix}experts.{expert}."
+                    f"{names[_EXPERT_PARTS[what]]}.{suffix}")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
     raise ConfigError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent here")
@@ -206,10 +245,7 @@ def _f32(value: float) -> float:
 
 def build_config(meta: GGUFMetadata, tensors: dict[str, Any]) -> dict[str, Any]:
     """config.json contents for a GGUF file; `tensors` maps GGUF name -> reader tensor."""
-    if meta.arch not in ARCHITECTURES:
-        raise ConfigError(f"GGUF architecture {meta.arch!r} is not supported; supported: "
-                          + ", ".join(sorted(ARCHITECTURES)))
-    hf_arch, model_type, _ = ARCHITECTURES[meta.arch]
+    hf_arch, model_type, _ = architecture(meta)
     if "token_embd.weight" not in tensors:
         raise ConfigError("GGUF file has no token_embd.weight tensor")
     hidden = meta.require("embedding_length")
@@ -221,7 +257,8 @@ def build_config(meta: GGUFMetadata, tensors: dict[str, Any]) -> dict[str, Any]:
     config: dict[str, Any] = {
         "architectures": [hf_arch], "model_type": model_type,
         "hidden_size": hidden,
-        "intermediate_size": meta.require("feed_forward_length"),
+        "intermediate_size": int(meta.arch_get("feed_forward_length")
+                                 or meta.require("expert_feed_forward_length")),
         "num_hidden_layers": meta.require("block_count"),
         "num_attention_heads": heads, "num_key_value_heads": kv_heads,
         "head_dim": int(meta.arch_get("attention.key_length", hidden // heads)),
@@ -243,9 +280,42 @@ def build_config(meta: GGUFMetadata, tensors: dict[str, Any]) -> dict[str, Any]:
                                  **(rope_scaling or {})}
     if rope_scaling:
         config["rope_scaling"] = rope_scaling
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen2_moe", "qwen3_moe"):
         config.update(use_sliding_window=False, sliding_window=None)
+    if model_type in _MOE:
+        config.update(_moe_config(meta, model_type, config["intermediate_size"]))
     return config
+
+
+def architecture(meta: GGUFMetadata) -> tuple[str, str, bool]:
+    """(HF architecture, HF model_type, Q/K permuted) of a GGUF file; ConfigError."""
+    if meta.arch not in ARCHITECTURES:
+        raise ConfigError(f"GGUF architecture {meta.arch!r} is not supported; supported: "
+                          + ", ".join(sorted(ARCHITECTURES)))
+    if meta.arch == "llama" and int(meta.arch_get("expert_count") or 0) > 0:
+        return _MIXTRAL
+    return ARCHITECTURES[meta.arch]
+
+
+def _moe_config(meta: GGUFMetadata, model_type: str, intermediate: int) -> dict[str, Any]:
+    """The MoE keys of config.json, as transformers' config classes name them."""
+    experts = meta.require("expert_count")
+    norm = meta.arch_get("expert_weights_norm")
+    out: dict[str, Any] = {"num_experts_per_tok": meta.require("expert_used_count"),
+                           "norm_topk_prob": _MOE[model_type][0] if norm is None else bool(norm)}
+    if model_type == "mixtral":
+        return {**out, "num_local_experts": experts, "sliding_window": None}
+    out.update(num_experts=experts, moe_intermediate_size=int(
+        meta.arch_get("expert_feed_forward_length") or intermediate))
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        out.update(decoder_sparse_step=1, mlp_only_layers=[])
+    if model_type == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = meta.require(
+            "expert_shared_feed_forward_length")
+    if model_type == "olmoe":
+        clamp = meta.arch_get("attention.clamp_kqv")
+        out["clip_qkv"] = _f32(clamp) if clamp else None
+    return out
 
 
 def _rope_scaling(meta: GGUFMetadata, tensors: dict[str, Any], theta: float,
@@ -309,21 +379,28 @@ def gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
     meta = GGUFMetadata(reader)
     tensors = {t.name: t for t in reader.tensors}
     config = build_config(meta, tensors)
-    _write_weights(_hf_tensors(reader, config, ARCHITECTURES[meta.arch][2]), out_dir)
+    _write_weights(_hf_tensors(reader, config, architecture(meta)[2]), out_dir)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     _write_tokenizer(gguf_path, meta, out_dir, config["max_position_embeddings"])
 
 
 def _hf_tensors(reader: Any, config: dict[str, Any],
                 permuted_qk: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every GGUF tensor, Q/K rows restored."""
+    """(HF name, float32 tensor) for every GGUF tensor, Q/K rows restored, expert
+    stacks split one tensor per expert."""
     for t in tqdm(reader.tensors, desc="Dequantising", unit="tensor"):
         if t.name == "rope_freqs.weight":
             continue  # folded into config["rope_scaling"]
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, config["model_type"])
         shape = [int(n) for n in reversed(t.shape)]  # GGUF lists ne0 first
         raw = reader.data[t.data_offset:t.data_offset + t.n_bytes]
         w = dequantize(raw, t.tensor_type, shape)
+        if "{e}" in name:
+            for e, expert in enumerate(w.unbind(0)):
+                yield name.format(e=e), expert.clone()
+            continue
+        if name.endswith("shared_expert_gate.weight"):
+            w = w.reshape(1, -1)  # llama.cpp stores this [1, H] gate as a vector
         if permuted_qk and ".self_attn.q_proj." in name:
             w = unpermute_qk(w, config["num_attention_heads"])
         elif permuted_qk and ".self_attn.k_proj." in name:
@@ -363,13 +440,40 @@ def _write_weights(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: Path) -
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
+# Architectures whose GGUF files transformers refuses to read (its tokenizer conversion
+# included), though their tokenizer is an ordinary one: read as this stand-in instead.
+_TOKENIZER_STAND_IN = {"olmoe": "llama"}
+
+
+def _tokenizer_only_gguf(meta: GGUFMetadata, out: Path) -> Path:
+    """A GGUF file with the tokenizer.* metadata of `meta` and no tensors, under the
+    stand-in architecture (`_TOKENIZER_STAND_IN`); the tokenizer does not depend on it."""
+    from gguf import GGUFValueType, GGUFWriter
+
+    writer = GGUFWriter(str(out), _TOKENIZER_STAND_IN[meta.arch])
+    for key, field in meta.reader.fields.items():
+        if key.startswith("tokenizer."):
+            sub = GGUFValueType(field.types[1]) if len(field.types) > 1 else None
+            writer.add_key_value(key, field.contents(), GGUFValueType(field.types[0]), sub)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 def _write_tokenizer(gguf_path: Path, meta: GGUFMetadata, out_dir: Path,
                      max_len: int) -> None:
     """Rebuild the tokenizer from GGUF metadata (transformers' converter) and save it."""
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        if meta.arch in _TOKENIZER_STAND_IN:
+            with tempfile.TemporaryDirectory(prefix="dpserve-gguf-tok-") as tmp:
+                only = _tokenizer_only_gguf(meta, Path(tmp) / "tokenizer.gguf")
+                tokenizer = AutoTokenizer.from_pretrained(only.parent, gguf_file=only.name)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     except Exception as e:  # the converter raises many types for unknown vocabularies
         raise ConfigError(f"model: cannot build a tokenizer from {gguf_path.name}: {e}") from e
     template = meta.get("tokenizer.chat_template")

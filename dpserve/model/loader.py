@@ -23,7 +23,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -237,8 +237,10 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_weights(path: Path, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF tensor name, tensor) for every tensor of the checkpoint at `path`, memory-mapped."""
+def iter_weights(path: Path, progress: bool = True, only: Collection[str] | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF tensor name, tensor) for every tensor of the checkpoint at `path` (or those
+    named in `only`: the others are not read), memory-mapped."""
     from safetensors import safe_open
 
     files = weight_files(path)
@@ -250,5 +252,6 @@ def iter_weights(path: Path, progress: bool = True) -> Iterator[tuple[str, torch
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if only is None or name in only:
+                        yield name, f.get_tensor(name)
                     bar.update(1)

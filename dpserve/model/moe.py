@@ -106,6 +106,16 @@ class FusedMoE(nn.Module):
             self.shared = LlamaMLP(shared_dims, dtype, device)
             self.shared_gate = _param(1, d.hidden, dtype=dtype, device=device)
 
+    def resize_experts(self) -> None:
+        """Elastic expert parallelism: fresh (unset) weights for the experts of the
+        EP's current (rank, size); the caller loads them."""
+        assert self.ep is not None
+        self.first, end = self.ep.expert_range(self.spec.num_experts)
+        for name in ("w13", "w2"):
+            old = getattr(self, name)
+            setattr(self, name, _param(end - self.first, *old.shape[1:], dtype=old.dtype,
+                                       device=old.device))
+
     @property
     def expert_range(self) -> tuple[int, int]:
         return self.first, self.first + self.w13.shape[0]

@@ -16,7 +16,7 @@ ranks hold under expert parallelism.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -134,6 +134,46 @@ class MoEForCausalLM(LlamaForCausalLM):
         if self.ep is not None:
             self.ep.begin_forward(input_ids.shape[0])  # every rank's token count, once
         return super().forward(input_ids, positions, attn_meta, kv_caches)
+
+    def resize_experts(self) -> set[str]:
+        """Elastic expert parallelism: every MoE block makes room for the experts of the
+        EP's current (rank, size); returns the checkpoint names to `load_experts`."""
+        names = set()
+        for index, layer in enumerate(self.layers):
+            if isinstance(layer.mlp, FusedMoE):
+                layer.mlp.resize_experts()
+                names.update(self._expert_targets(index, layer))
+        return names
+
+    def load_experts(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy in this rank's experts (after `resize_experts`); ValueError on a shape
+        mismatch or an expert left unset."""
+        targets = {}
+        for index, layer in enumerate(self.layers):
+            if isinstance(layer.mlp, FusedMoE):
+                targets.update(self._expert_targets(index, layer))
+        seen = set()
+        for name, tensor in weights:
+            if name not in targets:
+                continue
+            param, start, rows = targets[name]
+            dest = param.data[start:start + rows]
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            seen.add(name)
+        if missing := sorted(set(targets) - seen):
+            raise ValueError(f"missing expert weights ({len(missing)}): "
+                             + ", ".join(missing[:5]))
+
+    def _expert_targets(self, index: int, layer: nn.Module
+                        ) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """Checkpoint name -> (parameter, first row, rows) of the experts held here."""
+        pre = f"model.layers.{index}.{self.moe_prefix}experts."
+        return {f"model.layers.{index}.{k}": v
+                for k, v in self._mlp_targets(index, layer).items()
+                if v is not None and f"model.layers.{index}.{k}".startswith(pre)}
 
     def expert_info(self) -> dict[str, Any]:
         """The routed experts held here: their range and parameter bytes (all layers)."""

@@ -60,9 +60,10 @@ class ModelRunner:
         # Expert parallel: this rank holds its share of the experts; the engine
         # process hands it the lockstep DP group (`ExpertParallel.group_source`).
         size = config.parallel.data_parallel_size
+        elastic = config.parallel.data_parallel_size_max > 1  # the size may change later
         self.expert_parallel = (ExpertParallel(dp_rank, size)
-                                if config.parallel.enable_expert_parallel and size > 1
-                                else None)
+                                if config.parallel.enable_expert_parallel
+                                and (size > 1 or elastic) else None)
         self.model = self._load_model()
         self.sleep_level = 0  # 1: KV cache freed; 2: weights too (see set_sleep_level)
         self.vocab_size = self.model.dims.vocab
@@ -93,6 +94,26 @@ class ModelRunner:
                         info["experts"][1] - 1, info["num_experts"],
                         info["expert_bytes"] / 2**20)
         return model
+
+    def reshard_experts(self, rank: int, size: int) -> None:
+        """Elastic expert parallelism: hold the experts of (rank, size) from now on,
+        read from the checkpoint (only the tensors of the new share)."""
+        from dpserve.model.loader import iter_weights
+
+        ep = self.expert_parallel
+        assert ep is not None, "re-sharding experts without expert parallelism"
+        start = time.monotonic()
+        before = self.model.expert_info()["experts"]
+        ep.rank, ep.size = rank, size
+        names = self.model.resize_experts()
+        self.model.load_experts(iter_weights(Path(self.config.model.path), progress=False,
+                                             only=names))
+        _release_memory(self.device)  # the old share's buffers
+        info = self.model.expert_info()
+        logger.info("DP size %d: experts %d..%d of %d held here (were %d..%d): %.1f MiB, "
+                    "re-sharded in %.2f s", size, info["experts"][0], info["experts"][1] - 1,
+                    info["num_experts"], before[0], before[1] - 1,
+                    info["expert_bytes"] / 2**20, time.monotonic() - start)
 
     # ---- sleep (free device memory while idle) ----------------------------
 
