@@ -43,6 +43,7 @@ class ModelConfig:
     dtype: str  # resolved torch dtype name: "float32" | "bfloat16" | "float16"
     max_model_len: int  # prompt + output tokens per request
     seed: int
+    enforce_eager: bool = False  # no start-up kernel compilation (EngineArgs.enforce_eager)
 
     def __reduce__(self):
         # MappingProxyType does not pickle; send a plain copy (spawned engines
@@ -176,6 +177,10 @@ class EngineArgs:
                       "bfloat16 on CUDA.", choices=_DTYPES)
     device: str = _opt("auto", "Device to run on; auto = CUDA when available.", choices=_DEVICES)
     seed: int = _opt(0, "Seed for sampling of requests that give no seed.")
+    enforce_eager: bool = _opt(False, "Skip compiling every linear kernel at start-up (CPU): "
+                               "a faster start, but kernels compile on first use while "
+                               "serving and memory reaches its plateau later. Also set by "
+                               "the environment variable DPSERVE_ENFORCE_EAGER=1.")
     max_model_len: int | None = _opt(None, "Most tokens (prompt + output) per request "
                                      "(default: the model's context length).")
     block_size: int = _opt(16, "Tokens per KV-cache block.")
@@ -324,7 +329,8 @@ class EngineArgs:
         model = ModelConfig(
             model=self.model, path=str(path), tokenizer=self.tokenizer or str(path),
             architecture=arch, hf_config=MappingProxyType(hf_config), dtype=dtype,
-            max_model_len=max_model_len, seed=self.seed)
+            max_model_len=max_model_len, seed=self.seed,
+            enforce_eager=self.enforce_eager or os.environ.get("DPSERVE_ENFORCE_EAGER") == "1")
         kv_bytes = (parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
                     if self.kv_cache_memory is not None else
                     (_DEFAULT_CPU_KV_BYTES if device == "cpu" else None))

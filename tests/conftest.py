@@ -12,6 +12,10 @@ import zmq
 # Keep converted models of the test run out of the user's cache only when asked;
 # by default reuse the user cache so the default model is converted once.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Engines started by tests skip compiling every linear kernel at start-up (about a
+# second per engine, hundreds of engines per run); test_model and test_enforce_eager
+# check the compilation itself and what the flag changes.
+os.environ.setdefault("DPSERVE_ENFORCE_EAGER", "1")
 
 
 @pytest.fixture(scope="session")

@@ -81,7 +81,7 @@ class ModelRunner:
         model = get_model_class(self.config.model.architecture)(
             self.config.model.hf_config, self.dtype, self.device, **extra)
         model.load_weights(iter_weights(Path(self.config.model.path)))
-        if model.prepack_weights():
+        if model.prepack_weights() and not self.config.model.enforce_eager:
             sched = self.config.scheduler
             start = time.monotonic()
             runs = model.warm_up_linears(sched.max_num_batched_tokens, sched.max_num_seqs)
