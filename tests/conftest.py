@@ -19,6 +19,21 @@ os.environ.setdefault("DPSERVE_ENFORCE_EAGER", "1")
 
 
 @pytest.fixture(scope="session")
+def default_hf_model():
+    """transformers' own loading of the default model's GGUF file (gguf-py
+    dequantisation), float32: an oracle independent of dpserve's conversion,
+    shared by test_default_model and test_gguf (loading takes a while)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dpserve.model.loader import default_gguf_path
+
+    gguf = default_gguf_path()
+    return AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     from dpserve.testing.tiny_model import make_tiny_model
 

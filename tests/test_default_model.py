@@ -31,16 +31,8 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    from dpserve.model.loader import default_gguf_path
-
-    # transformers reads and dequantises the GGUF file itself: an oracle
-    # independent of dpserve's own conversion.
-    gguf = default_gguf_path()
-    return AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+def hf_model(default_hf_model):
+    return default_hf_model
 
 
 def test_chat_equals_transformers(llm, hf_model):

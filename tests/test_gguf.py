@@ -259,16 +259,10 @@ def ours(converted) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[str, torch.Tensor]:
+def reference(default_hf_model) -> dict[str, torch.Tensor]:
     """transformers' own GGUF loading of the default file (gguf-py dequantisation)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    path = default_gguf_path()
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    return {name: t for name, t in default_hf_model.state_dict().items()
+            if name != "lm_head.weight"}  # tied to the embedding
 
 
 @pytest.mark.slow  # the default model, converted
