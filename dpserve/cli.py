@@ -113,19 +113,8 @@ def _as_flag(message: str) -> str:
 
 
 def entry() -> None:
-    """The `dpserve` command: `main`, then leave without the interpreter's teardown.
-
-    Every child process is joined and every socket closed by then; unloading torch
-    (imported with the tokenizer) would add a second or more to every stop.
-    """
-    import logging
-    import os
-
-    code = main()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(int(code or 0))
+    """The `dpserve` command."""
+    sys.exit(main())
 
 
 if __name__ == "__main__":

@@ -769,6 +769,9 @@ def _exit_now(code: int) -> None:
     """Leave without the interpreter's teardown: the IO threads are joined and the
     sockets flushed; unloading torch and the model would take another second or
     more, for every engine of every stop."""
+    from multiprocessing import util
+
+    util._exit_function()  # multiprocessing's finalizers: its semaphores are released
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
