@@ -45,6 +45,8 @@ from dpserve.server.protocol import (
     ErrorInfo,
     ErrorResponse,
     Logprobs,
+    PromptLogprob,
+    PromptLogprobs,
     PromptTokensDetails,
     SamplingRequest,
     TopLogprob,
@@ -74,6 +76,7 @@ class _Choice:
     logprobs: list[tuple[int, dict[int, Logprob]]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # of its prompt
 
 
 class OpenAIServing:
@@ -114,7 +117,8 @@ class OpenAIServing:
             CompletionChoice(index=i, text=echo[i // params.n] + "".join(c.text),
                              finish_reason=c.finish_reason,
                              stop_reason=c.stop_reason,
-                             logprobs=self._completion_logprobs(c.logprobs, params.logprobs))
+                             logprobs=self._completion_logprobs(c.logprobs, params.logprobs),
+                             prompt_logprobs=self._prompt_logprobs(c.prompt_logprobs))
             for i, c in enumerate(choices)])
 
     async def _echo_first(self, request_id: str, echo: list[str], n: int,
@@ -190,7 +194,8 @@ class OpenAIServing:
                                   stop_reason=c.stop_reason,
                                   logprobs=self._chat_logprobs(c.logprobs, params.logprobs)))
         return ChatCompletionResponse(id=request_id, model=self.model_name, usage=usage,
-                                      choices=out)
+                                      choices=out, prompt_logprobs=self._prompt_logprobs(
+                                          choices[0].prompt_logprobs))
 
     def _render_chat(self, req: ChatCompletionRequest, plan: ToolPlan | None = None,
                      ) -> list[int]:
@@ -260,6 +265,7 @@ class OpenAIServing:
                 n=req.n, max_tokens=max_tokens, seed=req.seed, stop=list(req.stop or []),
                 stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
                 min_tokens=req.min_tokens, logprobs=logprobs,
+                prompt_logprobs=req.prompt_logprobs,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
                 structured_outputs=structured_from_request(req),
@@ -310,6 +316,8 @@ class OpenAIServing:
                     choice.num_tokens += len(c.token_ids)
                     choice.logprobs.extend(_pairs(c))
                     choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+                    if out.prompt_logprobs is not None:
+                        choice.prompt_logprobs = out.prompt_logprobs
         usage.completion_tokens = sum(c.num_tokens for c in choices)
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         return choices, usage
@@ -362,6 +370,15 @@ class OpenAIServing:
             out.text_offset.append(pos)
             pos += len(text)
         return out
+
+    def _prompt_logprobs(self, entries: list[dict[int, Logprob] | None] | None,
+                         ) -> PromptLogprobs | None:
+        """RequestOutput.prompt_logprobs -> vLLM's JSON shape (decoded token texts)."""
+        if entries is None:
+            return None
+        return [None if e is None else {
+            t: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=self.token_text(t))
+            for t, lp in e.items()} for e in entries]
 
     def _chat_logprobs(self, pairs: list[tuple[int, dict[int, Logprob]]],
                        num: int | None) -> ChatLogprobs | None:
