@@ -22,6 +22,7 @@ from types import MappingProxyType
 from typing import Any
 
 from dpserve.errors import ConfigError
+from dpserve.generation_config import load_generation_defaults
 
 __all__ = ["ConfigError", "EngineArgs", "EngineConfig"]
 
@@ -43,6 +44,8 @@ class ModelConfig:
     dtype: str  # resolved torch dtype name: "float32" | "bfloat16" | "float16"
     max_model_len: int  # prompt + output tokens per request
     seed: int
+    # (SamplingParams field, value) from generation_config.json (dpserve/generation_config.py)
+    generation_defaults: tuple[tuple[str, Any], ...] = ()
 
     def __reduce__(self):
         # MappingProxyType does not pickle; send a plain copy (spawned engines
@@ -176,6 +179,12 @@ class EngineArgs:
                       "bfloat16 on CUDA.", choices=_DTYPES)
     device: str = _opt("auto", "Device to run on; auto = CUDA when available.", choices=_DEVICES)
     seed: int = _opt(0, "Seed for sampling of requests that give no seed.")
+    generation_config: str = _opt("auto", "Default sampling parameters: 'auto' takes "
+                                  "temperature, top_p, top_k, min_p, repetition_penalty "
+                                  "and max_new_tokens from the model's "
+                                  "generation_config.json (or a directory's given "
+                                  "instead) for requests that do not set them; 'vllm' "
+                                  "ignores it.")
     max_model_len: int | None = _opt(None, "Most tokens (prompt + output) per request "
                                      "(default: the model's context length).")
     block_size: int = _opt(16, "Tokens per KV-cache block.")
@@ -324,7 +333,8 @@ class EngineArgs:
         model = ModelConfig(
             model=self.model, path=str(path), tokenizer=self.tokenizer or str(path),
             architecture=arch, hf_config=MappingProxyType(hf_config), dtype=dtype,
-            max_model_len=max_model_len, seed=self.seed)
+            max_model_len=max_model_len, seed=self.seed,
+            generation_defaults=load_generation_defaults(self.generation_config, str(path)))
         kv_bytes = (parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
                     if self.kv_cache_memory is not None else
                     (_DEFAULT_CPU_KV_BYTES if device == "cpu" else None))

@@ -475,6 +475,9 @@ def _log_serving(options: APIServerOptions, config: EngineConfig, spec: APIServe
                 "%d API server(s))", options.served_model_name, host, port,
                 config.model.path, spec.max_model_len, len(spec.engine_ranks),
                 num_api_servers)
+    from dpserve.generation_config import log_generation_defaults
+
+    log_generation_defaults(config.model.generation_defaults)
 
 
 def _raise_system_exit(signum: int, frame: object) -> None:

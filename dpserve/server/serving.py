@@ -89,6 +89,8 @@ class OpenAIServing:
         self.tool_call_parser = tool_call_parser  # None: tool_choice "auto" is refused
         self.token_text = functools.lru_cache(maxsize=65536)(
             lambda token_id: llm.decode([token_id]))
+        # generation_config.json defaults for fields a request leaves unset.
+        self.defaults = dict(llm.config.model.generation_defaults)
 
     # ---- /v1/completions -----------------------------------------------------------
 
@@ -97,8 +99,9 @@ class OpenAIServing:
                                 ) -> BaseModel | AsyncIterator[str]:
         """`data_parallel_rank` (the X-data-parallel-rank header) pins the engine."""
         self._check_model(req.model)
-        params = self._sampling_params(req, max_tokens=16 if req.max_tokens is None
-                                       else req.max_tokens, logprobs=req.logprobs)
+        params = self._sampling_params(req, max_tokens=self.defaults.get("max_tokens", 16)
+                                       if req.max_tokens is None else req.max_tokens,
+                                       logprobs=req.logprobs)
         prompt = req.prompt
         batch = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
         prompts = [(p, self.llm.encode(p)) if isinstance(p, str) else (None, list(p))
@@ -160,6 +163,8 @@ class OpenAIServing:
         self._check_model(req.model)
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                       else req.max_tokens)
+        if max_tokens is None:
+            max_tokens = self.defaults.get("max_tokens")
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._sampling_params(
             req, max_tokens=max_tokens, logprobs=num_logprobs,
@@ -260,6 +265,7 @@ class OpenAIServing:
         given = {k: getattr(req, k) for k in (
             "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
             "repetition_penalty") if getattr(req, k) is not None}
+        given = {**{k: v for k, v in self.defaults.items() if k != "max_tokens"}, **given}
         try:
             return SamplingParams(
                 n=req.n, max_tokens=max_tokens, seed=req.seed, stop=list(req.stop or []),
