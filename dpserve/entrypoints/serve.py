@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING
 from dpserve.config import ConfigError, EngineArgs, EngineConfig, ParallelConfig
 from dpserve.logging_utils import name_process
 from dpserve.server.extras import add_http_args
+from dpserve.server.log_options import add_log_args
 
 if TYPE_CHECKING:
     from dpserve.entrypoints.api_server import APIServerOptions, APIServerSpec
@@ -122,6 +123,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="Log level of uvicorn's own logger.")
     add_http_args(parser.add_argument_group("HTTP options"))
+    add_log_args(parser.add_argument_group("logging options"))
     EngineArgs.add_cli_args(parser.add_argument_group("engine options"))
 
 
@@ -141,6 +143,9 @@ def _check_args(args: argparse.Namespace) -> None:
         value = getattr(args, option, None)
         if value is not None and value < 1:
             raise ConfigError(f"--{option.replace('_', '-')} must be at least 1, got {value}")
+    from dpserve.server.log_options import LogOptions
+
+    LogOptions.from_args(args)  # its ConfigErrors before anything loads
     if args.api_server_count < 1:
         raise ConfigError(f"--api-server-count must be at least 1, got "
                           f"{args.api_server_count}")

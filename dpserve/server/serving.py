@@ -29,6 +29,7 @@ from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError, RequestError
 from dpserve.outputs import CompletionOutput, Logprob, RequestOutput
 from dpserve.sampling_params import SamplingParams
+from dpserve.server.log_options import logged_stream
 from dpserve.server.protocol import (
     APIError,
     ChatChoice,
@@ -249,6 +250,7 @@ class OpenAIServing:
     # ---- shared --------------------------------------------------------------------
 
     model_aliases: tuple[str, ...] = ()  # more names clients may use (--served-model-name)
+    log_requests = False  # --enable-log-requests: a line per arrival and finish
 
     def check_model(self, model: str | None) -> None:
         self._check_model(model)
@@ -304,8 +306,13 @@ class OpenAIServing:
         admit = getattr(self.llm, "admission", None)  # paused / asleep / queues full
         if admit is not None:
             admit([len(ids) for _, ids in prompts] * params.n)
-        return [self.llm.generate(ids, params, f"{request_id}-{i}", text, data_parallel_rank)
-                for i, (text, ids) in enumerate(prompts)]
+        streams = [self.llm.generate(ids, params, f"{request_id}-{i}", text,
+                                     data_parallel_rank)
+                   for i, (text, ids) in enumerate(prompts)]
+        if self.log_requests:
+            streams = [logged_stream(s, f"{request_id}-{i}", len(ids), params)
+                       for i, (s, (_, ids)) in enumerate(zip(streams, prompts))]
+        return streams
 
     async def _collect(self, streams: list[AsyncIterator[RequestOutput]],
                        n: int) -> tuple[list[_Choice], UsageInfo]:
