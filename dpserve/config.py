@@ -198,7 +198,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = _opt(None, "Token budget of one engine step "
                                               "(default 2048, at least max_num_seqs).")
     max_num_seqs: int = _opt(256, "Most requests running at once.")
-    data_parallel_size: int = _opt(1, "Number of engine replicas.")
+    data_parallel_size: int = _opt(1, "Number of engine replicas.", aliases=("-dp",))
     threads_per_engine: int | None = _opt(None, "torch CPU threads per engine (default: "
                                           "torch's choice; with data parallel on CPU, "
                                           "the cores shared out between the engines).")
@@ -218,21 +218,25 @@ class EngineArgs:
                                         "tokens meet their experts through collectives "
                                         "over the lockstep DP group.")
     data_parallel_size_local: int | None = _opt(None, "Engines on this host (default: all "
-                                                "of them; 1 with --data-parallel-rank).")
+                                                "of them; 1 with --data-parallel-rank).",
+                                                aliases=("-dpl",))
     data_parallel_start_rank: int | None = _opt(None, "DP rank of this host's first engine "
-                                                "(default 0; R with --data-parallel-rank).")
+                                                "(default 0; R with --data-parallel-rank).",
+                                                aliases=("-dpr",))
     data_parallel_address: str = _opt("127.0.0.1", "Address of the head host (rank 0): "
                                       "remote engines and hosts connect to it, and its "
-                                      "data-plane sockets bind to it only.")
+                                      "data-plane sockets bind to it only.", aliases=("-dpa",))
     data_parallel_rpc_port: int = _opt(29550, "Head's port for engine handshakes and the "
-                                       "coordinator rendezvous (external/hybrid LB).")
+                                       "coordinator rendezvous (external/hybrid LB).",
+                                       aliases=("-dpp",))
     data_parallel_rank: int | None = _opt(None, "External load balancing: this server runs "
-                                          "and fronts DP rank R only.")
+                                          "and fronts DP rank R only.", aliases=("-dpn",))
     data_parallel_hybrid_lb: bool = _opt(False, "Hybrid load balancing: each host's API "
-                                         "servers balance over that host's engines only.")
+                                         "servers balance over that host's engines only.",
+                                         aliases=("-dph",))
     data_parallel_backend: str = _opt("mp", "Run engines as local processes (mp) or Ray "
                                       "actors (ray; pip install dpserve[ray]).",
-                                      choices=_DP_BACKENDS)
+                                      choices=_DP_BACKENDS, aliases=("-dpb",))
     data_parallel_pack_strategy: str = _opt("strict", "Ray: how ranks are placed on nodes.",
                                             choices=_PACK_STRATEGIES)
     data_parallel_secret: str | None = _opt(None, "Shared secret for the data plane "
@@ -292,16 +296,17 @@ class EngineArgs:
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         for f in fields(cls):
             flag = "--" + f.name.replace("_", "-")
+            flags = (flag, *f.metadata.get("aliases", ()))  # vLLM's short flags (-dp, ...)
             help_text = f.metadata.get("help", "")
             if f.name == "model":
                 continue  # positional, added by the CLI
             if f.type in ("bool", bool):
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction,
+                parser.add_argument(*flags, action=argparse.BooleanOptionalAction,
                                     default=f.default, help=help_text)
                 continue
             kind = {"int": int, "float": float, "int | None": int,
                     "float | None": float}.get(str(f.type), str)
-            parser.add_argument(flag, type=kind, default=f.default, help=help_text,
+            parser.add_argument(*flags, type=kind, default=f.default, help=help_text,
                                 choices=f.metadata.get("choices"))
 
     @classmethod
