@@ -65,6 +65,7 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.engine_arrival = time.monotonic()  # this engine's clock (arrival_time may not be)
         self.first_token_at: float | None = None  # when this engine sampled its first token
+        self.scheduled_at: float | None = None  # when this engine first scheduled it
 
         # A migrated request arrives with the tokens another engine already
         # generated: they count as outputs (max_tokens, min_tokens, penalties),
@@ -122,6 +123,12 @@ class Request:
         """The prompt logprobs, once (None when not asked for or already taken)."""
         entries, self.prompt_logprobs = self.prompt_logprobs, None
         return entries
+
+    def phase_times(self, now: float) -> list[float]:
+        """[queued, prefill, decode] seconds in this engine, for a request finishing now."""
+        scheduled = self.engine_arrival if self.scheduled_at is None else self.scheduled_at
+        first = now if self.first_token_at is None else self.first_token_at
+        return [scheduled - self.engine_arrival, first - scheduled, now - first]
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

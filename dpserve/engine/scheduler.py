@@ -234,6 +234,8 @@ class Scheduler:
             assert request.num_computed_tokens == 0
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
+            if request.scheduled_at is None:
+                request.scheduled_at = time.monotonic()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
             self.running.append(request)
@@ -300,7 +302,8 @@ class Scheduler:
                 req_id, [token], finish_reason=request.finish_reason,
                 stop_reason=request.stop_reason, new_logprobs=new_logprobs,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
-                prompt_logprobs=request.take_prompt_logprobs()))
+                prompt_logprobs=request.take_prompt_logprobs(),
+                phase_times=request.phase_times(time.monotonic()) if finished else None))
             if finished:
                 self._free_request(request)
                 any_finished = True

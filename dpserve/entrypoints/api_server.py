@@ -69,6 +69,7 @@ from dpserve.launch.process import start_parent_watcher
 from dpserve.logging_utils import name_process
 from dpserve.server.extras import HTTPOptions, uvicorn_kwargs
 from dpserve.server.log_options import LogOptions, configure_access_log
+from dpserve.server.stats_log import log_stats_every
 
 if TYPE_CHECKING:
     import socket
@@ -198,10 +199,14 @@ async def serve_http(options: APIServerOptions, config: EngineConfig, spec: APIS
         configure_access_log(options.log)
         await on_ready(client, server)
         watchdog = asyncio.create_task(_watch_lifecycle(llm, server, config.shutdown_timeout))
+        interval = options.log.log_stats_interval
+        stats = (asyncio.create_task(log_stats_every(llm, interval)) if interval else None)
         try:
             await server.serve(sockets=[sock])
         finally:
             watchdog.cancel()
+            if stats is not None:
+                stats.cancel()
         if server.forced_by is not None:
             await _abort_all(llm)  # best effort: the engines need not finish them
             return 128 + server.forced_by
