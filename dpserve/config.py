@@ -22,6 +22,7 @@ from types import MappingProxyType
 from typing import Any
 
 from dpserve.errors import ConfigError
+from dpserve.generation_config import load_generation_defaults
 
 __all__ = ["ConfigError", "EngineArgs", "EngineConfig"]
 
@@ -44,6 +45,8 @@ class ModelConfig:
     max_model_len: int  # prompt + output tokens per request
     seed: int
     enforce_eager: bool = False  # no start-up kernel compilation (EngineArgs.enforce_eager)
+    # (SamplingParams field, value) from generation_config.json (dpserve/generation_config.py)
+    generation_defaults: tuple[tuple[str, Any], ...] = ()
 
     def __reduce__(self):
         # MappingProxyType does not pickle; send a plain copy (spawned engines
@@ -181,6 +184,12 @@ class EngineArgs:
                                "a faster start, but kernels compile on first use while "
                                "serving and memory reaches its plateau later. Also set by "
                                "the environment variable DPSERVE_ENFORCE_EAGER=1.")
+    generation_config: str = _opt("auto", "Default sampling parameters: 'auto' takes "
+                                  "temperature, top_p, top_k, min_p, repetition_penalty "
+                                  "and max_new_tokens from the model's "
+                                  "generation_config.json (or a directory's given "
+                                  "instead) for requests that do not set them; 'vllm' "
+                                  "ignores it.")
     max_model_len: int | None = _opt(None, "Most tokens (prompt + output) per request "
                                      "(default: the model's context length).")
     block_size: int = _opt(16, "Tokens per KV-cache block.")
@@ -194,7 +203,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = _opt(None, "Token budget of one engine step "
                                               "(default 2048, at least max_num_seqs).")
     max_num_seqs: int = _opt(256, "Most requests running at once.")
-    data_parallel_size: int = _opt(1, "Number of engine replicas.")
+    data_parallel_size: int = _opt(1, "Number of engine replicas.", aliases=("-dp",))
     threads_per_engine: int | None = _opt(None, "torch CPU threads per engine (default: "
                                           "torch's choice; with data parallel on CPU, "
                                           "the cores shared out between the engines).")
@@ -214,21 +223,25 @@ class EngineArgs:
                                         "tokens meet their experts through collectives "
                                         "over the lockstep DP group.")
     data_parallel_size_local: int | None = _opt(None, "Engines on this host (default: all "
-                                                "of them; 1 with --data-parallel-rank).")
+                                                "of them; 1 with --data-parallel-rank).",
+                                                aliases=("-dpl",))
     data_parallel_start_rank: int | None = _opt(None, "DP rank of this host's first engine "
-                                                "(default 0; R with --data-parallel-rank).")
+                                                "(default 0; R with --data-parallel-rank).",
+                                                aliases=("-dpr",))
     data_parallel_address: str = _opt("127.0.0.1", "Address of the head host (rank 0): "
                                       "remote engines and hosts connect to it, and its "
-                                      "data-plane sockets bind to it only.")
+                                      "data-plane sockets bind to it only.", aliases=("-dpa",))
     data_parallel_rpc_port: int = _opt(29550, "Head's port for engine handshakes and the "
-                                       "coordinator rendezvous (external/hybrid LB).")
+                                       "coordinator rendezvous (external/hybrid LB).",
+                                       aliases=("-dpp",))
     data_parallel_rank: int | None = _opt(None, "External load balancing: this server runs "
-                                          "and fronts DP rank R only.")
+                                          "and fronts DP rank R only.", aliases=("-dpn",))
     data_parallel_hybrid_lb: bool = _opt(False, "Hybrid load balancing: each host's API "
-                                         "servers balance over that host's engines only.")
+                                         "servers balance over that host's engines only.",
+                                         aliases=("-dph",))
     data_parallel_backend: str = _opt("mp", "Run engines as local processes (mp) or Ray "
                                       "actors (ray; pip install dpserve[ray]).",
-                                      choices=_DP_BACKENDS)
+                                      choices=_DP_BACKENDS, aliases=("-dpb",))
     data_parallel_pack_strategy: str = _opt("strict", "Ray: how ranks are placed on nodes.",
                                             choices=_PACK_STRATEGIES)
     data_parallel_secret: str | None = _opt(None, "Shared secret for the data plane "
@@ -288,16 +301,17 @@ class EngineArgs:
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         for f in fields(cls):
             flag = "--" + f.name.replace("_", "-")
+            flags = (flag, *f.metadata.get("aliases", ()))  # vLLM's short flags (-dp, ...)
             help_text = f.metadata.get("help", "")
             if f.name == "model":
                 continue  # positional, added by the CLI
             if f.type in ("bool", bool):
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction,
+                parser.add_argument(*flags, action=argparse.BooleanOptionalAction,
                                     default=f.default, help=help_text)
                 continue
             kind = {"int": int, "float": float, "int | None": int,
                     "float | None": float}.get(str(f.type), str)
-            parser.add_argument(flag, type=kind, default=f.default, help=help_text,
+            parser.add_argument(*flags, type=kind, default=f.default, help=help_text,
                                 choices=f.metadata.get("choices"))
 
     @classmethod
@@ -330,7 +344,8 @@ class EngineArgs:
             model=self.model, path=str(path), tokenizer=self.tokenizer or str(path),
             architecture=arch, hf_config=MappingProxyType(hf_config), dtype=dtype,
             max_model_len=max_model_len, seed=self.seed,
-            enforce_eager=self.enforce_eager or os.environ.get("DPSERVE_ENFORCE_EAGER") == "1")
+            enforce_eager=self.enforce_eager or os.environ.get("DPSERVE_ENFORCE_EAGER") == "1",
+            generation_defaults=load_generation_defaults(self.generation_config, str(path)))
         kv_bytes = (parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
                     if self.kv_cache_memory is not None else
                     (_DEFAULT_CPU_KV_BYTES if device == "cpu" else None))

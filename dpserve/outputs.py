@@ -40,3 +40,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then one
+    # dict per prompt token (the token itself and the top-k there).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

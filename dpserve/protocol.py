@@ -88,6 +88,12 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: int | str | None = None  # the stop token id that ended it, if any
     new_logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # prompt_logprobs: one entry per prompt token after the first (the logprobs of
+    # token i+1 given tokens 0..i), sent once, with the request's first token.
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    # On the output that finishes a request (stop or length) in its engine: seconds
+    # [queued (arrival -> first scheduled), prefill (-> first token), decode (-> finish)].
+    phase_times: list[float] | None = None
     # Set only by a front-end's engine client, never on the wire: the request
     # failed for good (no rank could take it over); `finish_reason` is ABORT.
     error: str | None = None

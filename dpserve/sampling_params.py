@@ -40,6 +40,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     include_stop_str_in_output: bool = False
     # Number of top logprobs to return besides the sampled token's (None: none).
     logprobs: int | None = None
+    # Number of top logprobs to return at every prompt position besides the prompt
+    # token's (None: none). A request asking for them gets no prefix-cache hit.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # Output constrained to a JSON schema, regex, choice or grammar (dpserve/structured/).
     structured_outputs: StructuredOutputs | None = None
@@ -70,6 +73,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         _check(self.logprobs is None or 0 <= self.logprobs <= _MAX_LOGPROBS, "logprobs",
                f"must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= _MAX_LOGPROBS,
+               "prompt_logprobs",
+               f"must be in [0, {_MAX_LOGPROBS}], got {self.prompt_logprobs}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop",
                "stop strings must be non-empty strings")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",

@@ -195,7 +195,8 @@ for q in queries:
     metrics.record(0, SchedulerStats(0, running, 0.5, q, q // 2, 0, 10), None)
 metrics.record(0, None, Fake(num_prompt_tokens=4, num_generation_tokens=3,
                              time_to_first_tokens=[0.1], inter_token_latencies=[0.05],
-                             finished=[Fake(finish_reason="stop", e2e_latency=0.2)]))
+                             finished=[Fake(finish_reason="stop", e2e_latency=0.2)],
+                             phase_times=[[0.01, 0.02, 0.03]]))
 sys.stdout.write(metrics.render().decode())
 """
 
@@ -220,6 +221,9 @@ def test_multiprocess_metrics_merge_api_servers(tmp_path):
     assert _counts(text, "dpserve:generation_tokens_total", "model_name") == {"tiny": 6}
     assert _counts(text, "dpserve:e2e_request_latency_seconds_count", "model_name") == {
         "tiny": 2}
+    assert _counts(text, "dpserve:request_decode_time_seconds_count", "model_name") == {
+        "tiny": 2}
+    assert "process_cpu_seconds_total" in text
     assert "cumulative" not in text  # the stand-in gauges never show
 
 

@@ -89,3 +89,28 @@ def test_data_parallel_threads_share_the_cores(tiny_llama, monkeypatch):
     assert config.parallel.threads_per_engine == 1  # the user's choice wins
     config = EngineArgs.from_kwargs(model=str(tiny_llama), device="cpu").create_config()
     assert config.parallel.threads_per_engine is None  # one engine: torch's default
+
+
+def test_vllm_short_flags_are_aliases():
+    """-dp, -dpl, -dpr, -dpa, -dpp, -dpn, -dph, -dpb parse as vLLM's long options."""
+    import argparse
+
+    from dpserve.entrypoints.serve import add_serve_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    short = parser.parse_args(["m", "-dp", "4", "-dpl", "2", "-dpr", "2", "-dpa", "10.0.0.1",
+                               "-dpp", "1234", "-dph", "-dpb", "mp"])
+    long = parser.parse_args(["m", "--data-parallel-size", "4", "--data-parallel-size-local",
+                              "2", "--data-parallel-start-rank", "2",
+                              "--data-parallel-address", "10.0.0.1",
+                              "--data-parallel-rpc-port", "1234", "--data-parallel-hybrid-lb",
+                              "--data-parallel-backend", "mp"])
+    assert vars(short) == vars(long)
+    args = EngineArgs.from_cli(short)
+    assert (args.data_parallel_size, args.data_parallel_size_local,
+            args.data_parallel_start_rank, args.data_parallel_address,
+            args.data_parallel_rpc_port, args.data_parallel_hybrid_lb) == (
+        4, 2, 2, "10.0.0.1", 1234, True)
+    assert EngineArgs.from_cli(parser.parse_args(["m", "-dp", "2", "-dpn", "1"])
+                               ).data_parallel_rank == 1

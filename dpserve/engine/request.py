@@ -12,7 +12,7 @@ import enum
 import time
 from typing import Any
 
-from dpserve.protocol import FinishReason
+from dpserve.protocol import FinishReason, TokenLogprobs
 from dpserve.sampling_params import SamplingParams
 
 __all__ = ["FinishReason", "Request", "RequestStatus"]
@@ -65,6 +65,7 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.engine_arrival = time.monotonic()  # this engine's clock (arrival_time may not be)
         self.first_token_at: float | None = None  # when this engine sampled its first token
+        self.scheduled_at: float | None = None  # when this engine first scheduled it
 
         # A migrated request arrives with the tokens another engine already
         # generated: they count as outputs (max_tokens, min_tokens, penalties),
@@ -81,6 +82,10 @@ class Request:
         self.block_hashes: list[bytes] = []  # sha256 digests (kv_cache.hash_block)
         # structured.manager.RequestGrammar when the output is constrained, else None.
         self.grammar: Any = None
+        # Prompt logprobs (sampling_params.prompt_logprobs): entry i is for prompt token
+        # i + 1, filled chunk by chunk, sent once with the first output token.
+        self.prompt_logprobs: list[TokenLogprobs] | None = (
+            [] if sampling_params.prompt_logprobs is not None else None)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -101,6 +106,29 @@ class Request:
     @property
     def finish_reason(self) -> FinishReason | None:
         return _FINISH_REASONS.get(self.status)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """True until the prompt logprobs are sent: while it is, the prompt is computed
+        in full (no prefix-cache hit), so that every position has logits."""
+        return self.prompt_logprobs is not None
+
+    def add_prompt_logprobs(self, start: int, entries: list[TokenLogprobs]) -> None:
+        """Entries for prompt tokens start+1, start+2, ... (one computed chunk). A chunk
+        computed again after a preemption replaces what it covers."""
+        if self.prompt_logprobs is not None and start <= len(self.prompt_logprobs):
+            self.prompt_logprobs[start:] = entries
+
+    def take_prompt_logprobs(self) -> list[TokenLogprobs] | None:
+        """The prompt logprobs, once (None when not asked for or already taken)."""
+        entries, self.prompt_logprobs = self.prompt_logprobs, None
+        return entries
+
+    def phase_times(self, now: float) -> list[float]:
+        """[queued, prefill, decode] seconds in this engine, for a request finishing now."""
+        scheduled = self.engine_arrival if self.scheduled_at is None else self.scheduled_at
+        first = now if self.first_token_at is None else self.first_token_at
+        return [scheduled - self.engine_arrival, first - scheduled, now - first]
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -234,6 +234,8 @@ class Scheduler:
             assert request.num_computed_tokens == 0
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
+            if request.scheduled_at is None:
+                request.scheduled_at = time.monotonic()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
             self.running.append(request)
@@ -271,6 +273,10 @@ class Scheduler:
         finished or aborted since `scheduler_output` was made is just skipped.
         """
         logprob_rows = _logprob_rows(runner_output.logprobs)
+        for req_id, (start, entries) in runner_output.prompt_logprobs.items():
+            request = self.requests.get(req_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                request.add_prompt_logprobs(start, entries)
         outputs = []
         any_finished = False
         for row, (req_id, token) in enumerate(zip(runner_output.req_ids,
@@ -295,7 +301,9 @@ class Scheduler:
             outputs.append(EngineCoreOutput(
                 req_id, [token], finish_reason=request.finish_reason,
                 stop_reason=request.stop_reason, new_logprobs=new_logprobs,
-                num_cached_tokens=max(request.num_cached_tokens, 0)))
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                prompt_logprobs=request.take_prompt_logprobs(),
+                phase_times=request.phase_times(time.monotonic()) if finished else None))
             if finished:
                 self._free_request(request)
                 any_finished = True

@@ -66,3 +66,6 @@ class ModelRunnerOutput:
     req_ids: list[str]  # [num_sampled]
     sampled_token_ids: list[int]  # [num_sampled]
     logprobs: Logprobs | None = None  # rows for every sampled request (None if none asked)
+    # req_id -> (first prompt position, its TokenLogprobs in position order), for
+    # requests asking for prompt logprobs whose step computed prompt positions.
+    prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)

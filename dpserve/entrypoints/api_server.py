@@ -68,6 +68,8 @@ from dpserve.launch.api_servers import API_SERVER_READY_TIMEOUT_S, ControlMessag
 from dpserve.launch.process import start_parent_watcher
 from dpserve.logging_utils import name_process
 from dpserve.server.extras import HTTPOptions, uvicorn_kwargs
+from dpserve.server.log_options import LogOptions, configure_access_log
+from dpserve.server.stats_log import log_stats_every
 
 if TYPE_CHECKING:
     import socket
@@ -98,13 +100,14 @@ class APIServerOptions:
     max_num_queued_tokens: int | None = None
     tool_call_parser: str | None = None  # set: tool_choice "auto" parses calls
     http: HTTPOptions = HTTPOptions()  # CORS, TLS, root path, chat template, aliases
+    log: LogOptions = LogOptions()  # request log, access log, stats line
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> APIServerOptions:
         names = args.served_model_name
         first = names[0] if isinstance(names, list) and names else names
         return cls(served_model_name=first or _default_served_name(args.model),
-                   http=HTTPOptions.from_args(args),
+                   http=HTTPOptions.from_args(args), log=LogOptions.from_args(args),
                    api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes,
                    load_balance=args.load_balance, uvicorn_log_level=args.uvicorn_log_level,
                    enable_admin_api=getattr(args, "enable_admin_api", False),
@@ -187,17 +190,24 @@ async def serve_http(options: APIServerOptions, config: EngineConfig, spec: APIS
                         enable_admin_api=options.enable_admin_api,
                         max_num_queued=(options.max_num_queued_requests,
                                         options.max_num_queued_tokens),
-                        tool_call_parser=options.tool_call_parser, http_options=options.http)
+                        tool_call_parser=options.tool_call_parser, http_options=options.http,
+                        log_requests=options.log.log_requests)
         # log_config=None: uvicorn's loggers use ours, so its lines name the process too.
         server = DrainingServer(uvicorn.Config(
-            app, log_level=options.uvicorn_log_level, log_config=None, access_log=False,
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **uvicorn_kwargs(options.http)), llm)
+            app, log_level=options.uvicorn_log_level, log_config=None,
+            access_log=options.log.access_log, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            **uvicorn_kwargs(options.http)), llm)
+        configure_access_log(options.log)
         await on_ready(client, server)
         watchdog = asyncio.create_task(_watch_lifecycle(llm, server, config.shutdown_timeout))
+        interval = options.log.log_stats_interval
+        stats = (asyncio.create_task(log_stats_every(llm, interval)) if interval else None)
         try:
             await server.serve(sockets=[sock])
         finally:
             watchdog.cancel()
+            if stats is not None:
+                stats.cancel()
         if server.forced_by is not None:
             await _abort_all(llm)  # best effort: the engines need not finish them
             return 128 + server.forced_by

@@ -44,6 +44,7 @@ from dpserve.config import ConfigError, EngineArgs, EngineConfig, ParallelConfig
 from dpserve.frontend.output_processor import OutputProcessor
 from dpserve.frontend.sync_client import SyncEngineClient
 from dpserve.frontend.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
+from dpserve.generation_config import log_generation_defaults
 from dpserve.launch.host import launch_engines
 from dpserve.outputs import RequestOutput
 from dpserve.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
@@ -87,6 +88,7 @@ class LLM:
         self.eos_token_id, extra_eos_ids = eos_token_ids(
             self.tokenizer, dict(self.config.model.hf_config))
         self._processor = OutputProcessor(self.tokenizer, self.eos_token_id, extra_eos_ids)
+        log_generation_defaults(self.config.model.generation_defaults)
         self._counter = itertools.count()
         self.engine: _Engine | None
         if self.data_parallel_size == 1:
@@ -105,6 +107,11 @@ class LLM:
             self._finalizer = weakref.finalize(self, client.shutdown)
             # Also before multiprocessing's exit hook, which would join the engines forever.
             atexit.register(self._finalizer)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json defaults (vLLM's
+        name; none with generation_config='vllm')."""
+        return SamplingParams(**dict(self.config.model.generation_defaults))
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -187,7 +194,7 @@ class LLM:
 
     def _params_list(self, params: Any, n: int) -> list[SamplingParams]:
         if params is None:
-            params = SamplingParams()
+            params = self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             return [params] * n
         params = list(params)

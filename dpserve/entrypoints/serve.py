@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING
 from dpserve.config import ConfigError, EngineArgs, EngineConfig, ParallelConfig
 from dpserve.logging_utils import name_process
 from dpserve.server.extras import add_http_args
+from dpserve.server.log_options import add_log_args
 
 if TYPE_CHECKING:
     from dpserve.entrypoints.api_server import APIServerOptions, APIServerSpec
@@ -125,6 +126,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="Log level of uvicorn's own logger.")
     add_http_args(parser.add_argument_group("HTTP options"))
+    add_log_args(parser.add_argument_group("logging options"))
     EngineArgs.add_cli_args(parser.add_argument_group("engine options"))
 
 
@@ -144,6 +146,9 @@ def _check_args(args: argparse.Namespace) -> None:
         value = getattr(args, option, None)
         if value is not None and value < 1:
             raise ConfigError(f"--{option.replace('_', '-')} must be at least 1, got {value}")
+    from dpserve.server.log_options import LogOptions
+
+    LogOptions.from_args(args)  # its ConfigErrors before anything loads
     if args.api_server_count < 1:
         raise ConfigError(f"--api-server-count must be at least 1, got "
                           f"{args.api_server_count}")
@@ -482,6 +487,9 @@ def _log_serving(options: APIServerOptions, config: EngineConfig, spec: APIServe
                 "%d API server(s))", options.served_model_name, host, port,
                 config.model.path, spec.max_model_len, len(spec.engine_ranks),
                 num_api_servers)
+    from dpserve.generation_config import log_generation_defaults
+
+    log_generation_defaults(config.model.generation_defaults)
 
 
 def _raise_system_exit(signum: int, frame: object) -> None:

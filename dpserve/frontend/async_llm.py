@@ -75,6 +75,8 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)  # seconds, one per request
     inter_token_latencies: list[float] = field(default_factory=list)  # seconds
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    # [queued, prefill, decode] seconds of each completion its engine finished
+    phase_times: list[list[float]] = field(default_factory=list)
 
 
 class StatsListener(Protocol):
@@ -282,7 +284,8 @@ class AsyncLLM:
                 outputs, outputs=[o for o in outputs.outputs if o.error is None])
         processed = self.processor.process_outputs(outputs.outputs)
         now = time.monotonic()
-        iteration = IterationStats()
+        iteration = IterationStats(phase_times=[o.phase_times for o in outputs.outputs
+                                                if o.phase_times is not None])
         for out in processed.request_outputs:
             tracked = self._requests.get(out.request_id)
             if tracked is None:

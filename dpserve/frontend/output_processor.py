@@ -47,6 +47,7 @@ class _RequestState:
     kind: OutputKind
     completions: list[_Completion]
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -137,6 +138,10 @@ class OutputProcessor:
                 continue  # aborted by the caller, or stopped by a stop string earlier
             state, comp = entry
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if out.prompt_logprobs is not None and state.prompt_logprobs is None:
+                # Every child (n > 1) and a migrated request's new engine send the same.
+                state.prompt_logprobs = [None, *map(self._convert_logprobs,
+                                                    out.prompt_logprobs)]
             if self._update_completion(comp, out):
                 to_abort.append(comp.engine_request_id)
             if comp.finish_reason is not None:
@@ -191,7 +196,7 @@ class OutputProcessor:
                 cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
                 logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs,
-                             finished, state.num_cached_tokens)
+                             finished, state.num_cached_tokens, state.prompt_logprobs)
 
 
 def _with(params: SamplingParams, **changes: Any) -> SamplingParams:

@@ -30,6 +30,7 @@ from dpserve.engine.request import Request
 from dpserve.engine.types import ModelRunnerOutput, SchedulerOutput
 from dpserve.model.attention import AttentionMetadata, build_attention_metadata, token_positions
 from dpserve.model.expert_parallel import ExpertParallel
+from dpserve.model.prompt_logprobs import compute_prompt_logprobs
 from dpserve.model.registry import get_model_class
 from dpserve.model.sampler import Sampler, SamplingMetadata, make_generator
 
@@ -223,8 +224,12 @@ class ModelRunner:
         inputs = self.prepare_inputs(scheduler_output)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_meta,
                             self.kv_caches)  # [T, hidden]
+        prompt_logprobs = (compute_prompt_logprobs(self.model, hidden, scheduler_output)
+                           if any(s.request.needs_prompt_logprobs
+                                  for s in scheduler_output.scheduled) else {})
         if not inputs.sampled:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[],
+                                     prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_index))
         for req in inputs.sampled:
             seed = req.sampling_params.seed
@@ -234,7 +239,8 @@ class ModelRunner:
                                               self.device)
         tokens, logprobs = self.sampler(logits, meta)
         return ModelRunnerOutput(req_ids=[r.request_id for r in inputs.sampled],
-                                 sampled_token_ids=tokens.tolist(), logprobs=logprobs)
+                                 sampled_token_ids=tokens.tolist(), logprobs=logprobs,
+                                 prompt_logprobs=prompt_logprobs)
 
     def forget_requests(self, req_ids: list[str]) -> None:
         """Drop what the runner keeps for finished requests (their seeded generators)."""

@@ -68,7 +68,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
               api_server_index: int = 0, enable_admin_api: bool = False,
               max_num_queued: tuple[int | None, int | None] = (None, None),
               tool_call_parser: str | None = None,
-              http_options: HTTPOptions | None = None) -> FastAPI:
+              http_options: HTTPOptions | None = None,
+              log_requests: bool = False) -> FastAPI:
     """An OpenAI-compatible app over `async_llm`; `api_key` defaults to $DPSERVE_API_KEY.
 
     The app does not own `async_llm`: whoever built it shuts it down.
@@ -78,11 +79,13 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     not exist (404). `max_num_queued`: (requests, prompt tokens) waiting per engine
     before a 429. `tool_call_parser`: parse tool calls for tool_choice "auto".
     `http_options`: CORS, model aliases, chat template (server/extras.py).
+    `log_requests`: a log line per request arrival and finish (server/log_options.py).
     """
     api_key = api_key or os.environ.get("DPSERVE_API_KEY") or None
     serving = OpenAIServing(async_llm, served_model_name, tool_call_parser)
     http_options = http_options or HTTPOptions()
     serving.model_aliases = http_options.model_aliases
+    serving.log_requests = log_requests
     if http_options.chat_template:
         async_llm.tokenizer.chat_template = http_options.chat_template
     names = (served_model_name, *http_options.model_aliases)

@@ -37,6 +37,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     disable_created_metrics,
     generate_latest,
     values,
@@ -91,6 +92,13 @@ class ServerMetrics:
                              "outputs of one request.", m, buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("dpserve:e2e_request_latency_seconds", "Arrival to finish.", m,
                              buckets=_E2E_BUCKETS, registry=r)
+        # Phases of a request in its engine (EngineCoreOutput.phase_times), vLLM's set.
+        self.phases = [Histogram(f"dpserve:request_{phase}_time_seconds", doc, m,
+                                 buckets=_E2E_BUCKETS, registry=r) for phase, doc in (
+            ("queue", "Arrival in the engine to first scheduled."),
+            ("prefill", "First scheduled to first token."),
+            ("decode", "First token to finish."),
+            ("inference", "First scheduled to finish (prefill + decode)."))]
         latest = dict(registry=r, multiprocess_mode="mostrecent")  # ignored by one process
         self.running = Gauge("dpserve:num_requests_running", "Requests running in the engine.",
                              e, **latest)
@@ -160,6 +168,8 @@ class ServerMetrics:
         if self.multiprocess_dir is not None:
             self._export = CollectorRegistry(auto_describe=False)
             self._export.register(_MultiProcessExport(self.multiprocess_dir))
+        # process_* (CPU, memory, open files) of the process answering the scrape.
+        ProcessCollector(registry=self._export if self._export is not None else self.registry)
 
     def record(self, engine_index: int | None, scheduler_stats: SchedulerStats | None,
                iteration: IterationStats | None) -> None:
@@ -202,6 +212,10 @@ class ServerMetrics:
             self.ttft.labels(name).observe(t)
         for t in it.inter_token_latencies:
             self.itl.labels(name).observe(t)
+        for queued, prefill, decode in it.phase_times:
+            for histogram, value in zip(self.phases, (queued, prefill, decode,
+                                                      prefill + decode)):
+                histogram.labels(name).observe(value)
         for f in it.finished:
             self.request_success.labels(name, f.finish_reason).inc()
             self.e2e.labels(name).observe(f.e2e_latency)

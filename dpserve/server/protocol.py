@@ -93,6 +93,7 @@ class SamplingRequest(_Model):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # top-k at every prompt position (not streamed)
     # Structured output (vLLM names; server/structured.py reads them).
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
@@ -120,6 +121,14 @@ class SamplingRequest(_Model):
     def _logit_bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         if v and not all(k.isdigit() for k in v):
             raise PydanticCustomError("logit_bias", "logit_bias keys must be token ids")
+        return v
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and info.data.get("stream"):
+            raise PydanticCustomError("prompt_logprobs",
+                                      "prompt_logprobs are not available when stream is true")
         return v
 
     @field_validator("stream_options")
@@ -194,6 +203,18 @@ class Logprobs(_Model):
     text_offset: list[int] = []
 
 
+class PromptLogprob(_Model):
+    """One token at one prompt position (vLLM's shape)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# None for the first prompt token, then token id -> PromptLogprob per position.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class PromptTokensDetails(_Model):
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
@@ -211,6 +232,7 @@ class CompletionChoice(_Model):
     logprobs: Logprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or token id that ended it
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(_Model):
@@ -325,6 +347,7 @@ class ChatCompletionResponse(_Model):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(_Model):

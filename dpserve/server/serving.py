@@ -29,6 +29,7 @@ from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError, RequestError
 from dpserve.outputs import CompletionOutput, Logprob, RequestOutput
 from dpserve.sampling_params import SamplingParams
+from dpserve.server.log_options import logged_stream
 from dpserve.server.protocol import (
     APIError,
     ChatChoice,
@@ -45,6 +46,8 @@ from dpserve.server.protocol import (
     ErrorInfo,
     ErrorResponse,
     Logprobs,
+    PromptLogprob,
+    PromptLogprobs,
     PromptTokensDetails,
     SamplingRequest,
     TopLogprob,
@@ -74,6 +77,7 @@ class _Choice:
     logprobs: list[tuple[int, dict[int, Logprob]]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # of its prompt
 
 
 class OpenAIServing:
@@ -86,6 +90,8 @@ class OpenAIServing:
         self.tool_call_parser = tool_call_parser  # None: tool_choice "auto" is refused
         self.token_text = functools.lru_cache(maxsize=65536)(
             lambda token_id: llm.decode([token_id]))
+        # generation_config.json defaults for fields a request leaves unset.
+        self.defaults = dict(llm.config.model.generation_defaults)
 
     # ---- /v1/completions -----------------------------------------------------------
 
@@ -94,8 +100,9 @@ class OpenAIServing:
                                 ) -> BaseModel | AsyncIterator[str]:
         """`data_parallel_rank` (the X-data-parallel-rank header) pins the engine."""
         self._check_model(req.model)
-        params = self._sampling_params(req, max_tokens=16 if req.max_tokens is None
-                                       else req.max_tokens, logprobs=req.logprobs)
+        params = self._sampling_params(req, max_tokens=self.defaults.get("max_tokens", 16)
+                                       if req.max_tokens is None else req.max_tokens,
+                                       logprobs=req.logprobs)
         prompt = req.prompt
         batch = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
         prompts = [(p, self.llm.encode(p)) if isinstance(p, str) else (None, list(p))
@@ -114,7 +121,8 @@ class OpenAIServing:
             CompletionChoice(index=i, text=echo[i // params.n] + "".join(c.text),
                              finish_reason=c.finish_reason,
                              stop_reason=c.stop_reason,
-                             logprobs=self._completion_logprobs(c.logprobs, params.logprobs))
+                             logprobs=self._completion_logprobs(c.logprobs, params.logprobs),
+                             prompt_logprobs=self._prompt_logprobs(c.prompt_logprobs))
             for i, c in enumerate(choices)])
 
     async def _echo_first(self, request_id: str, echo: list[str], n: int,
@@ -156,6 +164,8 @@ class OpenAIServing:
         self._check_model(req.model)
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                       else req.max_tokens)
+        if max_tokens is None:
+            max_tokens = self.defaults.get("max_tokens")
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._sampling_params(
             req, max_tokens=max_tokens, logprobs=num_logprobs,
@@ -190,7 +200,8 @@ class OpenAIServing:
                                   stop_reason=c.stop_reason,
                                   logprobs=self._chat_logprobs(c.logprobs, params.logprobs)))
         return ChatCompletionResponse(id=request_id, model=self.model_name, usage=usage,
-                                      choices=out)
+                                      choices=out, prompt_logprobs=self._prompt_logprobs(
+                                          choices[0].prompt_logprobs))
 
     def _render_chat(self, req: ChatCompletionRequest, plan: ToolPlan | None = None,
                      ) -> list[int]:
@@ -239,6 +250,7 @@ class OpenAIServing:
     # ---- shared --------------------------------------------------------------------
 
     model_aliases: tuple[str, ...] = ()  # more names clients may use (--served-model-name)
+    log_requests = False  # --enable-log-requests: a line per arrival and finish
 
     def check_model(self, model: str | None) -> None:
         self._check_model(model)
@@ -255,11 +267,13 @@ class OpenAIServing:
         given = {k: getattr(req, k) for k in (
             "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
             "repetition_penalty") if getattr(req, k) is not None}
+        given = {**{k: v for k, v in self.defaults.items() if k != "max_tokens"}, **given}
         try:
             return SamplingParams(
                 n=req.n, max_tokens=max_tokens, seed=req.seed, stop=list(req.stop or []),
                 stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
                 min_tokens=req.min_tokens, logprobs=logprobs,
+                prompt_logprobs=req.prompt_logprobs,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
                 structured_outputs=structured_from_request(req),
@@ -292,8 +306,13 @@ class OpenAIServing:
         admit = getattr(self.llm, "admission", None)  # paused / asleep / queues full
         if admit is not None:
             admit([len(ids) for _, ids in prompts] * params.n)
-        return [self.llm.generate(ids, params, f"{request_id}-{i}", text, data_parallel_rank)
-                for i, (text, ids) in enumerate(prompts)]
+        streams = [self.llm.generate(ids, params, f"{request_id}-{i}", text,
+                                     data_parallel_rank)
+                   for i, (text, ids) in enumerate(prompts)]
+        if self.log_requests:
+            streams = [logged_stream(s, f"{request_id}-{i}", len(ids), params)
+                       for i, (s, (_, ids)) in enumerate(zip(streams, prompts))]
+        return streams
 
     async def _collect(self, streams: list[AsyncIterator[RequestOutput]],
                        n: int) -> tuple[list[_Choice], UsageInfo]:
@@ -310,6 +329,8 @@ class OpenAIServing:
                     choice.num_tokens += len(c.token_ids)
                     choice.logprobs.extend(_pairs(c))
                     choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+                    if out.prompt_logprobs is not None:
+                        choice.prompt_logprobs = out.prompt_logprobs
         usage.completion_tokens = sum(c.num_tokens for c in choices)
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         return choices, usage
@@ -362,6 +383,15 @@ class OpenAIServing:
             out.text_offset.append(pos)
             pos += len(text)
         return out
+
+    def _prompt_logprobs(self, entries: list[dict[int, Logprob] | None] | None,
+                         ) -> PromptLogprobs | None:
+        """RequestOutput.prompt_logprobs -> vLLM's JSON shape (decoded token texts)."""
+        if entries is None:
+            return None
+        return [None if e is None else {
+            t: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=self.token_text(t))
+            for t, lp in e.items()} for e in entries]
 
     def _chat_logprobs(self, pairs: list[tuple[int, dict[int, Logprob]]],
                        num: int | None) -> ChatLogprobs | None:
