@@ -31,6 +31,7 @@ from dpserve.model.layers import (
     rope_spec_from_config,
     silu_and_mul,
 )
+from dpserve.model.quant import can_quantize, quantize_weight
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +204,33 @@ class LlamaForCausalLM(nn.Module):
         self.packed = True
         return True
 
+    def quantize_weights(self, lm_head: bool = False) -> int:
+        """After loading, instead of `prepack_weights`: every layer projection (merged
+        QKV, O, merged gate/up, down) to int8 (`quant.quantize_weight`, bias inside);
+        the LM head too if `lm_head` (else it is pre-packed float32). Experts of MoE
+        layers (no PACKABLE) stay float. Returns how many matrices it quantised."""
+        if self.packed or not can_quantize(self.dtype, self.embed.device):
+            raise ValueError("quantization int8 needs float32 weights on CPU")
+        count = 0
+        for module in self.layers.modules():
+            for name in getattr(module, "PACKABLE", ()):
+                bias_name = name.removesuffix("_weight") + "_bias"
+                bias = getattr(module, bias_name, None)
+                q = quantize_weight(getattr(module, name).data, bias)
+                delattr(module, name)
+                setattr(module, name, q)
+                if bias is not None:
+                    delattr(module, bias_name)
+                    setattr(module, bias_name, None)
+                count += 1
+            if getattr(module, "PACKABLE", ()):
+                module.packed = True  # weights no longer plain matrices
+        head = quantize_weight(self.lm_head.data) if lm_head else prepack(self.lm_head.data)
+        del self.lm_head
+        self.lm_head = head
+        self.packed = True
+        return count + int(lm_head)
+
     @torch.inference_mode()
     def warm_up_linears(self, max_rows: int, max_head_rows: int) -> int:
         """Run every distinct packed linear once at each bucketed row count it can see
@@ -217,6 +245,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.layers.modules():
             for name in getattr(module, "PACKABLE", ()):
                 weight = getattr(module, name)
+                if not isinstance(weight, torch.Tensor):  # int8: no per-shape kernels
+                    continue
                 shapes.setdefault(tuple(weight.shape), weight)
         runs = 0
         for weight, limit in [*((w, max_rows) for w in shapes.values()),
