@@ -15,6 +15,7 @@ fbgemm keeps no per-row-count kernel cache (unlike oneDNN, see
 from __future__ import annotations
 
 import functools
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +63,10 @@ def quantize_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> I
     """
     w = weight.detach().float().contiguous()
     scale = (w.abs().amax(dim=1).clamp(min=1e-12) / 127.0).double()
-    qw = torch.quantize_per_channel(w, scale, torch.zeros(w.shape[0], dtype=torch.long),
-                                    0, torch.qint8)
+    with warnings.catch_warnings():  # "quantized tensor creation ... deprecated" (2.13)
+        warnings.simplefilter("ignore", UserWarning)
+        qw = torch.quantize_per_channel(w, scale, torch.zeros(w.shape[0], dtype=torch.long),
+                                        0, torch.qint8)
     torch.backends.quantized.engine = "x86"  # fbgemm for linears
     b = bias.detach().float().contiguous() if bias is not None else None
     return Int8Weight(torch.ops.quantized.linear_prepack(qw, b), (w.shape[0], w.shape[1]))
