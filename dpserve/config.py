@@ -47,6 +47,7 @@ class ModelConfig:
     enforce_eager: bool = False  # no start-up kernel compilation (EngineArgs.enforce_eager)
     # (SamplingParams field, value) from generation_config.json (dpserve/generation_config.py)
     generation_defaults: tuple[tuple[str, Any], ...] = ()
+    quantization: str | None = None  # "int8": dynamic int8 linears (dpserve.model.quant)
 
     def __reduce__(self):
         # MappingProxyType does not pickle; send a plain copy (spawned engines
@@ -61,6 +62,21 @@ class ModelConfig:
         if eos is None:
             return []
         return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
+def _check_quantization(quantization: str, device: str, dtype: str, arch: str) -> None:
+    """int8 runs fbgemm CPU kernels on float32 dense Llama-family models only."""
+    from dpserve.model.registry import get_model_class
+
+    if device != "cpu":
+        raise ConfigError(f"quantization {quantization} runs on CPU only (device is {device})")
+    if dtype != "float32":
+        raise ConfigError(f"quantization {quantization} needs dtype float32, got {dtype}")
+    from dpserve.model.llama import LlamaForCausalLM
+
+    if get_model_class(arch) is not LlamaForCausalLM:
+        raise ConfigError(f"quantization {quantization} is not supported for {arch} "
+                          "(dense Llama, Mistral and Qwen2 models only)")
 
 
 def _rebuild_model_config(state: dict[str, Any]) -> ModelConfig:
@@ -179,6 +195,9 @@ class EngineArgs:
     dtype: str = _opt("auto", "Weight and activation dtype; auto = float32 on CPU, "
                       "bfloat16 on CUDA.", choices=_DTYPES)
     device: str = _opt("auto", "Device to run on; auto = CUDA when available.", choices=_DEVICES)
+    quantization: str | None = _opt(None, "int8: layer weights in int8 (per-channel scales), "
+                                    "activations quantised on the fly (CPU, float32, "
+                                    "dense models). Default: none.", choices=("int8",))
     seed: int = _opt(0, "Seed for sampling of requests that give no seed.")
     enforce_eager: bool = _opt(False, "Skip compiling every linear kernel at start-up (CPU): "
                                "a faster start, but kernels compile on first use while "
@@ -345,7 +364,10 @@ class EngineArgs:
             architecture=arch, hf_config=MappingProxyType(hf_config), dtype=dtype,
             max_model_len=max_model_len, seed=self.seed,
             enforce_eager=self.enforce_eager or os.environ.get("DPSERVE_ENFORCE_EAGER") == "1",
-            generation_defaults=load_generation_defaults(self.generation_config, str(path)))
+            generation_defaults=load_generation_defaults(self.generation_config, str(path)),
+            quantization=self.quantization)
+        if self.quantization is not None:
+            _check_quantization(self.quantization, device, dtype, arch)
         kv_bytes = (parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
                     if self.kv_cache_memory is not None else
                     (_DEFAULT_CPU_KV_BYTES if device == "cpu" else None))
@@ -483,6 +505,7 @@ class EngineArgs:
 
         need(self.dtype in _DTYPES, "dtype", f"must be one of {', '.join(_DTYPES)}")
         need(self.device in _DEVICES, "device", f"must be one of {', '.join(_DEVICES)}")
+        need(self.quantization in (None, "int8"), "quantization", "must be int8 (or unset)")
         need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
              "must be a power of two in [1, 128]")
         need(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",

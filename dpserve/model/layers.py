@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpserve.model.quant import Int8Weight, linear_int8
+
 
 class RMSNorm(nn.Module):
     """y = x / rms(x) * weight, computed in float32 (as Hugging Face does)."""
@@ -73,8 +75,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """x [T, in] -> [T, out]; `packed` says whether `weight` came from `prepack`.
 
     On CPU, oneDNN linears (packed float32, and bfloat16/float16) run on
-    `bucket_rows(T)` rows (zero padding, dropped after).
+    `bucket_rows(T)` rows (zero padding, dropped after). A `quant.Int8Weight`
+    (`--quantization int8`) runs the int8 kernel; its bias is inside it.
     """
+    if isinstance(weight, Int8Weight):
+        return linear_int8(x, weight)
     if packed or (x.is_cpu and x.dtype != torch.float32):  # oneDNN (bf16 goes there too)
         rows = x.shape[0]
         padded = bucket_rows(rows)

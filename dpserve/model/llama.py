@@ -31,6 +31,7 @@ from dpserve.model.layers import (
     rope_spec_from_config,
     silu_and_mul,
 )
+from dpserve.model.quant import can_quantize, quantize_weight
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +204,46 @@ class LlamaForCausalLM(nn.Module):
         self.packed = True
         return True
 
+    # Projections `quantize_weights` keeps in float32: down's input (silu(gate) * up)
+    # has outlier channels that per-tensor int8 activations flatten (SmolLM2-135M:
+    # perplexity 20.2 -> 31.6 with it in int8, 21.3 without; bench/int8_quality.py).
+    INT8_KEEP_FLOAT = ("down_weight",)
+
+    def quantize_weights(self, lm_head: bool = False) -> int:
+        """After loading, instead of `prepack_weights`: layer projections (merged QKV,
+        O, merged gate/up) to int8 (`quant.quantize_weight`, bias inside); down
+        (INT8_KEEP_FLOAT) and the LM head (unless `lm_head`) pre-packed float32.
+        Experts of MoE layers (no PACKABLE) stay float. Returns how many matrices
+        it quantised."""
+        if self.packed or not can_quantize(self.dtype, self.embed.device):
+            raise ValueError("quantization int8 needs float32 weights on CPU")
+        for layer in self.layers:
+            if isinstance(layer, LlamaDecoderLayer):
+                smooth_into_norm(layer.input_norm, layer.attn.qkv_weight)
+                smooth_into_norm(layer.post_attn_norm, layer.mlp.gate_up_weight)
+        count = 0
+        for module in self.layers.modules():
+            for name in getattr(module, "PACKABLE", ()):
+                bias_name = name.removesuffix("_weight") + "_bias"
+                bias = getattr(module, bias_name, None)
+                if name in self.INT8_KEEP_FLOAT:
+                    new = prepack(getattr(module, name).data)
+                else:
+                    new = quantize_weight(getattr(module, name).data, bias)
+                    count += 1
+                    if bias is not None:  # now inside the int8 weight
+                        delattr(module, bias_name)
+                        setattr(module, bias_name, None)
+                delattr(module, name)
+                setattr(module, name, new)
+            if getattr(module, "PACKABLE", ()):
+                module.packed = True  # weights no longer plain matrices
+        head = quantize_weight(self.lm_head.data) if lm_head else prepack(self.lm_head.data)
+        del self.lm_head
+        self.lm_head = head
+        self.packed = True
+        return count + int(lm_head)
+
     @torch.inference_mode()
     def warm_up_linears(self, max_rows: int, max_head_rows: int) -> int:
         """Run every distinct packed linear once at each bucketed row count it can see
@@ -217,6 +258,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.layers.modules():
             for name in getattr(module, "PACKABLE", ()):
                 weight = getattr(module, name)
+                if not isinstance(weight, torch.Tensor):  # int8: no per-shape kernels
+                    continue
                 shapes.setdefault(tuple(weight.shape), weight)
         runs = 0
         for weight, limit in [*((w, max_rows) for w in shapes.values()),
@@ -291,6 +334,20 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"missing weights ({len(missing)}): {', '.join(missing[:5])}"
                              + (" ..." if len(missing) > 5 else ""))
+
+
+def smooth_into_norm(norm: RMSNorm, weight: torch.Tensor, alpha: float = 0.5) -> None:
+    """SmoothQuant without calibration data, before int8: divide input channel j of
+    the RMSNorm's output by s_j and multiply weight column j by it (exact in float).
+    The norm's weight stands in for the activation's channel range (outlier
+    channels come from it), so s_j = |g_j|^alpha / max_i |W_ij|^(1 - alpha), scaled
+    to mean 1. SmolLM2-135M perplexity with int8: 21.3 -> 20.3 (float32 20.2)."""
+    g = norm.weight.data
+    s = (g.abs().clamp(min=1e-5) ** alpha
+         / weight.data.abs().amax(dim=0).clamp(min=1e-5) ** (1 - alpha))
+    s /= s.mean()
+    g.div_(s)
+    weight.data.mul_(s[None, :])
 
 
 def mlp_targets(prefix: str, mlp: LlamaMLP, hidden: int

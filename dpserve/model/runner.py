@@ -82,7 +82,10 @@ class ModelRunner:
         model = get_model_class(self.config.model.architecture)(
             self.config.model.hf_config, self.dtype, self.device, **extra)
         model.load_weights(iter_weights(Path(self.config.model.path)))
-        if model.prepack_weights() and not self.config.model.enforce_eager:
+        if self.config.model.quantization == "int8":
+            count = model.quantize_weights()
+            logger.info("int8 quantization: %d linear weights quantised", count)
+        if (model.packed or model.prepack_weights()) and not self.config.model.enforce_eager:
             sched = self.config.scheduler
             start = time.monotonic()
             runs = model.warm_up_linears(sched.max_num_batched_tokens, sched.max_num_seqs)
