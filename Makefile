@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # Only tests that start no process and take no long model runs (markers in
 # pyproject.toml): the state machines and pure logic, well under a minute.
