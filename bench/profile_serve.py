@@ -17,7 +17,7 @@ and the report gives, per process (API server, engine), its CPU use over the
 window and each category's share, and per output token the CPU milliseconds
 each category cost, next to the measured inter-token latency.
 
-    .venv/bin/python bench/profile.py --workload W1|W16 [--seconds 20] [--out BENCHMARKS.md]
+    .venv/bin/python bench/profile_serve.py --workload W1|W16 [--seconds 20] [--out BENCHMARKS.md]
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)  # a timeout still stops the server
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(spy).exists():
-        sys.exit("bench/profile.py: py-spy not found (pip install py-spy)")
+        sys.exit("bench/profile_serve.py: py-spy not found (pip install py-spy)")
     requests, concurrency = WORKLOADS[args.workload]
     tmp = Path(tempfile.mkdtemp(prefix="dpserve-profile-"))
     server = ServeProcess(args.model, _free_port(), tuple(shlex.split(args.serve_options)),
@@ -198,9 +198,9 @@ def main(argv: list[str] | None = None) -> int:
               if itl_count else None)
     text = report(samples, args.rate, t1 - t0,
                   delta.get("dpserve:generation_tokens_total", 0.0), itl_ms)
-    header = (f"\n## profile (bench/profile.py), "
+    header = (f"\n## profile (bench/profile_serve.py), "
               f"{datetime.datetime.now().isoformat(sep=' ', timespec='minutes')}\n\n"
-              f"- machine: {machine()}\n- command: `python bench/profile.py "
+              f"- machine: {machine()}\n- command: `python bench/profile_serve.py "
               f"{shlex.join(argv if argv is not None else sys.argv[1:])}`\n"
               f"- {args.workload}: {concurrency} stream(s), 128 prompt / 64 output tokens; "
               f"py-spy {args.rate} Hz over {t1 - t0:.1f} s, active samples only\n")
