@@ -192,8 +192,9 @@ class EngineArgs:
                              "name. Default: the built-in SmolLM2-135M-Instruct.")
     tokenizer: str | None = _opt(None, "Tokenizer directory or hub name (default: the model's).")
     revision: str | None = _opt(None, "Hub revision (branch, tag or commit) of the model.")
-    dtype: str = _opt("auto", "Weight and activation dtype; auto = float32 on CPU, "
-                      "bfloat16 on CUDA.", choices=_DTYPES)
+    dtype: str = _opt("auto", "Weight and activation dtype; auto = bfloat16 on CUDA and on "
+                      "CPUs with native bfloat16 (AVX512-BF16, AMX), else float32 "
+                      "(also with --quantization).", choices=_DTYPES)
     device: str = _opt("auto", "Device to run on; auto = CUDA when available.", choices=_DEVICES)
     quantization: str | None = _opt(None, "int8: layer weights in int8 (per-channel scales), "
                                     "activations quantised on the fly (CPU, float32, "
@@ -341,8 +342,7 @@ class EngineArgs:
         """Validate every option, resolve the model, and freeze the result."""
         self._validate_plain_options()
         device = _resolve_device(self.device)
-        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device == "cuda"
-                                                          else "float32")
+        dtype = _resolve_dtype(self.dtype, device, self.quantization)
         from dpserve.model.loader import resolve_model
 
         path = resolve_model(self.model, revision=self.revision)
@@ -603,6 +603,20 @@ def _resolve_device(device: str) -> str:
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device 'cuda' was asked for but torch sees no CUDA device")
     return device
+
+
+def _resolve_dtype(dtype: str, device: str, quantization: str | None) -> str:
+    """`auto` -> bfloat16 on CUDA; on CPU bfloat16 where the CPU has native support
+    (cpu_features.auto_cpu_dtype), float32 elsewhere and for int8 quantization."""
+    if dtype != "auto":
+        return dtype
+    if device == "cuda":
+        return "bfloat16"
+    if quantization is not None:
+        return "float32"
+    from dpserve.cpu_features import auto_cpu_dtype
+
+    return auto_cpu_dtype()
 
 
 def _is_moe(hf_config: Mapping[str, Any]) -> bool:

@@ -16,6 +16,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # second per engine, hundreds of engines per run); test_model and test_enforce_eager
 # check the compilation itself and what the flag changes.
 os.environ.setdefault("DPSERVE_ENFORCE_EAGER", "1")
+# `--dtype auto` stays float32 on CPUs with native bfloat16 too (cpu_features): the
+# suite compares greedy tokens with transformers' float32 and must not depend on the
+# machine it runs on; test_cpu_dtype checks the bfloat16 choice itself.
+os.environ.setdefault("DPSERVE_CPU_BF16", "0")
 
 
 @pytest.fixture(scope="session")

@@ -38,8 +38,8 @@ class RMSNorm(nn.Module):
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether oneDNN pre-packed float32 linears are available for this device."""
-    return (torch.device(device).type == "cpu" and dtype == torch.float32
+    """Whether oneDNN pre-packed linears (float32, bfloat16) are available here."""
+    return (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
@@ -49,7 +49,9 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
 
     On CPU this beats MKL's F.linear at every batch size we run (measured on
     SmolLM2's shapes, 2 threads: 1.8x at 1 token, 2.2x at 16, 1.5x at 64, 1.2x
-    for a 2048-token prefill). The packed tensor is only valid for `linear`.
+    for a 2048-token prefill); bfloat16 packed beats bfloat16 unpacked too (all of
+    SmolLM2's linears at 1 row: 16.3 vs 22.8 ms, at 16 rows: 18.0 vs 30.7 ms, on a CPU
+    with AVX512-BF16). The packed tensor is only valid for `linear`.
     """
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
 

@@ -185,8 +185,8 @@ class LlamaForCausalLM(nn.Module):
 
     def prepack_weights(self) -> bool:
         """After loading: move every projection to oneDNN's layout where that is
-        faster (CPU float32). A tied LM head gets its own packed copy, since the
-        embedding lookup needs the plain matrix. Returns whether it packed."""
+        faster (CPU float32 and bfloat16). A tied LM head gets its own packed copy,
+        since the embedding lookup needs the plain matrix. Returns whether it packed."""
         if self.packed or not can_prepack(self.dtype, self.embed.device):
             return False
         # Packed tensors are opaque (not strided), so they replace the
@@ -206,7 +206,7 @@ class LlamaForCausalLM(nn.Module):
 
     # Projections `quantize_weights` keeps in float32: down's input (silu(gate) * up)
     # has outlier channels that per-tensor int8 activations flatten (SmolLM2-135M:
-    # perplexity 20.2 -> 31.6 with it in int8, 21.3 without; bench/int8_quality.py).
+    # perplexity 20.2 -> 31.6 with it in int8, 21.3 without; bench/quality.py).
     INT8_KEEP_FLOAT = ("down_weight",)
 
     def quantize_weights(self, lm_head: bool = False) -> int:

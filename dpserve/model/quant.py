@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import functools
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from dpserve.cpu_features import cpu_flags
 
 QUANTIZATIONS = ("int8",)
 
@@ -29,11 +30,7 @@ def reduce_range() -> bool:
     """Whether activations use 7 bits instead of 8: without AVX512-VNNI, fbgemm
     multiplies u8 x s8 pairs into saturating int16 sums (vpmaddubsw), which 7-bit
     activations keep in range (PyTorch's x86 default does the same)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return True
-    return "avx512_vnni" not in flags
+    return "avx512_vnni" not in cpu_flags()
 
 
 class Int8Weight:

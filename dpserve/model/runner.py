@@ -82,6 +82,8 @@ class ModelRunner:
         model = get_model_class(self.config.model.architecture)(
             self.config.model.hf_config, self.dtype, self.device, **extra)
         model.load_weights(iter_weights(Path(self.config.model.path)))
+        logger.info("model %s loaded: %s on %s", self.config.model.architecture,
+                    str(self.dtype).removeprefix("torch."), self.device)
         if self.config.model.quantization == "int8":
             count = model.quantize_weights()
             logger.info("int8 quantization: %d linear weights quantised", count)

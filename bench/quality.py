@@ -1,16 +1,19 @@
-"""Quality cost of `--quantization int8` against float32: greedy agreement, perplexity.
+"""Quality cost of bfloat16 and of `--quantization int8` against float32: greedy
+agreement and perplexity.
 
 Scope: the default model (SmolLM2-135M-Instruct) unless --model names another.
 * Greedy agreement: --prompts prompts x --tokens greedy tokens (ignore_eos) from
-  `dpserve.LLM` in float32 and in int8: the fraction of positions with the same
+  `dpserve.LLM` in float32, in bfloat16 (`--dtype bfloat16`, what `auto` picks on
+  CPUs with native bfloat16) and in int8: the fraction of positions with the same
   token by position, the fraction before each prompt's first divergence (after
   it the two texts go separate ways), the share of identical completions, and
   the first divergence position (median, min).
 * Perplexity of TEXT (plain English, below) in one teacher-forced prefill, float32
-  vs int8 (and int8 with the LM head quantised too, to show why it stays float).
+  vs bfloat16 vs int8 (and int8 with the LM head quantised too, to show why it
+  stays float).
 Prints a markdown table.
 
-    .venv/bin/python bench/int8_quality.py [--model PATH] [--prompts 32] [--tokens 64]
+    .venv/bin/python bench/quality.py [--model PATH] [--prompts 32] [--tokens 64]
 """
 
 from __future__ import annotations
@@ -56,12 +59,17 @@ def prompts(n: int) -> list[str]:
             for i in range(n)]
 
 
-def greedy(model: str | None, quantization: str | None, texts: list[str],
-           tokens: int) -> list[list[int]]:
+# setting -> (dtype, quantization, LM head in int8 too)
+SETTINGS = {"float32": ("float32", None, False), "bfloat16": ("bfloat16", None, False),
+            "int8": ("float32", "int8", False), "int8 + int8 LM head": ("float32", "int8", True)}
+
+
+def greedy(model: str | None, setting: str, texts: list[str], tokens: int) -> list[list[int]]:
     from dpserve import LLM, SamplingParams
 
+    dtype, quantization, _ = SETTINGS[setting]
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    with LLM(model, quantization=quantization) as llm:
+    with LLM(model, dtype=dtype, quantization=quantization) as llm:
         msgs = [[{"role": "user", "content": t}] for t in texts]
         return [list(o.outputs[0].token_ids) for o in llm.chat(msgs, params)]
 
@@ -80,7 +88,7 @@ def agreement(base: list[list[int]], other: list[list[int]]) -> dict[str, float]
             "min_first": min(firsts)}
 
 
-def perplexity(model: str | None, quantization: str | None, head: bool = False) -> float:
+def perplexity(model: str | None, setting: str) -> float:
     """exp(mean NLL) of TEXT's tokens, teacher-forced in one prefill."""
     from transformers import AutoTokenizer
 
@@ -89,9 +97,11 @@ def perplexity(model: str | None, quantization: str | None, head: bool = False) 
     from dpserve.model.loader import iter_weights
     from dpserve.model.registry import get_model_class
 
+    dtype_name, quantization, head = SETTINGS[setting]
+    dtype = getattr(torch, dtype_name)
     cfg = EngineArgs(model=model).create_config().model
     ids = AutoTokenizer.from_pretrained(cfg.tokenizer)(TEXT)["input_ids"]
-    lm = get_model_class(cfg.architecture)(cfg.hf_config, torch.float32, "cpu")
+    lm = get_model_class(cfg.architecture)(cfg.hf_config, dtype, "cpu")
     lm.load_weights(iter_weights(Path(cfg.path)))
     if quantization == "int8":
         lm.quantize_weights(lm_head=head)
@@ -99,9 +109,10 @@ def perplexity(model: str | None, quantization: str | None, head: bool = False) 
         lm.prepack_weights()
     d, bs, n = lm.dims, 16, len(ids)
     blocks = -(-n // bs) + 1
-    caches = [torch.zeros(2, blocks, bs, d.kv_heads, d.head_dim) for _ in range(d.layers)]
+    caches = [torch.zeros(2, blocks, bs, d.kv_heads, d.head_dim, dtype=dtype)
+              for _ in range(d.layers)]
     meta = build_attention_metadata(np.array([n]), np.array([0]), np.arange(blocks)[None],
-                                    0, bs, torch.float32, torch.device("cpu"),
+                                    0, bs, dtype, torch.device("cpu"),
                                     d.kv_heads * d.head_dim)
     with torch.inference_mode():
         hidden = lm(torch.tensor(ids), torch.arange(n), meta, caches)
@@ -117,20 +128,19 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args()
     texts = prompts(args.prompts)
-    base = greedy(args.model, None, texts, args.tokens)
-    q = greedy(args.model, "int8", texts, args.tokens)
-    agr = agreement(base, q)
-    ppl = {name: perplexity(args.model, quant, head) for name, quant, head in
-           [("float32", None, False), ("int8", "int8", False),
-            ("int8 + int8 LM head", "int8", True)]}
+    base = greedy(args.model, "float32", texts, args.tokens)
+    agr = {name: agreement(base, greedy(args.model, name, texts, args.tokens))
+           for name in ("bfloat16", "int8")}
+    ppl = {name: perplexity(args.model, name) for name in SETTINGS}
     print(f"model: {args.model or 'default (SmolLM2-135M-Instruct)'}; {args.prompts} chat "
           f"prompts x {args.tokens} greedy tokens")
     print("\n| setting | perplexity | same greedy token (by position) | tokens before "
           "first divergence | identical completions | first divergence median (min) |")
     print("|---|---:|---:|---:|---:|---:|")
     print(f"| float32 | {ppl['float32']:.3f} | 100% | 100% | 100% | - |")
-    print(f"| int8 | {ppl['int8']:.3f} | {agr['same']:.1%} | {agr['agree']:.1%} | "
-          f"{agr['identical']:.1%} | {agr['median_first']:g} ({agr['min_first']}) |")
+    for name, a in agr.items():
+        print(f"| {name} | {ppl[name]:.3f} | {a['same']:.1%} | {a['agree']:.1%} | "
+              f"{a['identical']:.1%} | {a['median_first']:g} ({a['min_first']}) |")
     print(f"| int8 + int8 LM head | {ppl['int8 + int8 LM head']:.3f} | - | - | - | - |")
 
 
