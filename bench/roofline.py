@@ -17,7 +17,11 @@ tokens, 64 output tokens, 16 at a time) and the best inter-token latency of one
 stream (W1). Given measured figures (`--w16-tok-s`, `--w1-itl-ms`), it prints
 each workload's share of its limit.
 
-    .venv/bin/python bench/roofline.py [--threads 2] [--w16-tok-s 153] [--w1-itl-ms 30]
+    .venv/bin/python bench/roofline.py [--dtype float32|bfloat16] [--threads 2] \
+        [--w16-tok-s 153] [--w1-itl-ms 30]
+
+(`--dtype bfloat16`: weights and activations in bfloat16, as `--dtype auto` runs on
+a CPU with native bfloat16; weight bytes halve.)
 """
 
 from __future__ import annotations
@@ -57,16 +61,16 @@ def _time(fn, min_time: float = 0.3, min_reps: int = 5) -> float:
     return min(times)
 
 
-def gemm_table() -> dict[str, dict[int, dict[str, float]]]:
+def gemm_table(dtype: torch.dtype) -> dict[str, dict[int, dict[str, float]]]:
     """shape -> rows -> {"mkl_s", "onednn_s", "mkl_gflops", "onednn_gflops"}."""
     torch.manual_seed(0)
     table: dict[str, dict[int, dict[str, float]]] = {}
     for name, (out_f, in_f) in SHAPES.items():
-        weight = torch.randn(out_f, in_f) * 0.02
+        weight = (torch.randn(out_f, in_f) * 0.02).to(dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         table[name] = {}
         for rows in BATCHES:
-            x = torch.randn(rows, in_f)
+            x = torch.randn(rows, in_f).to(dtype)
             mkl = _time(lambda x=x, w=weight: F.linear(x, w))
             dnn = _time(lambda x=x, w=packed: torch.ops.mkldnn._linear_pointwise(
                 x, w, None, "none", [], ""))
@@ -105,7 +109,8 @@ def _interp_s(table, name: str, rows: int) -> float:
     return t_lo + (t_hi - t_lo) * (rows - lo) / (hi - lo)
 
 
-def step_floors(table, bw: dict[str, float], rows: int, head_rows: int) -> dict[str, float]:
+def step_floors(table, bw: dict[str, float], rows: int, head_rows: int,
+                elem_bytes: int) -> dict[str, float]:
     """Two floors for one forward of `rows` tokens sampling `head_rows` of them."""
     layer_names = ("qkv", "o", "gate_up", "down")
     kernel = LAYERS * sum(_interp_s(table, n, rows) for n in layer_names)
@@ -116,24 +121,26 @@ def step_floors(table, bw: dict[str, float], rows: int, head_rows: int) -> dict[
     # batches' rates are inflated by weights that stay in cache between calls).
     peak = max(max(shape[BATCHES[-1]]["mkl_gflops"], shape[BATCHES[-1]]["onednn_gflops"])
                for shape in table.values()) * 1e9
-    weight_bytes = 4.0 * sum(o * i * (1 if n == "lm_head" else LAYERS)
+    weight_bytes = float(elem_bytes) * sum(o * i * (1 if n == "lm_head" else LAYERS)
                              for n, (o, i) in SHAPES.items())
     roof = max(flops / peak, weight_bytes / (bw["read_gbs"] * 1e9))
     return {"kernel_s": kernel, "roofline_s": roof}
 
 
-def workload_limits(table, bw, prompt: int = 128, output: int = 64, num: int = 64,
-                    concurrency: int = 16, chunk: int = 2048) -> dict[str, float]:
+def workload_limits(table, bw, elem_bytes: int, prompt: int = 128, output: int = 64,
+                    num: int = 64, concurrency: int = 16,
+                    chunk: int = 2048) -> dict[str, float]:
     """Best output tok/s for W16 and best inter-token latency for one stream."""
     prefill_tokens = num * prompt
     full, rest = divmod(prefill_tokens, chunk)
-    prefill = {k: full * v for k, v in step_floors(table, bw, chunk, chunk // prompt).items()}
+    chunk_floors = step_floors(table, bw, chunk, chunk // prompt, elem_bytes)
+    prefill = {k: full * v for k, v in chunk_floors.items()}
     if rest:
-        for k, v in step_floors(table, bw, rest, max(1, rest // prompt)).items():
+        for k, v in step_floors(table, bw, rest, max(1, rest // prompt), elem_bytes).items():
             prefill[k] += v
     decode_steps = num * (output - 1) / concurrency
-    decode = step_floors(table, bw, concurrency, concurrency)
-    one = step_floors(table, bw, 1, 1)
+    decode = step_floors(table, bw, concurrency, concurrency, elem_bytes)
+    one = step_floors(table, bw, 1, 1, elem_bytes)
     out: dict[str, float] = {}
     for k in ("kernel_s", "roofline_s"):
         total = prefill[k] + decode_steps * decode[k]
@@ -144,18 +151,20 @@ def workload_limits(table, bw, prompt: int = 128, output: int = 64, num: int = 6
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--w16-tok-s", type=float, help="a measured W16 output tok/s")
     p.add_argument("--w1-itl-ms", type=float, help="a measured W1 inter-token p50 (ms)")
     p.add_argument("--json", action="store_true", help="print the raw figures as JSON")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    table = gemm_table()
+    dtype = getattr(torch, args.dtype)
+    table = gemm_table(dtype)
     bw = bandwidth()
-    limits = workload_limits(table, bw)
+    limits = workload_limits(table, bw, dtype.itemsize)
     if args.json:
         print(json.dumps({"gemm": table, "bandwidth": bw, "limits": limits}, indent=1))
-    print(f"threads {args.threads}; bandwidth: read {bw['read_gbs']:.1f} GB/s, "
+    print(f"{args.dtype}, threads {args.threads}; bandwidth: read {bw['read_gbs']:.1f} GB/s, "
           f"copy {bw['copy_gbs']:.1f} GB/s\n")
     print("| shape (out x in) | rows | MKL GFLOP/s | oneDNN packed GFLOP/s |")
     print("|---|---:|---:|---:|")
