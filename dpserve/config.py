@@ -596,6 +596,8 @@ def parse_memory_size(value: str | int, option: str) -> int:
 
 
 def _resolve_device(device: str) -> str:
+    if device == "cpu" or (device == "auto" and _cpu_only_torch()):
+        return "cpu"  # without importing torch (seconds): a launcher may never need it
     import torch
 
     if device == "auto":
@@ -603,6 +605,17 @@ def _resolve_device(device: str) -> str:
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device 'cuda' was asked for but torch sees no CUDA device")
     return device
+
+
+def _cpu_only_torch() -> bool:
+    """Whether the installed torch is a CPU-only wheel (its version ends "+cpu", read
+    from the package metadata): such a build never sees a CUDA device."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch").endswith("+cpu")
+    except metadata.PackageNotFoundError:
+        return False
 
 
 def _resolve_dtype(dtype: str, device: str, quantization: str | None) -> str:

@@ -9,10 +9,12 @@ scheduler.update_from_output --> list[EngineCoreOutput] --> EngineCore.step()
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from dpserve.engine.request import Request
+
+if TYPE_CHECKING:  # the launcher imports the engine's modules without torch
+    import torch
 
 
 @dataclass

@@ -184,6 +184,10 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.headless:
         return run_headless(args)
     sock = _bind(args.host, args.port)  # before loading anything: fail fast, hold the port
+    if args.data_parallel_backend != "ray":
+        from dpserve.launch.process import start_engine_forkserver
+
+        start_engine_forkserver()  # imports torch while the config resolves
     num_api_servers = args.api_server_count
     launch: EngineLaunch | None = None
     try:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 _preloads: dict[str, Future] = {}
@@ -11,9 +13,32 @@ _preloads_lock = threading.Lock()
 
 
 def _load(path: str) -> Any:
+    if _plain_llama_backend(path):
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def _plain_llama_backend(path: str) -> bool:
+    """Whether `path` is a local Llama directory whose tokenizer_config.json names
+    TokenizersBackend, with no custom code: AutoTokenizer then loads exactly that
+    class (transformers 5), but only after reading the model config through
+    AutoConfig, which imports torch and modeling code (~3 s of CPU in every API
+    server). dpserve's GGUF conversions (the default model) and the test models
+    are such directories; tests/test_tokenizer_load.py holds the two loads equal."""
+    directory = Path(path)
+    try:
+        tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(tokenizer_config, dict) and isinstance(config, dict)
+            and tokenizer_config.get("tokenizer_class") == "TokenizersBackend"
+            and config.get("model_type") == "llama"
+            and "auto_map" not in tokenizer_config and "auto_map" not in config)
 
 
 def preload_tokenizer(path: str) -> None:

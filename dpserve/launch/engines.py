@@ -28,6 +28,7 @@ import zmq
 from dpserve.config import EngineConfig
 from dpserve.launch.process import (
     ProcessGroup,
+    engine_context,
     shutdown,
     stop_socket_thread,
     wait_for_any_exit,
@@ -64,7 +65,7 @@ class EngineProcManager:
         self.handshake_timeout = handshake_timeout or HANDSHAKE_TIMEOUT_S
         self.ranks = list(range(start_rank, start_rank + num_engines))
         self._lock = threading.Lock()  # ranks and processes change together (scaling)
-        self._group = ProcessGroup(self)
+        self._group = ProcessGroup(self, context=engine_context())
         for rank in self.ranks:
             self._group.spawn(self._target(), f"EngineCore_{rank}", **self._kwargs(rank))
 

@@ -5,7 +5,12 @@
   a process can be replaced in place (a restart).
 * `wait_for_any_exit`, `shutdown` (terminate -> join with a shared deadline ->
   kill the tree), `kill_process_tree`.
-* `start_parent_watcher`: in a child, exit when the parent dies (re-parenting).
+* `start_parent_watcher`: in a child, exit when the parent dies.
+* `engine_context`: engines start from a forkserver that has imported torch and
+  the engine's modules once (`FORKSERVER_PRELOAD`), instead of each spawned engine
+  importing them again (seconds of CPU per engine). The forkserver never touches
+  CUDA, so a forked engine initialises it as a spawned one would; each engine gets
+  the launcher's environment and stdout/stderr as of its start, as spawn gives.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import select
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -26,8 +33,32 @@ import psutil
 
 logger = logging.getLogger(__name__)
 
-PARENT_POLL_S = 1.0
+PARENT_POLL_S = 1.0  # without pidfds: how often a child looks for re-parenting
 PARENT_GRACE_S = 10.0  # after asking itself to stop, an orphan hard-exits after this
+# Imported once by the engines' forkserver: the first module makes it ignore SIGTERM
+# (a signal to the whole process group must not kill it under running engines).
+FORKSERVER_PRELOAD = ["dpserve.launch.forkserver_init", "torch", "dpserve.engine.process",
+                      "dpserve.engine.core", "dpserve.model.runner", "dpserve.model.llama"]
+
+
+def engine_context() -> Any:
+    """The multiprocessing context for engine processes: a forkserver preloaded with
+    FORKSERVER_PRELOAD where children can watch their launcher by pidfd (Linux),
+    else spawn."""
+    if sys.platform != "linux" or not hasattr(os, "pidfd_open"):
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return ctx
+
+
+def start_engine_forkserver() -> None:
+    """Start the engines' forkserver now: its imports take seconds, which then
+    overlap the launcher's own start-up (a no-op where engines are spawned)."""
+    if engine_context().get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
 
 
 class ProcessGroup:
@@ -36,18 +67,27 @@ class ProcessGroup:
     `on_close` runs after the processes are stopped (e.g. closing pipes).
     """
 
-    def __init__(self, owner: object, on_close: Callable[[], None] | None = None) -> None:
+    def __init__(self, owner: object, on_close: Callable[[], None] | None = None,
+                 context: Any = None) -> None:
         self.processes: list[BaseProcess] = []
-        self._ctx = multiprocessing.get_context("spawn")
+        self._ctx = context or multiprocessing.get_context("spawn")
         self._finalizer = weakref.finalize(owner, _close_group, self.processes, on_close)
 
     @property
     def context(self) -> Any:
         return self._ctx
 
+    def _process(self, target: Callable[..., Any], name: str, kwargs: dict) -> BaseProcess:
+        if self._ctx.get_start_method() == "forkserver":  # what spawn would pass on
+            stdout, stderr = (_PassedFd(fd) if _is_open(fd) else None for fd in (1, 2))
+            kwargs = dict(target=target, kwargs=kwargs, env=dict(os.environ),
+                          stdout=stdout, stderr=stderr)
+            target = _run_as_spawned
+        return self._ctx.Process(target=target, name=name, kwargs=kwargs)
+
     def spawn(self, target: Callable[..., Any], name: str, **kwargs: Any) -> BaseProcess:
         """Create and start `name`; on failure everything of the group is stopped."""
-        proc = self._ctx.Process(target=target, name=name, kwargs=kwargs)
+        proc = self._process(target, name, kwargs)
         self.processes.append(proc)
         try:
             proc.start()
@@ -58,7 +98,7 @@ class ProcessGroup:
 
     def replace(self, old: BaseProcess, target: Callable[..., Any], **kwargs: Any) -> BaseProcess:
         """Start a new process in `old`'s place (same name); `old` must have exited."""
-        proc = self._ctx.Process(target=target, name=old.name, kwargs=kwargs)
+        proc = self._process(target, old.name, kwargs)
         self.processes[self.processes.index(old)] = proc
         proc.start()
         return proc
@@ -69,6 +109,51 @@ class ProcessGroup:
     @property
     def closed(self) -> bool:
         return not self._finalizer.alive
+
+
+class _PassedFd:
+    """A file descriptor of the starting process, sent to the child with the process
+    object (pickled while the child is being started); an int in the child."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        from multiprocessing.reduction import DupFd
+
+        return (_received_fd, (DupFd(self.fd),))
+
+
+def _received_fd(dup: Any) -> int:
+    return dup.detach()
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def _run_as_spawned(target: Callable[..., Any], kwargs: dict, env: dict[str, str],
+                    stdout: int | None, stderr: int | None) -> None:
+    """In a forkserver's child: the launcher's environment, stdout/stderr and SIGTERM
+    disposition (the forkserver ignores it), then `target(**kwargs)`."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # setproctitle finds its memory next to the original environment: set it up
+    # before the environment changes, or `name_process` cannot retitle us.
+    import setproctitle
+
+    setproctitle.getproctitle()
+    for key in set(os.environ) - set(env):
+        del os.environ[key]
+    os.environ.update((k, v) for k, v in env.items() if os.environ.get(k) != v)
+    for fd, received in ((1, stdout), (2, stderr)):
+        if received is not None:
+            os.dup2(received, fd)
+            os.close(received)
+    target(**kwargs)
 
 
 def _close_group(procs: list[BaseProcess], on_close: Callable[[], None] | None) -> None:
@@ -92,12 +177,11 @@ def stop_socket_thread(stop: threading.Event, thread: threading.Thread,
 
 
 def start_parent_watcher(parent_pid: int, what: str = "process") -> None:
-    """Exit when the parent dies (we get re-parented): SIGTERM ourselves, then, if
-    the main thread is stuck, hard-exit after a grace period."""
+    """Exit when the parent dies: SIGTERM ourselves, then, if the main thread is
+    stuck, hard-exit after a grace period."""
 
     def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(PARENT_POLL_S)
+        _wait_for_death(parent_pid)
         logger.warning("parent process %d is gone; %s shutting down", parent_pid, what)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(PARENT_GRACE_S)
@@ -105,6 +189,23 @@ def start_parent_watcher(parent_pid: int, what: str = "process") -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="parent-watcher", daemon=True).start()
+
+
+def _wait_for_death(pid: int) -> None:
+    """Block until process `pid` (our parent, or the launcher that asked a forkserver
+    for us) has exited: on its pidfd, else by polling for re-parenting."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return  # gone already
+    except (AttributeError, OSError):  # no pidfds here: only our own parent is watched
+        while os.getppid() == pid:
+            time.sleep(PARENT_POLL_S)
+        return
+    try:
+        select.select([fd], [], [])  # readable once it has exited
+    finally:
+        os.close(fd)
 
 
 def wait_for_any_exit(procs: Sequence[BaseProcess],

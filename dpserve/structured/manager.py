@@ -22,12 +22,13 @@ import concurrent.futures as cf
 import logging
 import threading
 from collections.abc import Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from dpserve.structured.grammar import compile_spec
 from dpserve.structured.spec import StructuredOutputs
+
+if TYPE_CHECKING:  # the launcher imports the engine's modules without torch
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +169,8 @@ def grammar_bitmask(requests: Sequence[Any], vocab_size: int,
             if getattr(r, "grammar", None) is not None and r.grammar.matcher is not None]
     if not rows:
         return None
+    import torch
+
     bitmask = torch.full((len(rows), -(-vocab_size // _BITS)), -1, dtype=torch.int32)
     for k, i in enumerate(rows):
         requests[i].grammar.fill(bitmask, k)
@@ -176,6 +179,8 @@ def grammar_bitmask(requests: Sequence[Any], vocab_size: int,
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
     """In place on logits [S, V]: forbidden tokens of the constrained rows -> -inf."""
+    import torch
+
     vocab = logits.shape[1]
     bitmask, rows = bitmask.to(logits.device), rows.to(logits.device)
     shifts = torch.arange(_BITS, dtype=torch.int32, device=logits.device)
