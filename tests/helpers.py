@@ -41,15 +41,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-@contextmanager
-def serve(model: str, *extra: str, env: dict[str, str] | None = None, timeout: float = 120,
-          host: str = "127.0.0.1", headers: dict[str, str] | None = None,
-          new_session: bool = False):
-    """Start `dpserve serve`, wait for /health, yield (process, base_url); always clean up.
+def launch(model: str, *extra: str, env: dict[str, str] | None = None,
+           host: str = "127.0.0.1", new_session: bool = False) -> tuple[subprocess.Popen, str]:
+    """Start `dpserve serve` on a free port without waiting for it; (process, base_url).
 
-    The server's output goes to a temporary file: `output(proc)` reads it. With
-    `new_session` it leads a process group of its own, as a shell's foreground job
-    (Ctrl-C signals the whole group: `os.killpg(proc.pid, SIGINT)`).
+    The server's output goes to a temporary file (`proc.log`): `output(proc)` reads
+    it. With `new_session` it leads a process group of its own, as a shell's
+    foreground job (Ctrl-C signals the whole group: `os.killpg(proc.pid, SIGINT)`).
     """
     port = free_port(host)
     log = tempfile.NamedTemporaryFile("w+", prefix="dpserve-serve-", suffix=".log")
@@ -59,13 +57,55 @@ def serve(model: str, *extra: str, env: dict[str, str] | None = None, timeout: f
         env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT, text=True,
         start_new_session=new_session)
     proc.log = log  # type: ignore[attr-defined]
-    url = f"http://{host}:{port}"
-    try:
-        wait_healthy(proc, url, timeout, describe=lambda: output(proc), headers=headers)
+    return proc, f"http://{host}:{port}"
+
+
+@contextmanager
+def serve(model: str, *extra: str, env: dict[str, str] | None = None, timeout: float = 120,
+          host: str = "127.0.0.1", headers: dict[str, str] | None = None,
+          new_session: bool = False):
+    """Start `dpserve serve` (see `launch`), wait for /health, yield (process, base_url);
+    always clean up."""
+    with serve_all([model, *extra], env=env, timeout=timeout, host=host, headers=headers,
+                   new_session=new_session) as [(proc, url)]:
         yield proc, url
+
+
+@contextmanager
+def serve_all(*servers: list[str], env: dict[str, str] | list[dict[str, str]] | None = None,
+              timeout: float = 120, host: str = "127.0.0.1",
+              headers: dict[str, str] | None = None, new_session: bool = False):
+    """Several servers at once, each `[model, *options]` as `serve` takes them (`env`:
+    one for all, or a list, one per server): all are started before any is waited
+    for, so their start-ups overlap (one start-up is a chain of single-threaded
+    steps: alone it leaves a core idle). Yields [(process, base_url), ...] in order
+    once every one is healthy; stops them all (at once) on exit."""
+    envs = env if isinstance(env, list) else [env] * len(servers)
+    assert len(envs) == len(servers), "one env per server"
+    procs: list[tuple[subprocess.Popen, str]] = []
+    try:
+        for (model, *extra), server_env in zip(servers, envs):
+            procs.append(launch(model, *extra, env=server_env, host=host,
+                                new_session=new_session))
+        for proc, url in procs:
+            wait_healthy(proc, url, timeout, describe=lambda proc=proc: output(proc),
+                         headers=headers)
+        yield procs
+    finally:
+        stop_all([proc for proc, _ in procs])
+        for proc, _ in procs:
+            proc.log.close()  # type: ignore[attr-defined]
+
+
+@contextmanager
+def stopping(server: tuple[subprocess.Popen, str]):
+    """One of `serve_all`'s servers, for one test: yields it; stops it when the block
+    ends (as `serve` does), so what the test did to it goes no further."""
+    proc, _ = server
+    try:
+        yield server
     finally:
         stop(proc)
-        log.close()
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, describe=lambda: "",
@@ -81,7 +121,7 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, describe=lamb
                 return
         except httpx.TransportError:
             pass
-        time.sleep(0.2)
+        time.sleep(0.05)
 
 
 def output(proc: subprocess.Popen) -> str:
@@ -93,14 +133,25 @@ def output(proc: subprocess.Popen) -> str:
 def stop(proc: subprocess.Popen, timeout: float = 10) -> None:
     """SIGTERM (a drain); if it still runs after `timeout` s, a second SIGTERM (stop
     at once), then SIGKILL; a no-op on a process that has exited."""
-    for signal_it in (proc.terminate, proc.terminate, proc.kill):
-        if proc.poll() is not None:
+    stop_all([proc], timeout)
+
+
+def stop_all(procs: list[subprocess.Popen], timeout: float = 10) -> None:
+    """`stop` for several processes at once: each step goes to every one still running,
+    then waits (`timeout` s at most) for them all."""
+    for signal_it in (subprocess.Popen.terminate, subprocess.Popen.terminate,
+                      subprocess.Popen.kill):
+        running = [p for p in procs if p.poll() is None]
+        if not running:
             return
-        signal_it()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
+        for p in running:
+            signal_it(p)
+        deadline = time.monotonic() + timeout
+        for p in running:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def descendants(pid: int) -> list[psutil.Process]:
@@ -183,7 +234,21 @@ async def complete_all(url: str, model: str, prompts: list[str], *, max_tokens: 
 
 def offline_greedy_texts(model: str, prompts: list[str], max_tokens: int,
                          **params) -> list[str]:
-    """Greedy completions from one in-process engine on one thread, as each DP engine runs."""
+    """Greedy completions from one in-process engine on one thread, as each DP engine runs.
+
+    Computed once per test session for the same model directory, prompts and
+    parameters (greedy: the same texts every time); each caller gets its own list."""
+    key = (model, tuple(prompts), max_tokens, tuple(sorted(params.items())))
+    if key not in _OFFLINE_GREEDY:
+        _OFFLINE_GREEDY[key] = _offline_greedy_texts(model, prompts, max_tokens, **params)
+    return list(_OFFLINE_GREEDY[key])
+
+
+_OFFLINE_GREEDY: dict[tuple, list[str]] = {}
+
+
+def _offline_greedy_texts(model: str, prompts: list[str], max_tokens: int,
+                          **params) -> list[str]:
     import torch
 
     from dpserve import LLM, SamplingParams

@@ -17,13 +17,22 @@ import time
 import httpx
 import psutil
 import pytest
-from helpers import all_gone, descendants, offline_greedy_texts, output, serve
+from helpers import (
+    all_gone,
+    descendants,
+    offline_greedy_texts,
+    output,
+    serve,
+    serve_all,
+    stopping,
+)
 
 pytestmark = pytest.mark.procs
 
 PROMPTS = ["Hello world", "Once upon a time", "def add(x, y):", "The quick brown fox",
            "1 2 3 4"]
 DP_ARGS = ("--threads-per-engine", "1", "--max-model-len", "256")
+API_KEY = "k-" + "7" * 16
 
 
 @pytest.fixture(scope="module")
@@ -95,12 +104,19 @@ def test_both_serve_equal_text_and_metrics_add_up(two_api_servers):
         assert set(queries) == {"0", "1"} and all(q > 0 for q in queries.values())
 
 
+@pytest.fixture(scope="module")
+def servers_to_signal(tiny_llama):
+    """One server per signal, started at once (their start-ups overlap)."""
+    with serve_all(*[[str(tiny_llama), "--data-parallel-size", "2", "--api-server-count", "2",
+                      *DP_ARGS]] * 2, new_session=True) as servers:
+        yield dict(zip(("SIGTERM", "Ctrl-C"), servers))
+
+
 @pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
-def test_a_signal_stops_every_process(tiny_llama, how):
+def test_a_signal_stops_every_process(servers_to_signal, how):
     # A server of its own (stopping the shared one would break the tests after it).
     # Ctrl-C: the terminal's SIGINT to the whole foreground process group.
-    with serve(str(tiny_llama), "--data-parallel-size", "2", "--api-server-count", "2",
-               *DP_ARGS, new_session=True) as (proc, url):
+    with stopping(servers_to_signal[how]) as (proc, url):
         children = descendants(proc.pid)
         assert _names(children) >= {"APIServer_0", "APIServer_1", "EngineCore_0",
                                     "EngineCore_1", "DPCoordinator"}
@@ -113,9 +129,20 @@ def test_a_signal_stops_every_process(tiny_llama, how):
         assert all_gone(children, timeout=10), [p for p in children if p.is_running()]
 
 
-def test_a_killed_api_server_stops_the_server_under_policy_stop(tiny_llama):
-    with serve(str(tiny_llama), "--api-server-count", "2", "--threads-per-engine",
-               "1", "--engine-failure-policy", "stop") as (proc, url):
+@pytest.fixture(scope="module")
+def one_engine_servers(tiny_llama):
+    """Two API servers over one engine, under policy stop and with an API key, started
+    at once (their start-ups overlap); a test of its own uses (and stops) each."""
+    model = str(tiny_llama)
+    with serve_all([model, "--api-server-count", "2", "--threads-per-engine", "1",
+                    "--engine-failure-policy", "stop"],
+                   [model, "--api-server-count", "2", "--api-key", API_KEY, *DP_ARGS]) as (
+            servers):
+        yield dict(zip(("policy_stop", "api_key"), servers))
+
+
+def test_a_killed_api_server_stops_the_server_under_policy_stop(one_engine_servers, tiny_llama):
+    with stopping(one_engine_servers["policy_stop"]) as (proc, url):
         children = descendants(proc.pid)
         target = [p for p in children if p.name() == "dpserve::APIServer_1"]
         assert len(target) == 1, [p.name() for p in children]
@@ -235,12 +262,11 @@ def test_api_server_count_must_be_positive():
     assert len(lines) == 1 and "--api-server-count" in lines[0], proc.stderr
 
 
-def test_api_key_is_required_by_every_api_server(tiny_llama):
+def test_api_key_is_required_by_every_api_server(one_engine_servers, tiny_llama):
     """`--api-key` applies to each API server: every connection (whichever server
     accepts it) is refused without the key and served with it."""
-    key = "k-" + "7" * 16
-    with serve(str(tiny_llama), "--api-server-count", "2", "--api-key", key,
-               *DP_ARGS) as (_, url):
+    key = API_KEY
+    with stopping(one_engine_servers["api_key"]) as (_, url):
         fresh = {"Connection": "close"}  # a new connection each: both servers answer
         body = {"model": str(tiny_llama), "prompt": "Hi", "max_tokens": 2}
         for _ in range(12):

@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import descendants, metric, proc_named, serve, wait_until
+from tests.helpers import descendants, metric, proc_named, serve_all, wait_until
 
 pytestmark = pytest.mark.procs
 
@@ -31,25 +31,32 @@ KV_BYTES = KV_BLOCKS * 16 * 2 * 2 * 2 * 16 * 4
 
 
 @pytest.fixture(scope="module")
-def dp_server(tiny_llama):
-    with serve(str(tiny_llama), "--data-parallel-size", "2", "--api-server-count", "2",
-               "--enable-admin-api", timeout=240) as (proc, url):
-        yield proc, url, str(tiny_llama)
+def servers(tiny_llama):
+    """The three servers, started at once (their start-ups overlap)."""
+    model = str(tiny_llama)
+    with serve_all([model, "--data-parallel-size", "2", "--api-server-count", "2",
+                    "--enable-admin-api"],
+                   [model, "--enable-admin-api", "--api-key", KEY, "--num-kv-blocks",
+                    str(KV_BLOCKS), "--max-num-seqs", "2", "--max-num-queued-requests", "2"],
+                   [model, "--data-parallel-size", "2", "--data-parallel-lockstep",
+                    "--enable-admin-api"], headers=AUTH, timeout=240) as started:
+        yield {name: (proc, url, model) for name, (proc, url) in
+               zip(("dp", "one", "lockstep"), started)}
 
 
 @pytest.fixture(scope="module")
-def one_server(tiny_llama):
-    with serve(str(tiny_llama), "--enable-admin-api", "--api-key", KEY, "--num-kv-blocks",
-               str(KV_BLOCKS), "--max-num-seqs", "2", "--max-num-queued-requests", "2",
-               headers=AUTH, timeout=240) as (proc, url):
-        yield proc, url, str(tiny_llama)
+def dp_server(servers):
+    return servers["dp"]
 
 
 @pytest.fixture(scope="module")
-def lockstep_server(tiny_llama):
-    with serve(str(tiny_llama), "--data-parallel-size", "2", "--data-parallel-lockstep",
-               "--enable-admin-api", timeout=240) as (proc, url):
-        yield proc, url, str(tiny_llama)
+def one_server(servers):
+    return servers["one"]
+
+
+@pytest.fixture(scope="module")
+def lockstep_server(servers):
+    return servers["lockstep"]
 
 
 def _post(url: str, path: str, headers: dict | None = None, **params) -> dict:

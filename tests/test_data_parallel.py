@@ -23,7 +23,8 @@ from helpers import (
     offline_greedy_texts,
     output,
     process_names,
-    serve,
+    serve_all,
+    stopping,
 )
 
 from dpserve import SamplingParams
@@ -41,9 +42,18 @@ DP_ARGS = ("--data-parallel-size", "2", "--threads-per-engine", "1", "--max-mode
 
 
 @pytest.fixture(scope="module")
-def dp_server(tiny_llama):
-    with serve(str(tiny_llama), *DP_ARGS) as (proc, url):
-        yield proc, url, str(tiny_llama), descendants(proc.pid)
+def servers(tiny_llama):
+    """Three servers started at once (their start-ups overlap): one the tests share,
+    one for each signal test (which stops it). Each leads a process group of its own,
+    as a shell's foreground job."""
+    with serve_all(*[[str(tiny_llama), *DP_ARGS]] * 3, new_session=True) as servers:
+        yield dict(zip(("shared", "SIGTERM", "Ctrl-C"), servers))
+
+
+@pytest.fixture(scope="module")
+def dp_server(servers, tiny_llama):
+    proc, url = servers["shared"]
+    return proc, url, str(tiny_llama), descendants(proc.pid)
 
 
 def test_load_is_spread_over_both_engines(dp_server):
@@ -89,11 +99,11 @@ def test_bad_rank_header_is_a_400(dp_server, value):
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
-def test_a_signal_stops_every_process(tiny_llama, how):
+def test_a_signal_stops_every_process(servers, how):
     # A server of its own (stopping the shared one would break the tests after it).
     # Ctrl-C: a terminal sends SIGINT to the whole foreground process group, so the
     # server runs as a group leader and the group gets a real SIGINT.
-    with serve(str(tiny_llama), *DP_ARGS, new_session=True) as (proc, url):
+    with stopping(servers[how]) as (proc, url):
         children = descendants(proc.pid)
         assert {"EngineCore_0", "EngineCore_1", "DPCoordinator"} <= process_names(children)
         assert httpx.get(url + "/health", timeout=5).status_code == 200

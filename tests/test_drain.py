@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
+import pytest
 from helpers import (
     all_gone,
     descendants,
@@ -26,8 +27,10 @@ from helpers import (
     output,
     read_log,
     serve,
+    serve_all,
     start_background,
     stop,
+    stopping,
 )
 
 NEW_CONNECTIONS = httpx.Limits(max_keepalive_connections=0)  # spread over API servers
@@ -120,11 +123,12 @@ async def _assert_draining(client: httpx.AsyncClient, url: str, model: str,
         assert (await client.get(url + "/v1/models")).status_code == 503
 
 
-def _check_drain_finishes_streams(model: str, *extra: str, draining_checks: int = 1,
-                                  group_signal: int | None = None) -> None:
+def _check_drain(server: tuple[subprocess.Popen, str], model: str, draining_checks: int = 1,
+                 group_signal: int | None = None) -> None:
     """SIGTERM to the server (or `group_signal` to its whole process group, as
-    Ctrl-C in a terminal does) while streams run: all of them finish whole."""
-    with serve(model, *extra, new_session=group_signal is not None) as (proc, url):
+    Ctrl-C in a terminal does; the server was started with `new_session`) while
+    streams run: all of them finish whole. The server is stopped at the end."""
+    with stopping(server) as (proc, url):
         children = descendants(proc.pid)
 
         async def signal_then_check(client: httpx.AsyncClient) -> None:
@@ -146,35 +150,57 @@ def _check_drain_finishes_streams(model: str, *extra: str, draining_checks: int 
         assert "draining: " in output(proc)
 
 
-def test_sigterm_drains_streams_in_flight(tiny_llama):
-    _check_drain_finishes_streams(str(tiny_llama), "--shutdown-timeout", "120")
+# Servers for two tests each, started at once (their start-ups overlap): each test
+# still has a server of its own, stopped when it ends (`_check_drain` stops it).
+@pytest.fixture(scope="module")
+def sigterm_servers(tiny_llama):
+    model = str(tiny_llama)
+    with serve_all([model, "--shutdown-timeout", "120"],
+                   [model, "--shutdown-timeout", "120", "--api-server-count", "2",
+                    "--data-parallel-size", "2", "--threads-per-engine", "1"]) as servers:
+        yield dict(zip(("one", "two"), servers))
 
 
-def test_sigterm_drains_two_api_servers_and_two_engines(tiny_llama):
-    _check_drain_finishes_streams(str(tiny_llama), "--shutdown-timeout", "120",
-                                  "--api-server-count", "2", "--data-parallel-size", "2",
-                                  "--threads-per-engine", "1", draining_checks=4)
+@pytest.fixture(scope="module")
+def group_servers(tiny_llama):
+    """Each leads a process group, as a shell's foreground job: a group signal reaches
+    its processes only."""
+    with serve_all(*[[str(tiny_llama), "--shutdown-timeout", "120", "--data-parallel-size",
+                      "2", "--threads-per-engine", "1"]] * 2, new_session=True) as servers:
+        yield dict(zip((signal.SIGINT, signal.SIGTERM), servers))
 
 
-def test_ctrl_c_to_the_process_group_drains(tiny_llama):
+@pytest.fixture(scope="module")
+def one_seq_servers(tiny_llama):
+    model = str(tiny_llama)
+    with serve_all([model, "--shutdown-timeout", "1", "--max-num-seqs", "1"],
+                   [model, "--shutdown-timeout", "600", "--max-num-seqs", "1"]) as servers:
+        yield dict(zip(("timeout_1", "timeout_600"), servers))
+
+
+def test_sigterm_drains_streams_in_flight(sigterm_servers, tiny_llama):
+    _check_drain(sigterm_servers["one"], str(tiny_llama))
+
+
+def test_sigterm_drains_two_api_servers_and_two_engines(sigterm_servers, tiny_llama):
+    _check_drain(sigterm_servers["two"], str(tiny_llama), draining_checks=4)
+
+
+def test_ctrl_c_to_the_process_group_drains(group_servers, tiny_llama):
     # Engines and the coordinator get the SIGINT too: they leave the stop to the launcher.
-    _check_drain_finishes_streams(str(tiny_llama), "--shutdown-timeout", "120",
-                                  "--data-parallel-size", "2", "--threads-per-engine", "1",
-                                  group_signal=signal.SIGINT)
+    _check_drain(group_servers[signal.SIGINT], str(tiny_llama), group_signal=signal.SIGINT)
 
 
-def test_sigterm_to_the_process_group_drains(tiny_llama):
+def test_sigterm_to_the_process_group_drains(group_servers, tiny_llama):
     # As systemd stops a service: every process gets SIGTERM at once; engines drain
     # their own requests and the coordinator stops, which is no failure then.
-    _check_drain_finishes_streams(str(tiny_llama), "--shutdown-timeout", "120",
-                                  "--data-parallel-size", "2", "--threads-per-engine", "1",
-                                  group_signal=signal.SIGTERM)
+    _check_drain(group_servers[signal.SIGTERM], str(tiny_llama), group_signal=signal.SIGTERM)
 
 
-def test_shutdown_timeout_aborts_what_is_left(tiny_llama):
+def test_shutdown_timeout_aborts_what_is_left(one_seq_servers, tiny_llama):
     model = str(tiny_llama)
     # One sequence at a time: eight 1000-token streams cannot all finish in 1 s.
-    with serve(model, "--shutdown-timeout", "1", "--max-num-seqs", "1") as (proc, url):
+    with stopping(one_seq_servers["timeout_1"]) as (proc, url):
         children = descendants(proc.pid)
 
         async def signal_only(client: httpx.AsyncClient) -> None:
@@ -192,9 +218,9 @@ def test_shutdown_timeout_aborts_what_is_left(tiny_llama):
         assert "aborting" in output(proc)
 
 
-def test_second_sigterm_stops_at_once(tiny_llama):
+def test_second_sigterm_stops_at_once(one_seq_servers, tiny_llama):
     model = str(tiny_llama)
-    with serve(model, "--shutdown-timeout", "600", "--max-num-seqs", "1") as (proc, url):
+    with stopping(one_seq_servers["timeout_600"]) as (proc, url):
         children = descendants(proc.pid)
 
         async def signal_twice(client: httpx.AsyncClient) -> None:

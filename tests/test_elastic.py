@@ -24,6 +24,8 @@ from helpers import (
     output,
     process_names,
     serve,
+    serve_all,
+    stopping,
     stream_completion,
     streams_with_fault,
     wait_until,
@@ -59,12 +61,30 @@ def _streams_while(url: str, model: str, action) -> tuple[list[str], list]:
     return texts, result
 
 
+# Servers for two tests each, started at once (their start-ups overlap): each test
+# still has a server of its own, stopped when it ends (`stopping`).
+@pytest.fixture(scope="module")
+def scale_servers(tiny_llama):
+    with serve_all(*([str(tiny_llama), *ARGS, "--data-parallel-size-max", "2",
+                      "--api-server-count", str(n)] for n in (1, 2))) as servers:
+        yield dict(zip((1, 2), servers))
+
+
+@pytest.fixture(scope="module")
+def answer_servers(tiny_llama):
+    """For the 400 / 409 test, and the `dpserve scale` test (with an API key)."""
+    model = str(tiny_llama)
+    with serve_all([model, *ARGS, "--data-parallel-size-max", "2"],
+                   [model, *ARGS, "--api-key", "sesame-123", "--data-parallel-size-max",
+                    "2"]) as servers:
+        yield dict(zip(("plain", "key"), servers))
+
+
 @pytest.mark.parametrize("api_servers", [1, 2])
-def test_scale_1_2_1_under_streams(tiny_llama, api_servers):
+def test_scale_1_2_1_under_streams(scale_servers, tiny_llama, api_servers):
     model = str(tiny_llama)
     expected = expected_greedy(model, PROMPTS)
-    with serve(model, *ARGS, "--data-parallel-size-max", "2",
-               "--api-server-count", str(api_servers)) as (proc, url):
+    with stopping(scale_servers[api_servers]) as (proc, url):
         assert _engines(proc) == {"EngineCore_0"}
         # Up, while 16 streams run on rank 0: none is cut.
         texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 2))
@@ -110,9 +130,8 @@ def test_scale_1_2_1_under_streams(tiny_llama, api_servers):
         assert proc.poll() is None
 
 
-def test_bad_sizes_400_and_a_second_change_409(tiny_llama):
-    model = str(tiny_llama)
-    with serve(model, *ARGS, "--data-parallel-size-max", "2") as (proc, url):
+def test_bad_sizes_400_and_a_second_change_409(answer_servers):
+    with stopping(answer_servers["plain"]) as (proc, url):
         for body in ({"new_data_parallel_size": "2"}, {"new_data_parallel_size": 2.5},
                      {"new_data_parallel_size": True}, {"new_data_parallel_size": 0},
                      {"new_data_parallel_size": 3}, {}, [2],
@@ -141,15 +160,12 @@ def test_bad_sizes_400_and_a_second_change_409(tiny_llama):
         assert proc.poll() is None
 
 
-def test_scale_cli_one_line_errors(tiny_llama):
-    model = str(tiny_llama)
-
+def test_scale_cli_one_line_errors(answer_servers):
     def cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "dpserve.cli", "scale", *args],
                               capture_output=True, text=True, timeout=300)
 
-    with serve(model, *ARGS, "--api-key", "sesame-123", "--data-parallel-size-max", "2") \
-            as (proc, url):
+    with stopping(answer_servers["key"]) as (proc, url):
         headers = {"Authorization": "Bearer sesame-123"}
         assert _scale(url, 2).status_code == 401  # the admin route needs the key
         done = cli("2", "--url", url, "--api-key", "sesame-123")
@@ -169,22 +185,31 @@ def test_scale_cli_one_line_errors(tiny_llama):
 def test_without_the_flag_or_the_max(tiny_llama):
     model = str(tiny_llama)
     plain = ("--threads-per-engine", "1", "--max-model-len", "256")
-    with serve(model, *plain) as (_, url):
-        assert _scale(url, 2).status_code == 404  # no --enable-admin-api: no route
-    with serve(model, *plain, "--enable-admin-api") as (_, url):
-        resp = _scale(url, 1)  # no --data-parallel-size-max: the one engine stays
-        assert resp.status_code == 400 and "--data-parallel-size-max" in resp.text
-    for option, value in (("--data-parallel-autoscale", "3"), ("--data-parallel-autoscale",
-                                                                "2:1"),
-                          ("--data-parallel-size-max", "0"), ("--autoscale-up-window", "0")):
-        extra = () if option == "--data-parallel-autoscale" else (
-            "--data-parallel-autoscale", "1:2")
-        done = subprocess.run([sys.executable, "-m", "dpserve.cli", "serve", model, *plain,
-                               "--port", "0", option, value, *extra],
-                              capture_output=True, text=True, timeout=120)
-        assert done.returncode == 2, done.stderr
-        last = done.stderr.strip().splitlines()[-1]
-        assert last.startswith(f"dpserve: error: {option} "), done.stderr
+    # The four refused command lines run while the two servers start (all at once).
+    refused = [("--data-parallel-autoscale", "3"), ("--data-parallel-autoscale", "2:1"),
+               ("--data-parallel-size-max", "0"), ("--autoscale-up-window", "0")]
+    clis = [subprocess.Popen(
+        [sys.executable, "-m", "dpserve.cli", "serve", model, *plain, "--port", "0", option,
+         value, *(() if option == "--data-parallel-autoscale" else (
+             "--data-parallel-autoscale", "1:2"))],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for option, value in refused]
+    try:
+        with serve_all([model, *plain], [model, *plain, "--enable-admin-api"]) as [
+                (_, no_admin), (_, admin)]:
+            assert _scale(no_admin, 2).status_code == 404  # no --enable-admin-api: no route
+            resp = _scale(admin, 1)  # no --data-parallel-size-max: the one engine stays
+            assert resp.status_code == 400 and "--data-parallel-size-max" in resp.text
+        for (option, _), cli in zip(refused, clis):
+            _, stderr = cli.communicate(timeout=120)
+            assert cli.returncode == 2, stderr
+            last = stderr.strip().splitlines()[-1]
+            assert last.startswith(f"dpserve: error: {option} "), stderr
+    finally:
+        for cli in clis:
+            if cli.poll() is None:
+                cli.kill()
+                cli.wait(10)
 
 
 def test_lockstep_scale_up_and_down(tiny_llama):

@@ -26,6 +26,8 @@ from helpers import (
     proc_named,
     rank_health,
     serve,
+    serve_all,
+    stopping,
     streams_with_fault,
     wait_rank,
 )
@@ -33,11 +35,47 @@ from helpers import (
 pytestmark = [pytest.mark.procs, pytest.mark.slow]
 
 DP_ARGS = ("--data-parallel-size", "2", "--threads-per-engine", "1", "--max-model-len", "256")
+
+
+# Servers for two tests each, started at once (their start-ups overlap): each test
+# still has a server of its own, stopped when it ends (`stopping`).
+@pytest.fixture(scope="module")
+def sigkill_servers(tiny_llama):
+    model = str(tiny_llama)
+    with serve_all(*([model, *DP_ARGS, "--api-server-count", str(n)] for n in (1, 2))) as (
+            servers):
+        yield dict(zip((1, 2), servers))
+
+
+@pytest.fixture(scope="module")
+def plain_servers(tiny_llama):
+    """For the SIGSTOP and the killed-coordinator tests."""
+    with serve_all(*[[str(tiny_llama), *DP_ARGS]] * 2) as servers:
+        yield dict(zip(("sigstop", "coordinator"), servers))
+
+
+@pytest.fixture(scope="module")
+def dead_rank_servers(tiny_llama):
+    """For the restart-limit and the isolate tests."""
+    model = str(tiny_llama)
+    with serve_all([model, *DP_ARGS, "--max-engine-restarts", "1"],
+                   [model, *DP_ARGS, "--engine-failure-policy", "isolate"]) as servers:
+        yield dict(zip(("restart_limit", "isolate"), servers))
+
+
+@pytest.fixture(scope="module")
+def policy_stop_servers(tiny_llama):
+    with serve_all(*[[str(tiny_llama), *DP_ARGS, "--engine-failure-policy", "stop"]] * 2) as (
+            servers):
+        yield dict(zip(("EngineCore_1", "DPCoordinator"), servers))
+
+
 @pytest.mark.parametrize("api_servers", [1, 2])
-def test_sigkill_one_engine_every_stream_completes_and_it_comes_back(tiny_llama, api_servers):
+def test_sigkill_one_engine_every_stream_completes_and_it_comes_back(sigkill_servers,
+                                                                     tiny_llama, api_servers):
     model = str(tiny_llama)
     expected = expected_greedy(model)
-    with serve(model, *DP_ARGS, "--api-server-count", str(api_servers)) as (proc, url):
+    with stopping(sigkill_servers[api_servers]) as (proc, url):
         victim = proc_named(descendants(proc.pid), "EngineCore_1")
         try:
             got = asyncio.run(streams_with_fault(url, model, lambda: victim.send_signal(
@@ -63,11 +101,11 @@ def test_sigkill_one_engine_every_stream_completes_and_it_comes_back(tiny_llama,
         assert "rank 1: " in output(proc) and "restarting it" in output(proc)
 
 
-def test_sigstop_one_engine_is_unhealthy_then_rejoins(tiny_llama):
+def test_sigstop_one_engine_is_unhealthy_then_rejoins(plain_servers, tiny_llama):
     model = str(tiny_llama)
     prompts = FAULT_PROMPTS[:16]
     expected = expected_greedy(model, prompts)
-    with serve(model, *DP_ARGS) as (proc, url):
+    with stopping(plain_servers["sigstop"]) as (proc, url):
         victim = proc_named(descendants(proc.pid), "EngineCore_1")
         stopped_at: list[float] = []
 
@@ -119,9 +157,9 @@ def test_hung_forward_is_caught_by_the_stall_timeout(tiny_llama):
         assert asyncio.run(complete_n(url, model, 8)) == [200] * 8
 
 
-def test_killed_coordinator_is_restarted_and_requests_still_served(tiny_llama):
+def test_killed_coordinator_is_restarted_and_requests_still_served(plain_servers, tiny_llama):
     model = str(tiny_llama)
-    with serve(model, *DP_ARGS) as (proc, url):
+    with stopping(plain_servers["coordinator"]) as (proc, url):
         victim = proc_named(descendants(proc.pid), "DPCoordinator")
         victim.send_signal(signal.SIGKILL)
         assert asyncio.run(complete_n(url, model, 10)) == [200] * 10
@@ -140,9 +178,9 @@ def test_killed_coordinator_is_restarted_and_requests_still_served(tiny_llama):
         assert sum(after.values()) - sum(served.values()) == 16
 
 
-def test_restart_limit_keeps_the_rank_out(tiny_llama):
+def test_restart_limit_keeps_the_rank_out(dead_rank_servers, tiny_llama):
     model = str(tiny_llama)
-    with serve(model, *DP_ARGS, "--max-engine-restarts", "1") as (proc, url):
+    with stopping(dead_rank_servers["restart_limit"]) as (proc, url):
         proc_named(descendants(proc.pid), "EngineCore_1").send_signal(signal.SIGKILL)
         wait_rank(url, 1, lambda e: e["state"] == "serving" and e["incarnation"] == 1)
         proc_named(descendants(proc.pid), "EngineCore_1").send_signal(signal.SIGKILL)
@@ -154,9 +192,9 @@ def test_restart_limit_keeps_the_rank_out(tiny_llama):
         assert "stays out" in output(proc)
 
 
-def test_isolate_with_every_rank_dead_gives_clear_503s(tiny_llama):
+def test_isolate_with_every_rank_dead_gives_clear_503s(dead_rank_servers, tiny_llama):
     model = str(tiny_llama)
-    with serve(model, *DP_ARGS, "--engine-failure-policy", "isolate") as (proc, url):
+    with stopping(dead_rank_servers["isolate"]) as (proc, url):
         engines = [proc_named(descendants(proc.pid), f"EngineCore_{r}") for r in (0, 1)]
         engines[1].send_signal(signal.SIGKILL)
         wait_rank(url, 1, lambda e: e["state"] == "dead", timeout=30)
@@ -174,8 +212,8 @@ def test_isolate_with_every_rank_dead_gives_clear_503s(tiny_llama):
 
 
 @pytest.mark.parametrize("victim", ["EngineCore_1", "DPCoordinator"])
-def test_policy_stop_stops_the_dp_server(tiny_llama, victim):
-    with serve(str(tiny_llama), *DP_ARGS, "--engine-failure-policy", "stop") as (proc, url):
+def test_policy_stop_stops_the_dp_server(policy_stop_servers, victim):
+    with stopping(policy_stop_servers[victim]) as (proc, url):
         children = descendants(proc.pid)
         proc_named(children, victim).send_signal(signal.SIGKILL)
         assert proc.wait(30) != 0

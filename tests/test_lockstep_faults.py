@@ -21,7 +21,8 @@ from helpers import (
     output,
     proc_named,
     rank_health,
-    serve,
+    serve_all,
+    stopping,
     streams_with_fault,
     wait_rank,
 )
@@ -54,11 +55,22 @@ def _waves_go_on(url: str, model: str, ranks: list[int]) -> None:
         time.sleep(0.1)
 
 
+@pytest.fixture(scope="module")
+def servers(tiny_llama):
+    """One server per policy, started at once (their start-ups overlap); each test
+    uses (and stops) its own."""
+    policies = ("restart", "isolate")
+    with serve_all(*([str(tiny_llama), *LOCKSTEP_ARGS, "--engine-failure-policy", policy]
+                     for policy in policies)) as started:
+        yield dict(zip(policies, started))
+
+
 @pytest.mark.parametrize("policy", ["restart", "isolate"])
-def test_sigkill_one_rank_streams_complete_and_the_group_forms_again(tiny_llama, policy):
+def test_sigkill_one_rank_streams_complete_and_the_group_forms_again(servers, tiny_llama,
+                                                                     policy):
     model = str(tiny_llama)
     expected = expected_greedy(model, FAULT_PROMPTS)
-    with serve(model, *LOCKSTEP_ARGS, "--engine-failure-policy", policy) as (proc, url):
+    with stopping(servers[policy]) as (proc, url):
         victim = proc_named(descendants(proc.pid), "EngineCore_1")
         got = asyncio.run(streams_with_fault(url, model, lambda: victim.send_signal(
             signal.SIGKILL), FAULT_PROMPTS))

@@ -25,7 +25,8 @@ from helpers import (
     offline_greedy_texts,
     output,
     proc_named,
-    serve,
+    serve_all,
+    stopping,
     streams_with_fault,
 )
 
@@ -95,11 +96,35 @@ def test_expert_parallel_equals_one_engine_with_half_the_experts(tiny_mixtral):
         ep.shutdown()
 
 
-def test_served_with_expert_parallel_through_the_openai_client(tiny_mixtral):
+# Servers for two tests each, started at once (their start-ups overlap): each test
+# still has a server of its own, stopped when it ends.
+@pytest.fixture(scope="module")
+def served_pair(tiny_mixtral):
+    """With and without expert parallelism."""
+    model, args = str(tiny_mixtral), ("--data-parallel-size", "2", "--threads-per-engine",
+                                      "1", "--max-model-len", "256")
+    with serve_all([model, *args, "--enable-expert-parallel"], [model, *args]) as servers:
+        yield dict(zip(("ep", "plain"), servers))
+
+
+@pytest.fixture(scope="module")
+def disturbed_pair(tiny_mixtral):
+    """Expert parallel, for a SIGKILLed rank and for a SIGTERM to the process group
+    (each server leads a process group of its own, as a shell's foreground job)."""
+    model = str(tiny_mixtral)
+    with serve_all([model, "--data-parallel-size", "2", "--enable-expert-parallel",
+                    "--threads-per-engine", "1", "--max-model-len", "256",
+                    "--engine-failure-policy", "restart"],
+                   [model, "--shutdown-timeout", "120", "--data-parallel-size", "2",
+                    "--enable-expert-parallel", "--threads-per-engine", "1"],
+                   new_session=True) as servers:
+        yield dict(zip(("sigkill", "sigterm"), servers))
+
+
+def test_served_with_expert_parallel_through_the_openai_client(served_pair, tiny_mixtral):
     model = str(tiny_mixtral)
     expected = offline_greedy_texts(model, TEXT_PROMPTS, max_tokens=12)
-    with serve(model, "--data-parallel-size", "2", "--enable-expert-parallel",
-               "--threads-per-engine", "1", "--max-model-len", "256") as (_, url):
+    with stopping(served_pair["ep"]) as (_, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=60)
 
         def complete(prompt: str, rank: int | None = None) -> str:
@@ -122,11 +147,10 @@ def test_served_with_expert_parallel_through_the_openai_client(tiny_mixtral):
         assert [engines[r]["experts"]["experts"] for r in "01"] == [[0, 4], [4, 8]]
 
 
-def test_moe_without_expert_parallel_runs_lockstep_by_itself(tiny_mixtral):
+def test_moe_without_expert_parallel_runs_lockstep_by_itself(served_pair, tiny_mixtral):
     model = str(tiny_mixtral)
     expected = offline_greedy_texts(model, TEXT_PROMPTS[:3], max_tokens=8)
-    with serve(model, "--data-parallel-size", "2", "--threads-per-engine", "1",
-               "--max-model-len", "256") as (_, url):
+    with stopping(served_pair["plain"]) as (_, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=60)
         got = [client.completions.create(model=model, prompt=p, max_tokens=8,
                                          temperature=0).choices[0].text
@@ -137,16 +161,14 @@ def test_moe_without_expert_parallel_runs_lockstep_by_itself(tiny_mixtral):
         assert [engines[r]["experts"]["experts"] for r in "01"] == [[0, 8], [0, 8]]
 
 
-def test_a_rank_killed_under_expert_parallel_loses_nothing(tiny_mixtral):
+def test_a_rank_killed_under_expert_parallel_loses_nothing(disturbed_pair, tiny_mixtral):
     """SIGKILL rank 1 mid-stream: rank 0's collective fails at once, it drops that step
     (its requests recompute later) and holds every request, its own and those moved
     from rank 1, until rank 1's new process is back in the group; every stream then
     ends as an undisturbed run does."""
     model = str(tiny_mixtral)
     expected = expected_greedy(model, FAULT_PROMPTS)
-    with serve(model, "--data-parallel-size", "2", "--enable-expert-parallel",
-               "--threads-per-engine", "1", "--max-model-len", "256",
-               "--engine-failure-policy", "restart") as (proc, url):
+    with stopping(disturbed_pair["sigkill"]) as (proc, url):
         victim = proc_named(descendants(proc.pid), "EngineCore_1")
         got = asyncio.run(streams_with_fault(url, model, lambda: victim.send_signal(
             signal.SIGKILL), FAULT_PROMPTS))
@@ -160,13 +182,12 @@ def test_a_rank_killed_under_expert_parallel_loses_nothing(tiny_mixtral):
         assert engines["1"]["dp"]["regroups"] >= 1 and engines["0"]["dp"]["regroups"] >= 2
 
 
-def test_sigterm_to_the_process_group_drains_under_expert_parallel(tiny_mixtral):
+def test_sigterm_to_the_process_group_drains_under_expert_parallel(disturbed_pair,
+                                                                    tiny_mixtral):
     """As systemd stops a service: every process gets SIGTERM at once. A rank without
     requests of its own must not leave while the others' requests need its experts:
     under expert parallelism it stays in the running wave (dummy batches) and leaves
     when the wave ends; every stream finishes whole, exit code 0."""
-    from test_drain import _check_drain_finishes_streams
+    from test_drain import _check_drain
 
-    _check_drain_finishes_streams(str(tiny_mixtral), "--shutdown-timeout", "120",
-                                  "--data-parallel-size", "2", "--enable-expert-parallel",
-                                  "--threads-per-engine", "1", group_signal=signal.SIGTERM)
+    _check_drain(disturbed_pair["sigterm"], str(tiny_mixtral), group_signal=signal.SIGTERM)

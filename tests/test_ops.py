@@ -12,7 +12,16 @@ import threading
 import httpx
 import openai
 import pytest
-from helpers import descendants, finished_by_engine, output, proc_named, serve, wait_until
+from helpers import (
+    descendants,
+    finished_by_engine,
+    output,
+    proc_named,
+    serve,
+    serve_all,
+    stopping,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.procs, pytest.mark.slow]
 
@@ -90,9 +99,21 @@ def by_api_server(url: str) -> dict[str, float]:
         re.M)}
 
 
-def test_admin_routes_404_without_the_flag(tiny_llama):
+KEY = {"Authorization": "Bearer s3cret"}
+
+
+@pytest.fixture(scope="module")
+def plain_and_keyed(tiny_llama):
+    """A server without the admin routes and one with them behind an API key, started
+    at once (their start-ups overlap); a test of its own uses (and stops) each."""
     model = str(tiny_llama)
-    with serve(model, *DP_ARGS) as (proc, url):
+    with serve_all([model, *DP_ARGS], [model, *DP_ARGS, "--enable-admin-api", "--api-key",
+                                       "s3cret"], headers=KEY) as servers:
+        yield servers
+
+
+def test_admin_routes_404_without_the_flag(plain_and_keyed):
+    with stopping(plain_and_keyed[0]) as (proc, url):
         for action in ("cordon", "uncordon", "drain", "restart"):
             resp = httpx.post(f"{url}/engines/1/{action}", timeout=5)
             assert resp.status_code == 404, resp.text
@@ -105,11 +126,9 @@ def test_admin_routes_404_without_the_flag(tiny_llama):
                    for e in view["engines"])
 
 
-def test_admin_routes_need_the_api_key(tiny_llama):
-    model = str(tiny_llama)
-    key = {"Authorization": "Bearer s3cret"}
-    with serve(model, *DP_ARGS, "--enable-admin-api", "--api-key", "s3cret",
-               headers=key) as (_, url):
+def test_admin_routes_need_the_api_key(plain_and_keyed):
+    key = KEY
+    with stopping(plain_and_keyed[1]) as (_, url):
         resp = httpx.post(f"{url}/engines/1/cordon", timeout=5)
         assert resp.status_code == 401, resp.text
         assert resp.json()["error"]["code"] == "invalid_api_key"

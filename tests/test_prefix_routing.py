@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from helpers import metric_sum, serve
+from helpers import metric_sum, serve_all
 
 pytestmark = pytest.mark.procs
 
@@ -51,11 +51,14 @@ def run_sessions(url: str, model: str) -> tuple[dict[tuple[int, int], int], floa
 
 @pytest.fixture(scope="module")
 def outcomes(tiny_llama):
-    out = {}
-    for policy in ("cache-aware", "least-loaded"):
-        with serve(str(tiny_llama), *ARGS, "--load-balance", policy) as (_, url):
-            out[policy] = run_sessions(url, str(tiny_llama))
-    return out
+    policies = ("cache-aware", "least-loaded")
+    model = str(tiny_llama)
+    # Both servers at once (their start-ups overlap), then each one's sessions: the
+    # counts depend on the routing alone.
+    with serve_all(*([model, *ARGS, "--load-balance", policy] for policy in policies)) as (
+            servers):
+        return {policy: run_sessions(url, model)
+                for policy, (_, url) in zip(policies, servers)}
 
 
 def test_cache_aware_keeps_every_follow_up_on_its_prefix(outcomes):

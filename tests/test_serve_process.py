@@ -13,7 +13,7 @@ import time
 import httpx
 import openai
 import pytest
-from helpers import all_gone, descendants, metric, serve, wait_until
+from helpers import all_gone, descendants, metric, serve, serve_all, stopping, wait_until
 
 from dpserve import LLM, SamplingParams
 
@@ -112,10 +112,21 @@ async def _streams_until_error(url: str, model: str, n: int, code: str) -> list[
         await client.close()
 
 
-def test_engine_death_with_one_engine_fails_requests_then_it_restarts(tiny_llama):
-    # The engine's 40th forward raises (test-only fault injection; its restart runs clean).
-    env = {"DPSERVE_FAULT_FORWARD_AT": "40", "DPSERVE_FAULT_RANK": "0"}
-    with serve(str(tiny_llama), env=env) as (proc, url):
+@pytest.fixture(scope="module")
+def dying_servers(tiny_llama):
+    """The two engine-death tests' servers, started at once (their start-ups overlap):
+    the engine's 40th forward raises (test-only fault injection; under policy restart
+    the new engine runs clean)."""
+    model = str(tiny_llama)
+    with serve_all([model], [model, "--engine-failure-policy", "stop"],
+                   env=[{"DPSERVE_FAULT_FORWARD_AT": "40", "DPSERVE_FAULT_RANK": "0"},
+                        {"DPSERVE_FAULT_FORWARD_AT": "40"}]) as servers:
+        yield dict(zip(("restart", "stop"), servers))
+
+
+def test_engine_death_with_one_engine_fails_requests_then_it_restarts(dying_servers,
+                                                                      tiny_llama):
+    with stopping(dying_servers["restart"]) as (proc, url):
         first = descendants(proc.pid)
         ends = asyncio.run(_streams_until_error(url, str(tiny_llama), 4, "engine_unavailable"))
         # Every in-flight request fails together, at the death (not when a 400-token
@@ -132,9 +143,8 @@ def test_engine_death_with_one_engine_fails_requests_then_it_restarts(tiny_llama
         assert engine and engine[0].pid not in {p.pid for p in first}
 
 
-def test_engine_death_fails_requests_and_exits_under_policy_stop(tiny_llama):
-    env = {"DPSERVE_FAULT_FORWARD_AT": "40"}
-    with serve(str(tiny_llama), "--engine-failure-policy", "stop", env=env) as (proc, url):
+def test_engine_death_fails_requests_and_exits_under_policy_stop(dying_servers, tiny_llama):
+    with stopping(dying_servers["stop"]) as (proc, url):
         children = descendants(proc.pid)
         assert children, "the engine should be a child process"
         ends = asyncio.run(_streams_until_error(url, str(tiny_llama), 4, "engine_dead"))

@@ -10,7 +10,7 @@ import re
 import httpx
 import pytest
 
-from tests.helpers import metric_sum, output, serve, wait_until
+from tests.helpers import metric_sum, output, serve_all, wait_until
 
 pytestmark = pytest.mark.procs
 
@@ -42,24 +42,34 @@ def check_phase_metrics(url: str, count: int) -> None:
     assert metric_sum(url, "process_cpu_seconds_total") > 0
 
 
+@pytest.fixture(scope="module")
+def servers(tiny_llama):
+    """This module's three servers, started at once (their start-ups overlap); each
+    test uses its own one."""
+    model = str(tiny_llama)
+    with serve_all(*([model, "--served-model-name", "tiny", "-dp", "2", "--api-server-count",
+                      api_servers, "--log-stats-interval", "0.5"] for api_servers in "12"),
+                   [model, "--served-model-name", "tiny", "--disable-log-stats",
+                    "--log-stats-interval", "0.2"]) as procs:
+        yield dict(zip(("1", "2", "no_stats"), procs))
+
+
 @pytest.mark.parametrize("api_servers", ["1", "2"])
-def test_phase_histograms_process_metrics_and_stats_line(tiny_llama, api_servers) -> None:
-    with serve(str(tiny_llama), "--served-model-name", "tiny", "-dp", "2",
-               "--api-server-count", api_servers, "--log-stats-interval", "0.5") as (proc, url):
-        run_requests(url, 6)
-        check_phase_metrics(url, 6)
-        lines = wait_until(lambda: LINE.findall(output(proc)), 30, "a stats line")
+def test_phase_histograms_process_metrics_and_stats_line(servers, api_servers) -> None:
+    proc, url = servers[api_servers]
+    run_requests(url, 6)
+    check_phase_metrics(url, 6)
+    lines = wait_until(lambda: LINE.findall(output(proc)), 30, "a stats line")
     assert {engine for engine, _ in lines} == {"0", "1"}  # both engines ran requests
     assert any(float(gen) > 0 for _, gen in lines)
 
 
-def test_disable_log_stats(tiny_llama) -> None:
-    with serve(str(tiny_llama), "--served-model-name", "tiny", "--disable-log-stats",
-               "--log-stats-interval", "0.2") as (proc, url):
-        run_requests(url, 3)
-        # Past many intervals (the log line that follows comes later still):
-        httpx.get(url + "/metrics")
-        wait_until(lambda: '"GET /metrics' in output(proc), 30, "the access line")
-        run_requests(url, 3)
-        log = output(proc)
+def test_disable_log_stats(servers) -> None:
+    proc, url = servers["no_stats"]
+    run_requests(url, 3)
+    # Past many intervals (the log line that follows comes later still):
+    httpx.get(url + "/metrics")
+    wait_until(lambda: '"GET /metrics' in output(proc), 30, "the access line")
+    run_requests(url, 3)
+    log = output(proc)
     assert not LINE.search(log)

@@ -20,7 +20,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.helpers import metric_sum, serve
+from tests.helpers import metric_sum, serve_all, stopping
 
 pytestmark = pytest.mark.procs
 
@@ -38,13 +38,22 @@ class Pet(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama):
-    with serve(str(tiny_llama), "--data-parallel-size", "2", "--num-kv-blocks", "64",
-               "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-               timeout=180) as (proc, url):
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
-                               timeout=120)
-        yield url, client, client.models.list().data[0].id
+def servers(tiny_llama):
+    """The shared server and the property test's (small KV caches), started at once
+    (their start-ups overlap)."""
+    model = str(tiny_llama)
+    with serve_all([model, "--data-parallel-size", "2", "--num-kv-blocks", "64",
+                    "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+                   [model, "--data-parallel-size", "2", "--num-kv-blocks", "24"],
+                   timeout=180) as started:
+        yield dict(zip(("shared", "small_kv"), started))
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    _, url = servers["shared"]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return url, client, client.models.list().data[0].id
 
 
 def test_chat_parse_with_a_pydantic_model(server) -> None:
@@ -164,12 +173,11 @@ def _schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_generated_schemas_validate_under_preemption(tiny_llama) -> None:
+def test_generated_schemas_validate_under_preemption(servers) -> None:
     """30 generated schemas x 2 samples at temperature 1, all at once on 2 engines with
     KV caches of 24 blocks (384 tokens): requests are preempted mid-grammar, and every
     output validates."""
-    with serve(str(tiny_llama), "--data-parallel-size", "2", "--num-kv-blocks", "24",
-               timeout=180) as (_, url):
+    with stopping(servers["small_kv"]) as (_, url):
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         _generated_schemas(url, model)
         _auto_needs_the_server_flags(openai.OpenAI(base_url=url + "/v1", api_key="unused",
