@@ -357,7 +357,9 @@ async def streams_with_fault(url: str, model: str, fault, prompts=FAULT_PROMPTS)
         deadline = time.monotonic() + 60
         while min(chunks) < 3:  # every stream is under way
             assert time.monotonic() < deadline, chunks
-            assert not any(t.done() for t in tasks), "a stream ended before the fault"
+            ended = [t for t in tasks if t.done()]
+            assert not ended, (f"a stream ended before the fault (chunks {chunks}): "
+                               f"{ended[0].exception()!r}")
             await asyncio.sleep(0.02)
         await asyncio.to_thread(fault)
         return await asyncio.gather(*tasks)
