@@ -241,7 +241,6 @@ def test_secret_head_timeout_and_bind_addresses(tiny_llama):
                 "--data-parallel-rpc-port", str(rpc), "--data-parallel-secret", secret,
                 *MULTIHOST_ARGS]
 
-    # Both layouts at once (their start-ups overlap), on rpc ports of their own.
     # The wrong secret: the head times out.
     rpc = free_port(dp_host)
     outsider, out_log = start_background(
@@ -250,30 +249,34 @@ def test_secret_head_timeout_and_bind_addresses(tiny_llama):
     head, head_log = start_background(
         model, "--port", str(free_port()), "--data-parallel-size-local", "1",
         "--engine-ready-timeout", "8", *secret_args(rpc, "the right secret"))
+    try:
+        assert head.wait(180) == 1, read_log(head_log)[-3000:]
+        last = read_log(head_log).strip().splitlines()[-1]
+        assert last.startswith("dpserve: error: engine failed to start: engines not ready "
+                               "after 8 s") and "rank 1 NEW (no HELLO yet)" in last, last
+    finally:
+        for proc, log in ((head, head_log), (outsider, out_log)):
+            stop(proc, 15)
+            log.close()
+
     # The right secret: it serves, and listens on the DP address only.
     rpc = free_port(dp_host)
     insider, log = start_background(model, "--headless", "--data-parallel-size-local", "1",
                           "--data-parallel-start-rank", "1", *secret_args(rpc, "the right secret"))
     try:
         with serve(model, "--data-parallel-size-local", "1",
-                   *secret_args(rpc, "the right secret")) as (server, url):
+                   *secret_args(rpc, "the right secret")) as (head, url):
             asyncio.run(complete_all(url, model, [f"s{i}" for i in range(16)], max_tokens=3))
             served = finished_by_engine(url)
             assert served.get(0, 0) > 0 and served.get(1, 0) > 0, served
-            procs = [psutil.Process(server.pid), psutil.Process(insider.pid),
-                     *descendants(server.pid), *descendants(insider.pid)]
+            procs = [psutil.Process(head.pid), psutil.Process(insider.pid),
+                     *descendants(head.pid), *descendants(insider.pid)]
             listening = _listening(procs)
             http_port = int(url.rsplit(":", 1)[1])
             assert ("127.0.0.1", http_port) in listening
             # (The rpc port's handshake socket is closed once every engine is ready.)
             others = listening - {("127.0.0.1", http_port)}
             assert others and {ip for ip, _ in others} == {dp_host}, listening
-
-        assert head.wait(180) == 1, read_log(head_log)[-3000:]
-        last = read_log(head_log).strip().splitlines()[-1]
-        assert last.startswith("dpserve: error: engine failed to start: engines not ready "
-                               "after 8 s") and "rank 1 NEW (no HELLO yet)" in last, last
     finally:
-        for proc, log_file in ((head, head_log), (outsider, out_log), (insider, log)):
-            stop(proc, 15)
-            log_file.close()
+        stop(insider, 15)
+        log.close()

@@ -185,7 +185,10 @@ def _start_coordinator(launch: EngineLaunch, config: EngineConfig, ready_timeout
     coordinator = DPCoordinator(p.data_parallel_size, launch.allocator,
                                 remote_host=p.data_parallel_address if remote else None,
                                 publish_counts=publish_counts, secret=p.data_parallel_secret,
-                                startup_timeout_s=ready_timeout,
+                                # A backstop, later than the launcher's own wait of
+                                # ready_timeout: that one ends first and names the
+                                # ranks that never said HELLO.
+                                startup_timeout_s=ready_timeout + 10.0,
                                 heartbeat_timeout_s=p.engine_heartbeat_timeout,
                                 stall_timeout_s=p.engine_stall_timeout,
                                 dp_store=dp_store if p.data_parallel_lockstep else None,

@@ -6,9 +6,10 @@
 * `wait_for_any_exit`, `shutdown` (terminate -> join with a shared deadline ->
   kill the tree), `kill_process_tree`.
 * `start_parent_watcher`: in a child, exit when the parent dies.
-* `engine_context`: engines start from a forkserver that has imported torch and
-  the engine's modules once (`FORKSERVER_PRELOAD`), instead of each spawned engine
-  importing them again (seconds of CPU per engine). The forkserver never touches
+* `engine_context`: in `dpserve serve`, engines start from a forkserver that has
+  imported torch and the engine's modules once (`FORKSERVER_PRELOAD`), instead of
+  each spawned engine importing them again (seconds of CPU per engine); offline
+  `LLM`s in other processes spawn. The forkserver never touches
   CUDA, so a forked engine initialises it as a spawned one would; each engine gets
   the launcher's environment and stdout/stderr as of its start, as spawn gives.
 """
@@ -41,11 +42,16 @@ FORKSERVER_PRELOAD = ["dpserve.launch.forkserver_init", "torch", "dpserve.engine
                       "dpserve.engine.core", "dpserve.model.runner", "dpserve.model.llama"]
 
 
+_forkserver_chosen = False  # set by start_engine_forkserver (the `dpserve serve` process)
+
+
 def engine_context() -> Any:
-    """The multiprocessing context for engine processes: a forkserver preloaded with
-    FORKSERVER_PRELOAD where children can watch their launcher by pidfd (Linux),
-    else spawn."""
-    if sys.platform != "linux" or not hasattr(os, "pidfd_open"):
+    """The multiprocessing context for engine processes: the forkserver preloaded
+    with FORKSERVER_PRELOAD once this process chose it (`start_engine_forkserver`),
+    else spawn. Only `dpserve serve` chooses it: the forkserver lives as long as the
+    process that started it, which there is the server itself; an offline `LLM` in
+    a user's process spawns its engines, so nothing outlives the `LLM`."""
+    if not _forkserver_chosen:
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
@@ -53,12 +59,17 @@ def engine_context() -> Any:
 
 
 def start_engine_forkserver() -> None:
-    """Start the engines' forkserver now: its imports take seconds, which then
-    overlap the launcher's own start-up (a no-op where engines are spawned)."""
-    if engine_context().get_start_method() == "forkserver":
-        from multiprocessing import forkserver
+    """Choose the forkserver for this process's engines where children can watch
+    their launcher by pidfd (Linux), and start it now: its imports take seconds,
+    which then overlap the launcher's own start-up."""
+    global _forkserver_chosen
+    if sys.platform != "linux" or not hasattr(os, "pidfd_open"):
+        return
+    _forkserver_chosen = True
+    from multiprocessing import forkserver
 
-        forkserver.ensure_running()
+    engine_context()  # sets the preload list
+    forkserver.ensure_running()
 
 
 class ProcessGroup:
