@@ -4,7 +4,9 @@ agreement and perplexity.
 Scope: the default model (SmolLM2-135M-Instruct) unless --model names another.
 * Greedy agreement: --prompts prompts x --tokens greedy tokens (ignore_eos) from
   `dpserve.LLM` in float32, in bfloat16 (`--dtype bfloat16`, what `auto` picks on
-  CPUs with native bfloat16) and in int8: the fraction of positions with the same
+  CPUs with native bfloat16) and in int8 (with the LM head in float32, and in
+  bfloat16 as the engine runs it on such CPUs):
+  the fraction of positions with the same
   token by position, the fraction before each prompt's first divergence (after
   it the two texts go separate ways), the share of identical completions, and
   the first divergence position (median, min).
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 from pathlib import Path
 
@@ -59,16 +62,22 @@ def prompts(n: int) -> list[str]:
             for i in range(n)]
 
 
-# setting -> (dtype, quantization, LM head in int8 too)
-SETTINGS = {"float32": ("float32", None, False), "bfloat16": ("bfloat16", None, False),
-            "int8": ("float32", "int8", False), "int8 + int8 LM head": ("float32", "int8", True)}
+# setting -> (dtype, quantization, LM head in int8 too, LM head dtype under int8)
+SETTINGS = {"float32": ("float32", None, False, None),
+            "bfloat16": ("bfloat16", None, False, None),
+            "int8": ("float32", "int8", False, "float32"),
+            "int8, LM head bfloat16": ("float32", "int8", False, "bfloat16"),
+            "int8 + int8 LM head": ("float32", "int8", True, "float32")}
 
 
 def greedy(model: str | None, setting: str, texts: list[str], tokens: int) -> list[list[int]]:
     from dpserve import LLM, SamplingParams
+    from dpserve.cpu_features import CPU_BF16_ENV
 
-    dtype, quantization, _ = SETTINGS[setting]
+    dtype, quantization, _, rest = SETTINGS[setting]
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    # Under int8 the engine runs the LM head in bfloat16 unless DPSERVE_CPU_BF16=0.
+    os.environ[CPU_BF16_ENV] = "1" if rest == "bfloat16" else "0"
     with LLM(model, dtype=dtype, quantization=quantization) as llm:
         msgs = [[{"role": "user", "content": t}] for t in texts]
         return [list(o.outputs[0].token_ids) for o in llm.chat(msgs, params)]
@@ -97,14 +106,14 @@ def perplexity(model: str | None, setting: str) -> float:
     from dpserve.model.loader import iter_weights
     from dpserve.model.registry import get_model_class
 
-    dtype_name, quantization, head = SETTINGS[setting]
+    dtype_name, quantization, head, rest = SETTINGS[setting]
     dtype = getattr(torch, dtype_name)
     cfg = EngineArgs(model=model).create_config().model
     ids = AutoTokenizer.from_pretrained(cfg.tokenizer)(TEXT)["input_ids"]
     lm = get_model_class(cfg.architecture)(cfg.hf_config, dtype, "cpu")
     lm.load_weights(iter_weights(Path(cfg.path)))
     if quantization == "int8":
-        lm.quantize_weights(lm_head=head)
+        lm.quantize_weights(lm_head=head, head_dtype=getattr(torch, rest))
     else:
         lm.prepack_weights()
     d, bs, n = lm.dims, 16, len(ids)
@@ -130,7 +139,7 @@ def main() -> None:
     texts = prompts(args.prompts)
     base = greedy(args.model, "float32", texts, args.tokens)
     agr = {name: agreement(base, greedy(args.model, name, texts, args.tokens))
-           for name in ("bfloat16", "int8")}
+           for name in ("bfloat16", "int8", "int8, LM head bfloat16")}
     ppl = {name: perplexity(args.model, name) for name in SETTINGS}
     print(f"model: {args.model or 'default (SmolLM2-135M-Instruct)'}; {args.prompts} chat "
           f"prompts x {args.tokens} greedy tokens")

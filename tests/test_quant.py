@@ -48,6 +48,26 @@ def test_quantize_weights_int8_where_chosen(tiny_qwen2):
     assert isinstance(model.lm_head, torch.Tensor)
 
 
+def test_int8_lm_head_in_bfloat16_matches_float32_head(tiny_llama):
+    """`head_dtype=bfloat16` (the engine's choice under int8 on CPUs with native
+    bfloat16): the LM head is packed in bfloat16, takes the float32 hidden states
+    and returns float32 logits close to the float32 head's."""
+    cfg = EngineArgs(model=str(tiny_llama), quantization="int8").create_config().model
+    models = []
+    for head_dtype in (torch.float32, torch.bfloat16):
+        model = LlamaForCausalLM(cfg.hf_config, torch.float32, "cpu")
+        model.load_weights(iter_weights(Path(cfg.path)))
+        model.quantize_weights(head_dtype=head_dtype)
+        models.append(model)
+    assert models[1].lm_head.dtype == torch.bfloat16
+    assert models[1].layers[0].mlp.down_weight.dtype == torch.float32  # down stays float32
+    hidden = torch.randn(5, models[0].dims.hidden)
+    ref, got = (m.compute_logits(hidden) for m in models)
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    err = float((got - ref).norm() / ref.norm())
+    assert 0 < err < 0.02, err  # bfloat16 rounding: measured about 0.003
+
+
 def _greedy(model: str, quantization: str | None) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
     with LLM(model, quantization=quantization) as llm:

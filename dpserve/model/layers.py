@@ -78,10 +78,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
     On CPU, oneDNN linears (packed float32, and bfloat16/float16) run on
     `bucket_rows(T)` rows (zero padding, dropped after). A `quant.Int8Weight`
-    (`--quantization int8`) runs the int8 kernel; its bias is inside it.
+    (`--quantization int8`) runs the int8 kernel; its bias is inside it. A packed
+    weight in another dtype than `x` (int8 mode's bfloat16 projections) runs in
+    the weight's dtype and returns `x`'s.
     """
     if isinstance(weight, Int8Weight):
         return linear_int8(x, weight)
+    if packed and weight.dtype != x.dtype:
+        return linear(x.to(weight.dtype), weight, bias, packed).to(x.dtype)
     if packed or (x.is_cpu and x.dtype != torch.float32):  # oneDNN (bf16 goes there too)
         rows = x.shape[0]
         padded = bucket_rows(rows)

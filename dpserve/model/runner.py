@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from dpserve.config import EngineConfig
+from dpserve.cpu_features import auto_cpu_dtype
 from dpserve.engine.request import Request
 from dpserve.engine.types import ModelRunnerOutput, SchedulerOutput
 from dpserve.model.attention import AttentionMetadata, build_attention_metadata, token_positions
@@ -85,8 +86,12 @@ class ModelRunner:
         logger.info("model %s loaded: %s on %s", self.config.model.architecture,
                     str(self.dtype).removeprefix("torch."), self.device)
         if self.config.model.quantization == "int8":
-            count = model.quantize_weights()
-            logger.info("int8 quantization: %d linear weights quantised", count)
+            # The LM head runs in bfloat16 where the CPU has it natively, as
+            # `--dtype auto` would pick (DPSERVE_CPU_BF16=0: float32).
+            head = torch.bfloat16 if auto_cpu_dtype() == "bfloat16" else torch.float32
+            count = model.quantize_weights(head_dtype=head)
+            logger.info("int8 quantization: %d linear weights quantised, LM head in %s", count,
+                        str(head).removeprefix("torch."))
         if (model.packed or model.prepack_weights()) and not self.config.model.enforce_eager:
             sched = self.config.scheduler
             start = time.monotonic()
