@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpserve.model import cpu_gemv
 from dpserve.model.quant import Int8Weight, linear_int8
 
 
@@ -73,8 +74,11 @@ def bucket_rows(rows: int) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: bool) -> torch.Tensor:
+           packed: bool, plain: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] -> [T, out]; `packed` says whether `weight` came from `prepack`.
+
+    `plain`: the same matrix unpacked, kept where the streaming decode kernel is
+    built (`cpu_gemv`): steps of up to `cpu_gemv.MAX_ROWS` rows run it instead.
 
     On CPU, oneDNN linears (packed float32, and bfloat16/float16) run on
     `bucket_rows(T)` rows (zero padding, dropped after). A `quant.Int8Weight`
@@ -82,6 +86,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     weight in another dtype than `x` (int8 mode's bfloat16 projections) runs in
     the weight's dtype and returns `x`'s.
     """
+    if plain is not None and x.shape[0] <= cpu_gemv.MAX_ROWS:
+        out = cpu_gemv.gemv(x, plain)
+        return out if bias is None else out.add_(bias)
     if isinstance(weight, Int8Weight):
         return linear_int8(x, weight)
     if packed and weight.dtype != x.dtype:

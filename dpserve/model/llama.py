@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpserve.model import cpu_gemv
 from dpserve.model.attention import AttentionMetadata, paged_attention
 from dpserve.model.layers import (
     RMSNorm,
@@ -94,6 +95,7 @@ class LlamaAttention(nn.Module):
         self.o_weight = _param(d.hidden, d.heads * d.head_dim, dtype=dtype, device=device)
         self.o_bias = _param(d.hidden, dtype=dtype, device=device) if d.o_bias else None
         self.packed = False  # weights in oneDNN layout (see prepack_weights)
+        self.plain: dict[str, torch.Tensor] = {}  # unpacked copies for cpu_gemv
 
     PACKABLE = ("qkv_weight", "o_weight")  # what prepack_weights may pack
 
@@ -101,13 +103,14 @@ class LlamaAttention(nn.Module):
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # x: [T, hidden]; cos/sin: [T, 1, head_dim // 2]
         num_tokens = x.shape[0]
-        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed)  # [T, (H + 2KV) * d]
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed,
+                     self.plain.get("qkv_weight"))  # [T, (H + 2KV) * d]
         qk_width = (self.heads + self.kv_heads) * self.head_dim
         qk = apply_rotary(qkv[:, :qk_width].view(num_tokens, -1, self.head_dim), cos, sin)
         q, k = qk[:, :self.heads], qk[:, self.heads:]  # [T, H, d], [T, KV, d]
         v = qkv[:, qk_width:].view(num_tokens, self.kv_heads, self.head_dim)
         attn = paged_attention(q, k, v, kv_cache, meta)  # [T, H * d]
-        return linear(attn, self.o_weight, self.o_bias, self.packed)
+        return linear(attn, self.o_weight, self.o_bias, self.packed, self.plain.get("o_weight"))
 
 
 class LlamaMLP(nn.Module):
@@ -119,13 +122,15 @@ class LlamaMLP(nn.Module):
         self.down_weight = _param(d.hidden, d.intermediate, dtype=dtype, device=device)
         self.down_bias = _param(d.hidden, dtype=dtype, device=device) if d.mlp_bias else None
         self.packed = False  # weights in oneDNN layout (see prepack_weights)
+        self.plain: dict[str, torch.Tensor] = {}  # unpacked copies for cpu_gemv
 
     PACKABLE = ("gate_up_weight", "down_weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.packed)  # [T, 2I]
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.packed,
+                         self.plain.get("gate_up_weight"))  # [T, 2I]
         return linear(silu_and_mul(gate_up), self.down_weight, self.down_bias,
-                      self.packed)  # [T, hidden]
+                      self.packed, self.plain.get("down_weight"))  # [T, hidden]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -164,6 +169,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(d.head_dim, d.max_positions,
                                       rope_spec_from_config(hf_config), dtype, device)
         self.packed = False
+        self.lm_head_plain: torch.Tensor | None = None  # for cpu_gemv (tied heads)
 
     def _make_layer(self, index: int, hf_config: Mapping[str, Any], dtype: torch.dtype,
                     device: Any) -> nn.Module:
@@ -181,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> logits [S, vocab] float32."""
-        return linear(hidden, self.lm_head, None, self.packed).float()
+        return linear(hidden, self.lm_head, None, self.packed, self.lm_head_plain).float()
 
     def prepack_weights(self) -> bool:
         """After loading: move every projection to oneDNN's layout where that is
@@ -189,20 +195,33 @@ class LlamaForCausalLM(nn.Module):
         since the embedding lookup needs the plain matrix. Returns whether it packed."""
         if self.packed or not can_prepack(self.dtype, self.embed.device):
             return False
+        # Decode steps of a few rows stream the plain matrices (cpu_gemv), larger
+        # steps run the packed ones: both are kept where the kernel is built.
+        keep_plain = cpu_gemv.available()
         # Packed tensors are opaque (not strided), so they replace the
         # parameters as plain attributes.
         for module in self.layers.modules():  # every module naming PACKABLE weights
             for name in getattr(module, "PACKABLE", ()):
-                packed = prepack(getattr(module, name).data)
+                plain = getattr(module, name).data.contiguous()
+                packed = prepack(plain)
                 delattr(module, name)
                 setattr(module, name, packed)
+                if keep_plain:
+                    module.plain[name] = plain
             if getattr(module, "PACKABLE", ()):
                 module.packed = True
         head = prepack(self.lm_head.data)
+        if keep_plain and self.dims.tied:  # the embedding matrix, kept anyway
+            self.lm_head_plain = self.embed.data
         del self.lm_head  # the parameter name only: a tied `embed` stays
         self.lm_head = head
         self.packed = True
         return True
+
+    def plain_bytes(self) -> int:
+        """Bytes of the unpacked copies kept for cpu_gemv (the tied head's is free)."""
+        return sum(t.numel() * t.element_size() for m in self.layers.modules()
+                   for t in getattr(m, "plain", {}).values())
 
     # Projections `quantize_weights` keeps in float32: down's input (silu(gate) * up)
     # has outlier channels that per-tensor int8 activations flatten (SmolLM2-135M:

@@ -86,7 +86,8 @@ class QKNormAttention(LlamaAttention):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens, hd = x.shape[0], self.head_dim
-        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed)  # [T, (H + 2KV) * d]
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed,
+                     self.plain.get("qkv_weight"))  # [T, (H + 2KV) * d]
         q_end, k_end = self.heads * hd, (self.heads + self.kv_heads) * hd
         q, k, v = qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:]
         if self.per_head:
@@ -100,7 +101,7 @@ class QKNormAttention(LlamaAttention):
         k = apply_rotary(k.reshape(num_tokens, self.kv_heads, hd), cos, sin)
         v = v.reshape(num_tokens, self.kv_heads, hd)
         attn = paged_attention(q, k, v, kv_cache, meta)  # [T, H * d]
-        return linear(attn, self.o_weight, self.o_bias, self.packed)
+        return linear(attn, self.o_weight, self.o_bias, self.packed, self.plain.get("o_weight"))
 
 
 class MoEForCausalLM(LlamaForCausalLM):
