@@ -5,7 +5,11 @@ Measures, with the engine's thread count:
   gate/up, down, LM head) at 1, 16, 256 and 2,048 rows, with MKL (`F.linear`)
   and oneDNN pre-packed weights (what the engine runs on CPU);
 * memory bandwidth: a read-only sum and a copy over buffers far larger than the
-  caches, best of several runs.
+  caches, best of several runs;
+* one-row linears as a decode step runs them, each weight read from memory (30
+  copies of each shape, cycled, as the 30 layers are): the GB/s of weights read
+  by oneDNN pre-packed and by dpserve's streaming kernel (`cpu_gemv`, what the
+  engine runs for one-row steps where it builds).
 
 From them it derives two floors for the serve workloads:
 * `kernel floor`: the time the measured linears alone need (best of the two
@@ -79,6 +83,28 @@ def gemm_table(dtype: torch.dtype) -> dict[str, dict[int, dict[str, float]]]:
                                  "mkl_gflops": flops / mkl / 1e9,
                                  "onednn_gflops": flops / dnn / 1e9}
     return table
+
+
+def streamed_one_row(dtype: torch.dtype) -> dict[str, dict[str, float]]:
+    """layer shape -> {"onednn_gbs", "gemv_gbs"}: weight GB/s of one-row products with
+    the weights coming from memory (LAYERS copies cycled), as in a decode step."""
+    from dpserve.model import cpu_gemv
+
+    torch.manual_seed(0)
+    out: dict[str, dict[str, float]] = {}
+    for name, (out_f, in_f) in SHAPES.items():
+        copies = 2 if name == "lm_head" else LAYERS  # the head alone outgrows the caches
+        weights = [(torch.randn(out_f, in_f) * 0.02).to(dtype) for _ in range(copies)]
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+        x = torch.randn(1, in_f).to(dtype)
+        nbytes = copies * out_f * in_f * dtype.itemsize
+        dnn = _time(lambda x=x, ws=packed: [
+            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in ws])
+        out[name] = {"onednn_gbs": nbytes / dnn / 1e9}
+        if cpu_gemv.available():
+            gemv = _time(lambda x=x, ws=weights: [cpu_gemv.gemv(x, w) for w in ws])
+            out[name]["gemv_gbs"] = nbytes / gemv / 1e9
+    return out
 
 
 def bandwidth(mbytes: int = 512) -> dict[str, float]:
@@ -162,8 +188,10 @@ def main() -> int:
     table = gemm_table(dtype)
     bw = bandwidth()
     limits = workload_limits(table, bw, dtype.itemsize)
+    streamed = streamed_one_row(dtype)
     if args.json:
-        print(json.dumps({"gemm": table, "bandwidth": bw, "limits": limits}, indent=1))
+        print(json.dumps({"gemm": table, "bandwidth": bw, "limits": limits,
+                          "one_row_streamed": streamed}, indent=1))
     print(f"{args.dtype}, threads {args.threads}; bandwidth: read {bw['read_gbs']:.1f} GB/s, "
           f"copy {bw['copy_gbs']:.1f} GB/s\n")
     print("| shape (out x in) | rows | MKL GFLOP/s | oneDNN packed GFLOP/s |")
@@ -173,6 +201,13 @@ def main() -> int:
             e = table[name][rows]
             print(f"| {name} ({o}x{i}) | {rows} | {e['mkl_gflops']:.1f} | "
                   f"{e['onednn_gflops']:.1f} |")
+    print("\nOne row, weights read from memory (GB/s of weights; the read bandwidth is the "
+          "ceiling):\n")
+    print("| shape | oneDNN packed | dpserve cpu_gemv |")
+    print("|---|---:|---:|")
+    for name, e in streamed.items():
+        gemv = f"{e['gemv_gbs']:.1f}" if "gemv_gbs" in e else "not built"
+        print(f"| {name} | {e['onednn_gbs']:.1f} | {gemv} |")
     print("\n| limit | kernel floor | roofline |")
     print("|---|---:|---:|")
     print(f"| W16 output tok/s | {limits['w16_tok_s_kernel']:.1f} | "

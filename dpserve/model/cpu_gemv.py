@@ -118,6 +118,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     CPU tensors, float32 or bfloat16; `available()` must be true)."""
     lib = _library()
     assert lib is not None and x.dtype in _DTYPES and weight.dtype in _DTYPES
+    assert weight.is_contiguous() and x.shape[1] == weight.shape[1]
     rows, k_len = x.shape
     n_len = weight.shape[0]
     x = x.contiguous()
