@@ -8,7 +8,7 @@ Measures, with the engine's thread count:
   caches, best of several runs;
 * one-row linears as a decode step runs them, each weight read from memory (30
   copies of each shape, cycled, as the 30 layers are): the GB/s of weights read
-  by oneDNN pre-packed and by dpserve's streaming kernel (`cpu_gemv`, what the
+  by oneDNN pre-packed and by dpserve's streaming kernel (`cpu_kernels`, what the
   engine runs for one-row steps where it builds).
 
 From them it derives two floors for the serve workloads:
@@ -88,7 +88,7 @@ def gemm_table(dtype: torch.dtype) -> dict[str, dict[int, dict[str, float]]]:
 def streamed_one_row(dtype: torch.dtype) -> dict[str, dict[str, float]]:
     """layer shape -> {"onednn_gbs", "gemv_gbs"}: weight GB/s of one-row products with
     the weights coming from memory (LAYERS copies cycled), as in a decode step."""
-    from dpserve.model import cpu_gemv
+    from dpserve.model import cpu_kernels
 
     torch.manual_seed(0)
     out: dict[str, dict[str, float]] = {}
@@ -101,8 +101,8 @@ def streamed_one_row(dtype: torch.dtype) -> dict[str, dict[str, float]]:
         dnn = _time(lambda x=x, ws=packed: [
             torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in ws])
         out[name] = {"onednn_gbs": nbytes / dnn / 1e9}
-        if cpu_gemv.available():
-            gemv = _time(lambda x=x, ws=weights: [cpu_gemv.gemv(x, w) for w in ws])
+        if cpu_kernels.available():
+            gemv = _time(lambda x=x, ws=weights: [cpu_kernels.gemv(x, w) for w in ws])
             out[name]["gemv_gbs"] = nbytes / gemv / 1e9
     return out
 
@@ -203,7 +203,7 @@ def main() -> int:
                   f"{e['onednn_gflops']:.1f} |")
     print("\nOne row, weights read from memory (GB/s of weights; the read bandwidth is the "
           "ceiling):\n")
-    print("| shape | oneDNN packed | dpserve cpu_gemv |")
+    print("| shape | oneDNN packed | dpserve cpu_kernels |")
     print("|---|---:|---:|")
     for name, e in streamed.items():
         gemv = f"{e['gemv_gbs']:.1f}" if "gemv_gbs" in e else "not built"

@@ -16,7 +16,9 @@ A step's tokens are flattened, decodes first (one token each), then prefills
 earlier chunks). `AttentionMetadata` is built once per step (all index and
 mask tensors); each layer then writes its new K/V and attends:
 
-* decodes: rows are processed in chunks; per chunk one `index_select` gathers
+* decodes: rows are processed in chunks. On CPU, where dpserve's kernels are
+  built (`cpu_kernels.decode_attention`), each chunk attends straight from the
+  cache through its block table. Elsewhere, per chunk one `index_select` gathers
   the rows' blocks, and one SDPA call with GQA folded into the query length
   (`[rows, kv_heads, group, head_dim]`) and a padding mask does the rest.
 * prefills: one padded-batch SDPA call per group of rows (groups bound the
@@ -35,6 +37,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dpserve.model import cpu_kernels
+
 # Decode rows attended per SDPA call on CPU: small enough that a chunk's
 # gathered K/V stay in cache between the gather and the attention.
 CPU_DECODE_ROWS = 16
@@ -51,7 +55,10 @@ class DecodeChunk:
     start: int
     end: int
     block_index: torch.Tensor  # [(end - start) * num_blocks] int64 block ids, row-major
-    mask: torch.Tensor  # [end - start, 1, 1, num_blocks * block_size] additive (0 / -inf)
+    seq_lens: torch.Tensor  # [end - start] int64 tokens each row attends to
+    # [end - start, 1, 1, num_blocks * block_size] additive (0 / -inf); None when the
+    # CPU kernel runs (it reads seq_lens instead)
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -83,6 +90,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64 flat cache slot of each new token
     num_decode_tokens: int  # D: the first D tokens are decodes, one per request
     decode_chunks: list[DecodeChunk]
+    # decodes run cpu_kernels.decode_attention (CPU, float32/bfloat16, kernels built)
+    decode_kernel: bool
     prefill_groups: list[PrefillGroup]
 
 
@@ -99,20 +108,22 @@ def build_attention_metadata(query_lens: np.ndarray, context_lens: np.ndarray,
     """
     slot_mapping = _slot_mapping(query_lens, context_lens, block_table, block_size)
     seq_lens = context_lens + query_lens
+    decode_kernel = bool(num_decodes) and device.type == "cpu" and dtype in (
+        torch.float32, torch.bfloat16) and cpu_kernels.available()
     decode_chunks = []
     if num_decodes:
         max_rows = CPU_DECODE_ROWS if device.type == "cpu" else 1 << 30
         widest = int(seq_lens[:num_decodes].max()) * kv_elems_per_token
         rows = max(1, min(max_rows, MAX_GATHER_ELEMS // widest))
         decode_chunks = [_decode_chunk(s, min(s + rows, num_decodes), seq_lens, block_table,
-                                       block_size, dtype, device)
+                                       block_size, dtype, device, with_mask=not decode_kernel)
                          for s in range(0, num_decodes, rows)]
     groups = [_prefill_group(rows, query_lens, context_lens, block_table, block_size, dtype,
                              device)
               for rows in _prefill_row_groups(query_lens, context_lens, num_decodes)]
     return AttentionMetadata(slot_mapping=_to(slot_mapping, device),
                              num_decode_tokens=num_decodes, decode_chunks=decode_chunks,
-                             prefill_groups=groups)
+                             decode_kernel=decode_kernel, prefill_groups=groups)
 
 
 def _prefill_row_groups(query_lens: np.ndarray, context_lens: np.ndarray,
@@ -157,13 +168,17 @@ def _slot_mapping(query_lens: np.ndarray, context_lens: np.ndarray, block_table:
 
 
 def _decode_chunk(start: int, end: int, seq_lens: np.ndarray, block_table: np.ndarray,
-                  block_size: int, dtype: torch.dtype, device: torch.device) -> DecodeChunk:
+                  block_size: int, dtype: torch.dtype, device: torch.device,
+                  with_mask: bool = True) -> DecodeChunk:
     lens = seq_lens[start:end]  # [c]
     num_blocks = -(-int(lens.max()) // block_size)
-    allowed = np.arange(num_blocks * block_size)[None, :] < lens[:, None]  # [c, L]
+    mask = None
+    if with_mask:
+        allowed = np.arange(num_blocks * block_size)[None, :] < lens[:, None]  # [c, L]
+        mask = _additive(allowed[:, None, None, :], dtype, device)
     return DecodeChunk(start=start, end=end,
                        block_index=_to(block_table[start:end, :num_blocks].reshape(-1), device),
-                       mask=_additive(allowed[:, None, None, :], dtype, device))
+                       seq_lens=_to(lens, device), mask=mask)
 
 
 def _prefill_group(rows: range, query_lens: np.ndarray, context_lens: np.ndarray,
@@ -223,7 +238,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     num_tokens, heads, head_dim = q.shape
     out = torch.empty(num_tokens, heads * head_dim, dtype=q.dtype, device=q.device)
     for chunk in meta.decode_chunks:
-        out[chunk.start:chunk.end] = _decode_attention(q[chunk.start:chunk.end], kv_cache, chunk)
+        rows = q[chunk.start:chunk.end]
+        if meta.decode_kernel:
+            if rows.stride(2) != 1 or rows.stride(1) != head_dim:  # heads must be packed
+                rows = rows.contiguous()
+            cpu_kernels.decode_attention(rows, kv_cache, chunk.block_index.view(len(rows), -1),
+                                         chunk.seq_lens, out[chunk.start:chunk.end])
+        else:
+            out[chunk.start:chunk.end] = _decode_attention(rows, kv_cache, chunk)
     for g in meta.prefill_groups:
         s, e = g.token_start, g.token_end
         out[s:e] = _prefill_attention(q[s:e], k[s:e], v[s:e], kv_cache, g)

@@ -1,4 +1,4 @@
-/* Streaming matrix-vector products for decode steps on CPU (see cpu_gemv.py).
+/* Streaming matrix-vector products for decode steps on CPU (see cpu_kernels.py).
  *
  * y[m, n] = sum_k x[m, k] * w[n, k] for a few rows m of x: each thread reads its
  * share of w's rows once, front to back, with wide independent accumulators, so
@@ -7,7 +7,7 @@
  * sums are float32; bfloat16 results round to nearest even. Vectors are GCC/Clang
  * vector extensions: 512-bit where the CPU has AVX-512, pairs of 256-bit otherwise.
  *
- * Built by cpu_gemv.py with the host compiler, -O3 -march=native -fopenmp.
+ * Built by cpu_kernels.py with the host compiler, -O3 -march=native -fopenmp.
  */
 #include <stdint.h>
 #include <stdlib.h>

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpserve.model import cpu_gemv
+from dpserve.model import cpu_kernels
 from dpserve.model.quant import Int8Weight, linear_int8
 
 
@@ -78,7 +78,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """x [T, in] -> [T, out]; `packed` says whether `weight` came from `prepack`.
 
     `plain`: the same matrix unpacked, kept where the streaming decode kernel is
-    built (`cpu_gemv`): steps of up to `cpu_gemv.MAX_ROWS` rows run it instead.
+    built (`cpu_kernels`): steps of up to `cpu_kernels.MAX_ROWS` rows run it instead.
 
     On CPU, oneDNN linears (packed float32, and bfloat16/float16) run on
     `bucket_rows(T)` rows (zero padding, dropped after). A `quant.Int8Weight`
@@ -86,8 +86,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     weight in another dtype than `x` (int8 mode's bfloat16 projections) runs in
     the weight's dtype and returns `x`'s.
     """
-    if plain is not None and x.shape[0] <= cpu_gemv.MAX_ROWS:
-        out = cpu_gemv.gemv(x, plain)
+    if plain is not None and x.shape[0] <= cpu_kernels.MAX_ROWS:
+        out = cpu_kernels.gemv(x, plain)
         return out if bias is None else out.add_(bias)
     if isinstance(weight, Int8Weight):
         return linear_int8(x, weight)

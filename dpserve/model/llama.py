@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpserve.model import cpu_gemv
+from dpserve.model import cpu_kernels
 from dpserve.model.attention import AttentionMetadata, paged_attention
 from dpserve.model.layers import (
     RMSNorm,
@@ -95,7 +95,7 @@ class LlamaAttention(nn.Module):
         self.o_weight = _param(d.hidden, d.heads * d.head_dim, dtype=dtype, device=device)
         self.o_bias = _param(d.hidden, dtype=dtype, device=device) if d.o_bias else None
         self.packed = False  # weights in oneDNN layout (see prepack_weights)
-        self.plain: dict[str, torch.Tensor] = {}  # unpacked copies for cpu_gemv
+        self.plain: dict[str, torch.Tensor] = {}  # unpacked copies for cpu_kernels
 
     PACKABLE = ("qkv_weight", "o_weight")  # what prepack_weights may pack
 
@@ -122,7 +122,7 @@ class LlamaMLP(nn.Module):
         self.down_weight = _param(d.hidden, d.intermediate, dtype=dtype, device=device)
         self.down_bias = _param(d.hidden, dtype=dtype, device=device) if d.mlp_bias else None
         self.packed = False  # weights in oneDNN layout (see prepack_weights)
-        self.plain: dict[str, torch.Tensor] = {}  # unpacked copies for cpu_gemv
+        self.plain: dict[str, torch.Tensor] = {}  # unpacked copies for cpu_kernels
 
     PACKABLE = ("gate_up_weight", "down_weight")
 
@@ -169,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(d.head_dim, d.max_positions,
                                       rope_spec_from_config(hf_config), dtype, device)
         self.packed = False
-        self.lm_head_plain: torch.Tensor | None = None  # for cpu_gemv (tied heads)
+        self.lm_head_plain: torch.Tensor | None = None  # for cpu_kernels (tied heads)
 
     def _make_layer(self, index: int, hf_config: Mapping[str, Any], dtype: torch.dtype,
                     device: Any) -> nn.Module:
@@ -195,9 +195,9 @@ class LlamaForCausalLM(nn.Module):
         since the embedding lookup needs the plain matrix. Returns whether it packed."""
         if self.packed or not can_prepack(self.dtype, self.embed.device):
             return False
-        # Decode steps of a few rows stream the plain matrices (cpu_gemv), larger
+        # Decode steps of a few rows stream the plain matrices (cpu_kernels), larger
         # steps run the packed ones: both are kept where the kernel is built.
-        keep_plain = cpu_gemv.available()
+        keep_plain = cpu_kernels.available()
         # Packed tensors are opaque (not strided), so they replace the
         # parameters as plain attributes.
         for module in self.layers.modules():  # every module naming PACKABLE weights
@@ -219,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
         return True
 
     def plain_bytes(self) -> int:
-        """Bytes of the unpacked copies kept for cpu_gemv (the tied head's is free)."""
+        """Bytes of the unpacked copies kept for cpu_kernels (the tied head's is free)."""
         return sum(t.numel() * t.element_size() for m in self.layers.modules()
                    for t in getattr(m, "plain", {}).values())
 

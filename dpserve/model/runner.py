@@ -29,7 +29,7 @@ from dpserve.config import EngineConfig
 from dpserve.cpu_features import auto_cpu_dtype
 from dpserve.engine.request import Request
 from dpserve.engine.types import ModelRunnerOutput, SchedulerOutput
-from dpserve.model import cpu_gemv
+from dpserve.model import cpu_kernels
 from dpserve.model.attention import AttentionMetadata, build_attention_metadata, token_positions
 from dpserve.model.expert_parallel import ExpertParallel
 from dpserve.model.prompt_logprobs import compute_prompt_logprobs
@@ -101,8 +101,8 @@ class ModelRunner:
             logger.info("linear weights pre-packed for oneDNN; kernels for %d (shape, rows) "
                         "pairs compiled in %.1f s", runs, time.monotonic() - start)
         if getattr(model, "plain_bytes", None) and model.plain_bytes():
-            logger.info("decode steps of up to %d rows stream unpacked weights (cpu_gemv): "
-                        "+%.0f MiB", cpu_gemv.MAX_ROWS, model.plain_bytes() / 2**20)
+            logger.info("decode steps of up to %d rows stream unpacked weights (cpu_kernels): "
+                        "+%.0f MiB", cpu_kernels.MAX_ROWS, model.plain_bytes() / 2**20)
         if hasattr(model, "expert_info"):
             info = model.expert_info()
             logger.info("experts %d..%d of %d held here: %.1f MiB", info["experts"][0],

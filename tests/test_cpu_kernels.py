@@ -1,4 +1,4 @@
-"""The streaming decode kernel (`dpserve/model/cpu_gemv.py`, `gemv.c`): built with
+"""The streaming decode kernel (`dpserve/model/cpu_kernels.py`, `gemv.c`): built with
 the host compiler, equal to a float64 reference in every dtype pairing, used by a
 real model's decode rows, cached per source, and a clear fallback to oneDNN when
 it cannot be built or is turned off."""
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dpserve import LLM, SamplingParams
-from dpserve.model import cpu_gemv
+from dpserve.model import cpu_kernels
 from dpserve.model.layers import linear, prepack
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -29,7 +29,7 @@ def test_gemv_matches_float64_reference(w_dtype, x_dtype, rows):
     # 200 inputs: three full 64-lane blocks and a tail; 77 outputs: uneven per thread
     w = (torch.randn(77, 200) * 0.05).to(w_dtype)
     x = torch.randn(rows, 200).to(x_dtype)
-    got = cpu_gemv.gemv(x, w)
+    got = cpu_kernels.gemv(x, w)
     ref = x.double() @ w.double().T
     assert got.dtype == x_dtype and got.shape == (rows, 77)
     err = float((got.double() - ref).abs().max() / ref.abs().max())
@@ -41,9 +41,9 @@ def test_gemv_keeps_inf_and_nan_in_bfloat16():
     w = torch.ones(3, 64, dtype=torch.bfloat16)
     x = torch.zeros(1, 64, dtype=torch.bfloat16)
     x[0, 0] = float("inf")
-    assert torch.isinf(cpu_gemv.gemv(x, w)).all()
+    assert torch.isinf(cpu_kernels.gemv(x, w)).all()
     x[0, 0] = float("nan")
-    assert torch.isnan(cpu_gemv.gemv(x, w)).all()
+    assert torch.isnan(cpu_kernels.gemv(x, w)).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -51,7 +51,7 @@ def test_linear_takes_the_kernel_up_to_max_rows_and_onednn_after(dtype):
     torch.manual_seed(0)
     w, b = (torch.randn(96, 64) * 0.05).to(dtype), torch.randn(96).to(dtype)
     packed = prepack(w)
-    for rows in (1, cpu_gemv.MAX_ROWS, cpu_gemv.MAX_ROWS + 1, 16):
+    for rows in (1, cpu_kernels.MAX_ROWS, cpu_kernels.MAX_ROWS + 1, 16):
         x = torch.randn(rows, 64).to(dtype)
         ref = (x.double() @ w.double().T + b.double())
         got = linear(x, packed, b, True, plain=w)
@@ -64,29 +64,29 @@ def test_linear_takes_the_kernel_up_to_max_rows_and_onednn_after(dtype):
 
 
 def test_build_is_cached_by_source(tmp_path, monkeypatch):
-    monkeypatch.setenv(cpu_gemv.CACHE_ENV, str(tmp_path))
-    first = cpu_gemv.build()
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path))
+    first = cpu_kernels.build()
     assert first.parent == tmp_path and first.exists()
     stamp = first.stat().st_mtime_ns
-    assert cpu_gemv.build() == first and first.stat().st_mtime_ns == stamp  # not rebuilt
+    assert cpu_kernels.build() == first and first.stat().st_mtime_ns == stamp  # not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left
 
 
 def test_build_without_compiler_names_it(tmp_path, monkeypatch):
-    monkeypatch.setenv(cpu_gemv.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path))
     with pytest.raises(RuntimeError, match="no-such-cc"):
-        cpu_gemv.build(compiler=str(tmp_path / "no-such-cc"))
+        cpu_kernels.build(compiler=str(tmp_path / "no-such-cc"))
     broken = tmp_path / "cc"
     broken.write_text("#!/bin/sh\necho 'cc: error: out of luck' >&2\nexit 1\n")
     broken.chmod(0o755)
     with pytest.raises(RuntimeError, match="out of luck"):
-        cpu_gemv.build(compiler=str(broken))
+        cpu_kernels.build(compiler=str(broken))
     assert not list(tmp_path.glob("*.so"))
 
 
 def test_model_decode_uses_kernel_and_agrees_with_onednn(tiny_llama):
     """A real engine keeps the plain weights and its greedy tokens equal those of
-    an engine with the kernel off (DPSERVE_CPU_GEMV=0, oneDNN for every step)."""
+    an engine with the kernel off (DPSERVE_CPU_KERNELS=0, oneDNN for every step)."""
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = ["The quick brown fox", "Data parallel serving is"]
     with LLM(str(tiny_llama), dtype="float32") as llm:  # DP=1: the engine is in process
@@ -96,13 +96,13 @@ def test_model_decode_uses_kernel_and_agrees_with_onednn(tiny_llama):
     script = (
         "import json, sys\n"
         "from dpserve import LLM, SamplingParams\n"
-        "from dpserve.model import cpu_gemv\n"
-        "assert not cpu_gemv.available()\n"
+        "from dpserve.model import cpu_kernels\n"
+        "assert not cpu_kernels.available()\n"
         "p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)\n"
         f"with LLM({str(tiny_llama)!r}, dtype='float32') as llm:\n"
         f"    outs = llm.generate({prompts!r}, p, use_tqdm=False)\n"
         "print(json.dumps([list(o.outputs[0].token_ids) for o in outs]))\n")
-    env = {**os.environ, cpu_gemv.GEMV_ENV: "0"}
+    env = {**os.environ, cpu_kernels.KERNELS_ENV: "0"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -111,21 +111,67 @@ def test_model_decode_uses_kernel_and_agrees_with_onednn(tiny_llama):
 
 
 def test_engine_serves_when_kernel_cannot_build(tiny_llama, tmp_path):
-    """No usable compiler: one warning, and the engine generates with oneDNN."""
+    """No usable compiler: one warning, and the engine generates with torch's kernels."""
     script = (
         "from dpserve import LLM, SamplingParams\n"
-        "from dpserve.model import cpu_gemv\n"
-        "assert not cpu_gemv.available()\n"
+        "from dpserve.model import cpu_kernels\n"
+        "assert not cpu_kernels.available()\n"
         f"with LLM({str(tiny_llama)!r}, dtype='float32') as llm:\n"
         "    out = llm.generate(['hello'], SamplingParams(max_tokens=4, ignore_eos=True),\n"
         "                       use_tqdm=False)\n"
         "assert len(out[0].outputs[0].token_ids) == 4\n"
         "print('served')\n")
     env = {**os.environ, "CC": str(tmp_path / "no-such-cc"),
-           cpu_gemv.CACHE_ENV: str(tmp_path / "cache")}
+           cpu_kernels.CACHE_ENV: str(tmp_path / "cache")}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "served" in done.stdout
-    assert "CPU decode kernel unavailable" in done.stderr and "no-such-cc" in done.stderr
+    assert "CPU kernels unavailable" in done.stderr and "no-such-cc" in done.stderr
+    assert done.stderr.count("CPU kernels unavailable") == 1
     assert not Path(tmp_path / "cache").exists() or not list(Path(tmp_path / "cache").glob("*.so"))
+
+
+def _reference_decode(q, cache, tables, lens):
+    """float64 attention of each row's query over its first lens[r] cached tokens."""
+    rows, heads, d = q.shape
+    _, _, block_size, kv_heads, _ = cache.shape
+    group, out = heads // kv_heads, torch.empty(rows, heads, d, dtype=torch.float64)
+    for r in range(rows):
+        pos = torch.arange(int(lens[r]))
+        slots = tables[r][pos // block_size] * block_size + pos % block_size
+        k = cache[0].reshape(-1, kv_heads, d)[slots].double()  # [L, kv_heads, d]
+        v = cache[1].reshape(-1, kv_heads, d)[slots].double()
+        for h in range(heads):
+            scores = (k[:, h // group] @ q[r, h].double()) / d ** 0.5
+            out[r, h] = torch.softmax(scores, 0) @ v[:, h // group]
+    return out.reshape(rows, heads * d)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
+def test_decode_attention_matches_float64_reference(dtype, heads, kv_heads):
+    torch.manual_seed(heads)
+    num_blocks, block_size, d = 40, 16, 64
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, d).to(dtype)
+    lens = torch.tensor([1, 16, 17, 100, 200, 5], dtype=torch.int64)
+    width = int(-(-lens.max() // block_size))
+    tables = torch.stack([torch.randperm(num_blocks)[:width] for _ in lens])  # shuffled blocks
+    # q as the model holds it: a slice of [rows, heads + kv_heads, d] (strided rows)
+    q = torch.randn(len(lens), heads + kv_heads, d).to(dtype)[:, :heads]
+    out = torch.empty(len(lens), heads * d, dtype=dtype)
+    cpu_kernels.decode_attention(q, cache, tables.contiguous(), lens, out)
+    ref = _reference_decode(q, cache, tables, lens)
+    err = float((out.double() - ref).abs().max())
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
+def test_decode_attention_refuses_a_table_too_short():
+    cache = torch.zeros(2, 4, 16, 1, 64)
+    q = torch.zeros(1, 1, 64)
+    with pytest.raises(RuntimeError, match="past its table"):
+        cpu_kernels.decode_attention(q, cache, torch.zeros(1, 1, dtype=torch.int64),
+                                     torch.tensor([17]), torch.empty(1, 64))
+    with pytest.raises(RuntimeError, match="past its table"):  # a block id outside the cache
+        cpu_kernels.decode_attention(q, cache, torch.tensor([[7]]), torch.tensor([3]),
+                                     torch.empty(1, 64))

@@ -1,0 +1,165 @@
+"""dpserve's own CPU kernels for decode steps, in C (`gemv.c`, `decode_attention.c`).
+
+Why: where torch's kernels fall well short of what the machine can do.
+* `gemv`: a one-stream decode step reads every weight once, so its speed is
+  memory bandwidth. oneDNN's packed kernels read a weight at 14-23 GB/s at one
+  row on this machine (bench/roofline.py), where the memory gives about 32;
+  `gemv.c` streams the plain [out, in] matrix front to back at 29-32.
+  `layers.linear` runs it for steps of up to `MAX_ROWS` rows when the model kept
+  the plain weights, oneDNN otherwise.
+* `decode_attention`: one query token per row attends straight from the paged
+  cache through the block table (`attention.py` otherwise gathers each row's
+  blocks into a padded copy and runs SDPA with a mask).
+
+How they are built: at first use, with the host's C compiler (`cc -O3
+-march=native -fopenmp`), into one library in a cache directory keyed by the
+sources, the flags and the CPU (`DPSERVE_KERNEL_CACHE`, default
+~/.cache/dpserve/kernels), through a temporary file and a rename, so engines
+starting together never load a half-written library; loaded with ctypes (the
+library shares torch's libgomp). No compiler, or a failed build: one warning,
+and torch's kernels serve every step. `DPSERVE_CPU_KERNELS=0` turns them off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from dpserve.cpu_features import cpu_flags
+
+logger = logging.getLogger(__name__)
+
+KERNELS_ENV = "DPSERVE_CPU_KERNELS"
+CACHE_ENV = "DPSERVE_KERNEL_CACHE"
+# Rows routed to the kernel: at one row it reads weights at 27-31 GB/s where oneDNN
+# reads 13-20; at two they are about level, from three oneDNN is faster (the kernel
+# takes up to four; bench/roofline.py measures both).
+MAX_ROWS = 1
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemv.c", "decode_attention.c"))
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+BUILD_TIMEOUT_S = 120
+
+
+def enabled() -> bool:
+    """Whether the kernels may be used (DPSERVE_CPU_KERNELS is not "0")."""
+    return os.environ.get(KERNELS_ENV, "1") != "0"
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "dpserve" / "kernels")
+
+
+def library_path(compiler: str) -> Path:
+    """Where the library built from these sources, with these flags, for this CPU lives."""
+    key = hashlib.sha256()
+    for part in (*(src.read_bytes() for src in _SOURCES), " ".join(_FLAGS).encode(),
+                 compiler.encode(), " ".join(sorted(cpu_flags())).encode()):
+        key.update(part)
+    return _cache_dir() / f"dpserve_kernels-{key.hexdigest()[:16]}.so"
+
+
+def build(compiler: str | None = None) -> Path:
+    """Compile the kernels (if not cached already) and return the library's path.
+
+    Raises RuntimeError naming the compiler's complaint."""
+    compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise RuntimeError("no C compiler found (cc, gcc; or set CC)")
+    target = library_path(compiler)
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"],
+                              capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-400:]}")
+        os.replace(tmp, target)  # atomic: a concurrent build just replaces it again
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"{compiler} did not finish in {BUILD_TIMEOUT_S} s") from e
+    except OSError as e:  # not there, not executable
+        raise RuntimeError(f"cannot run {compiler}: {e.strerror}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (RuntimeError, OSError) as e:
+        logger.warning("dpserve's CPU kernels unavailable, torch's run every step: %s", e)
+        return None
+    ptr, i64, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.dpserve_gemv.restype = cint
+    lib.dpserve_gemv.argtypes = [ptr, cint, ptr, ptr, cint, i64, i64, i64, cint]
+    lib.dpserve_decode_attention.restype = cint
+    lib.dpserve_decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, cint, i64, i64,
+                                             i64, i64, i64, i64, ctypes.c_float, cint]
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernels are enabled and built (builds them on first call)."""
+    return enabled() and _library() is not None
+
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] @ weight[out, in].T -> [rows, out] in x's dtype (rows <= MAX_ROWS;
+    CPU tensors, float32 or bfloat16; `available()` must be true)."""
+    lib = _library()
+    assert lib is not None and x.dtype in _DTYPES and weight.dtype in _DTYPES
+    assert weight.is_contiguous() and x.shape[1] == weight.shape[1]
+    rows, k_len = x.shape
+    n_len = weight.shape[0]
+    x = x.contiguous()
+    out = torch.empty(rows, n_len, dtype=x.dtype)
+    status = lib.dpserve_gemv(weight.data_ptr(), int(weight.dtype == torch.bfloat16),
+                              x.data_ptr(), out.data_ptr(), int(x.dtype == torch.bfloat16),
+                              rows, n_len, k_len, torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"dpserve_gemv failed for {rows} x {k_len} @ {tuple(weight.shape)}")
+    return out
+
+
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, out: torch.Tensor) -> None:
+    """Attention of one query token per row over its cached tokens, into `out`.
+
+    q [rows, heads, head_dim] (rows may be strided, heads and head_dim packed);
+    kv_cache [2, num_blocks, block_size, kv_heads, head_dim] contiguous;
+    block_table [rows, width] int64; seq_lens [rows] int64 (this step's token
+    included, already written); out [rows, heads * head_dim] contiguous, q's dtype.
+    Scale 1/sqrt(head_dim), as SDPA's default. `available()` must be true.
+    """
+    lib = _library()
+    rows, heads, head_dim = q.shape
+    _, num_blocks, block_size, kv_heads, _ = kv_cache.shape
+    assert lib is not None and q.dtype in _DTYPES and kv_cache.dtype == q.dtype == out.dtype
+    assert q.stride(2) == 1 and q.stride(1) == head_dim and kv_cache.is_contiguous()
+    assert out.is_contiguous() and out.shape == (rows, heads * head_dim)
+    assert block_table.dtype == seq_lens.dtype == torch.int64 and block_table.is_contiguous()
+    assert seq_lens.is_contiguous() and heads % kv_heads == 0
+    status = lib.dpserve_decode_attention(
+        q.data_ptr(), q.stride(0), kv_cache.data_ptr(), out.data_ptr(), block_table.data_ptr(),
+        block_table.shape[1], seq_lens.data_ptr(), int(q.dtype == torch.bfloat16), rows, heads,
+        kv_heads, head_dim, num_blocks, block_size, head_dim ** -0.5, torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError("dpserve_decode_attention: a row's blocks run past its table or "
+                           "the cache, or memory ran out")
