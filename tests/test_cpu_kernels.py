@@ -1,7 +1,7 @@
-"""The streaming decode kernel (`dpserve/model/cpu_kernels.py`, `gemv.c`): built with
-the host compiler, equal to a float64 reference in every dtype pairing, used by a
-real model's decode rows, cached per source, and a clear fallback to oneDNN when
-it cannot be built or is turned off."""
+"""dpserve's CPU kernels (`dpserve/model/cpu_kernels.py`, `gemv.c`,
+`decode_attention.c`): built with the host compiler, equal to float64 references
+in every dtype pairing, used by a real engine, cached per source, and a clear
+fallback to torch's kernels when they cannot be built or are turned off."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from dpserve import LLM, SamplingParams
 from dpserve.model import cpu_kernels
+from dpserve.model.attention import build_attention_metadata
 from dpserve.model.layers import linear, prepack
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -84,13 +86,17 @@ def test_build_without_compiler_names_it(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("*.so"))
 
 
-def test_model_decode_uses_kernel_and_agrees_with_onednn(tiny_llama):
-    """A real engine keeps the plain weights and its greedy tokens equal those of
-    an engine with the kernel off (DPSERVE_CPU_KERNELS=0, oneDNN for every step)."""
+def test_engine_uses_kernels_and_agrees_with_torch_kernels(tiny_llama):
+    """A real engine keeps the plain weights, builds decode steps for the attention
+    kernel, and its greedy tokens equal those of an engine with the kernels off
+    (DPSERVE_CPU_KERNELS=0: oneDNN linears, gathered K/V and SDPA)."""
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = ["The quick brown fox", "Data parallel serving is"]
     with LLM(str(tiny_llama), dtype="float32") as llm:  # DP=1: the engine is in process
         assert llm.engine.runner.model.plain_bytes() > 0
+        meta = build_attention_metadata(np.array([1]), np.array([4]), np.zeros((1, 1), np.int64),
+                                        1, 16, torch.float32, torch.device("cpu"))
+        assert meta.decode_kernel and meta.decode_chunks[0].mask is None
         with_kernel = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
                                                                     use_tqdm=False)]
     script = (
