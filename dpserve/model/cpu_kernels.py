@@ -45,6 +45,7 @@ CACHE_ENV = "DPSERVE_KERNEL_CACHE"
 # takes up to four; bench/roofline.py measures both).
 MAX_ROWS = 1
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemv.c", "decode_attention.c"))
+_HEADER = Path(__file__).with_name("cpu_kernels.h")  # included by both
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120
 
@@ -61,7 +62,7 @@ def _cache_dir() -> Path:
 def library_path(compiler: str) -> Path:
     """Where the library built from these sources, with these flags, for this CPU lives."""
     key = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in _SOURCES), " ".join(_FLAGS).encode(),
+    for part in (*(src.read_bytes() for src in (*_SOURCES, _HEADER)), " ".join(_FLAGS).encode(),
                  compiler.encode(), " ".join(sorted(cpu_flags())).encode()):
         key.update(part)
     return _cache_dir() / f"dpserve_kernels-{key.hexdigest()[:16]}.so"

@@ -12,46 +12,11 @@
  * at offset p % block_size.
  */
 #include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <omp.h>
 
-static inline float bf16_load(const uint16_t *p) {
-    uint32_t u = (uint32_t)*p << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#include "cpu_kernels.h"
 
-static inline uint16_t bf16_round(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7f800000u) == 0x7f800000u)
-        return (uint16_t)((u >> 16) | ((u & 0xffffu) ? 0x40u : 0u));
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
 #define MAX_CHUNKS 16 /* head_dim: a multiple of 16 up to 256 */
 #define MAX_GROUP 16  /* query heads per KV head */
-
-static inline v16f load16(const void *p, int bf16) {
-    v16f v;
-    if (bf16) {
-        v16h h;
-        memcpy(&h, p, sizeof h);
-        v16u u = __builtin_convertvector(h, v16u) << 16;
-        memcpy(&v, &u, sizeof v);
-    } else {
-        memcpy(&v, p, sizeof v);
-    }
-    return v;
-}
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
@@ -174,7 +139,7 @@ attend_one(const void *q, int64_t q_row_stride, const char *keys, const char *va
                 float a = acc[g][c][j];
                 int64_t i = o + g * head_dim + 16 * c + j;
                 if (is_bf16)
-                    ((uint16_t *)out)[i] = bf16_round(a);
+                    ((uint16_t *)out)[i] = f32_to_bf16(a);
                 else
                     ((float *)out)[i] = a;
             }

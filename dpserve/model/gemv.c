@@ -4,53 +4,14 @@
  * share of w's rows once, front to back, with wide independent accumulators, so
  * the loop runs at memory bandwidth (oneDNN's kernels stream one row at 60% of it).
  * w is float32 or bfloat16; x and y are float32 or bfloat16 (same for both);
- * sums are float32; bfloat16 results round to nearest even. Vectors are GCC/Clang
- * vector extensions: 512-bit where the CPU has AVX-512, pairs of 256-bit otherwise.
+ * sums are float32; bfloat16 results round to nearest even.
  *
  * Built by cpu_kernels.py with the host compiler, -O3 -march=native -fopenmp.
  */
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <omp.h>
+#include "cpu_kernels.h"
 
 #define MAX_ROWS 4
 #define BLOCK 64 /* k per loop: four 16-float vectors, four independent sums per row */
-
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7f800000u) == 0x7f800000u) /* inf, nan: keep, quiet a nan */
-        return (uint16_t)((u >> 16) | ((u & 0xffffu) ? 0x40u : 0u));
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline v16f load_f32(const float *p) {
-    v16f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline v16f load_bf16(const uint16_t *p) {
-    v16h h;
-    memcpy(&h, p, sizeof h);
-    v16u u = __builtin_convertvector(h, v16u) << 16;
-    v16f v;
-    memcpy(&v, &u, sizeof v);
-    return v;
-}
 
 /* out[m] = dot(w_row, x[m]) for m < rows. Inlined with constant rows and w_bf16,
  * so the sums stay in registers and each w vector is loaded (converted) once. */

@@ -1,0 +1,52 @@
+/* What gemv.c and decode_attention.c share: 16-float vectors (GCC/Clang vector
+ * extensions: 512-bit with AVX-512, pairs of 256-bit otherwise) and bfloat16
+ * conversions (bfloat16 is the top half of a float32; rounding to nearest even). */
+#ifndef DPSERVE_CPU_KERNELS_H
+#define DPSERVE_CPU_KERNELS_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7f800000u) == 0x7f800000u) /* inf, nan: keep, quiet a nan */
+        return (uint16_t)((u >> 16) | ((u & 0xffffu) ? 0x40u : 0u));
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline v16f load_f32(const float *p) {
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline v16f load_bf16(const uint16_t *p) {
+    v16h h;
+    memcpy(&h, p, sizeof h);
+    v16u u = __builtin_convertvector(h, v16u) << 16;
+    v16f v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+/* 16 values at p as floats: bfloat16 when `bf16`, else float32. */
+static inline v16f load16(const void *p, int bf16) {
+    return bf16 ? load_bf16(p) : load_f32(p);
+}
+
+#endif
