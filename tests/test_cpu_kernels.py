@@ -181,3 +181,25 @@ def test_decode_attention_refuses_a_table_too_short():
     with pytest.raises(RuntimeError, match="past its table"):  # a block id outside the cache
         cpu_kernels.decode_attention(q, cache, torch.tensor([[7]]), torch.tensor([3]),
                                      torch.empty(1, 64))
+
+
+def test_attention_shapes_past_the_kernel_fall_back_to_sdpa(monkeypatch):
+    """head_dim 8 (not a multiple of 16): metadata built for the kernel still gives
+    the gather + SDPA result (its mask built from seq_lens), not an error."""
+    from dpserve.model.attention import paged_attention
+
+    assert not cpu_kernels.supports_attention(4, 2, 8) and cpu_kernels.supports_attention(9, 3, 64)
+    torch.manual_seed(0)
+    cache = torch.randn(2, 8, 16, 2, 8)
+    table = np.array([[3, 1, 0], [5, 6, 2]], dtype=np.int64)
+    args = (np.array([1, 1]), np.array([20, 40]), table, 2, 16, torch.float32,
+            torch.device("cpu"))
+    with_kernel = build_attention_metadata(*args)
+    assert with_kernel.decode_kernel and with_kernel.decode_chunks[0].mask is None
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    without = build_attention_metadata(*args)
+    assert not without.decode_kernel and without.decode_chunks[0].mask is not None
+    q, k, v = torch.randn(2, 4, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    got = paged_attention(q, k, v, cache.clone(), with_kernel)
+    ref = paged_attention(q, k, v, cache.clone(), without)
+    torch.testing.assert_close(got, ref)

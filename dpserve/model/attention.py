@@ -57,7 +57,7 @@ class DecodeChunk:
     block_index: torch.Tensor  # [(end - start) * num_blocks] int64 block ids, row-major
     seq_lens: torch.Tensor  # [end - start] int64 tokens each row attends to
     # [end - start, 1, 1, num_blocks * block_size] additive (0 / -inf); None when the
-    # CPU kernel runs (it reads seq_lens instead)
+    # CPU kernel is meant to run (it reads seq_lens; SDPA then builds the mask itself)
     mask: torch.Tensor | None
 
 
@@ -237,9 +237,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     write_kv(kv_cache, k, v, meta.slot_mapping)
     num_tokens, heads, head_dim = q.shape
     out = torch.empty(num_tokens, heads * head_dim, dtype=q.dtype, device=q.device)
+    kernel = meta.decode_kernel and cpu_kernels.supports_attention(heads, kv_cache.shape[3],
+                                                                   head_dim)
     for chunk in meta.decode_chunks:
         rows = q[chunk.start:chunk.end]
-        if meta.decode_kernel:
+        if kernel:
             if rows.stride(2) != 1 or rows.stride(1) != head_dim:  # heads must be packed
                 rows = rows.contiguous()
             cpu_kernels.decode_attention(rows, kv_cache, chunk.block_index.view(len(rows), -1),
@@ -269,7 +271,13 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor,
     v = _gather_blocks(kv_cache[1], chunk.block_index, rows)
     # Fold the query heads sharing a KV head into the query length: [c, kv_heads, group, d].
     qg = q.reshape(rows, kv_heads, heads // kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=chunk.mask)
+    mask = chunk.mask
+    if mask is None:  # metadata built for the CPU kernel, but this shape is past its limits
+        keys = torch.arange(k.shape[2], device=q.device)
+        mask = torch.zeros(rows, 1, 1, k.shape[2], dtype=q.dtype, device=q.device)
+        mask.masked_fill_((keys[None, :] >= chunk.seq_lens[:, None])[:, None, None, :],
+                          float("-inf"))
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
     return out.reshape(rows, heads * head_dim)
 
 

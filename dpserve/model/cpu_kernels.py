@@ -82,7 +82,7 @@ def build(compiler: str | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"],
+        done = subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", tmp],
                               capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-400:]}")
@@ -139,6 +139,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def supports_attention(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether `decode_attention` runs this shape (decode_attention.c's limits):
+    head_dim a multiple of 16 up to 256, at most 16 query heads per KV head."""
+    return (head_dim % 16 == 0 and head_dim <= 256 and heads % kv_heads == 0
+            and heads // kv_heads <= 16)
+
+
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, out: torch.Tensor) -> None:
     """Attention of one query token per row over its cached tokens, into `out`.
@@ -147,7 +154,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     kv_cache [2, num_blocks, block_size, kv_heads, head_dim] contiguous;
     block_table [rows, width] int64; seq_lens [rows] int64 (this step's token
     included, already written); out [rows, heads * head_dim] contiguous, q's dtype.
-    Scale 1/sqrt(head_dim), as SDPA's default. `available()` must be true.
+    Scale 1/sqrt(head_dim), as SDPA's default. `available()` and
+    `supports_attention(...)` must be true.
     """
     lib = _library()
     rows, heads, head_dim = q.shape
@@ -156,7 +164,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     assert q.stride(2) == 1 and q.stride(1) == head_dim and kv_cache.is_contiguous()
     assert out.is_contiguous() and out.shape == (rows, heads * head_dim)
     assert block_table.dtype == seq_lens.dtype == torch.int64 and block_table.is_contiguous()
-    assert seq_lens.is_contiguous() and heads % kv_heads == 0
+    assert seq_lens.is_contiguous() and supports_attention(heads, kv_heads, head_dim)
     status = lib.dpserve_decode_attention(
         q.data_ptr(), q.stride(0), kv_cache.data_ptr(), out.data_ptr(), block_table.data_ptr(),
         block_table.shape[1], seq_lens.data_ptr(), int(q.dtype == torch.bfloat16), rows, heads,

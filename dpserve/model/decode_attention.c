@@ -11,8 +11,6 @@
  * keys then values; token p of a row sits in block block_table[p / block_size]
  * at offset p % block_size.
  */
-#include <math.h>
-
 #include "cpu_kernels.h"
 
 #define MAX_CHUNKS 16 /* head_dim: a multiple of 16 up to 256 */
