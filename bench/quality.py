@@ -74,10 +74,10 @@ def greedy(model: str | None, setting: str, texts: list[str], tokens: int) -> li
     from dpserve import LLM, SamplingParams
     from dpserve.cpu_features import CPU_BF16_ENV
 
-    dtype, quantization, _, rest = SETTINGS[setting]
+    dtype, quantization, _, head_dtype = SETTINGS[setting]
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     # Under int8 the engine runs the LM head in bfloat16 unless DPSERVE_CPU_BF16=0.
-    os.environ[CPU_BF16_ENV] = "1" if rest == "bfloat16" else "0"
+    os.environ[CPU_BF16_ENV] = "1" if head_dtype == "bfloat16" else "0"
     with LLM(model, dtype=dtype, quantization=quantization) as llm:
         msgs = [[{"role": "user", "content": t}] for t in texts]
         return [list(o.outputs[0].token_ids) for o in llm.chat(msgs, params)]
@@ -106,14 +106,14 @@ def perplexity(model: str | None, setting: str) -> float:
     from dpserve.model.loader import iter_weights
     from dpserve.model.registry import get_model_class
 
-    dtype_name, quantization, head, rest = SETTINGS[setting]
+    dtype_name, quantization, head, head_dtype = SETTINGS[setting]
     dtype = getattr(torch, dtype_name)
     cfg = EngineArgs(model=model).create_config().model
     ids = AutoTokenizer.from_pretrained(cfg.tokenizer)(TEXT)["input_ids"]
     lm = get_model_class(cfg.architecture)(cfg.hf_config, dtype, "cpu")
     lm.load_weights(iter_weights(Path(cfg.path)))
     if quantization == "int8":
-        lm.quantize_weights(lm_head=head, head_dtype=getattr(torch, rest))
+        lm.quantize_weights(lm_head=head, head_dtype=getattr(torch, head_dtype))
     else:
         lm.prepack_weights()
     d, bs, n = lm.dims, 16, len(ids)
