@@ -23,6 +23,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from dpserve.benchmark import serve
 from dpserve.benchmark.serve import BenchConfig, add_cli_args, main, make_prompts, run_benchmark
 
 
@@ -180,6 +181,27 @@ def test_request_timeout_and_max_duration_bound_the_run() -> None:
     assert res.completed > 0 and res.not_sent > 0
     assert res.completed + res.failed + res.not_sent == 200
     assert all("max-duration" in r.error for r in res.requests if not r.ok)
+
+
+def test_a_swallowed_cancellation_does_not_run_past_max_duration(monkeypatch) -> None:
+    """Python 3.11's wait_for can lose a cancellation that lands as its request ends;
+    the worker must still stop at the deadline instead of sending every prompt."""
+    sent: list[int] = []
+
+    async def fake_send_swallowing_cancellation(client, config, model, prompt, rec) -> None:
+        sent.append(1)
+        try:
+            await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            pass  # the lost cancellation: the request ends normally
+        rec.ok, rec.output_tokens = True, 1
+
+    monkeypatch.setattr(serve, "_send", fake_send_swallowing_cancellation)
+    config = BenchConfig(base_url="http://127.0.0.1:9", model="m", num_prompts=400,
+                         concurrency=2, warmup=0, max_duration=0.5)
+    res = asyncio.run(run_benchmark(config))
+    assert res.not_sent > 0 and len(sent) == res.completed + res.failed < 400
+    assert res.completed + res.failed + res.not_sent == 400
 
 
 def test_main_writes_json_and_markdown(tmp_path, capsys) -> None:

@@ -277,12 +277,17 @@ async def _run_phase(client: httpx.AsyncClient, config: BenchConfig, model: str,
 
     Invariant: at most `concurrency` requests are in flight, since each worker awaits
     its request before taking the next index; entries left None were never sent.
+    A worker also checks the deadline before each request: Python 3.11's wait_for can
+    swallow a cancellation that lands as its request completes, and such a worker
+    would otherwise go on through every remaining prompt.
     """
     results: list[RequestResult | None] = [None] * len(prompts)
     todo = iter(range(len(prompts)))  # shared: each index is taken by exactly one worker
 
     async def worker() -> None:
         for i in todo:
+            if time.monotonic() >= deadline:
+                return  # index i stays None: not sent
             p = prompts[i]
             results[i] = rec = RequestResult(len(p) if isinstance(p, list) else len(p.split()))
             await _send(client, config, model, p, rec)
