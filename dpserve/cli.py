@@ -114,7 +114,19 @@ def _as_flag(message: str) -> str:
 
 def entry() -> None:
     """The `dpserve` command."""
-    sys.exit(main())
+    code = main()
+    teardown = sys.modules.get("dpserve.launch.ray_teardown")
+    if teardown is not None and teardown.connection_abandoned():
+        # Ray's core worker still holds a connection to a dead instance: the
+        # interpreter's teardown could crash in it. Everything dpserve owns is closed.
+        import logging
+        import os
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

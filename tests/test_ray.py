@@ -466,6 +466,7 @@ def test_sigterm_with_streams_in_flight_leaves_no_process(tiny_llama, target):
                 proc, url, model, 8, group=target == "process group"))
             assert streaming == 8 and not ended_early  # every stream was under way
             assert proc.wait(45) is not None  # the issue: still running after 45 s
+            assert proc.returncode == 0, open(log.name).read()[-3000:]  # no crash at exit
             left = _all_gone(started, timeout=15)
             assert not left, f"left after SIGTERM: {left}\n{open(log.name).read()[-3000:]}"
         finally:
@@ -489,7 +490,7 @@ async def _sigterm_while_streaming(proc, url: str, model: str, num: int,
     first = asyncio.Event()
     got_token: set[int] = set()
     ended: set[int] = set()
-    body = {"model": model, "prompt": "Hello", "max_tokens": 1000, "stream": True,
+    body = {"model": model, "prompt": "Hello", "max_tokens": 300, "stream": True,
             "ignore_eos": True}
 
     async def one(client: httpx.AsyncClient, i: int) -> None:

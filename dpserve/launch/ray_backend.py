@@ -35,7 +35,9 @@ Launch order (the launcher's side):
        signal sent to the launcher's whole process group (`timeout`, systemd,
        `kill -- -PGID`) reaches the local instance's gcs_server and raylet
        too, and Ray's calls then block for about a minute. So each Ray call
-       gets a deadline (Ray's exit hook is dropped if shutdown hangs), then
+       gets a deadline (Ray's exit hook is dropped if shutdown hangs); none
+       is made when a process of the local instance has already exited or
+       is stopped, since each would then block for its whole deadline. Then
        every process this manager knows on this host (the engine actors
        here, the local instance's processes and their descendants) that
        still runs is killed.
@@ -335,7 +337,8 @@ class RayEngineManager:
             before = child_pids()
             how = connect_ray(ray_address or parallel.ray_address, self.node_ip)
             if how == "started":  # gcs_server, raylet, monitors: children of this process
-                self._state.host_procs += new_children(before)
+                self._state.local_instance = new_children(before)
+                self._state.host_procs += self._state.local_instance
             self._state.owns_connection = how != "existing"
             self.started_ray = how == "started"  # close() shuts this instance down
             self._place(ranks_per_node, placement_timeout)

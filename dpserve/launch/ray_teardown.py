@@ -43,6 +43,7 @@ class RayState:
     # Processes on this host that must not outlive teardown: the local Ray
     # instance's (when this manager started it) and the engine actors here.
     host_procs: list[psutil.Process] = field(default_factory=list)
+    local_instance: list[psutil.Process] = field(default_factory=list)  # started by ray.init here
 
 
 def teardown(state: RayState) -> None:
@@ -54,7 +55,17 @@ def teardown(state: RayState) -> None:
         state.watcher.join(timeout=_WATCHER_JOIN_S)
     ray = sys.modules.get("ray")
     # Not connected: never connected, or Ray already shut down (its atexit hook runs first).
-    if ray is not None and ray.is_initialized():
+    if ray is not None and ray.is_initialized() and _local_instance_down(state.local_instance):
+        # The stop signal reached the whole process group (or Ray is frozen): every
+        # Ray call would block for its full deadline. Skip them; _reap kills the rest.
+        logger.info("the local Ray instance is going down or stopped; skipping Ray's "
+                    "own teardown")
+        state.actors.clear()
+        state.placement_groups.clear()
+        if state.owns_connection:
+            state.owns_connection = False
+            _abandon_connection(ray)
+    elif ray is not None and ray.is_initialized():
         with lock_within(state.lock, RAY_CALL_S):  # no restart swaps an actor meanwhile
             actors, groups = list(state.actors), list(state.placement_groups)
         if not within(RAY_CALL_S, release, ray, actors, groups):
@@ -67,9 +78,27 @@ def teardown(state: RayState) -> None:
             if not within(_RAY_SHUTDOWN_S, ray.shutdown):
                 logger.warning("ray.shutdown() did not return within %.0f s; killing the "
                                "Ray processes on this host", _RAY_SHUTDOWN_S)
-                _skip_rays_exit_hook(ray)
+                _abandon_connection(ray)
     _reap(state.host_procs)
     state.host_procs.clear()
+    state.local_instance.clear()
+
+
+def _local_instance_down(procs: list[psutil.Process]) -> bool:
+    """Whether a process of the local Ray instance (gcs_server, raylet, its agents
+    and monitors) has exited or is stopped (SIGSTOP): none does while it runs, and
+    a stop signal to the process group ends the agents at once. False when this
+    manager started no instance (it joined a cluster)."""
+    for p in procs:
+        try:
+            if not p.is_running() or p.status() in (psutil.STATUS_ZOMBIE,
+                                                    psutil.STATUS_STOPPED):
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        except psutil.Error:
+            pass
+    return False
 
 
 @contextmanager
@@ -98,12 +127,28 @@ def release(ray: Any, actors: list[Any], placement_groups: list[Any]) -> None:
             logger.warning("could not remove placement group %s: %s", pg.id.hex(), e)
 
 
-def _skip_rays_exit_hook(ray: Any) -> None:
-    """Ray's atexit hook calls shutdown() again; behind the one still blocked it
-    would wait on Ray's lock at interpreter exit. What it would stop is killed."""
+def _abandon_connection(ray: Any) -> None:
+    """Leave this process's connection to a Ray instance that is gone or frozen.
+
+    Ray's atexit hook would call shutdown() again (and wait on Ray's lock, or
+    block); it is dropped, since what it would stop is killed. Its core worker
+    still holds the dead connection, and the interpreter's own teardown can crash
+    in it (SIGSEGV): `connection_abandoned()` tells the command to end the
+    process with os._exit once everything else is closed.
+    """
     import atexit
 
+    global _abandoned
     atexit.unregister(getattr(ray._private.worker, "shutdown", ray.shutdown))
+    _abandoned = True
+
+
+_abandoned = False
+
+
+def connection_abandoned() -> bool:
+    """Whether this process left a Ray connection behind (`_abandon_connection`)."""
+    return _abandoned
 
 
 def within(timeout: float, fn: Callable[..., object], *args: object) -> bool:
