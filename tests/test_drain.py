@@ -141,10 +141,11 @@ def _check_drain(server: tuple[subprocess.Popen, str], model: str, draining_chec
         # Eight 96-token streams, and a long one that keeps the server draining
         # while the 503s are checked. A group signal reaches the engines too, so
         # wait until each one runs there (an engine that drains takes no new work).
-        streams = asyncio.run(_run_streams(url, model, [96] * 8 + [900], signal_then_check,
+        lengths = [96] * 8 + [500]
+        streams = asyncio.run(_run_streams(url, model, lengths, signal_then_check,
                                            first_token=group_signal is not None))
         assert proc.wait(60) == 0, output(proc)[-3000:]
-        for s, n in zip(streams, [96] * 8 + [900]):
+        for s, n in zip(streams, lengths):
             assert s == Stream(200, n, "length"), (s, output(proc)[-4000:])
         assert all_gone(children, timeout=15), [p for p in children if p.is_running()]
         assert "draining: " in output(proc)

@@ -248,12 +248,12 @@ def test_secret_head_timeout_and_bind_addresses(tiny_llama):
         "1", *secret_args(rpc, "a wrong secret"))
     head, head_log = start_background(
         model, "--port", str(free_port()), "--data-parallel-size-local", "1",
-        "--engine-ready-timeout", "8", *secret_args(rpc, "the right secret"))
+        "--engine-ready-timeout", "4", *secret_args(rpc, "the right secret"))
     try:
         assert head.wait(180) == 1, read_log(head_log)[-3000:]
         last = read_log(head_log).strip().splitlines()[-1]
         assert last.startswith("dpserve: error: engine failed to start: engines not ready "
-                               "after 8 s") and "rank 1 NEW (no HELLO yet)" in last, last
+                               "after 4 s") and "rank 1 NEW (no HELLO yet)" in last, last
     finally:
         for proc, log in ((head, head_log), (outsider, out_log)):
             stop(proc, 15)
