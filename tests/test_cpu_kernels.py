@@ -1,7 +1,8 @@
 """dpserve's CPU kernels (`dpserve/model/cpu_kernels.py`, `gemv.c`,
-`decode_attention.c`): built with the host compiler, equal to float64 references
-in every dtype pairing, used by a real engine, cached per source, and a clear
-fallback to torch's kernels when they cannot be built or are turned off."""
+`decode_attention.c`, `fused_ops.c`): built with the host compiler, equal to float64
+references in every dtype pairing (and to torch's ops where those round the same),
+used by a real engine, cached per source, and a clear fallback to torch's kernels
+when they cannot be built or are turned off."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ import torch
 
 from dpserve import LLM, SamplingParams
 from dpserve.model import cpu_kernels
-from dpserve.model.attention import build_attention_metadata
-from dpserve.model.layers import linear, prepack
+from dpserve.model.attention import build_attention_metadata, write_kv
+from dpserve.model.layers import RMSNorm, apply_rotary, linear, prepack
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -65,6 +66,73 @@ def test_linear_takes_the_kernel_up_to_max_rows_and_onednn_after(dtype):
                        torch.zeros(1, 96, dtype=dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (3, 200), (300, 576)])
+def test_add_rms_norm_matches_float64_and_torch(dtype, rows, hidden):
+    """200: vectors and a scalar tail; 300 rows: threads share the rows."""
+    torch.manual_seed(rows)
+    norm = RMSNorm(hidden, 1e-5, dtype, "cpu")
+    norm.weight.data = torch.randn(hidden).to(dtype)
+    residual, delta = torch.randn(rows, hidden).to(dtype), torch.randn(rows, hidden).to(dtype)
+    summed = (residual.double() + delta.double()).to(dtype)  # the sum rounds to the dtype
+    x = summed.double()
+    ref = x / (x.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt() * norm.weight.double()
+    got_res = residual.clone()
+    got = norm.add_forward(got_res, delta, fused=True)
+    assert torch.equal(got_res, summed) and got.dtype == dtype
+    err = float((got.double() - ref).abs().max() / ref.abs().max())
+    assert err < (1e-6 if dtype == torch.float32 else 8e-3), err
+    torch_res = residual.clone()
+    by_torch = norm.add_forward(torch_res, delta, fused=False)
+    if dtype == torch.bfloat16:  # each rounding as torch's: the same bits
+        assert torch.equal(got, by_torch)
+    plain = norm(summed, fused=True)  # no delta: the residual is left as it is
+    assert torch.equal(plain, got)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 40)])
+def test_rotary_kv_matches_float64_and_writes_the_cache(dtype, heads, kv_heads, head_dim):
+    """head_dim 40: half a head is one vector and a tail. q, k rotated as apply_rotary
+    does, k and v at their slots of the cache, other slots untouched; the rows of
+    qkv strided (a slice of a wider matrix)."""
+    torch.manual_seed(head_dim)
+    tokens, half = 7, head_dim // 2
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(tokens, width + 8).to(dtype)[:, :width]
+    angles = torch.randint(0, 500, (tokens, 1)).double() * torch.rand(half).double()
+    cos64, sin64 = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    cos, sin = cos64.to(dtype).contiguous(), sin64.to(dtype).contiguous()
+    cache = torch.full((2, 5, 4, kv_heads, head_dim), 7.0, dtype=dtype)
+    slots = torch.tensor([3, 0, 19, 8, 9, 12, 1])
+    got = cpu_kernels.rotary_kv(qkv, heads, kv_heads, cos, sin, slots, cache)
+    x = qkv[:, :(heads + kv_heads) * head_dim].double().view(tokens, -1, head_dim)
+    c, s = cos.double(), sin.double()
+    ref = torch.cat([x[..., :half] * c - x[..., half:] * s,
+                     x[..., half:] * c + x[..., :half] * s], dim=-1)
+    err = float((got.double() - ref).abs().max() / ref.abs().max())
+    assert got.shape == (tokens, heads + kv_heads, head_dim)
+    assert err < (1e-6 if dtype == torch.float32 else 8e-3), err
+    expected = torch.full_like(cache, 7.0)
+    write_kv(expected, got[:, heads:], qkv[:, (heads + kv_heads) * head_dim:].reshape(
+        tokens, kv_heads, head_dim), slots)
+    assert torch.equal(cache, expected)
+    by_torch = apply_rotary(qkv[:, :(heads + kv_heads) * head_dim].reshape(tokens, -1, head_dim),
+                            cos, sin)
+    assert float((got.double() - by_torch.double()).abs().max()) <= (
+        1e-6 if dtype == torch.float32 else 2 ** -5 * float(by_torch.abs().max()))
+
+
+def test_rotary_kv_refuses_a_slot_outside_the_cache():
+    qkv = torch.randn(2, 3 * 16)
+    cos = sin = torch.ones(2, 1, 8)
+    cache = torch.zeros(2, 2, 4, 1, 16)
+    for bad in ([0, 8], [-1, 0]):
+        with pytest.raises(ValueError, match="outside the cache"):
+            cpu_kernels.rotary_kv(qkv, 1, 1, cos, sin, torch.tensor(bad), cache)
+    assert not cache.any()  # nothing written
+
+
 def test_build_is_cached_by_source(tmp_path, monkeypatch):
     monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path))
     first = cpu_kernels.build()
@@ -96,7 +164,7 @@ def test_engine_uses_kernels_and_agrees_with_torch_kernels(tiny_llama):
         assert llm.engine.runner.model.plain_bytes() > 0
         meta = build_attention_metadata(np.array([1]), np.array([4]), np.zeros((1, 1), np.int64),
                                         1, 16, torch.float32, torch.device("cpu"))
-        assert meta.decode_kernel and meta.decode_chunks[0].mask is None
+        assert meta.decode_kernel and meta.decode_chunks[0].mask is None and meta.fused_ops
         with_kernel = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
                                                                     use_tqdm=False)]
     script = (

@@ -93,6 +93,8 @@ class AttentionMetadata:
     # decodes run cpu_kernels.decode_attention (CPU, float32/bfloat16, kernels built)
     decode_kernel: bool
     prefill_groups: list[PrefillGroup]
+    # the step may run dpserve's fused CPU ops (add + RMSNorm, RoPE + cache write)
+    fused_ops: bool = False
 
 
 def build_attention_metadata(query_lens: np.ndarray, context_lens: np.ndarray,
@@ -108,8 +110,9 @@ def build_attention_metadata(query_lens: np.ndarray, context_lens: np.ndarray,
     """
     slot_mapping = _slot_mapping(query_lens, context_lens, block_table, block_size)
     seq_lens = context_lens + query_lens
-    decode_kernel = bool(num_decodes) and device.type == "cpu" and dtype in (
-        torch.float32, torch.bfloat16) and cpu_kernels.available()
+    fused_ops = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) \
+        and cpu_kernels.available()
+    decode_kernel = bool(num_decodes) and fused_ops
     decode_chunks = []
     if num_decodes:
         max_rows = CPU_DECODE_ROWS if device.type == "cpu" else 1 << 30
@@ -123,7 +126,8 @@ def build_attention_metadata(query_lens: np.ndarray, context_lens: np.ndarray,
               for rows in _prefill_row_groups(query_lens, context_lens, num_decodes)]
     return AttentionMetadata(slot_mapping=_to(slot_mapping, device),
                              num_decode_tokens=num_decodes, decode_chunks=decode_chunks,
-                             decode_kernel=decode_kernel, prefill_groups=groups)
+                             decode_kernel=decode_kernel, prefill_groups=groups,
+                             fused_ops=fused_ops)
 
 
 def _prefill_row_groups(query_lens: np.ndarray, context_lens: np.ndarray,
@@ -228,13 +232,15 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata) -> torch.Tensor:
+                    meta: AttentionMetadata, kv_written: bool = False) -> torch.Tensor:
     """One layer's attention over the step's tokens.
 
     q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] (this step's, after RoPE);
     kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]. Returns [T, heads * head_dim].
+    `kv_written`: k and v are in the cache already (`cpu_kernels.rotary_kv`).
     """
-    write_kv(kv_cache, k, v, meta.slot_mapping)
+    if not kv_written:
+        write_kv(kv_cache, k, v, meta.slot_mapping)
     num_tokens, heads, head_dim = q.shape
     out = torch.empty(num_tokens, heads * head_dim, dtype=q.dtype, device=q.device)
     kernel = meta.decode_kernel and cpu_kernels.supports_attention(heads, kv_cache.shape[3],

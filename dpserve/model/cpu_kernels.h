@@ -1,6 +1,7 @@
-/* What gemv.c and decode_attention.c share: 16-float vectors (GCC/Clang vector
- * extensions: 512-bit with AVX-512, pairs of 256-bit otherwise) and bfloat16
- * conversions (bfloat16 is the top half of a float32; rounding to nearest even). */
+/* What the kernels (gemv.c, decode_attention.c, fused_ops.c) share: 16-float
+ * vectors (GCC/Clang vector extensions: 512-bit with AVX-512, pairs of 256-bit
+ * otherwise) and bfloat16 conversions (bfloat16 is the top half of a float32;
+ * rounding to nearest even). */
 #ifndef DPSERVE_CPU_KERNELS_H
 #define DPSERVE_CPU_KERNELS_H
 
@@ -47,6 +48,32 @@ static inline v16f load_bf16(const uint16_t *p) {
 /* 16 values at p as floats: bfloat16 when `bf16`, else float32. */
 static inline v16f load16(const void *p, int bf16) {
     return bf16 ? load_bf16(p) : load_f32(p);
+}
+
+/* v rounded to bfloat16 (nearest even; inf and nan kept, a nan quieted), as floats. */
+static inline v16f round_bf16(v16f v) {
+    v16u u;
+    memcpy(&u, &v, sizeof u);
+    v16u special = (u & 0x7f800000u) == 0x7f800000u; /* all ones where inf or nan */
+    v16u nan_bit = ((u & 0xffffu) != 0) & 0x400000u;
+    v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    v16u kept = (u & 0xffff0000u) | nan_bit;
+    u = (special & kept) | (~special & rounded);
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+/* Store 16 floats at p: bfloat16 (rounded) when `bf16`, else float32. */
+static inline void store16(void *p, v16f v, int bf16) {
+    if (!bf16) {
+        memcpy(p, &v, sizeof v);
+        return;
+    }
+    v16u u;
+    v = round_bf16(v);
+    memcpy(&u, &v, sizeof u);
+    v16h h = __builtin_convertvector(u >> 16, v16h);
+    memcpy(p, &h, sizeof h);
 }
 
 #endif

@@ -1,4 +1,4 @@
-"""dpserve's own CPU kernels for decode steps, in C (`gemv.c`, `decode_attention.c`).
+"""dpserve's own CPU kernels, in C (`gemv.c`, `decode_attention.c`, `fused_ops.c`).
 
 Why: where torch's kernels fall well short of what the machine can do.
 * `gemv`: a one-stream decode step reads every weight once, so its speed is
@@ -10,6 +10,9 @@ Why: where torch's kernels fall well short of what the machine can do.
 * `decode_attention`: one query token per row attends straight from the paged
   cache through the block table (`attention.py` otherwise gathers each row's
   blocks into a padded copy and runs SDPA with a mask).
+* `add_rms_norm`, `rotary_kv` (every step): a layer's residual add + RMSNorm,
+  and RoPE + the KV cache write, each one pass instead of a chain of 4-7 small
+  torch ops (each a dispatch, a fresh tensor and a pass over memory).
 
 How they are built: at first use, with the host's C compiler (`cc -O3
 -march=native -fopenmp`), into one library in a cache directory keyed by the
@@ -44,7 +47,8 @@ CACHE_ENV = "DPSERVE_KERNEL_CACHE"
 # reads 13-20; at two they are about level, from three oneDNN is faster (the kernel
 # takes up to four; bench/roofline.py measures both).
 MAX_ROWS = 1
-_SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemv.c", "decode_attention.c"))
+_SOURCES = tuple(Path(__file__).with_name(name)
+                 for name in ("gemv.c", "decode_attention.c", "fused_ops.c"))
 _HEADER = Path(__file__).with_name("cpu_kernels.h")  # included by both
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120
@@ -110,6 +114,12 @@ def _library() -> ctypes.CDLL | None:
     lib.dpserve_decode_attention.restype = cint
     lib.dpserve_decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, cint, i64, i64,
                                              i64, i64, i64, i64, ctypes.c_float, cint]
+    lib.dpserve_add_rms_norm.restype = cint
+    lib.dpserve_add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, cint, i64, i64, ctypes.c_float,
+                                         cint]
+    lib.dpserve_rotary_kv.restype = cint
+    lib.dpserve_rotary_kv.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, cint, i64, i64,
+                                      i64, i64, cint]
     return lib
 
 
@@ -172,3 +182,52 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     if status != 0:
         raise RuntimeError("dpserve_decode_attention: a row's blocks run past its table or "
                            "the cache, or memory ran out")
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """residual += delta (in place; skipped when None), then a new tensor
+    rms_norm(residual) * weight, as `layers.RMSNorm` computes it.
+
+    residual, delta [rows, hidden] contiguous, weight [hidden]; one dtype, float32
+    or bfloat16; `available()` must be true."""
+    lib = _library()
+    assert lib is not None and residual.dtype in _DTYPES and weight.dtype == residual.dtype
+    assert residual.is_contiguous() and weight.is_contiguous()
+    assert delta is None or (delta.dtype == residual.dtype and delta.is_contiguous()
+                             and delta.shape == residual.shape)
+    rows, hidden = residual.shape
+    out = torch.empty_like(residual)
+    lib.dpserve_add_rms_norm(residual.data_ptr(), None if delta is None else delta.data_ptr(),
+                             weight.data_ptr(), out.data_ptr(),
+                             int(residual.dtype == torch.bfloat16), rows, hidden, eps,
+                             torch.get_num_threads())
+    return out
+
+
+def rotary_kv(qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor,
+              sin: torch.Tensor, slots: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    """RoPE on the q and k heads of `qkv`, and this step's keys and values into the cache.
+
+    qkv [T, (heads + 2 kv_heads) * head_dim] (rows may be strided); cos, sin
+    [T, 1, head_dim // 2] contiguous; slots [T] int64; kv_cache [2, num_blocks,
+    block_size, kv_heads, head_dim] contiguous. One dtype, float32 or bfloat16.
+    Returns the rotated q | k heads, [T, heads + kv_heads, head_dim]; raises
+    ValueError (nothing written) for a slot outside the cache."""
+    lib = _library()
+    tokens = qkv.shape[0]
+    _, num_blocks, block_size, cache_kv_heads, head_dim = kv_cache.shape
+    assert lib is not None and qkv.dtype in _DTYPES
+    assert cos.dtype == sin.dtype == kv_cache.dtype == qkv.dtype and head_dim % 2 == 0
+    assert cache_kv_heads == kv_heads and qkv.shape[1] == (heads + 2 * kv_heads) * head_dim
+    assert qkv.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous()
+    assert cos.numel() == sin.numel() == tokens * head_dim // 2 and kv_cache.is_contiguous()
+    assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == tokens
+    out = torch.empty(tokens, heads + kv_heads, head_dim, dtype=qkv.dtype)
+    status = lib.dpserve_rotary_kv(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(),
+                                   slots.data_ptr(), kv_cache.data_ptr(), num_blocks * block_size,
+                                   out.data_ptr(), int(qkv.dtype == torch.bfloat16), tokens,
+                                   heads, kv_heads, head_dim, torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"rotary_kv: a slot is outside the cache's {num_blocks * block_size}")
+    return out

@@ -30,12 +30,25 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device),
                                    requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, H]
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """x [T, H] -> a new [T, H]. `fused`: one pass of dpserve's CPU kernel
+        (`cpu_kernels.add_rms_norm`; the caller checked it is available)."""
+        if fused:
+            return cpu_kernels.add_rms_norm(x.contiguous(), None, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def add_forward(self, residual: torch.Tensor, delta: torch.Tensor,
+                    fused: bool = False) -> torch.Tensor:
+        """residual += delta (in place), then the norm of residual (a new tensor);
+        `fused`: both in one pass (residual contiguous, as a layer's running sum is)."""
+        if fused:
+            return cpu_kernels.add_rms_norm(residual, delta.contiguous(), self.weight,
+                                            self.eps)
+        residual.add_(delta)
+        return self.forward(residual)
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device | str) -> bool:

@@ -106,10 +106,14 @@ class LlamaAttention(nn.Module):
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed,
                      self.plain.get("qkv_weight"))  # [T, (H + 2KV) * d]
         qk_width = (self.heads + self.kv_heads) * self.head_dim
-        qk = apply_rotary(qkv[:, :qk_width].view(num_tokens, -1, self.head_dim), cos, sin)
+        if meta.fused_ops:  # RoPE, and k and v written to the cache, in one pass
+            qk = cpu_kernels.rotary_kv(qkv, self.heads, self.kv_heads, cos, sin,
+                                       meta.slot_mapping, kv_cache)
+        else:
+            qk = apply_rotary(qkv[:, :qk_width].view(num_tokens, -1, self.head_dim), cos, sin)
         q, k = qk[:, :self.heads], qk[:, self.heads:]  # [T, H, d], [T, KV, d]
         v = qkv[:, qk_width:].view(num_tokens, self.kv_heads, self.head_dim)
-        attn = paged_attention(q, k, v, kv_cache, meta)  # [T, H * d]
+        attn = paged_attention(q, k, v, kv_cache, meta, kv_written=meta.fused_ops)
         return linear(attn, self.o_weight, self.o_bias, self.packed, self.plain.get("o_weight"))
 
 
@@ -144,8 +148,9 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # residual: [T, hidden], updated in place and returned.
-        residual.add_(self.attn(self.input_norm(residual), cos, sin, kv_cache, meta))
-        residual.add_(self.mlp(self.post_attn_norm(residual)))
+        fused = meta.fused_ops
+        attn = self.attn(self.input_norm(residual, fused), cos, sin, kv_cache, meta)
+        residual.add_(self.mlp(self.post_attn_norm.add_forward(residual, attn, fused)))
         return residual
 
 
@@ -183,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
         hidden = F.embedding(input_ids, self.embed)  # [T, hidden], a fresh tensor
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, attn_meta)
-        return self.norm(hidden)
+        return self.norm(hidden, attn_meta.fused_ops)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> logits [S, vocab] float32."""
