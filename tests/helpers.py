@@ -299,7 +299,7 @@ def dp_args(size: int, rpc_port: int, *extra: str) -> list[str]:
 # ---- faults: one DP=2 server, streams, a fault in the middle ---------------------------
 
 FAULT_PROMPTS = [f"Once upon a time {i}" for i in range(32)]
-FAULT_TOKENS = 96
+FAULT_TOKENS = 128
 
 
 def proc_named(children: list[psutil.Process], name: str) -> psutil.Process:
