@@ -37,6 +37,16 @@ def test_config_is_frozen(tiny_llama):
         config.model.hf_config["vocab_size"] = 1  # type: ignore[index]
 
 
+def test_cpu_step_budget_defaults_to_512(tiny_llama):
+    """On CPU a step's token budget is 512 (at least max_num_seqs), unless set."""
+    def budget(**kw) -> int:
+        return EngineArgs.from_kwargs(model=str(tiny_llama), device="cpu",
+                                      **kw).create_config().scheduler.max_num_batched_tokens
+    assert budget() == 512
+    assert budget(max_num_seqs=600) == 600
+    assert budget(max_num_batched_tokens=4096) == 4096
+
+
 def test_max_model_len_over_model_context(tiny_llama):
     with pytest.raises(ConfigError, match="max_model_len"):
         EngineArgs.from_kwargs(model=str(tiny_llama), max_model_len=10**6).create_config()
