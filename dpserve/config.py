@@ -33,7 +33,7 @@ _DEFAULT_CPU_KV_BYTES = 2 << 30
 # budget buys no throughput, while a burst of prompts prefilled in one step holds
 # every first token (and every running decode) for that whole step: on the default
 # model, 16 prompts of 128 tokens, TTFT p50 1.64 s at 2048 and 0.70 s at 512, with
-# output tok/s equal or higher (256 lost 15% of it). bench/vs_vllm.py has the figures.
+# output tok/s equal or higher (256 lost 15% of it): BENCHMARKS.md.
 _DEFAULT_CPU_BUDGET = 512
 _DEFAULT_GPU_BUDGET = 2048
 _DP_BACKENDS = ("mp", "ray")
