@@ -38,13 +38,16 @@ def test_config_is_frozen(tiny_llama):
 
 
 def test_cpu_step_budget_defaults_to_512(tiny_llama):
-    """On CPU a step's token budget is 512 (at least max_num_seqs), unless set."""
+    """On CPU a step's token budget is 512 (at least max_num_seqs), unless set or
+    the engines step in lockstep."""
     def budget(**kw) -> int:
         return EngineArgs.from_kwargs(model=str(tiny_llama), device="cpu",
                                       **kw).create_config().scheduler.max_num_batched_tokens
     assert budget() == 512
     assert budget(max_num_seqs=600) == 600
     assert budget(max_num_batched_tokens=4096) == 4096
+    # Lockstep engines pay a collective every step: fewer, larger steps.
+    assert budget(data_parallel_size=2, data_parallel_lockstep=True) == 2048
 
 
 def test_max_model_len_over_model_context(tiny_llama):

@@ -1,7 +1,7 @@
 """Elastic expert parallelism: `POST /scale_elastic_ep` re-shards the experts.
 
 A tiny random Mixtral (8 experts, top-2) served with --enable-expert-parallel at
-DP=2 (up to 3) is scaled 2 -> 3 -> 1 while 16 greedy streams run: no
+DP=2 (up to 3) is scaled 2 -> 3 -> 1 while 8 greedy streams run: no
 stream is cut and every one equals one engine's output; after each change
 every rank reports (GET /debug/dp_state) the experts of its new share,
 [r*8//N, (r+1)*8//N), and completions pinned to each rank still equal one
@@ -33,7 +33,7 @@ from dpserve.testing.tiny_model import make_tiny_model
 
 pytestmark = [pytest.mark.procs, pytest.mark.slow]
 
-PROMPTS = FAULT_PROMPTS[:16]
+PROMPTS = FAULT_PROMPTS[:8]
 SHORT = [f"Once upon a time {i}" for i in range(3)]
 ARGS = ("--enable-expert-parallel", "--threads-per-engine", "1", "--max-model-len", "256",
         "--enable-admin-api", "--shutdown-timeout", "120")
