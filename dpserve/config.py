@@ -35,7 +35,7 @@ _DEFAULT_CPU_KV_BYTES = 2 << 30
 # model, 16 prompts of 128 tokens, TTFT p50 1.64 s at 2048 and 0.70 s at 512, with
 # output tok/s equal or higher (256 lost 15% of it): BENCHMARKS.md.
 _DEFAULT_CPU_BUDGET = 512
-_DEFAULT_GPU_BUDGET = 2048
+_DEFAULT_BUDGET = 2048  # GPU engines, and lockstep engines anywhere
 _DP_BACKENDS = ("mp", "ray")
 _PACK_STRATEGIES = ("strict", "fill", "span")
 _FAILURE_POLICIES = ("restart", "isolate", "stop")
@@ -391,7 +391,7 @@ class EngineArgs:
         # under streams took 41 s at 512, 25 s at 2048).
         small = device == "cpu" and not lockstep
         budget = self.max_num_batched_tokens or max(
-            _DEFAULT_CPU_BUDGET if small else _DEFAULT_GPU_BUDGET, self.max_num_seqs)
+            _DEFAULT_CPU_BUDGET if small else _DEFAULT_BUDGET, self.max_num_seqs)
         scheduler = SchedulerConfig(max_num_batched_tokens=budget,
                                     max_num_seqs=self.max_num_seqs, max_model_len=max_model_len)
         parallel = ParallelConfig(

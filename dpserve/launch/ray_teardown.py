@@ -55,27 +55,27 @@ def teardown(state: RayState) -> None:
         state.watcher.join(timeout=_WATCHER_JOIN_S)
     ray = sys.modules.get("ray")
     # Not connected: never connected, or Ray already shut down (its atexit hook runs first).
-    if ray is not None and ray.is_initialized() and _local_instance_down(state.local_instance):
-        # The stop signal reached the whole process group (or Ray is frozen): every
-        # Ray call would block for its full deadline. Skip them; _reap kills the rest.
-        logger.info("the local Ray instance is going down or stopped; skipping Ray's "
-                    "own teardown")
+    if ray is not None and ray.is_initialized():
+        # A stop signal to the whole process group (or Ray frozen): every Ray call
+        # would block for its full deadline, so none is made; _reap kills the rest.
+        down = _local_instance_down(state.local_instance)
+        if down:
+            logger.info("the local Ray instance is going down or stopped; skipping "
+                        "Ray's own teardown")
+        else:
+            with lock_within(state.lock, RAY_CALL_S):  # no restart swaps an actor meanwhile
+                actors, groups = list(state.actors), list(state.placement_groups)
+            if not within(RAY_CALL_S, release, ray, actors, groups):
+                logger.warning("Ray did not remove the engine actors' placement groups "
+                               "within %.0f s (are its processes gone?); going on",
+                               RAY_CALL_S)
         state.actors.clear()
         state.placement_groups.clear()
         if state.owns_connection:
             state.owns_connection = False
-            _abandon_connection(ray)
-    elif ray is not None and ray.is_initialized():
-        with lock_within(state.lock, RAY_CALL_S):  # no restart swaps an actor meanwhile
-            actors, groups = list(state.actors), list(state.placement_groups)
-        if not within(RAY_CALL_S, release, ray, actors, groups):
-            logger.warning("Ray did not remove the engine actors' placement groups within "
-                           "%.0f s (are its processes gone?); going on", RAY_CALL_S)
-        state.actors.clear()
-        state.placement_groups.clear()
-        if state.owns_connection:
-            state.owns_connection = False
-            if not within(_RAY_SHUTDOWN_S, ray.shutdown):
+            if down:
+                _abandon_connection(ray)
+            elif not within(_RAY_SHUTDOWN_S, ray.shutdown):
                 logger.warning("ray.shutdown() did not return within %.0f s; killing the "
                                "Ray processes on this host", _RAY_SHUTDOWN_S)
                 _abandon_connection(ray)
