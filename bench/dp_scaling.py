@@ -3,7 +3,9 @@
 Scenarios (all by default; --scenarios picks), on the default model unless --model:
 
 * throughput: DP=1 vs DP=2, one torch thread per engine (`--threads-per-engine 1`),
-  concurrency 32, 128 -> 64 tokens: output tok/s and the ratio DP2/DP1 (aim: >= 1.8x).
+  concurrency 32, 128 -> 64 tokens: output tok/s and the ratio DP2/DP1 (aim: >= 1.9x);
+  DP=2 twice: each engine bound to a core of its own (`--cpu-bind auto`, the
+  default) and left to the OS scheduler (`--cpu-bind none`).
 * skewed: DP=2, one thread per engine, prompts mixed 16:8,1024:1 (eight 16-token
   prompts per 1024-token one, in a seeded order), 16 output tokens, concurrency 8;
   once with `--load-balance round-robin`, once `least-loaded`, the very same request
@@ -113,7 +115,9 @@ def make_scenarios(args: argparse.Namespace) -> dict[str, Scenario]:
               "prompt_mix": args.skew_mix, "output_len": 16}
     lb = "--load-balance"
     all_rows = {
-        "throughput": (Row("DP=1, 1 thread", one), Row("DP=2, 1 thread each", dp2 + one)),
+        "throughput": (Row("DP=1, 1 thread", one),
+                       Row("DP=2, 1 thread each, a core each", dp2 + one),
+                       Row("DP=2, 1 thread each, unbound", dp2 + one + ("--cpu-bind", "none"))),
         "skewed": (Row("DP=2, blind to load", dp2 + one + (lb, "round-robin")),
                    Row("DP=2, load-aware", dp2 + one + (lb, "least-loaded"))),
         "all-cores": (Row("DP=1, torch's default threads", ()),

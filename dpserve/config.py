@@ -124,6 +124,8 @@ class AutoscaleConfig:
 class ParallelConfig:
     data_parallel_size: int  # engine replicas, on every host together
     threads_per_engine: int | None  # torch CPU threads (None: torch's default)
+    # CPU cores of each local engine (this host's i-th engine: cpu_groups[i]); None: unbound.
+    cpu_groups: tuple[tuple[int, ...], ...] | None = None
     # Engines step together in request waves (dummy batches, periodic all-reduce):
     # forced by the user, or needed by the model (expert-parallel MoE).
     data_parallel_lockstep: bool = False
@@ -235,6 +237,9 @@ class EngineArgs:
     threads_per_engine: int | None = _opt(None, "torch CPU threads per engine (default: "
                                           "torch's choice; with data parallel on CPU, "
                                           "the cores shared out between the engines).")
+    cpu_bind: str = _opt("auto", "Cores of the CPU engines: 'auto' (several engines on this "
+                         "host that share out its cores: each bound to its own share), "
+                         "'none', or one core list per local engine, e.g. '0-3|4-7'.")
     data_parallel_lockstep: bool = _opt(False, "Step all engines together in request waves "
                                         "(dummy batches on idle engines, a periodic "
                                         "all-reduce), as expert-parallel MoE models need; "
@@ -397,6 +402,7 @@ class EngineArgs:
         parallel = ParallelConfig(
             data_parallel_size=self.data_parallel_size,
             threads_per_engine=self._threads_per_engine(device),
+            cpu_groups=self._cpu_groups(device),
             data_parallel_lockstep=lockstep,
             data_parallel_sync_interval=self.data_parallel_sync_interval,
             data_parallel_collective_timeout=self.data_parallel_collective_timeout,
@@ -453,6 +459,35 @@ class EngineArgs:
         cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                  else os.cpu_count() or 1)
         return max(1, cores // local)
+
+    def _cpu_groups(self, device: str) -> tuple[tuple[int, ...], ...] | None:
+        """--cpu-bind resolved: the cores of each local engine, or None (unbound).
+
+        'auto' binds CPU engines run as local processes, more than one here, whose
+        threads share out the cores: dpserve's own share (no --threads-per-engine),
+        or threads that add up to every core. Engines with fewer threads stay
+        unbound: a second server on the same host would otherwise be bound to the
+        same first cores as this one."""
+        spec, local = self.cpu_bind.strip(), self._size_local()
+        if spec == "none" or device != "cpu":
+            return None
+        allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if spec == "auto":
+            threads = self._threads_per_engine(device) or 0
+            shared_out = self.threads_per_engine is None or threads * local == len(allowed)
+            if (self.data_parallel_backend != "mp" or local == 1 or not allowed
+                    or threads * local > len(allowed) or not shared_out):
+                return None
+            return tuple(tuple(allowed[i * threads:(i + 1) * threads]) for i in range(local))
+        groups = tuple(_parse_cores(group) for group in spec.split("|"))
+        if len(groups) != local:
+            raise ConfigError(f"cpu_bind {spec!r} names {len(groups)} core list(s); this host "
+                              f"runs {local} engine(s) (data_parallel_size_local)")
+        outside = sorted(set().union(*groups) - set(allowed)) if allowed else []
+        if outside:
+            raise ConfigError(f"cpu_bind {spec!r}: core(s) {outside} are not available to "
+                              f"this process (allowed: {_format_cores(allowed)})")
+        return groups
 
     def _autoscale(self) -> AutoscaleConfig | None:
         """--data-parallel-autoscale MIN:MAX and its targets, validated."""
@@ -534,6 +569,10 @@ class EngineArgs:
         need(self.data_parallel_size >= 1, "data_parallel_size", "must be at least 1")
         need(self.threads_per_engine is None or self.threads_per_engine >= 1,
              "threads_per_engine", "must be at least 1")
+        need(self.cpu_bind.strip() != "" and (self.data_parallel_backend != "ray" or
+                                              self.cpu_bind.strip() in ("auto", "none")),
+             "cpu_bind", "must be 'auto', 'none' or core lists (with Ray: 'auto' or 'none'; "
+             "Ray places the engines)")
         need(self.data_parallel_sync_interval >= 1, "data_parallel_sync_interval",
              "must be at least 1")
         need(self.data_parallel_collective_timeout > 0, "data_parallel_collective_timeout",
@@ -585,6 +624,22 @@ class EngineArgs:
                  "--data-parallel-start-rank, --data-parallel-rank or hybrid LB)")
         if self.data_parallel_secret is not None and len(self.data_parallel_secret) < 8:
             raise ConfigError("data_parallel_secret must be at least 8 characters")
+
+
+def _parse_cores(text: str) -> tuple[int, ...]:
+    """'0-3,8' -> (0, 1, 2, 3, 8); ConfigError naming cpu_bind when malformed."""
+    cores: list[int] = []
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()) or (dash and int(hi) < int(lo)):
+            raise ConfigError(f"cpu_bind: {text!r} is not a core list ('auto', 'none', or "
+                              f"lists such as '0-3|4-7', one per local engine)")
+        cores.extend(range(int(lo), int(hi if dash else lo) + 1))
+    return tuple(sorted(set(cores)))
+
+
+def _format_cores(cores: list[int]) -> str:
+    return ",".join(map(str, cores)) if len(cores) < 8 else f"{cores[0]}-{cores[-1]} ({len(cores)})"
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,

@@ -104,6 +104,38 @@ def test_data_parallel_threads_share_the_cores(tiny_llama, monkeypatch):
     assert config.parallel.threads_per_engine is None  # one engine: torch's default
 
 
+def test_cpu_bind_shares_out_the_cores(tiny_llama, monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 8, 9})
+
+    def groups(**kwargs):
+        return EngineArgs.from_kwargs(model=str(tiny_llama), device="cpu",
+                                      **kwargs).create_config().parallel.cpu_groups
+
+    # auto: each local engine its share of the allowed cores, in order
+    assert groups(data_parallel_size=3) == ((0, 1), (2, 3), (4, 5))
+    assert groups(data_parallel_size=2, threads_per_engine=4) == ((0, 1, 2, 3), (4, 5, 8, 9))
+    # ... but not one engine, fewer threads than cores (a second server would be bound
+    # to the same cores), oversubscribed cores, Ray, or 'none'
+    assert groups() is None
+    assert groups(data_parallel_size=2, threads_per_engine=1) is None
+    assert groups(data_parallel_size=2, threads_per_engine=8) is None
+    assert groups(data_parallel_size=2, data_parallel_backend="ray") is None
+    assert groups(data_parallel_size=2, cpu_bind="none") is None
+    # this host's engines only (multi-host)
+    assert groups(data_parallel_size=4, data_parallel_size_local=2,
+                  data_parallel_start_rank=2) == ((0, 1, 2, 3), (4, 5, 8, 9))
+    assert groups(data_parallel_size=2, cpu_bind="0-1,8|9") == ((0, 1, 8), (9,))
+    for spec, message in [("0|1|2", "names 3 core list"), ("0|7", r"core\(s\) \[7\]"),
+                          ("0|a", "not a core list"), ("3-1|0", "not a core list"),
+                          ("", "cpu_bind")]:
+        with pytest.raises(ConfigError, match=message):
+            groups(data_parallel_size=2, cpu_bind=spec)
+    with pytest.raises(ConfigError, match="cpu_bind.*Ray places"):
+        groups(data_parallel_size=2, data_parallel_backend="ray", cpu_bind="0|1")
+
+
 def test_vllm_short_flags_are_aliases():
     """-dp, -dpl, -dpr, -dpa, -dpp, -dpn, -dph, -dpb parse as vLLM's long options."""
     import argparse

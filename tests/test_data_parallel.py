@@ -67,6 +67,22 @@ def test_load_is_spread_over_both_engines(dp_server):
     assert all(n > 200 / 3 for n in served.values()), served
 
 
+def test_each_engine_is_bound_to_a_core_of_its_own(dp_server):
+    """--cpu-bind auto: two engines of one thread each, on a machine of two cores:
+    engine r on the r-th core (unbound elsewhere: their threads leave cores free,
+    or there is one core)."""
+    _, _, _, children = dp_server
+    allowed = sorted(os.sched_getaffinity(0))
+    engines = {p.name(): p.cpu_affinity() for p in children
+               if p.name().startswith("dpserve::EngineCore_")}
+    assert sorted(engines) == ["dpserve::EngineCore_0", "dpserve::EngineCore_1"]
+    if len(allowed) != 2:
+        assert all(cores == allowed for cores in engines.values())
+        return
+    assert engines == {"dpserve::EngineCore_0": [allowed[0]],
+                       "dpserve::EngineCore_1": [allowed[1]]}
+
+
 def test_greedy_results_equal_one_offline_engine(dp_server):
     _, url, model, _ = dp_server
     expected = offline_greedy_texts(model, PROMPTS, max_tokens=8)

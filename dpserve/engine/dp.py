@@ -104,6 +104,7 @@ class DPLink:
         self.running = False  # lockstep: in a running wave (else paused)
         self.dummy_batches = 0  # forward passes run only to keep in step
         self.all_reduces = 0
+        self.group_all_reduces = 0  # ... of them in the current generation's group
         self._steps_since_sync = 0
         self._group = None  # torch.distributed ProcessGroupGloo of `generation` (lockstep)
         self._store = None  # this engine's client of the coordinator's TCP store
@@ -295,6 +296,7 @@ class DPLink:
         except RuntimeError as e:  # DistStoreError, gloo errors: a member never came
             self._group_failed(f"joining: {e}")
             return True
+        self.group_all_reduces = 0
         agreed = self._all_reduce_max([self.wave, int(has_work), int(self.running)])
         if agreed is None:
             return True
@@ -335,6 +337,7 @@ class DPLink:
             self._group_failed(f"all-reduce: {e}")
             return None
         self.all_reduces += 1
+        self.group_all_reduces += 1
         return [int(v) for v in tensor.tolist()]
 
     def expert_group(self) -> object | None:
@@ -367,7 +370,8 @@ class DPLink:
         """What the engine's `get_dp_state` utility call answers."""
         return dict(rank=self.rank, lockstep=self.lockstep, wave=self.wave,
                     running=self.running, dummy_batches=self.dummy_batches,
-                    all_reduces=self.all_reduces, steps=self._step,
+                    all_reduces=self.all_reduces, group_all_reduces=self.group_all_reduces,
+                    steps=self._step,
                     generation=self.generation, members=list(self.members),
                     in_group=self._group is not None, regroups=self.regroups,
                     group_failures=self.group_failures)

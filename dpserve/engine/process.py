@@ -184,6 +184,7 @@ class EngineCoreProc:
                              collective_timeout=parallel.data_parallel_collective_timeout,
                              expert_parallel=parallel.enable_expert_parallel)
         _choose_device(self.config, self.rank)
+        _bind_cpus(self.config, self.rank)
         if self.config.parallel.enable_expert_parallel and init.dp_size > 0 and \
                 init.dp_size != self.config.parallel.data_parallel_size:
             # Elastic EP: a rank started (or restarted) after a change of the DP size
@@ -663,6 +664,31 @@ def _choose_device(config: EngineConfig, rank: int) -> None:
                        "sharing device %d", rank, local_rank, count, local_rank % count)
     torch.cuda.set_device(local_rank % count)
     logger.info("engine %d: CUDA device %d", rank, local_rank % count)
+
+
+def _bind_cpus(config: EngineConfig, rank: int) -> None:
+    """CPU: keep this engine (its torch threads, created after this) on the cores of
+    its local rank (`ParallelConfig.cpu_groups`); a rank added by scaling beyond
+    them stays unbound."""
+    groups = config.parallel.cpu_groups
+    if not groups:
+        return
+    local_rank = rank - config.parallel.data_parallel_start_rank
+    if not 0 <= local_rank < len(groups):
+        logger.info("engine %d: no core list for local rank %d; not bound", rank, local_rank)
+        return
+    cores = groups[local_rank]
+    try:
+        os.sched_setaffinity(0, cores)
+    except OSError as e:  # the cores were taken away since the launcher looked
+        logger.warning("engine %d: could not bind to cores %s (%s); not bound", rank,
+                       ",".join(map(str, cores)), e)
+        return
+    if config.parallel.threads_per_engine is None:
+        import torch
+
+        torch.set_num_threads(len(cores))
+    logger.info("engine %d: bound to CPU core(s) %s", rank, ",".join(map(str, cores)))
 
 
 def _build_engine_core(config: EngineConfig, rank: int, incarnation: int) -> EngineCore:
