@@ -92,7 +92,7 @@ def test_sessions_stick_to_the_rank_that_holds_their_prefix():
              for s in range(4)}
     assert sorted(first.values()) == [0, 0, 1, 1]  # new prefixes spread (loads tie)
     live[0].running = live[1].running = 3
-    live[first[0]].running += 4  # busier, but within balance_abs (8)
+    live[first[0]].running += 4  # busier, but within balance_abs (32)
     for turn in range(1, 4):
         for s in range(4):
             assert router.choose(live, request(prompt(s, turn)), balanced=True).rank \

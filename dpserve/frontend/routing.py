@@ -74,8 +74,11 @@ class CacheAwareOptions:
     """Thresholds of `cache-aware` (SGLang's router has the same three, in requests)."""
 
     cache_threshold: float = 0.3  # matched prefix tokens / prompt tokens to prefer a rank
-    balance_abs: int = 8  # a rank is hot when its load exceeds the least loaded's by more
-    balance_rel: float = 1.5  # ... than this, and is more than this times it
+    # A rank is hot when its load exceeds the least loaded's by more than balance_abs
+    # (32: about 8 waiting requests; at 8, two waiting requests made a rank hot and
+    # a prefix-heavy load lost its affinity: 1.29x -> 1.75x of least-loaded) ...
+    balance_abs: int = 32
+    balance_rel: float = 1.5  # ... and is more than this many times the least loaded's
 
 
 def kv_capacity_blocks(stats: SchedulerStats | None) -> int | None:
