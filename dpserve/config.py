@@ -351,6 +351,11 @@ class EngineArgs:
     def from_cli(cls, ns: argparse.Namespace) -> EngineArgs:
         return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
 
+    def check_options(self) -> None:
+        """Raise ConfigError for an option that is wrong whatever the model and the
+        machine (`create_config` checks them too; this is the fast, early check)."""
+        self._validate_plain_options()
+
     def create_config(self) -> EngineConfig:
         """Validate every option, resolve the model, and freeze the result."""
         self._validate_plain_options()

@@ -183,15 +183,17 @@ def run_serve(args: argparse.Namespace) -> int:
     _check_args(args)
     if args.headless:
         return run_headless(args)
+    engine_args = EngineArgs.from_cli(args)
+    engine_args.check_options()  # a bad option fails before anything starts
     sock = _bind(args.host, args.port)  # before loading anything: fail fast, hold the port
-    if args.data_parallel_backend != "ray":
-        from dpserve.launch.process import start_engine_forkserver
+    from dpserve.launch.process import start_engine_forkserver, stop_engine_forkserver
 
+    if args.data_parallel_backend != "ray":
         start_engine_forkserver()  # imports torch while the config resolves
     num_api_servers = args.api_server_count
     launch: EngineLaunch | None = None
     try:
-        config = EngineArgs.from_cli(args).create_config()
+        config = engine_args.create_config()
         name_process("APIServer_0" if num_api_servers == 1 else "Launcher")
         # Until the serving phase installs its own handlers, a stop signal
         # unwinds through `finally`.
@@ -216,6 +218,8 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         if launch is not None:
             launch.close()
+        else:  # failed before the engines (the model, say): the forkserver goes too
+            stop_engine_forkserver()
         sock.close()
     print(f"dpserve: error: {error}", file=sys.stderr)  # last, after the children's logs
     return 1

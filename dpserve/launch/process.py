@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -70,6 +71,28 @@ def start_engine_forkserver() -> None:
 
     engine_context()  # sets the preload list
     forkserver.ensure_running()
+
+
+def stop_engine_forkserver() -> None:
+    """Stop the engines' forkserver at once (a start-up that failed before its first
+    engine): it may still be importing torch, seconds more, and nothing of dpserve
+    may outlive it. A no-op when none was started."""
+    if not _forkserver_chosen:
+        return
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # the module's one ForkServer
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    server._stop()  # closes its pipe, reaps it, forgets it (a later start makes a new one)
+    # The resource tracker it was started with (no engine used it yet): reaped here,
+    # not left to exit after us.
+    from multiprocessing import resource_tracker
+
+    resource_tracker._resource_tracker._stop()
 
 
 class ProcessGroup:
