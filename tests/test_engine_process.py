@@ -24,7 +24,7 @@ import pytest
 import zmq
 
 from dpserve.config import EngineArgs
-from dpserve.engine.process import FAULT_FORWARD_ENV
+from dpserve.engine.build import FAULT_FORWARD_ENV
 from dpserve.frontend.engine_client import AsyncEngineClient, UtilityCallError
 from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError
 from dpserve.launch.addresses import AddressAllocator

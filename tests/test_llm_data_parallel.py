@@ -19,7 +19,7 @@ from helpers import nonblank_stop_string
 
 from dpserve import LLM, SamplingParams
 from dpserve.config import ConfigError
-from dpserve.engine.process import FAULT_FORWARD_ENV
+from dpserve.engine.build import FAULT_FORWARD_ENV
 from dpserve.frontend.errors import EngineDeadError
 
 PROMPTS = [f"{word} {i}" for i, word in enumerate(

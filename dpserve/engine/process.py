@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import logging
 import multiprocessing
 import os
@@ -45,13 +44,14 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import zmq
 
 from dpserve.config import EngineConfig
 from dpserve.control import next_state
+from dpserve.engine.build import build_engine_core, place_engine
 from dpserve.engine.control import EngineControl
 from dpserve.engine.dp import DPLink
 from dpserve.launch.process import start_parent_watcher
@@ -77,9 +77,6 @@ from dpserve.protocol import (
 )
 from dpserve.security import secure
 
-if TYPE_CHECKING:
-    from dpserve.engine.core import EngineCore
-
 logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 120.0  # wait for the launcher's init metadata
@@ -87,12 +84,6 @@ DEAD_LINGER_MS = 4000  # how long closing output sockets may take to flush ENGIN
 STOP_LINGER_MS = 500  # ... and the last outputs on a plain stop
 _IDLE_WAIT_S = 0.5  # the busy loop's longest block on an empty input queue
 _POLL_MS = 100  # IO threads look at the stop flag this often
-
-# Test-only fault injection: the engine's N-th model execution raises, or hangs;
-# optionally only on one rank (see `_maybe_inject_forward_fault`).
-FAULT_FORWARD_ENV = "DPSERVE_FAULT_FORWARD_AT"
-FAULT_HANG_ENV = "DPSERVE_FAULT_FORWARD_HANG_AT"
-FAULT_RANK_ENV = "DPSERVE_FAULT_RANK"
 
 # Utility calls may run any public EngineCore method except the request path,
 # whose outputs would bypass the routing in the busy loop.
@@ -183,15 +174,14 @@ class EngineCoreProc:
                              incarnation=self.incarnation,
                              collective_timeout=parallel.data_parallel_collective_timeout,
                              expert_parallel=parallel.enable_expert_parallel)
-        _choose_device(self.config, self.rank)
-        _bind_cpus(self.config, self.rank)
+        place_engine(self.config, self.rank)
         if self.config.parallel.enable_expert_parallel and init.dp_size > 0 and \
                 init.dp_size != self.config.parallel.data_parallel_size:
             # Elastic EP: a rank started (or restarted) after a change of the DP size
             # holds its share of the experts for the size now.
             self.config = dataclasses.replace(self.config, parallel=dataclasses.replace(
                 self.config.parallel, data_parallel_size=init.dp_size))
-        self.engine_core = _build_engine_core(self.config, self.rank, self.incarnation)
+        self.engine_core = build_engine_core(self.config, self.rank, self.incarnation)
         ep = self.engine_core.runner.expert_parallel
         if ep is not None and self.dp is not None:  # MoE layers use the lockstep DP group
             ep.group_source = self.dp.expert_group
@@ -646,86 +636,6 @@ class _FrontEndLinks:
         for monitor, (sock, _) in self._monitors.items():
             sock.disable_monitor()
             monitor.close()
-
-
-def _choose_device(config: EngineConfig, rank: int) -> None:
-    """CUDA: the engine of local rank r (r-th on this host) uses visible device r.
-
-    Under Ray each actor sees only its own GPU, so that is device 0.
-    """
-    if config.device != "cuda":
-        return
-    import torch
-
-    local_rank = rank - config.parallel.data_parallel_start_rank
-    count = torch.cuda.device_count()
-    if local_rank >= count:
-        logger.warning("engine %d: local rank %d but only %d CUDA device(s) visible; "
-                       "sharing device %d", rank, local_rank, count, local_rank % count)
-    torch.cuda.set_device(local_rank % count)
-    logger.info("engine %d: CUDA device %d", rank, local_rank % count)
-
-
-def _bind_cpus(config: EngineConfig, rank: int) -> None:
-    """CPU: keep this engine (its torch threads, created after this) on the cores of
-    its local rank (`ParallelConfig.cpu_groups`); a rank added by scaling beyond
-    them stays unbound."""
-    groups = config.parallel.cpu_groups
-    if not groups:
-        return
-    local_rank = rank - config.parallel.data_parallel_start_rank
-    if not 0 <= local_rank < len(groups):
-        logger.info("engine %d: no core list for local rank %d; not bound", rank, local_rank)
-        return
-    cores = groups[local_rank]
-    try:
-        os.sched_setaffinity(0, cores)
-    except OSError as e:  # the cores were taken away since the launcher looked
-        logger.warning("engine %d: could not bind to cores %s (%s); not bound", rank,
-                       ",".join(map(str, cores)), e)
-        return
-    if config.parallel.threads_per_engine is None:
-        import torch
-
-        torch.set_num_threads(len(cores))
-    logger.info("engine %d: bound to CPU core(s) %s", rank, ",".join(map(str, cores)))
-
-
-def _build_engine_core(config: EngineConfig, rank: int, incarnation: int) -> EngineCore:
-    from dpserve.engine.core import EngineCore
-
-    engine_core = EngineCore(config, dp_rank=rank)
-    _maybe_inject_forward_fault(engine_core, rank, incarnation)
-    return engine_core
-
-
-def _maybe_inject_forward_fault(engine_core: EngineCore, rank: int, incarnation: int) -> None:
-    """TEST-ONLY fault injection, from the environment: the N-th call of
-    `runner.execute` raises RuntimeError (DPSERVE_FAULT_FORWARD_AT=N) or never
-    returns (DPSERVE_FAULT_FORWARD_HANG_AT=N). With DPSERVE_FAULT_RANK=r only
-    rank r's first process is affected (its restarts run clean)."""
-    raise_at, hang_at = (int(os.environ.get(name) or 0) for name in
-                         (FAULT_FORWARD_ENV, FAULT_HANG_ENV))
-    only_rank = os.environ.get(FAULT_RANK_ENV)
-    if not (raise_at or hang_at) or (only_rank is not None and
-                                     (int(only_rank) != rank or incarnation > 0)):
-        return
-    execute = engine_core.runner.execute
-    calls = itertools.count(1)
-
-    def execute_with_fault(scheduler_output: Any) -> Any:
-        call = next(calls)
-        if call == raise_at:
-            raise RuntimeError(f"injected fault: forward #{raise_at} ({FAULT_FORWARD_ENV})")
-        if call == hang_at:
-            logger.warning("TEST-ONLY: forward #%d hangs (%s)", hang_at, FAULT_HANG_ENV)
-            while True:
-                time.sleep(3600)
-        return execute(scheduler_output)
-
-    engine_core.runner.execute = execute_with_fault  # type: ignore[method-assign]
-    logger.warning("TEST-ONLY fault injection: forward #%d will %s", raise_at or hang_at,
-                   "raise" if raise_at else "hang")
 
 
 def _decode_request(frames: list[bytes], decoders: dict,

@@ -1,0 +1,116 @@
+"""What an engine process sets up before it serves: the device or the CPU cores it
+runs on, its `EngineCore`, and (tests only) faults injected into its forward.
+
+Scope: called by `EngineCoreProc` (`dpserve.engine.process`) once the launcher's
+init metadata has come, in the engine process itself; nothing here talks to
+another process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from dpserve.config import EngineConfig
+
+if TYPE_CHECKING:
+    from dpserve.engine.core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+# Test-only fault injection: the engine's N-th model execution raises, or hangs;
+# optionally only on one rank (see `_maybe_inject_forward_fault`).
+FAULT_FORWARD_ENV = "DPSERVE_FAULT_FORWARD_AT"
+FAULT_HANG_ENV = "DPSERVE_FAULT_FORWARD_HANG_AT"
+FAULT_RANK_ENV = "DPSERVE_FAULT_RANK"
+
+
+def place_engine(config: EngineConfig, rank: int) -> None:
+    """Put this engine on its CUDA device, or bind it to its CPU cores."""
+    _choose_device(config, rank)
+    _bind_cpus(config, rank)
+
+
+def _choose_device(config: EngineConfig, rank: int) -> None:
+    """CUDA: the engine of local rank r (r-th on this host) uses visible device r.
+
+    Under Ray each actor sees only its own GPU, so that is device 0.
+    """
+    if config.device != "cuda":
+        return
+    import torch
+
+    local_rank = rank - config.parallel.data_parallel_start_rank
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        logger.warning("engine %d: local rank %d but only %d CUDA device(s) visible; "
+                       "sharing device %d", rank, local_rank, count, local_rank % count)
+    torch.cuda.set_device(local_rank % count)
+    logger.info("engine %d: CUDA device %d", rank, local_rank % count)
+
+
+def _bind_cpus(config: EngineConfig, rank: int) -> None:
+    """CPU: keep this engine (its torch threads, created after this) on the cores of
+    its local rank (`ParallelConfig.cpu_groups`); a rank added by scaling beyond
+    them stays unbound."""
+    groups = config.parallel.cpu_groups
+    if not groups:
+        return
+    local_rank = rank - config.parallel.data_parallel_start_rank
+    if not 0 <= local_rank < len(groups):
+        logger.info("engine %d: no core list for local rank %d; not bound", rank, local_rank)
+        return
+    cores = groups[local_rank]
+    try:
+        os.sched_setaffinity(0, cores)
+    except OSError as e:  # the cores were taken away since the launcher looked
+        logger.warning("engine %d: could not bind to cores %s (%s); not bound", rank,
+                       ",".join(map(str, cores)), e)
+        return
+    if config.parallel.threads_per_engine is None:
+        import torch
+
+        torch.set_num_threads(len(cores))
+    logger.info("engine %d: bound to CPU core(s) %s", rank, ",".join(map(str, cores)))
+
+
+def build_engine_core(config: EngineConfig, rank: int, incarnation: int) -> EngineCore:
+    """The EngineCore of `rank` (its model loaded, its KV cache sized), with the
+    test-only forward faults the environment asks for."""
+    from dpserve.engine.core import EngineCore
+
+    engine_core = EngineCore(config, dp_rank=rank)
+    _maybe_inject_forward_fault(engine_core, rank, incarnation)
+    return engine_core
+
+
+def _maybe_inject_forward_fault(engine_core: EngineCore, rank: int, incarnation: int) -> None:
+    """TEST-ONLY fault injection, from the environment: the N-th call of
+    `runner.execute` raises RuntimeError (DPSERVE_FAULT_FORWARD_AT=N) or never
+    returns (DPSERVE_FAULT_FORWARD_HANG_AT=N). With DPSERVE_FAULT_RANK=r only
+    rank r's first process is affected (its restarts run clean)."""
+    raise_at, hang_at = (int(os.environ.get(name) or 0) for name in
+                         (FAULT_FORWARD_ENV, FAULT_HANG_ENV))
+    only_rank = os.environ.get(FAULT_RANK_ENV)
+    if not (raise_at or hang_at) or (only_rank is not None and
+                                     (int(only_rank) != rank or incarnation > 0)):
+        return
+    execute = engine_core.runner.execute
+    calls = itertools.count(1)
+
+    def execute_with_fault(scheduler_output: Any) -> Any:
+        call = next(calls)
+        if call == raise_at:
+            raise RuntimeError(f"injected fault: forward #{raise_at} ({FAULT_FORWARD_ENV})")
+        if call == hang_at:
+            logger.warning("TEST-ONLY: forward #%d hangs (%s)", hang_at, FAULT_HANG_ENV)
+            while True:
+                time.sleep(3600)
+        return execute(scheduler_output)
+
+    engine_core.runner.execute = execute_with_fault  # type: ignore[method-assign]
+    logger.warning("TEST-ONLY fault injection: forward #%d will %s", raise_at or hang_at,
+                   "raise" if raise_at else "hang")
