@@ -432,6 +432,17 @@ def vocab_size(model: str | None) -> int:
         return int(json.load(f)["vocab_size"])
 
 
+def begin(name: str, model: str | None) -> int | None:
+    """A benchmark's start: SIGTERM stops it as Ctrl-C does (its servers with it); the
+    model's vocabulary, or None (the error logged, naming `name`) when unreadable."""
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return vocab_size(model)
+    except (ConfigError, OSError, KeyError, ValueError) as e:
+        _log(f"{name}: error: model {model or '(default)'}: {e}")
+        return None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -468,11 +479,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
-        vocab = vocab_size(args.model)
-    except (ConfigError, OSError, KeyError, ValueError) as e:
-        _log(f"dp_scaling: error: model {args.model or '(default)'}: {e}")
+    vocab = begin("dp_scaling", args.model)
+    if vocab is None:
         return 2
     scenarios = make_scenarios(args)
     try:  # every load validated before any server starts

@@ -45,10 +45,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
-from dp_scaling import ServeProcess, _bench, _free_port, _log, _on_sigterm, machine, vocab_size
+from dp_scaling import ServeProcess, _bench, _free_port, _log, _on_sigterm, begin, machine
 
 from dpserve.benchmark.serve import BenchConfig, BenchResult, Latency, run_benchmark
-from dpserve.config import ConfigError
+from dpserve.frontend.routing import LOAD_BALANCE_POLICIES
 
 POLICIES = ("least-loaded", "cache-aware")
 BLOCK_SIZE = 16  # the engines' default --block-size
@@ -255,20 +255,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.warmup < 0 or args.num_kv_blocks < 0:
         p.error("--warmup and --num-kv-blocks must not be negative")
     args.policies = [s.strip() for s in args.policies.split(",") if s.strip()]
-    bad = set(args.policies) - {"least-loaded", "round-robin", "cache-aware"}
+    bad = set(args.policies) - set(LOAD_BALANCE_POLICIES)
     if bad or not args.policies:
-        p.error(f"--policies: unknown {sorted(bad)}; choose from least-loaded, round-robin, "
-                f"cache-aware")
+        p.error(f"--policies: unknown {sorted(bad)}; choose from "
+                f"{', '.join(LOAD_BALANCE_POLICIES)}")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
-        vocab = vocab_size(args.model)
-    except (ConfigError, OSError, KeyError, ValueError) as e:
-        _log(f"prefix_routing: error: model {args.model or '(default)'}: {e}")
+    vocab = begin("prefix_routing", args.model)
+    if vocab is None:
         return 2
     prompts = make_prompts(args, vocab)
     config = BenchConfig(num_prompts=len(prompts), concurrency=args.concurrency,
