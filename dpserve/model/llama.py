@@ -351,17 +351,24 @@ class LlamaForCausalLM(nn.Module):
             if target is None:  # known, held by another rank (expert parallel)
                 seen.add(name)
                 continue
-            param, start, rows = target
-            dest = param.data[start:start + rows]
-            if tuple(tensor.shape) != tuple(dest.shape):
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
+            copy_weight(name, tensor, target)
             seen.add(name)
         missing = sorted(set(targets) - seen, key=_natural_key)
         if missing:
             raise ValueError(f"missing weights ({len(missing)}): {', '.join(missing[:5])}"
                              + (" ..." if len(missing) > 5 else ""))
+
+
+def copy_weight(name: str, tensor: torch.Tensor,
+                target: tuple[torch.Tensor, int, int]) -> None:
+    """Copy checkpoint tensor `name` into its place, rows [start, start + rows) of the
+    parameter (`_weight_targets`); ValueError on a shape mismatch."""
+    param, start, rows = target
+    dest = param.data[start:start + rows]
+    if tuple(tensor.shape) != tuple(dest.shape):
+        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                         f"expected {tuple(dest.shape)}")
+    dest.copy_(tensor)
 
 
 def smooth_into_norm(norm: RMSNorm, weight: torch.Tensor, alpha: float = 0.5) -> None:

@@ -31,6 +31,7 @@ from dpserve.model.llama import (
     LlamaForCausalLM,
     LlamaMLP,
     ModelDims,
+    copy_weight,
     mlp_targets,
 )
 from dpserve.model.moe import FusedMoE, MoESpec
@@ -157,12 +158,7 @@ class MoEForCausalLM(LlamaForCausalLM):
         for name, tensor in weights:
             if name not in targets:
                 continue
-            param, start, rows = targets[name]
-            dest = param.data[start:start + rows]
-            if tuple(tensor.shape) != tuple(dest.shape):
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
+            copy_weight(name, tensor, targets[name])
             seen.add(name)
         if missing := sorted(set(targets) - seen):
             raise ValueError(f"missing expert weights ({len(missing)}): "
