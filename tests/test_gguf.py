@@ -14,6 +14,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from helpers import finish_gguf, gguf_writer
 from safetensors.torch import load_file
 
 from dpserve.config import ConfigError
@@ -148,26 +149,7 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def write_gguf_from_hf(hf_dir: Path, out: Path, arch: str) -> Path:
     """A llama.cpp-style F32 GGUF of a tiny HF checkpoint (permuted Q/K for llama)."""
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    w = gguf.GGUFWriter(str(out), arch)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    special = {t["content"] for t in tok["added_tokens"]}
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([3 if t in special else 1 for t, _ in vocab])
-    w.add_token_merges(merges)
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
+    w, cfg = gguf_writer(hf_dir, out, arch)
     w.add_chat_template(json.loads((hf_dir / "tokenizer_config.json").read_text())
                         .get("chat_template") or (hf_dir / "chat_template.jinja").read_text())
     for name, t in load_file(hf_dir / "model.safetensors").items():
@@ -177,10 +159,7 @@ def write_gguf_from_hf(hf_dir: Path, out: Path, arch: str) -> Path:
         elif arch == "llama" and ".k_proj." in name:
             a = _llama_cpp_permute(a, cfg["num_key_value_heads"])
         w.add_tensor(_gguf_name(name), np.ascontiguousarray(a))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return out
 
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 import torch
+from helpers import finish_gguf, gguf_writer
 from safetensors.torch import load_file
 
 from dpserve import LLM, SamplingParams
@@ -78,18 +78,8 @@ def gguf_tensors(hf_dir: Path, cfg: dict) -> dict[str, np.ndarray]:
 def write_moe_gguf(hf_dir: Path, out: Path, f16_experts: bool = False) -> Path:
     """A llama.cpp-style GGUF of a tiny HF MoE checkpoint (F32; F16 expert stacks if
     asked)."""
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    kind = cfg["model_type"]
-    w = gguf.GGUFWriter(str(out), GGUF_ARCH[kind])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    kind = json.loads((hf_dir / "config.json").read_text())["model_type"]
+    w, cfg = gguf_writer(hf_dir, out, GGUF_ARCH[kind])
     w.add_expert_count(cfg.get("num_local_experts") or cfg["num_experts"])
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     if cfg.get("head_dim"):
@@ -101,23 +91,11 @@ def write_moe_gguf(hf_dir: Path, out: Path, f16_experts: bool = False) -> Path:
         w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     if cfg.get("clip_qkv"):
         w.add_clamp_kqv(cfg["clip_qkv"])
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    special = {t["content"] for t in tok["added_tokens"]}
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([3 if t in special else 1 for t, _ in vocab])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m)
-                        for m in tok["model"]["merges"]])
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
     for name, a in gguf_tensors(hf_dir, cfg).items():
         if f16_experts and "_exps." in name:
             a = a.astype(np.float16)
         w.add_tensor(name, np.ascontiguousarray(a))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return out
 
 
