@@ -358,7 +358,7 @@ class EngineArgs:
 
     def create_config(self) -> EngineConfig:
         """Validate every option, resolve the model, and freeze the result."""
-        self._validate_plain_options()
+        self.check_options()
         device = _resolve_device(self.device)
         dtype = _resolve_dtype(self.dtype, device, self.quantization)
         from dpserve.model.loader import resolve_model
@@ -644,7 +644,10 @@ def _parse_cores(text: str) -> tuple[int, ...]:
 
 
 def _format_cores(cores: list[int]) -> str:
-    return ",".join(map(str, cores)) if len(cores) < 8 else f"{cores[0]}-{cores[-1]} ({len(cores)})"
+    """The allowed cores for a message: all of them, or their count and bounds."""
+    if len(cores) < 8:
+        return ",".join(map(str, cores))
+    return f"{len(cores)} cores from {cores[0]} to {cores[-1]}"
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
