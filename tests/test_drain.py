@@ -139,9 +139,11 @@ def _check_drain(server: tuple[subprocess.Popen, str], model: str, draining_chec
             await _assert_draining(client, url, model, draining_checks)
 
         # Eight 96-token streams, and a long one that keeps the server draining
-        # while the 503s are checked. A group signal reaches the engines too, so
-        # wait until each one runs there (an engine that drains takes no new work).
-        lengths = [96] * 8 + [500]
+        # while the 503s are checked (1,000 tokens, near the tiny model's 1,024: at
+        # 500 it once ended before the checks did, with another test file running
+        # beside this one). A group signal reaches the engines too, so wait until
+        # each one runs there (an engine that drains takes no new work).
+        lengths = [96] * 8 + [1000]
         streams = asyncio.run(_run_streams(url, model, lengths, signal_then_check,
                                            first_token=group_signal is not None))
         assert proc.wait(60) == 0, output(proc)[-3000:]
