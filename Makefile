@@ -26,11 +26,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Two test files at a time (pytest-xdist, whole files per worker: module fixtures
-# start once), then the Ray tests alone: a Ray cluster beside another test's engines
-# makes its two engines progress too unevenly for their "every stream under way" checks.
+# start once), then the `alone` tests one at a time: Ray clusters, whose two engines
+# progress too unevenly beside another test for their "every stream under way"
+# checks, and the drains, whose 503 checks race a stream that keeps a server draining.
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not ray" --durations=20; a=$$?; \
-	$(PY) -m pytest -q -m ray --durations=5; b=$$?; \
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not alone" --durations=20; a=$$?; \
+	$(PY) -m pytest -q -m alone --durations=5; b=$$?; \
 	test $$a -eq 0 -a $$b -eq 0
 
 # Only tests that start no process and take no long model runs (markers in

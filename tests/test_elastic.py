@@ -266,7 +266,7 @@ def test_autoscale_up_under_a_burst_and_down_when_idle(tiny_llama):
         assert asyncio.run(complete_n(url, model, 4)) == [200] * 4
 
 
-@pytest.mark.ray
+@pytest.mark.alone
 def test_ray_scale_up_and_down(tiny_llama):
     """The Ray backend: a new engine actor in a new placement group, then drained and
     killed; streams run throughout and none is cut."""

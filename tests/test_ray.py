@@ -32,7 +32,7 @@ from dpserve.protocol import EngineCoreRequest
 
 ray = pytest.importorskip("ray")
 
-pytestmark = [pytest.mark.procs, pytest.mark.slow, pytest.mark.ray]
+pytestmark = [pytest.mark.procs, pytest.mark.slow, pytest.mark.alone]
 
 HOST = "127.0.0.1"
 START_TIMEOUT = 120.0
