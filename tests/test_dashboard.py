@@ -15,7 +15,7 @@ import threading
 import httpx
 import openai
 import pytest
-from helpers import serve, wait_until
+from helpers import output, serve, wait_until
 
 pytestmark = [pytest.mark.procs, pytest.mark.slow]
 
@@ -53,12 +53,17 @@ def _load(url: str, model: str, stop: threading.Event) -> None:
     asyncio.run(run())
 
 
+def _settled(text: str) -> str:
+    """The scale result once the page's call has answered ("" while it runs)."""
+    return "" if not text or text.startswith("scaling to") else text
+
+
 def test_dashboard_tiles_update_live_and_cordon_from_the_page(tiny_llama, browser, tmp_path):
     from selenium.webdriver.common.by import By
 
     model = str(tiny_llama)
     with serve(model, *DP_ARGS, "--enable-admin-api", "--data-parallel-size-max", "3"
-               ) as (_, url):
+               ) as (proc, url):
         browser.get(url + "/dashboard")
         tiles = wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, ".tile"), 30,
                            "tiles")
@@ -110,8 +115,9 @@ def test_dashboard_tiles_update_live_and_cordon_from_the_page(tiny_llama, browse
         size.clear()
         size.send_keys("3")
         browser.find_element(By.ID, "scale-button").click()
-        wait_until(lambda: browser.find_element(By.ID, "scale-result").text.startswith("200"),
-                   180, "the page's scale call to answer")
+        answer = wait_until(lambda: _settled(browser.find_element(By.ID, "scale-result").text),
+                            180, "the page's scale call to answer")
+        assert answer.startswith("200"), f"{answer}\n{output(proc)[-4000:]}"
         wait_until(lambda: len(browser.find_elements(By.CSS_SELECTOR, ".tile")) == 3, 30,
                    "a tile for the new rank")
         assert httpx.get(url + "/engines", timeout=5).json()["data_parallel_size"] == 3

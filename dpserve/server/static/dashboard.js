@@ -8,6 +8,7 @@ const HISTORY_S = 300;  // the plots show this many seconds
 const history = [];  // {t, throughput, queue}, oldest first
 const tiles = new Map();  // rank -> its tile element
 let admin = false;
+let sizeShown = false;  // the size box is filled in once; after that it is the user's
 
 const $ = (id) => document.getElementById(id);
 
@@ -105,8 +106,9 @@ function render(data) {
   }
   admin = data.admin;
   $("admin").hidden = !admin;
-  if (admin && document.activeElement !== $("scale-size") && !$("scale-size").value) {
-    $("scale-size").value = data.data_parallel_size;
+  if (admin && !sizeShown) {
+    sizeShown = true;
+    if (!$("scale-size").value) $("scale-size").value = data.data_parallel_size;
   }
   const serving = data.engines.filter((e) => e.state === "serving" && !e.cordoned).length;
   $("summary").textContent = "data-parallel size " + data.data_parallel_size + " · " +
