@@ -2,7 +2,8 @@
 new requests and /health get 503 with Retry-After, what is left at
 --shutdown-timeout ends with finish_reason "abort", the exit code is 0 and no
 process is left; a second SIGTERM stops at once. One API server, and two API
-servers over two engines; a `--headless` host drains its engine. Tiny random
+servers over two engines (one that has drained answers 503 until both have); a
+`--headless` host drains its engine. Tiny random
 model; every wait is bounded."""
 
 from __future__ import annotations
@@ -34,8 +35,7 @@ from helpers import (
 )
 
 # After the rest, one test at a time (make test): the 503 checks race the stream that
-# keeps a server draining, and with two API servers the one without it exits as soon
-# as its own streams end.
+# keeps a server draining (slow with another test file beside it).
 pytestmark = [pytest.mark.procs, pytest.mark.alone]
 
 NEW_CONNECTIONS = httpx.Limits(max_keepalive_connections=0)  # spread over API servers
@@ -128,11 +128,27 @@ async def _assert_draining(client: httpx.AsyncClient, url: str, model: str,
         assert (await client.get(url + "/v1/models")).status_code == 503
 
 
+async def _assert_held(client: httpx.AsyncClient, url: str, proc: subprocess.Popen,
+                       children: list, api_servers: int) -> None:
+    """Once an API server has drained while the long stream still runs: every API
+    server process is alive, and fresh connections (spread over them) get 503s."""
+    deadline = time.monotonic() + 60
+    while "drained; answering 503 until every API server has" not in output(proc):
+        assert time.monotonic() < deadline, output(proc)[-3000:]
+        await asyncio.sleep(0.1)
+    names = [p.name() for p in children if p.is_running()]
+    assert sum(n.startswith("dpserve::APIServer_") for n in names) == api_servers, names
+    await _wait_status(client, url, "/health", 503, times=8)
+    assert "every API server has drained" not in output(proc), "the long stream ended early"
+
+
 def _check_drain(server: tuple[subprocess.Popen, str], model: str, draining_checks: int = 1,
-                 group_signal: int | None = None) -> None:
+                 group_signal: int | None = None, api_servers: int = 1) -> None:
     """SIGTERM to the server (or `group_signal` to its whole process group, as
     Ctrl-C in a terminal does; the server was started with `new_session`) while
-    streams run: all of them finish whole. The server is stopped at the end."""
+    streams run: all of them finish whole. With `api_servers` > 1, one that has
+    drained its own streams goes on answering 503 (it does not exit) while another
+    still streams. The server is stopped at the end."""
     with stopping(server) as (proc, url):
         children = descendants(proc.pid)
 
@@ -142,6 +158,8 @@ def _check_drain(server: tuple[subprocess.Popen, str], model: str, draining_chec
             else:
                 os.killpg(proc.pid, group_signal)
             await _assert_draining(client, url, model, draining_checks)
+            if api_servers > 1:
+                await _assert_held(client, url, proc, children, api_servers)
 
         # Eight 96-token streams, and a long one that keeps the server draining
         # while the 503s are checked (1,000 tokens, near the tiny model's 1,024: at
@@ -156,6 +174,9 @@ def _check_drain(server: tuple[subprocess.Popen, str], model: str, draining_chec
             assert s == Stream(200, n, "length"), (s, output(proc)[-4000:])
         assert all_gone(children, timeout=15), [p for p in children if p.is_running()]
         assert "draining: " in output(proc)
+        if api_servers > 1:
+            assert output(proc).count("drained; answering 503") == api_servers
+            assert "every API server has drained; closing them" in output(proc)
 
 
 # Servers for two tests each, started at once (their start-ups overlap): each test
@@ -191,7 +212,7 @@ def test_sigterm_drains_streams_in_flight(sigterm_servers, tiny_llama):
 
 
 def test_sigterm_drains_two_api_servers_and_two_engines(sigterm_servers, tiny_llama):
-    _check_drain(sigterm_servers["two"], str(tiny_llama), draining_checks=4)
+    _check_drain(sigterm_servers["two"], str(tiny_llama), draining_checks=4, api_servers=2)
 
 
 def test_ctrl_c_to_the_process_group_drains(group_servers, tiny_llama):

@@ -30,12 +30,17 @@ other side):
     later:    --STOPPING(reason)--> when any dpserve process died: fail in-flight
               requests with the reason (503), exit 1
               --DRAIN--> on the launcher's SIGTERM/SIGINT: drain (below), exit 0
+    child:    <--DRAINED-- its own requests are done; it answers 503 on
+    launcher: --CLOSE--> once every API server has drained (or exited): now all exit,
+              so none closes its connections while another still drains
 
 Drain (`DrainingServer`; the first SIGTERM/SIGINT of this process, or DRAIN):
 `AsyncLLM.draining` is set, so /v1/* and /health answer 503 with Retry-After;
 requests in flight get `config.shutdown_timeout` seconds to finish, then the
 rest are aborted in the engines (their streams end with finish_reason
-"abort"); uvicorn then closes the connections and `serve_http` returns 0. A
+"abort"); uvicorn then closes the connections and `serve_http` returns 0 (with
+M > 1, only after DRAINED / CLOSE: one API server's clients may still be
+streaming when another's are done, and new connections land on any of them). A
 second signal stops at once (128 + the signal). An API server also stops
 when its engines die (ENGINE_CORE_DEAD, or STOPPING from the launcher), or
 when the launcher is gone (pipe closed, or re-parented: polled every second).
@@ -81,6 +86,9 @@ logger = logging.getLogger(__name__)
 
 GRACEFUL_SHUTDOWN_S = 5  # after a drain (or a force exit), uvicorn closes connections
 _ABORT_WAIT_S = 5.0  # a drain waits this long for the final outputs of aborted requests
+# M > 1: after its own drain an API server waits at most this long for CLOSE (the
+# launcher gives up on the drain sooner: --shutdown-timeout + DRAIN_MARGIN_S).
+_HOLD_MARGIN_S = 30.0
 
 # Test-only fault injection: API server <index> fails while starting.
 FAULT_START_ENV = "DPSERVE_FAULT_API_SERVER_START"
@@ -142,6 +150,10 @@ class DrainingServer(uvicorn.Server):
         self.drain_requested = False
         self.signalled = False
         self.forced_by: int | None = None  # the second signal
+        # M > 1 (set by the launcher link): after its own drain this server reports
+        # DRAINED with `report_drained` and answers 503 until `released` (CLOSE).
+        self.released: asyncio.Event | None = None
+        self.report_drained: Callable[[], None] = lambda: None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # A signal handler: it only sets flags, which the loop polls.
@@ -237,6 +249,7 @@ async def _watch_lifecycle(llm: AsyncLLM, server: DrainingServer,
         if server.drain_requested:
             try:
                 await _drain(llm, server, shutdown_timeout)
+                await _hold(llm, server, shutdown_timeout + _HOLD_MARGIN_S)
             finally:
                 server.should_exit = True
             return
@@ -264,6 +277,20 @@ async def _drain(llm: AsyncLLM, server: DrainingServer, timeout: float) -> None:
         while waiting(deadline):
             await asyncio.sleep(0.05)
     logger.info("drained: %d request(s) left", llm.num_unfinished_requests)
+
+
+async def _hold(llm: AsyncLLM, server: DrainingServer, timeout: float) -> None:
+    """M > 1: say DRAINED, then go on answering 503 until the launcher's CLOSE (every
+    API server has drained), a second signal, dead engines or `timeout` s."""
+    if server.released is None:
+        return
+    server.report_drained()
+    deadline = time.monotonic() + timeout
+    while (not server.released.is_set() and not server.force_exit and not llm.is_dead
+           and time.monotonic() < deadline):
+        await asyncio.sleep(0.05)
+    if not server.released.is_set():
+        logger.warning("no CLOSE from the launcher within %g s of draining; exiting", timeout)
 
 
 async def _abort_all(llm: AsyncLLM) -> int:
@@ -346,6 +373,8 @@ class _LauncherLink:
         message = self.conn.recv()
         if message.kind != "serve":
             raise RuntimeError(f"expected SERVE from the launcher, got {message.kind}")
+        server.released = asyncio.Event()
+        server.report_drained = self._report_drained
         loop.add_reader(self.conn.fileno(), self._on_message, loop, client, server)
 
     def _on_message(self, loop: asyncio.AbstractEventLoop, client: AsyncEngineClient,
@@ -356,6 +385,8 @@ class _LauncherLink:
             loop.remove_reader(self.conn.fileno())
             logger.error("the launcher is gone; stopping")
             server.should_exit = True
+            if server.released is not None:
+                server.released.set()
             return
         if message.kind == "stopping":
             client.mark_dead(message.detail)  # fails in-flight requests; then we exit 1
@@ -363,6 +394,16 @@ class _LauncherLink:
             client.set_rank_status(message.rank, message.status)
         elif message.kind == "drain":
             server.request_drain()
+        elif message.kind == "close" and server.released is not None:
+            server.released.set()
+
+    def _report_drained(self) -> None:
+        logger.info("API server %d drained; answering 503 until every API server has",
+                    self.index)
+        try:
+            self.conn.send(ControlMessage("drained"))
+        except OSError:
+            pass  # the launcher is gone: `_on_message` stops this server
 
     def report_failure(self, reason: str) -> None:
         try:

@@ -342,13 +342,13 @@ def _run_api_servers(options: APIServerOptions, config: EngineConfig,
         _log_serving(options, config, specs[0], sock, len(specs))
         budget = RestartBudget(config.parallel.max_engine_restarts)  # per API server
         while True:
-            exited = _watch(stop, api.processes)
+            exited = _watch(stop, api.processes, api)
             if stop.signum is not None:
                 logger.info("signal %d: draining the API servers (up to %g s)", stop.signum,
                             config.shutdown_timeout)
                 api.request_drain()
                 code, why = _wait_drained(stop, api.processes, launch.processes,
-                                          config.shutdown_timeout)
+                                          config.shutdown_timeout, api)
                 if code != 0:
                     api.stop_after_death(why)  # fail what is left, then stop them
                 return code
@@ -428,14 +428,19 @@ class _StopSignal:
         os.close(self._write_fd)
 
 
-def _watch(stop: _StopSignal, procs: Sequence[BaseProcess]) -> list[BaseProcess]:
+def _watch(stop: _StopSignal, procs: Sequence[BaseProcess],
+           api: APIServerProcManager | None = None) -> list[BaseProcess]:
     """Block until a stop signal or an engine death reported to `stop` ([]), or until
-    any of `procs` exits (those that did)."""
+    any of `procs` exits (those that did). `api`: an API server that drained on a
+    signal of its own is let go (`release_drained`)."""
     by_sentinel = {p.sentinel: p for p in procs}
     while stop.signum is None and stop.death is None:
-        ready = connection.wait([*by_sentinel, stop.fd], timeout=5.0)
+        reports = api.drain_fds if api is not None else []
+        ready = connection.wait([*by_sentinel, stop.fd, *reports], timeout=5.0)
         if stop.fd in ready:
             stop.drain()
+        if api is not None and stop.signum is None and stop.death is None:
+            api.release_drained()
         exited = [by_sentinel[s] for s in ready if s in by_sentinel]
         if exited and stop.signum is None:
             for proc in exited:
@@ -445,8 +450,10 @@ def _watch(stop: _StopSignal, procs: Sequence[BaseProcess]) -> list[BaseProcess]
 
 
 def _wait_drained(stop: _StopSignal, draining: Sequence[BaseProcess],
-                  watched: Sequence[BaseProcess], timeout: float) -> tuple[int, str]:
-    """After the first signal: wait until every `draining` process has exited.
+                  watched: Sequence[BaseProcess], timeout: float,
+                  api: APIServerProcManager | None = None) -> tuple[int, str]:
+    """After the first signal: wait until every `draining` process has exited
+    (`api`: the API servers' manager, whose DRAINED reports it passes on).
 
     Returns (exit code, why): 0 when they did; 1 when they still run after
     `timeout` + DRAIN_MARGIN_S, or a process in `watched` (engines) fails or
@@ -476,10 +483,13 @@ def _wait_drained(stop: _StopSignal, draining: Sequence[BaseProcess],
                    f"{timeout + DRAIN_MARGIN_S:.0f} s after the signal")
             logger.error("%s; stopping them", why)
             return 1, why
-        ready = connection.wait([*(p.sentinel for p in alive), *watched_by, stop.fd],
-                                timeout=min(left, 1.0))
+        reports = api.drain_fds if api is not None else []
+        ready = connection.wait([*(p.sentinel for p in alive), *watched_by, stop.fd,
+                                 *reports], timeout=min(left, 1.0))
         if stop.fd in ready:
             stop.drain()
+        if api is not None:
+            api.release_drained()
         for proc in alive:
             if proc.sentinel in ready:
                 proc.join(timeout=1.0)  # reap: exitcode becomes known

@@ -41,7 +41,7 @@ class APIServerStartupError(RuntimeError):
 class ControlMessage:
     """Launcher <-> API server process, over its pipe (see `dpserve.entrypoints.api_server`)."""
 
-    kind: Literal["ready", "failed", "serve", "stopping", "drain", "rank"]
+    kind: Literal["ready", "failed", "serve", "stopping", "drain", "drained", "close", "rank"]
     detail: str = ""  # failed / stopping: why
     rank: int = -1  # rank: whose status
     status: RankStatus | None = None  # rank: the launcher's first-hand news of it
@@ -61,6 +61,9 @@ class APIServerProcManager:
         self._common = dict(options=options, config=config, sock=sock,
                             parent_pid=os.getpid(), metrics_dir=metrics_dir)
         self._conns: list[connection.Connection] = []  # [M] the launcher's pipe ends
+        self._drained = [False] * len(specs)  # [M] said DRAINED (or exited)
+        self._draining = False  # request_drain was called
+        self._closed = False  # the drain's CLOSE went to all
         self._group = ProcessGroup(self, on_close=functools.partial(_close_all, self._conns))
         for spec in specs:
             parent_end, child_end = self._group.context.Pipe()
@@ -95,6 +98,7 @@ class APIServerProcManager:
         parent_end, child_end = self._group.context.Pipe()
         self._conns[i].close()
         self._conns[i] = parent_end
+        self._drained[i] = False
         try:
             new = self._group.replace(proc, _target(), spec=self._specs[i], conn=child_end,
                                       **self._common)
@@ -131,16 +135,50 @@ class APIServerProcManager:
         self._tell_all(ControlMessage("rank", rank=rank, status=status))
 
     def request_drain(self) -> None:
-        """Tell every live API server to drain and exit (`dpserve serve` waits for them)."""
+        """Tell every live API server to drain and exit (`dpserve serve` waits for them):
+        each says DRAINED when its own requests are done, and exits on CLOSE, which
+        `release_drained` sends once all have (see `dpserve.entrypoints.api_server`)."""
+        self._draining = True
         self._tell_all(ControlMessage("drain"))
+
+    @property
+    def drain_fds(self) -> list[connection.Connection]:
+        """The pipes of API servers that may still report DRAINED: wait on these, and
+        call `release_drained` when one is readable."""
+        return [conn for conn, done in zip(self._conns, self._drained) if not done]
+
+    def release_drained(self) -> None:
+        """Read DRAINED reports. While the server drains: once every API server has
+        drained or exited, CLOSE to all (once), so none stops answering (503) while
+        another still streams. Otherwise (one drained on a signal of its own): CLOSE
+        to it at once; its exit is then handled as any API server's."""
+        for i, (conn, proc) in enumerate(zip(self._conns, self.processes)):
+            if self._drained[i]:
+                continue
+            try:
+                while not self._drained[i] and conn.poll():
+                    self._drained[i] = conn.recv().kind == "drained"
+            except (EOFError, OSError):
+                self._drained[i] = True  # it exited: nothing of it to wait for
+            self._drained[i] = self._drained[i] or proc.exitcode is not None
+            if self._drained[i] and not self._draining:
+                self._tell(conn, ControlMessage("close"))
+        if self._draining and all(self._drained) and not self._closed:
+            self._closed = True
+            logger.info("every API server has drained; closing them")
+            self._tell_all(ControlMessage("close"))
 
     def _tell_all(self, message: ControlMessage) -> None:
         for conn, proc in zip(self._conns, self.processes):
             if proc.is_alive():
-                try:
-                    conn.send(message)
-                except OSError:
-                    pass  # it is exiting anyway
+                self._tell(conn, message)
+
+    @staticmethod
+    def _tell(conn: connection.Connection, message: ControlMessage) -> None:
+        try:
+            conn.send(message)
+        except OSError:
+            pass  # it is exiting anyway
 
     def start_serving(self) -> None:
         """Tell every API server to start serving (after `wait_for_startup`)."""
