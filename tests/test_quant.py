@@ -15,6 +15,7 @@ from helpers import serve
 
 from dpserve import LLM, SamplingParams
 from dpserve.config import ConfigError, EngineArgs
+from dpserve.cpu_features import cpu_flags
 from dpserve.model import quant
 from dpserve.model.llama import LlamaForCausalLM
 from dpserve.model.loader import iter_weights
@@ -23,15 +24,50 @@ PROMPTS = [f"Prompt number {i}: the quick brown fox {i * 7}" for i in range(16)]
 TOKENS = 16
 
 
-def test_int8_linear_close_to_float32():
+@pytest.fixture(params=["machine", "fbgemm"])
+def kernel(request, monkeypatch):
+    """The int8 kernel this machine picks (vnni with AVX512-VNNI, else fbgemm), and
+    fbgemm forced (as on a CPU without VNNI, or DPSERVE_CPU_KERNELS=0)."""
+    if request.param == "fbgemm":
+        monkeypatch.setenv("DPSERVE_CPU_KERNELS", "0")
+        return "fbgemm"
+    return "vnni" if "avx512_vnni" in cpu_flags() else "fbgemm"
+
+
+# Shapes the VNNI kernel pads (out not a multiple of 16, in not a multiple of 4) and
+# row counts around its 8-row tiles.
+@pytest.mark.parametrize("out_in", [(96, 64), (37, 70), (960, 576)])
+def test_int8_linear_close_to_float32(kernel, out_in):
     torch.manual_seed(0)
-    w, b = torch.randn(96, 64) * 0.05, torch.randn(96)
-    x = torch.randn(37, 64)
-    ref = x @ w.T + b
-    got = quant.linear_int8(x, quant.quantize_weight(w, b))
-    assert got.dtype == torch.float32 and got.shape == (37, 96)
-    err = float((got - ref).norm() / ref.norm())
-    assert err < 0.02, err  # measured about 0.004 (VNNI) / 0.008 (7-bit activations)
+    n, k = out_in
+    w, b = torch.randn(n, k) * 0.05, torch.randn(n)
+    qw = quant.quantize_weight(w, b)
+    assert qw.kernel == kernel
+    for rows in (1, 3, 8, 9, 37):
+        x = torch.randn(rows, k)
+        ref = x @ w.T + b
+        got = quant.linear_int8(x, qw)
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        err = float((got - ref).norm() / ref.norm())
+        # measured 0.003-0.008 (VNNI, per-row scales) / up to 0.012 (fbgemm, 7 bits)
+        assert err < 0.02, (rows, err)
+    assert quant.linear_int8(torch.zeros(2, k), qw).sub(b).abs().max() < 1e-5
+
+
+def test_int8_vnni_scales_each_row_on_its_own():
+    """A row 1,000 times larger than the next leaves the small row as exact as alone
+    (per-row activation scales); per-tensor scales (fbgemm) would flatten it."""
+    if "avx512_vnni" not in cpu_flags():
+        assert quant.quantize_weight(torch.ones(16, 16)).kernel == "fbgemm"
+        return
+    torch.manual_seed(1)
+    w = torch.randn(64, 128) * 0.05
+    x = torch.randn(2, 128)
+    x[0] *= 1000
+    got = quant.linear_int8(x, quant.quantize_weight(w))
+    ref = x @ w.T
+    err = float((got[1] - ref[1]).norm() / ref[1].norm())
+    assert err < 0.02, err
 
 
 def test_quantize_weights_int8_where_chosen(tiny_qwen2):

@@ -1,4 +1,5 @@
-"""dpserve's own CPU kernels, in C (`gemv.c`, `decode_attention.c`, `fused_ops.c`).
+"""dpserve's own CPU kernels, in C (`gemv.c`, `decode_attention.c`, `fused_ops.c`,
+`int8_gemm.c`).
 
 Why: where torch's kernels fall well short of what the machine can do.
 * `gemv`: a one-stream decode step reads every weight once, so its speed is
@@ -13,6 +14,9 @@ Why: where torch's kernels fall well short of what the machine can do.
 * `add_rms_norm`, `rotary_kv` (every step): a layer's residual add + RMSNorm,
   and RoPE + the KV cache write, each one pass instead of a chain of 4-7 small
   torch ops (each a dispatch, a fresh tensor and a pass over memory).
+* `int8_pack`, `int8_linear` (`--quantization int8` on CPUs with AVX512-VNNI): the
+  int8 weight packed for VNNI dot products, activations quantised per row inside
+  the call; fbgemm's dynamic linear (per-tensor activations) otherwise.
 
 How they are built: at first use, with the host's C compiler (`cc -O3
 -march=native -fopenmp`), into one library in a cache directory keyed by the
@@ -48,7 +52,7 @@ CACHE_ENV = "DPSERVE_KERNEL_CACHE"
 # takes up to four; bench/roofline.py measures both).
 MAX_ROWS = 1
 _SOURCES = tuple(Path(__file__).with_name(name)
-                 for name in ("gemv.c", "decode_attention.c", "fused_ops.c"))
+                 for name in ("gemv.c", "decode_attention.c", "fused_ops.c", "int8_gemm.c"))
 _HEADER = Path(__file__).with_name("cpu_kernels.h")  # included by both
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120
@@ -120,6 +124,12 @@ def _library() -> ctypes.CDLL | None:
     lib.dpserve_rotary_kv.restype = cint
     lib.dpserve_rotary_kv.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, cint, i64, i64,
                                       i64, i64, cint]
+    lib.dpserve_int8_vnni.restype = cint
+    lib.dpserve_int8_vnni.argtypes = []
+    lib.dpserve_int8_pack.restype = cint
+    lib.dpserve_int8_pack.argtypes = [ptr, i64, i64, ptr, ptr]
+    lib.dpserve_int8_linear.restype = cint
+    lib.dpserve_int8_linear.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, cint]
     return lib
 
 
@@ -230,4 +240,48 @@ def rotary_kv(qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor,
                                    heads, kv_heads, head_dim, torch.get_num_threads())
     if status != 0:
         raise ValueError(f"rotary_kv: a slot is outside the cache's {num_blocks * block_size}")
+    return out
+
+
+def int8_available() -> bool:
+    """Whether `int8_linear` runs here: the kernels are built, with AVX512-VNNI."""
+    lib = _library() if enabled() else None
+    return lib is not None and bool(lib.dpserve_int8_vnni())
+
+
+def int8_pack(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [out, in] int8 -> (packed int8 bytes, comp [out rounded up to 16] int32), the
+    layout `int8_linear` reads (int8_gemm.c). `int8_available()` must be true."""
+    lib = _library()
+    assert lib is not None and q.dtype == torch.int8 and q.dim() == 2
+    q = q.contiguous()
+    n_len, k_len = q.shape
+    n_pad, k_pad = -(-n_len // 16) * 16, -(-k_len // 4) * 4
+    packed = torch.empty(n_pad * k_pad, dtype=torch.int8)
+    comp = torch.empty(n_pad, dtype=torch.int32)
+    lib.dpserve_int8_pack(q.data_ptr(), n_len, k_len, packed.data_ptr(), comp.data_ptr())
+    return packed, comp
+
+
+def int8_linear(x: torch.Tensor, packed: torch.Tensor, comp: torch.Tensor,
+                scales: torch.Tensor, bias: torch.Tensor | None, out_features: int
+                ) -> torch.Tensor:
+    """x [rows, in] float32 -> [rows, out_features] float32 through a weight from
+    `int8_pack`, its per-channel `scales` [len(comp)] float32 (zero padded) and
+    `bias` [out_features] float32 or None; x is quantised per row inside."""
+    lib = _library()
+    assert lib is not None and x.dtype == torch.float32 and scales.dtype == torch.float32
+    assert scales.numel() == comp.numel() >= out_features
+    x = x.contiguous()
+    rows, k_len = x.shape
+    assert packed.numel() == comp.numel() * (-(-k_len // 4) * 4)
+    out = torch.empty(rows, out_features, dtype=torch.float32)
+    if rows == 0:
+        return out
+    status = lib.dpserve_int8_linear(x.data_ptr(), rows, k_len, packed.data_ptr(),
+                                     comp.data_ptr(), scales.data_ptr(),
+                                     None if bias is None else bias.data_ptr(), out_features,
+                                     out.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"dpserve_int8_linear failed for {rows} x {k_len}")
     return out
