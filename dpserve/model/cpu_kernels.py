@@ -15,8 +15,8 @@ Why: where torch's kernels fall well short of what the machine can do.
   and RoPE + the KV cache write, each one pass instead of a chain of 4-7 small
   torch ops (each a dispatch, a fresh tensor and a pass over memory).
 * `int8_pack`, `int8_linear` (`--quantization int8` on CPUs with AVX512-VNNI): the
-  int8 weight packed for VNNI dot products, activations quantised per row inside
-  the call; fbgemm's dynamic linear (per-tensor activations) otherwise.
+  int8 weight packed for VNNI dot products, activations quantised per row (scale
+  and zero point) inside the call; fbgemm's dynamic linear (per tensor) otherwise.
 
 How they are built: at first use, with the host's C compiler (`cc -O3
 -march=native -fopenmp`), into one library in a cache directory keyed by the
@@ -250,7 +250,7 @@ def int8_available() -> bool:
 
 
 def int8_pack(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [out, in] int8 -> (packed int8 bytes, comp [out rounded up to 16] int32), the
+    """q [out, in] int8 -> (packed int8 bytes, wsum [out rounded up to 16] int32), the
     layout `int8_linear` reads (int8_gemm.c). `int8_available()` must be true."""
     lib = _library()
     assert lib is not None and q.dtype == torch.int8 and q.dim() == 2
@@ -258,28 +258,28 @@ def int8_pack(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n_len, k_len = q.shape
     n_pad, k_pad = -(-n_len // 16) * 16, -(-k_len // 4) * 4
     packed = torch.empty(n_pad * k_pad, dtype=torch.int8)
-    comp = torch.empty(n_pad, dtype=torch.int32)
-    lib.dpserve_int8_pack(q.data_ptr(), n_len, k_len, packed.data_ptr(), comp.data_ptr())
-    return packed, comp
+    wsum = torch.empty(n_pad, dtype=torch.int32)
+    lib.dpserve_int8_pack(q.data_ptr(), n_len, k_len, packed.data_ptr(), wsum.data_ptr())
+    return packed, wsum
 
 
-def int8_linear(x: torch.Tensor, packed: torch.Tensor, comp: torch.Tensor,
+def int8_linear(x: torch.Tensor, packed: torch.Tensor, wsum: torch.Tensor,
                 scales: torch.Tensor, bias: torch.Tensor | None, out_features: int
                 ) -> torch.Tensor:
     """x [rows, in] float32 -> [rows, out_features] float32 through a weight from
-    `int8_pack`, its per-channel `scales` [len(comp)] float32 (zero padded) and
+    `int8_pack`, its per-channel `scales` [len(wsum)] float32 (zero padded) and
     `bias` [out_features] float32 or None; x is quantised per row inside."""
     lib = _library()
     assert lib is not None and x.dtype == torch.float32 and scales.dtype == torch.float32
-    assert scales.numel() == comp.numel() >= out_features
+    assert scales.numel() == wsum.numel() >= out_features
     x = x.contiguous()
     rows, k_len = x.shape
-    assert packed.numel() == comp.numel() * (-(-k_len // 4) * 4)
+    assert packed.numel() == wsum.numel() * (-(-k_len // 4) * 4)
     out = torch.empty(rows, out_features, dtype=torch.float32)
     if rows == 0:
         return out
     status = lib.dpserve_int8_linear(x.data_ptr(), rows, k_len, packed.data_ptr(),
-                                     comp.data_ptr(), scales.data_ptr(),
+                                     wsum.data_ptr(), scales.data_ptr(),
                                      None if bias is None else bias.data_ptr(), out_features,
                                      out.data_ptr(), torch.get_num_threads())
     if status != 0:

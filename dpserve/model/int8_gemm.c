@@ -1,11 +1,12 @@
 /* int8 linears with AVX512-VNNI for `--quantization int8` (see quant.py).
  *
- * y[m, n] = xs[m] * ws[n] * sum_k qx[m, k] * w[n, k] + bias[n], where w is the int8
- * weight with one scale ws[n] per output channel (quantised once, at load) and qx
- * is x quantised per row on the fly: xs[m] = max_k |x[m, k]| / 127, qx rounded to
- * nearest. VNNI multiplies unsigned by signed bytes (vpdpbusd: four u8 x s8
- * products summed into each int32 lane, no saturation), so qx is stored as
- * qx + 128 and the sum corrected by comp[n] = 128 * sum_k w[n, k].
+ * y[m, n] = xs[m] * ws[n] * sum_k (qx[m, k] - zx[m]) * w[n, k] + bias[n], where w is
+ * the int8 weight with one scale ws[n] per output channel (quantised once, at load)
+ * and qx is x quantised per row on the fly to unsigned bytes over the row's own
+ * range: xs[m] = (max - min) / 255 with 0 inside the range, zero point zx[m] (the
+ * byte of 0.0), rounded to nearest. VNNI multiplies unsigned by signed bytes
+ * (vpdpbusd: four u8 x s8 products summed into each int32 lane, no saturation);
+ * the zero point comes off as zx[m] * wsum[n], wsum[n] = sum_k w[n, k].
  *
  * Weights are packed once as [n_pad / 16][k_pad / 4][16][4] bytes: for four
  * consecutive k, the 16 outputs of a block side by side, so one vpdpbusd with
@@ -38,9 +39,9 @@ int dpserve_int8_vnni(void) {
 }
 
 /* w [n_len, k_len] int8, row-major -> packed [n_pad / 16][k_pad / 4][16][4] (zero
- * padded; n_pad, k_pad: n_len, k_len rounded up to 16 and 4) and comp [n_pad]. */
+ * padded; n_pad, k_pad: n_len, k_len rounded up to 16 and 4) and wsum [n_pad]. */
 int dpserve_int8_pack(const int8_t *w, int64_t n_len, int64_t k_len, int8_t *packed,
-                      int32_t *comp) {
+                      int32_t *wsum) {
     int64_t n_pad = (n_len + 15) / 16 * 16, k_pad = (k_len + 3) / 4 * 4, kq = k_pad / 4;
     memset(packed, 0, (size_t)(n_pad * k_pad));
     for (int64_t n = 0; n < n_pad; n++) {
@@ -50,44 +51,56 @@ int dpserve_int8_pack(const int8_t *w, int64_t n_len, int64_t k_len, int8_t *pac
             sum += v;
             packed[(((n / 16) * kq + k / 4) * 16 + n % 16) * 4 + k % 4] = v;
         }
-        comp[n] = 128 * sum;
+        wsum[n] = sum;
     }
     return 0;
 }
 
 #ifdef __AVX512VNNI__
 
-/* Row m of x [rows, k_len] float32 -> qx[m] (k_pad bytes, qx + 128; the padding 128)
- * and its scale xs[m]. */
-static void quantize_row(const float *x, int64_t k_len, int64_t k_pad, uint8_t *q, float *xs) {
-    __m512 vmax = _mm512_setzero_ps();
+/* Row m of x [rows, k_len] float32 -> qx[m] (k_pad bytes; the padding zx), its
+ * scale xs[m] and zero point zx[m]. */
+static void quantize_row(const float *x, int64_t k_len, int64_t k_pad, uint8_t *q, float *xs,
+                         int32_t *zx) {
+    __m512 vmax = _mm512_setzero_ps(), vmin = _mm512_setzero_ps();
     int64_t k = 0;
-    for (; k + 16 <= k_len; k += 16)
-        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
-    float amax = _mm512_reduce_max_ps(vmax);
-    for (; k < k_len; k++)
-        amax = fmaxf(amax, fabsf(x[k]));
-    float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+    for (; k + 16 <= k_len; k += 16) {
+        __m512 v = _mm512_loadu_ps(x + k);
+        vmax = _mm512_max_ps(vmax, v);
+        vmin = _mm512_min_ps(vmin, v);
+    }
+    float hi = _mm512_reduce_max_ps(vmax), lo = _mm512_reduce_min_ps(vmin);
+    for (; k < k_len; k++) {
+        hi = fmaxf(hi, x[k]);
+        lo = fminf(lo, x[k]);
+    }
+    float scale = hi > lo ? (hi - lo) / 255.0f : 1.0f;
+    int32_t zero = (int32_t)nearbyintf(-lo / scale);
+    zero = zero < 0 ? 0 : zero > 255 ? 255 : zero;
     *xs = scale;
+    *zx = zero;
     __m512 inv = _mm512_set1_ps(1.0f / scale);
-    __m512i bias = _mm512_set1_epi32(128);
+    __m512i vzero = _mm512_set1_epi32(zero), top = _mm512_set1_epi32(255);
     for (k = 0; k + 16 <= k_len; k += 16) {
         __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k), inv));
-        _mm_storeu_si128((__m128i *)(q + k), _mm512_cvtusepi32_epi8(_mm512_add_epi32(v, bias)));
+        v = _mm512_min_epi32(_mm512_max_epi32(_mm512_add_epi32(v, vzero),
+                                              _mm512_setzero_si512()), top);
+        _mm_storeu_si128((__m128i *)(q + k), _mm512_cvtepi32_epi8(v));
     }
     for (; k < k_len; k++) {
-        int v = (int)nearbyintf(x[k] / scale) + 128;
+        int v = (int)nearbyintf(x[k] / scale) + zero;
         q[k] = (uint8_t)(v < 0 ? 0 : v > 255 ? 255 : v);
     }
     for (; k < k_pad; k++)
-        q[k] = 128;
+        q[k] = (uint8_t)zero;
 }
 
 /* Rows [m0, m0 + R) against blocks b0 .. b0 + NB - 1 (NB = 1 or 2), into y. Inlined
  * with constant R and NB, so the accumulators live in registers. */
 static inline __attribute__((always_inline)) void
 tile(const uint8_t *q, int64_t k_pad, const int8_t *packed, int64_t b0, const int NB,
-     int64_t m0, const int R, const float *xs, const int32_t *comp, const float *ws,
+     int64_t m0, const int R, const float *xs, const int32_t *zx, const int32_t *wsum,
+     const float *ws,
      const float *bias, int64_t n_len, float *y) {
     __m512i acc[TILE_ROWS][2];
     for (int r = 0; r < R; r++)
@@ -113,11 +126,13 @@ tile(const uint8_t *q, int64_t k_pad, const int8_t *packed, int64_t b0, const in
             break;
         __mmask16 mask = n_len - n0 >= 16 ? (__mmask16)0xffff
                                            : (__mmask16)((1u << (n_len - n0)) - 1u);
-        __m512i c = _mm512_loadu_si512(comp + n0);
+        __m512i c = _mm512_loadu_si512(wsum + n0);
         __m512 s = _mm512_loadu_ps(ws + n0);
         __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
         for (int r = 0; r < R; r++) {
-            __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][j], c));
+            __m512i sum = _mm512_sub_epi32(acc[r][j],
+                                           _mm512_mullo_epi32(c, _mm512_set1_epi32(zx[m0 + r])));
+            __m512 v = _mm512_cvtepi32_ps(sum);
             v = _mm512_fmadd_ps(v, _mm512_mul_ps(s, _mm512_set1_ps(xs[m0 + r])), b);
             _mm512_mask_storeu_ps(y + (m0 + r) * n_len + n0, mask, v);
         }
@@ -127,26 +142,28 @@ tile(const uint8_t *q, int64_t k_pad, const int8_t *packed, int64_t b0, const in
 #define TILE_CASE(R)                                                                     \
     case R:                                                                              \
         if (nb == 2)                                                                     \
-            tile(q, k_pad, packed, b, 2, m, R, xs, comp, ws, bias, n_len, y);            \
+            tile(q, k_pad, packed, b, 2, m, R, xs, zx, wsum, ws, bias, n_len, y);            \
         else                                                                             \
-            tile(q, k_pad, packed, b, 1, m, R, xs, comp, ws, bias, n_len, y);            \
+            tile(q, k_pad, packed, b, 1, m, R, xs, zx, wsum, ws, bias, n_len, y);            \
         break;
 
 #endif /* __AVX512VNNI__ */
 
 /* x [rows, k_len] float32 -> y [rows, n_len] float32 through the packed weight
- * (dpserve_int8_pack), its comp and scales ws [n_pad] (zero padded) and bias
+ * (dpserve_int8_pack), its wsum and scales ws [n_pad] (zero padded) and bias
  * [n_len] (or NULL). Returns 0; -1 without VNNI or memory. */
 int dpserve_int8_linear(const float *x, int64_t rows, int64_t k_len, const int8_t *packed,
-                        const int32_t *comp, const float *ws, const float *bias, int64_t n_len,
+                        const int32_t *wsum, const float *ws, const float *bias, int64_t n_len,
                         float *y, int threads) {
 #ifdef __AVX512VNNI__
     int64_t k_pad = (k_len + 3) / 4 * 4, blocks = (n_len + 15) / 16;
     uint8_t *q = malloc((size_t)(rows * k_pad));
     float *xs = malloc(sizeof(float) * (size_t)rows);
-    if (!q || !xs) {
+    int32_t *zx = malloc(sizeof(int32_t) * (size_t)rows);
+    if (!q || !xs || !zx) {
         free(q);
         free(xs);
+        free(zx);
         return -1;
     }
     if (threads < 1)
@@ -155,7 +172,7 @@ int dpserve_int8_linear(const float *x, int64_t rows, int64_t k_len, const int8_
     {
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < rows; m++)
-            quantize_row(x + m * k_len, k_len, k_pad, q + m * k_pad, xs + m);
+            quantize_row(x + m * k_len, k_len, k_pad, q + m * k_pad, xs + m, zx + m);
         /* Pairs of blocks, split evenly: each thread reads its weights once per tile
          * of rows (from L1 after the first). */
         int64_t pairs = (blocks + 1) / 2;
@@ -174,9 +191,10 @@ int dpserve_int8_linear(const float *x, int64_t rows, int64_t k_len, const int8_
     }
     free(q);
     free(xs);
+    free(zx);
     return 0;
 #else
-    (void)x, (void)rows, (void)k_len, (void)packed, (void)comp, (void)ws, (void)bias;
+    (void)x, (void)rows, (void)k_len, (void)packed, (void)wsum, (void)ws, (void)bias;
     (void)n_len, (void)y, (void)threads;
     return -1;
 #endif

@@ -5,9 +5,10 @@ scale per output channel; activations are quantised on the fly inside the
 kernel, and results come back in float32. Two kernels, chosen per machine:
 
 * `vnni` (CPUs with AVX512-VNNI, dpserve's kernels built: `cpu_kernels`): dpserve's
-  `int8_gemm.c`, activations quantised per row (a scale per token).
+  `int8_gemm.c`, activations quantised per row (a scale and zero point per token).
 * `fbgemm` (otherwise, or DPSERVE_CPU_KERNELS=0): `quantized::linear_dynamic`,
-  activations quantised per tensor (7 bits without VNNI, see `reduce_range`).
+  activations quantised per tensor (a scale and zero point per call; 7 bits
+  without VNNI, see `reduce_range`).
 
 Both measured by bench/int8_kernels.py against oneDNN's `qlinear_pointwise`
 (needs the activation quantised in Python first, slower at decode sizes) and
@@ -46,19 +47,19 @@ class Int8Weight:
     bias lives inside: `linear` ignores its own bias argument for these weights.
     """
 
-    __slots__ = ("packed", "shape", "comp", "scales", "bias")
+    __slots__ = ("packed", "shape", "wsum", "scales", "bias")
 
-    def __init__(self, packed: Any, shape: tuple[int, int], comp: torch.Tensor | None = None,
+    def __init__(self, packed: Any, shape: tuple[int, int], wsum: torch.Tensor | None = None,
                  scales: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:
         self.packed = packed
         self.shape = torch.Size(shape)
-        self.comp = comp  # vnni: the kernel's correction for unsigned activations
-        self.scales = scales  # vnni: per output channel, zero padded like comp
+        self.wsum = wsum  # vnni: each output channel's weight sum (the zero-point term)
+        self.scales = scales  # vnni: per output channel, zero padded like wsum
         self.bias = bias  # vnni (fbgemm's is inside `packed`)
 
     @property
     def kernel(self) -> str:
-        return "vnni" if self.comp is not None else "fbgemm"
+        return "vnni" if self.wsum is not None else "fbgemm"
 
 
 def can_quantize(dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -79,10 +80,10 @@ def quantize_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> I
     shape = (w.shape[0], w.shape[1])
     if cpu_kernels.int8_available():
         q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        packed, comp = cpu_kernels.int8_pack(q)
-        scales = torch.zeros(comp.numel(), dtype=torch.float32)
+        packed, wsum = cpu_kernels.int8_pack(q)
+        scales = torch.zeros(wsum.numel(), dtype=torch.float32)
         scales[:w.shape[0]] = scale
-        return Int8Weight(packed, shape, comp=comp, scales=scales, bias=b)
+        return Int8Weight(packed, shape, wsum=wsum, scales=scales, bias=b)
     with warnings.catch_warnings():  # "quantized tensor creation ... deprecated" (2.13)
         warnings.simplefilter("ignore", UserWarning)
         qw = torch.quantize_per_channel(w, scale.double(),
@@ -94,7 +95,7 @@ def quantize_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> I
 
 def linear_int8(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     """x [T, in] float32 -> [T, out] float32 (bias included)."""
-    if weight.comp is not None:
-        return cpu_kernels.int8_linear(x, weight.packed, weight.comp, weight.scales,
+    if weight.wsum is not None:
+        return cpu_kernels.int8_linear(x, weight.packed, weight.wsum, weight.scales,
                                        weight.bias, weight.shape[0])
     return torch.ops.quantized.linear_dynamic(x.contiguous(), weight.packed, reduce_range())
