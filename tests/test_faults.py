@@ -30,6 +30,7 @@ from helpers import (
     stopping,
     streams_with_fault,
     wait_rank,
+    wait_until,
 )
 
 pytestmark = [pytest.mark.procs, pytest.mark.slow]
@@ -70,6 +71,11 @@ def policy_stop_servers(tiny_llama):
         yield dict(zip(("EngineCore_1", "DPCoordinator"), servers))
 
 
+def _engine_row(url: str, rank: int) -> dict:
+    """Rank `rank`'s row of /engines (the coordinator's last counts)."""
+    return httpx.get(url + "/engines", timeout=5).json()["engines"][rank]
+
+
 @pytest.mark.parametrize("api_servers", [1, 2])
 def test_sigkill_one_engine_every_stream_completes_and_it_comes_back(sigkill_servers,
                                                                      tiny_llama, api_servers):
@@ -77,9 +83,15 @@ def test_sigkill_one_engine_every_stream_completes_and_it_comes_back(sigkill_ser
     expected = expected_greedy(model)
     with stopping(sigkill_servers[api_servers]) as (proc, url):
         victim = proc_named(descendants(proc.pid), "EngineCore_1")
+
+        def kill_while_it_runs_streams() -> None:
+            # The premise of the migration check below: rank 1 holds some of them.
+            wait_until(lambda: _engine_row(url, 1)["running"] > 0, 30,
+                       f"streams running on rank 1 ({_engine_row(url, 1)})")
+            victim.send_signal(signal.SIGKILL)
+
         try:
-            got = asyncio.run(streams_with_fault(url, model, lambda: victim.send_signal(
-                signal.SIGKILL)))
+            got = asyncio.run(streams_with_fault(url, model, kill_while_it_runs_streams))
         except Exception:
             print("server log:", "\n".join(line for line in output(proc).splitlines()
                                             if "ERROR" in line or "WARN" in line)[-4000:])
