@@ -78,18 +78,44 @@ def test_int8_vnni_scales_each_row_on_its_own():
     assert err < 0.02, err
 
 
-def test_quantize_weights_int8_where_chosen(tiny_qwen2):
+def test_quantize_weights_int8_where_chosen(tiny_qwen2, kernel):
+    """qkv, o, gate_up in int8; down too where activations are quantised per row
+    (vnni), float32 under fbgemm's one range per step (its outlier channels)."""
     cfg = EngineArgs(model=str(tiny_qwen2), quantization="int8").create_config().model
     model = LlamaForCausalLM(cfg.hf_config, torch.float32, "cpu")
     model.load_weights(iter_weights(Path(cfg.path)))
-    assert model.quantize_weights() == 3 * len(model.layers)  # qkv, o, gate_up
+    per_layer = 4 if kernel == "vnni" else 3
+    assert model.quantize_weights() == per_layer * len(model.layers)
     layer = model.layers[0]
     assert isinstance(layer.attn.qkv_weight, quant.Int8Weight)
     assert layer.attn.qkv_bias is None  # qwen2's q/k/v bias is inside the int8 weight
     assert isinstance(layer.attn.o_weight, quant.Int8Weight)
     assert isinstance(layer.mlp.gate_up_weight, quant.Int8Weight)
-    assert isinstance(layer.mlp.down_weight, torch.Tensor)  # kept float (outliers)
+    down = layer.mlp.down_weight
+    assert (isinstance(down, quant.Int8Weight) and down.kernel == "vnni") if kernel == "vnni" \
+        else isinstance(down, torch.Tensor)
     assert isinstance(model.lm_head, torch.Tensor)
+
+
+def test_smoothing_down_is_exact_in_float(tiny_llama):
+    """`smooth_into_up` rescales up's rows and down's columns: the MLP computes the
+    same in float32, while down's input channels come out flatter."""
+    from dpserve.model.llama import smooth_into_up
+
+    cfg = EngineArgs(model=str(tiny_llama)).create_config().model
+    model = LlamaForCausalLM(cfg.hf_config, torch.float32, "cpu")
+    model.load_weights(iter_weights(Path(cfg.path)))
+    mlp = model.layers[0].mlp
+    with torch.no_grad():
+        inter = mlp.down_weight.shape[1]
+        mlp.gate_up_weight[inter:inter + 4] *= 50  # outlier channels of down's input
+        x = torch.randn(7, model.dims.hidden)
+        ref = mlp(x)
+        before = mlp.down_weight.abs().amax(dim=0).std()
+        smooth_into_up(mlp)
+        err = float((mlp(x) - ref).norm() / ref.norm())
+        assert err < 1e-5, err  # float32 rounding only
+        assert mlp.down_weight.abs().amax(dim=0).std() != before
 
 
 def test_int8_lm_head_in_bfloat16_matches_float32_head(tiny_llama):
@@ -104,7 +130,6 @@ def test_int8_lm_head_in_bfloat16_matches_float32_head(tiny_llama):
         model.quantize_weights(head_dtype=head_dtype)
         models.append(model)
     assert models[1].lm_head.dtype == torch.bfloat16
-    assert models[1].layers[0].mlp.down_weight.dtype == torch.float32  # down stays float32
     hidden = torch.randn(5, models[0].dims.hidden)
     ref, got = (m.compute_logits(hidden) for m in models)
     assert got.dtype == torch.float32 and got.shape == ref.shape

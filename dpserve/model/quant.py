@@ -62,6 +62,12 @@ class Int8Weight:
         return "vnni" if self.wsum is not None else "fbgemm"
 
 
+def per_row_activations() -> bool:
+    """Whether int8 linears quantise activations per row (the `vnni` kernel), which
+    keeps an outlier channel of one token from flattening every other token's."""
+    return cpu_kernels.int8_available()
+
+
 def can_quantize(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether int8 dynamic linears run here (CPU, float32, an x86 fbgemm build)."""
     return (torch.device(device).type == "cpu" and dtype == torch.float32
@@ -78,7 +84,7 @@ def quantize_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> I
     scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
     b = bias.detach().float().contiguous() if bias is not None else None
     shape = (w.shape[0], w.shape[1])
-    if cpu_kernels.int8_available():
+    if per_row_activations():
         q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
         packed, wsum = cpu_kernels.int8_pack(q)
         scales = torch.zeros(wsum.numel(), dtype=torch.float32)
