@@ -55,14 +55,14 @@ CACHE_ENV = "DPSERVE_KERNEL_CACHE"
 MAX_ROWS = 1
 _SOURCES = tuple(Path(__file__).with_name(name)
                  for name in ("gemv.c", "decode_attention.c", "fused_ops.c", "int8_gemm.c"))
-_HEADER = Path(__file__).with_name("cpu_kernels.h")  # included by both
+_HEADER = Path(__file__).with_name("cpu_kernels.h")  # included by each
 MARCH_ENV = "DPSERVE_KERNEL_MARCH"  # the compiler's -march (default native)
+BUILD_TIMEOUT_S = 120
 
 
 def _flags() -> tuple[str, ...]:
     return ("-O3", f"-march={os.environ.get(MARCH_ENV) or 'native'}", "-fopenmp", "-shared",
             "-fPIC")
-BUILD_TIMEOUT_S = 120
 
 
 def enabled() -> bool:

@@ -241,7 +241,8 @@ class LlamaForCausalLM(nn.Module):
         false): its input (silu(gate) * up) has outlier channels that one activation
         range per step flattens (SmolLM2-135M perplexity 20.2 -> 31.6, 34.5 even
         after `smooth_into_up`). With per-row ranges and `smooth_into_up`: 20.20,
-        float32's 20.18, and 7% more tokens/s than with down in float32."""
+        float32's 20.18, and more tokens/s than with down in float32 (about +7%
+        offline, +15-20% served at 16 streams: BENCHMARKS.md)."""
         if self.packed or not can_quantize(self.dtype, self.embed.device):
             raise ValueError("quantization int8 needs float32 weights on CPU")
         keep_float = () if per_row_activations() else ("down_weight",)
