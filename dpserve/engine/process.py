@@ -275,6 +275,7 @@ class EngineCoreProc:
                            len(self._client_of))
             self._publish(self.engine_core.abort_requests(list(self._client_of)))
         if timed_out or not self.holds_work():
+            self._take_queued()  # ADDs that came in meanwhile get their ABORT, not silence
             logger.info("engine %d: drained", self.rank)
             raise SystemExit(0)
 
@@ -310,6 +311,10 @@ class EngineCoreProc:
                 self._handle(*self.input_queue.get(timeout=_IDLE_WAIT_S))
             except queue.Empty:
                 return
+        self._take_queued()
+
+    def _take_queued(self) -> None:
+        """Handle every input already queued, without waiting."""
         while True:
             try:
                 item = self.input_queue.get_nowait()
