@@ -333,9 +333,10 @@ def metric_sum(url: str, name: str) -> float:
 
 
 async def stream_completion(client: httpx.AsyncClient, url: str, model: str, prompt: str,
-                  chunks: list[int], index: int, rank: int | None = None) -> str:
+                  chunks: list[int], index: int, rank: int | None = None,
+                  max_tokens: int = FAULT_TOKENS) -> str:
     """One greedy completion, streamed; counts its chunks in `chunks[index]`."""
-    body = {"model": model, "prompt": prompt, "max_tokens": FAULT_TOKENS, "temperature": 0,
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True}
     headers = {"X-data-parallel-rank": str(rank)} if rank is not None else {}
     text = []
@@ -351,11 +352,13 @@ async def stream_completion(client: httpx.AsyncClient, url: str, model: str, pro
     return "".join(text)
 
 
-async def streams_with_fault(url: str, model: str, fault, prompts=FAULT_PROMPTS) -> list[str]:
+async def streams_with_fault(url: str, model: str, fault, prompts=FAULT_PROMPTS,
+                             max_tokens: int = FAULT_TOKENS) -> list[str]:
     """Stream every prompt at once; call `fault()` once every stream has begun."""
     chunks = [0] * len(prompts)
     async with httpx.AsyncClient(timeout=120) as client:
-        tasks = [asyncio.create_task(stream_completion(client, url, model, p, chunks, i))
+        tasks = [asyncio.create_task(stream_completion(client, url, model, p, chunks, i,
+                                                             max_tokens=max_tokens))
                  for i, p in enumerate(prompts)]
         deadline = time.monotonic() + 60
         while min(chunks) < 3:  # every stream is under way
@@ -379,8 +382,9 @@ async def complete_n(url: str, model: str, n: int, rank: int | None = None) -> l
     return [r.status_code for r in resps]
 
 
-def expected_greedy(model: str, prompts=FAULT_PROMPTS) -> list[str]:
-    return offline_greedy_texts(model, prompts, max_tokens=FAULT_TOKENS, ignore_eos=True)
+def expected_greedy(model: str, prompts=FAULT_PROMPTS, max_tokens: int = FAULT_TOKENS
+                    ) -> list[str]:
+    return offline_greedy_texts(model, prompts, max_tokens=max_tokens, ignore_eos=True)
 
 
 # ---- scripted peers of a real DP coordinator process --------------------------------
