@@ -240,7 +240,7 @@ def _nobody() -> int:
 @pytest.mark.parametrize("tamper", ["directory of nobody's", "files of nobody's",
                                     "a file is a symlink", "group-writable file"])
 def test_a_converted_model_not_ours_alone_is_not_reused(fake, gguf_file, cache, tmp_path,
-                                                        tamper):
+                                                        tamper, caplog):
     """A converted directory another user wrote (or could write): converted again,
     and the result is this user's."""
     first = resolve_model(str(gguf_file))
@@ -259,6 +259,7 @@ def test_a_converted_model_not_ours_alone_is_not_reused(fake, gguf_file, cache, 
         (first / "config.json").chmod(0o664)
     again = resolve_model(str(gguf_file))
     assert fake.calls == 2 and again == first
+    assert f"not using {first}: it is " in caplog.text
     assert json.loads((again / "config.json").read_text()) == {"source": str(gguf_file)}
     for path in (again, *again.iterdir()):
         st = path.lstat()

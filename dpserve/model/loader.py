@@ -160,8 +160,11 @@ def convert_gguf_cached(gguf_path: Path, cache_dir: Path | None = None) -> Path:
     if _complete(final):
         return final
     with _file_lock(cache_dir / f".{name}.lock") as locked:
-        if _complete(final):  # another process finished meanwhile
+        problem = _untrusted(final)
+        if problem is None:  # another process finished meanwhile
             return final
+        if problem != "missing":
+            logger.warning("not using %s: it is %s", final, problem)
         if locked:  # nobody else is converting `name`: leftovers are from crashes
             _remove_stale(cache_dir, name)
         if os.path.lexists(final):  # not ours alone, and it could not be removed
@@ -176,6 +179,8 @@ def _untrusted(final: Path) -> str | None:
         problem = tree_problem(final)
     except FileNotFoundError:
         return "missing"
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
     if problem is None and not (final / CONVERSION_MARKER).is_file():
         return "incomplete (no completion marker)"
     return problem
