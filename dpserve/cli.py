@@ -9,6 +9,8 @@ import sys
 from dpserve.config import ConfigError, EngineArgs
 from dpserve.logging_utils import setup_logging
 
+MIN_PYTHON = (3, 10, 9)  # pyproject.toml's requires-python: CVE-2022-42919's forkserver
+
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="Generate text offline with one engine.",
@@ -86,6 +88,11 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
 def main(argv: list[str] | None = None) -> int:
     from dpserve import __version__
 
+    if sys.version_info < MIN_PYTHON:
+        print(f"dpserve: error: Python {'.'.join(map(str, MIN_PYTHON))} or newer is needed "
+              f"(this is {sys.version.split()[0]}): older forkservers run code from any "
+              "local user (CVE-2022-42919)", file=sys.stderr)
+        return 2
     parser = argparse.ArgumentParser(prog="dpserve", description=__doc__)
     parser.add_argument("--version", action="version", version=f"dpserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -1,5 +1,7 @@
 """Config: unknown and invalid options fail with a message naming the option."""
 
+from pathlib import Path
+
 import pytest
 
 from dpserve.config import ConfigError, EngineArgs, parse_memory_size
@@ -159,3 +161,18 @@ def test_vllm_short_flags_are_aliases():
         4, 2, 2, "10.0.0.1", 1234, True)
     assert EngineArgs.from_cli(parser.parse_args(["m", "-dp", "2", "-dpn", "1"])
                                ).data_parallel_rank == 1
+
+
+def test_cli_refuses_a_python_older_than_the_minimum(monkeypatch, capsys):
+    """One line naming the version needed and why (CVE-2022-42919 forkservers); the
+    minimum raised past this interpreter stands in for an old one."""
+    from dpserve import cli
+
+    pyproject = Path(cli.__file__).parents[1].joinpath("pyproject.toml").read_text()
+    minimum = ".".join(map(str, cli.MIN_PYTHON))
+    assert f'\nrequires-python = ">={minimum}"\n' in pyproject  # one minimum, two places
+    monkeypatch.setattr(cli, "MIN_PYTHON", (99, 0, 0))
+    assert cli.main(["serve", "--help"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("dpserve: error: Python 99.0.0 or newer")
+    assert "CVE-2022-42919" in err

@@ -186,6 +186,39 @@ def test_abort_then_utility_calls(served):
     run(served.loop, scenario())
 
 
+
+# Names a front-end must not call, each with arguments that would do harm if it ran:
+# the request path, a step, sleep / wake-up outside `control`, DP steps, the process's
+# own lifecycle, dunders and attributes. Most exist on EngineCore or its process.
+_REFUSED = [("step", []), ("add_request", [None]), ("abort_requests", [["x"]]),
+            ("sleep", [2]), ("wake_up", []), ("execute_dummy_batch", []),
+            ("shutdown", []), ("begin_drain", [0.0]), ("send_engine_dead", []),
+            ("run_busy_loop", []), ("_call_utility", [None, 0]), ("__init__", []),
+            ("__class__", []), ("execute_model", []), ("runner", []), ("control_", [])]
+
+
+def test_only_listed_utilities_run(served):
+    """Every other name gets an error answer naming it (no crash, no hang), and the
+    engine serves on unchanged: a `sleep(2)` that ran would have freed its weights."""
+    from dpserve.engine.core import EngineCore
+    from dpserve.engine.process import EngineCoreProc
+
+    existing = [m for m, _ in _REFUSED if hasattr(EngineCore, m) or hasattr(EngineCoreProc, m)]
+    assert len(existing) >= 12, existing  # the premise: these are real methods
+    client = served.client
+
+    async def scenario():
+        for method, args in _REFUSED:
+            with pytest.raises(UtilityCallError, match=f"no utility method '{method}'"):
+                await client.call_utility(method, *args, timeout=20)
+        stats = await client.call_utility("get_stats", result_type=SchedulerStats)
+        assert stats.num_free_blocks == served.ready.num_kv_blocks
+        await client.add_request(EngineCoreRequest("after-refusals", [1, 2, 3], greedy(6)))
+        return (await collect(client, ["after-refusals"]))["after-refusals"]
+
+    after = run(served.loop, scenario(), timeout=120)
+    assert (len(after.token_ids), after.finish_reason) == (6, FinishReason.LENGTH)
+
 def test_bad_request_fails_alone(served):
     too_long = [5] * (ENGINE_KW["max_model_len"] + 44)
 

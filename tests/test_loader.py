@@ -6,8 +6,13 @@ test_gguf.py), so these tests run in milliseconds and can count conversions.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import pwd
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -80,7 +85,9 @@ def gguf_file(tmp_path) -> Path:
 
 
 def _entries(cache: Path) -> list[str]:
-    return sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock"))
+    """The cache's entries but lock files and the GGUF hash records."""
+    return sorted(p.name for p in cache.iterdir()
+                  if not p.name.endswith(".lock") and p.name != loader.KEY_RECORDS)
 
 
 # ---------------------------------------------------------------- local paths
@@ -181,6 +188,118 @@ def test_concurrent_conversions_without_locks_stay_whole(monkeypatch, gguf_file,
     assert fake.calls == 3 and len(set(results)) == 1  # raced, and one rename won
     assert _entries(cache) == [results[0].name]  # no temporary directories left behind
     assert (results[0] / "config.json").is_file() and (results[0] / CONVERSION_MARKER).is_file()
+
+
+# ---------------------------------------------------------------- the GGUF cache: trust
+
+
+def test_gguf_key_covers_the_whole_file(fake, tmp_path, cache):
+    """Two files of one size, alike in their first and last MiB, differing in one
+    middle byte: two keys, two conversions."""
+    body = bytearray(b"GGUF" + bytes(range(256)) * (3 * 4096))  # 3 MiB and 4 bytes
+    first, second = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    first.write_bytes(body)
+    body[len(body) // 2] ^= 1
+    second.write_bytes(body)
+    assert first.stat().st_size == second.stat().st_size
+    assert loader.gguf_cache_key(first) != loader.gguf_cache_key(second)
+    first_dir, second_dir = resolve_model(str(first)), resolve_model(str(second))
+    assert first_dir.name.split("-")[-1] != second_dir.name.split("-")[-1]
+    assert fake.calls == 2
+
+
+def test_gguf_key_is_hashed_once_per_file_version(fake, gguf_file, cache):
+    """The file's SHA-256 is recorded once (the record is what later starts read), and
+    an in-place edit that keeps the size and puts the mtime back still gets a new key."""
+    key = loader.gguf_cache_key(gguf_file)
+    assert loader.gguf_cache_key(gguf_file) == key
+    records = list((cache / loader.KEY_RECORDS).iterdir())
+    assert [r.read_text().strip() for r in records] == [
+        hashlib.sha256(gguf_file.read_bytes()).hexdigest()]
+    records[0].write_text("0" * 64 + "\n")  # later starts read the record, not the file
+    assert loader.gguf_cache_key(gguf_file) != key
+    records[0].unlink()
+    assert loader.gguf_cache_key(gguf_file) == key
+    st = gguf_file.stat()
+    with open(gguf_file, "r+b") as f:  # same size, one byte changed, mtime put back
+        f.seek(100)
+        byte = f.read(1)[0]
+        f.seek(100)
+        f.write(bytes([byte ^ 1]))
+    os.utime(gguf_file, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert gguf_file.stat().st_size == st.st_size
+    assert gguf_file.stat().st_mtime_ns == st.st_mtime_ns
+    assert loader.gguf_cache_key(gguf_file) != key
+
+
+def _nobody() -> int:
+    """Another user's uid (the tests run as root, which may chown)."""
+    return pwd.getpwnam("nobody").pw_uid
+
+
+@pytest.mark.parametrize("tamper", ["directory of nobody's", "files of nobody's",
+                                    "a file is a symlink", "group-writable file"])
+def test_a_converted_model_not_ours_alone_is_not_reused(fake, gguf_file, cache, tmp_path,
+                                                        tamper, caplog):
+    """A converted directory another user wrote (or could write): converted again,
+    and the result is this user's."""
+    first = resolve_model(str(gguf_file))
+    assert fake.calls == 1
+    if tamper == "directory of nobody's":
+        os.chown(first, _nobody(), -1)
+    elif tamper == "files of nobody's":
+        for child in first.iterdir():
+            os.chown(child, _nobody(), -1)
+    elif tamper == "a file is a symlink":
+        planted = tmp_path / "planted.json"
+        planted.write_text(json.dumps({"source": "someone else"}))
+        (first / "config.json").unlink()
+        (first / "config.json").symlink_to(planted)
+    else:
+        (first / "config.json").chmod(0o664)
+    again = resolve_model(str(gguf_file))
+    assert fake.calls == 2 and again == first
+    assert f"not using {first}: it is " in caplog.text
+    assert json.loads((again / "config.json").read_text()) == {"source": str(gguf_file)}
+    for path in (again, *again.iterdir()):
+        st = path.lstat()
+        assert st.st_uid == os.geteuid() and not path.is_symlink() and st.st_mode & 0o022 == 0
+
+
+@pytest.mark.parametrize("unsafe", ["world-writable", "owned by nobody"])
+def test_an_unsafe_model_cache_is_not_used(gguf_file, cache, tmp_path, unsafe):
+    """A model cache others can write into (or another user's): the converted model
+    found there is not used; a fresh process converts into a private temporary
+    directory, says so once, and removes it at exit. The converter is a fake (this
+    file's stand-in, in the child process)."""
+    cache.mkdir(mode=0o700)
+    key = loader.gguf_cache_key(gguf_file)
+    planted = cache / f"{gguf_file.stem}-{key}"
+    planted.mkdir()
+    (planted / "config.json").write_text(json.dumps({"source": "planted"}))
+    (planted / CONVERSION_MARKER).write_text("{}")
+    if unsafe == "world-writable":
+        cache.chmod(0o777)
+    else:
+        os.chown(cache, _nobody(), -1)
+    script = (
+        "import json, sys\n"
+        "from dpserve.model import gguf as dg\n"
+        "from dpserve.model.loader import resolve_model\n"
+        "def fake_converter(src, out):\n"
+        "    (out / 'config.json').write_text(json.dumps({'source': str(src)}))\n"
+        "dg.gguf_to_hf = fake_converter\n"
+        f"path = resolve_model({str(gguf_file)!r})\n"
+        "print(json.dumps([str(path), json.loads((path / 'config.json').read_text())]))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "DPSERVE_CACHE": str(cache)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    path, config = json.loads(done.stdout.strip().splitlines()[-1])
+    assert config == {"source": str(gguf_file)} and not path.startswith(str(cache))
+    assert Path(path).parent.name.startswith("dpserve-model-")
+    assert not Path(path).exists()  # removed when the process exited
+    assert done.stderr.count(f"the model cache {cache} is") == 1
+    assert json.loads((planted / "config.json").read_text()) == {"source": "planted"}
 
 
 # ---------------------------------------------------------------- the hub

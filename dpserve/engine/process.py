@@ -85,9 +85,13 @@ STOP_LINGER_MS = 500  # ... and the last outputs on a plain stop
 _IDLE_WAIT_S = 0.5  # the busy loop's longest block on an empty input queue
 _POLL_MS = 100  # IO threads look at the stop flag this often
 
-# Utility calls may run any public EngineCore method except the request path,
-# whose outputs would bypass the routing in the busy loop.
-_NOT_UTILITIES = frozenset({"add_request", "abort_requests", "step"})
+# The EngineCore methods a front-end may call (an allowlist: every other name is
+# refused by name, and the engine serves on). Read-only views and the prefix-cache
+# reset; the request path, sleep / wake-up (`control` below) and DP steps are not.
+# Callers: server/engines.py and app.py (/engines, /debug), async_llm.py's get_stats,
+# the sync client (`LLM.engine.call_utility`), tests.
+_CORE_UTILITIES = frozenset({"get_stats", "get_request_counts", "reset_prefix_cache",
+                             "expert_info"})
 # Utility calls answered by the process itself rather than its EngineCore.
 _PROC_UTILITIES = frozenset({"get_dp_state", "request_state_sizes"})
 # Pause / sleep without a coordinator: `control(op, arg, token)` changes this engine's
@@ -372,18 +376,19 @@ class EngineCoreProc:
         self._client_of[request.request_id] = client
 
     def _call_utility(self, call: UtilityCall, client_index: int) -> None:
-        """Run `EngineCore.<method>(*args)`; a failure is reported, never fatal."""
+        """Run a listed utility (`_CORE_UTILITIES`, `_PROC_UTILITIES`, `control`); any
+        other name, and any failure, is answered with an error, never fatal."""
         out = UtilityOutput(call.call_id)
         if call.method == _CONTROL_UTILITY:
             self._control_call(call, client_index)
             return
         try:
-            owner = self if call.method in _PROC_UTILITIES else self.engine_core
-            method = getattr(owner, call.method, None)
-            if call.method.startswith("_") or call.method in _NOT_UTILITIES or \
-                    not callable(method):
+            if call.method in _PROC_UTILITIES:
+                result = getattr(self, call.method)(*call.args)
+            elif call.method in _CORE_UTILITIES:
+                result = getattr(self.engine_core, call.method)(*call.args)
+            else:
                 raise AttributeError(f"the engine has no utility method {call.method!r}")
-            result = method(*call.args)
             self._result_checker.encode(result)  # fail here, not in the output thread
             out.result = result
         except Exception as e:

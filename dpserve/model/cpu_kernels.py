@@ -27,6 +27,12 @@ sources, the flags and the CPU (`DPSERVE_KERNEL_CACHE`, default
 starting together never load a half-written library; loaded with ctypes (the
 library shares torch's libgomp). No compiler, or a failed build: one warning,
 and torch's kernels serve every step. `DPSERVE_CPU_KERNELS=0` turns them off.
+
+Trust (`cache_safety`): code is loaded only from a cache directory that is this
+user's alone (created 0700) and from a library file of this user's that is no
+symlink and that nobody else can write. A cached library that fails this is built
+again over it; a cache directory that fails it: one warning, and the library is
+built in a private temporary directory (removed once loaded) for this process.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from pathlib import Path
 import torch
 
 from dpserve.cpu_features import cpu_flags
+from dpserve.model.cache_safety import file_problem, private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -74,26 +81,54 @@ def _cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "dpserve" / "kernels")
 
 
-def library_path(compiler: str) -> Path:
-    """Where the library built from these sources, with these flags, for this CPU lives."""
+def find_compiler() -> str | None:
+    """The C compiler builds use: $CC, else cc, else gcc (None: none found)."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def library_path(compiler: str, cache_dir: Path | None = None) -> Path:
+    """Where the library built from these sources, with these flags, for this CPU lives
+    (in `cache_dir`, default the kernel cache)."""
     key = hashlib.sha256()
     for part in (*(src.read_bytes() for src in (*_SOURCES, _HEADER)), " ".join(_flags()).encode(),
                  compiler.encode(), " ".join(sorted(cpu_flags())).encode()):
         key.update(part)
-    return _cache_dir() / f"dpserve_kernels-{key.hexdigest()[:16]}.so"
+    return (cache_dir or _cache_dir()) / f"dpserve_kernels-{key.hexdigest()[:16]}.so"
 
 
-def build(compiler: str | None = None) -> Path:
+class UnsafeCacheError(RuntimeError):
+    """The kernel cache directory is not this user's alone (`cache_safety`)."""
+
+
+def build(compiler: str | None = None, cache_dir: Path | None = None) -> Path:
     """Compile the kernels (if not cached already) and return the library's path.
 
-    Raises RuntimeError naming the compiler's complaint."""
-    compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    Trust: the cache directory must be this user's alone (created 0700; else
+    UnsafeCacheError), and a cached library a regular file of this user's that
+    nobody else can write; one that is not (a symlink, another owner) is built
+    again over it. Raises RuntimeError naming the compiler's complaint."""
+    compiler = compiler or find_compiler()
     if not compiler:
         raise RuntimeError("no C compiler found (cc, gcc; or set CC)")
-    target = library_path(compiler)
-    if target.exists():
+    cache_dir = cache_dir or _cache_dir()
+    problem = private_dir(cache_dir)
+    if problem is not None:
+        raise UnsafeCacheError(f"the kernel cache {cache_dir} is {problem}")
+    target = library_path(compiler, cache_dir)
+    try:
+        problem = file_problem(target)
+    except FileNotFoundError:
+        problem = "missing"
+    if problem is None:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    if problem != "missing":
+        logger.warning("not loading %s: it is %s; building it again", target, problem)
+    _compile(compiler, target)
+    return target
+
+
+def _compile(compiler: str, target: Path) -> None:
+    """Build into a temporary file beside `target`, then rename it over `target`."""
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
@@ -101,21 +136,34 @@ def build(compiler: str | None = None) -> Path:
                               capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-400:]}")
+        os.chmod(tmp, 0o755)  # the linker's mode follows the umask: nobody else writes it
         os.replace(tmp, target)  # atomic: a concurrent build just replaces it again
     except subprocess.TimeoutExpired as e:
         raise RuntimeError(f"{compiler} did not finish in {BUILD_TIMEOUT_S} s") from e
-    except OSError as e:  # not there, not executable
-        raise RuntimeError(f"cannot run {compiler}: {e.strerror}") from e
+    except OSError as e:  # the compiler is not there or not executable; a full disk
+        raise RuntimeError(f"building {target.name} with {compiler}: {e.strerror}") from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return target
+
+
+def _load() -> ctypes.CDLL:
+    """The library from the cache; from a private temporary directory (built there,
+    removed once loaded) when the cache directory cannot be trusted."""
+    try:
+        return ctypes.CDLL(str(build()))
+    except UnsafeCacheError as e:
+        logger.warning("%s: not loading dpserve's CPU kernels from it; building them in a "
+                       "private temporary directory (set %s to a directory only this user "
+                       "can write)", e, CACHE_ENV)
+    with tempfile.TemporaryDirectory(prefix="dpserve-kernels-") as tmp:
+        return ctypes.CDLL(str(build(cache_dir=Path(tmp))))
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     try:
-        lib = ctypes.CDLL(str(build()))
+        lib = _load()
     except (RuntimeError, OSError) as e:
         logger.warning("dpserve's CPU kernels unavailable, torch's run every step: %s", e)
         return None

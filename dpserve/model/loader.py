@@ -9,12 +9,18 @@ are converted once into dpserve's cache (`default_cache_dir()`).
 Cache invariant: a directory `<cache>/<gguf stem>-<key>/` exists only when
 complete. Conversion writes into a temporary sibling and renames it into
 place; a lock file makes concurrent processes convert once, and the rename
-keeps the result whole even where locks do not work. Nothing here loads a
-model onto a device or knows about architectures.
+keeps the result whole even where locks do not work. The key covers the whole
+GGUF file (its SHA-256, computed once per file version: `gguf_cache_key`).
+Trust (`cache_safety`): a converted directory is used only when the cache is
+this user's alone (created 0700) and the directory and its files are this user's,
+no symlinks, writable by nobody else; otherwise one warning, and the file is
+converted into a private temporary directory for this process. Nothing here
+loads a model onto a device or knows about architectures.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import importlib.util
 import json
@@ -31,6 +37,7 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from dpserve.errors import ConfigError
+from dpserve.model.cache_safety import file_problem, private_dir, tree_problem
 
 if TYPE_CHECKING:
     import torch
@@ -51,6 +58,7 @@ CONVERSION_MARKER = "dpserve-conversion.json"  # written last into each converte
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 _HUB_TIMEOUT_S = 5.0
 CONVERTER_VERSION = 1  # part of every cache key: bump when gguf.py's output changes
+KEY_RECORDS = ".gguf-sha256"  # in the cache: each GGUF file's SHA-256 (`_file_sha256`)
 
 
 def resolve_model(model: str | None, revision: str | None = None) -> Path:
@@ -90,33 +98,107 @@ def default_gguf_path() -> Path:
                       "or pass a model")
 
 
-def gguf_cache_key(path: Path) -> str:
-    """Short content key of a GGUF file: its size, first and last MiB (fast for any size)."""
-    size = path.stat().st_size
-    digest = hashlib.sha256(f"v{CONVERTER_VERSION} {size}".encode())
+def gguf_cache_key(path: Path, cache_dir: Path | None = None) -> str:
+    """Content key of a GGUF file: the converter version and the file's full SHA-256
+    (hashed once per file version: `_file_sha256`)."""
+    digest = _file_sha256(Path(path), Path(cache_dir) if cache_dir else default_cache_dir())
+    return hashlib.sha256(f"v{CONVERTER_VERSION} {digest}".encode()).hexdigest()[:16]
+
+
+def _file_sha256(path: Path, cache_dir: Path) -> str:
+    """The SHA-256 of the whole file, remembered in `cache_dir/KEY_RECORDS` under its
+    device, inode, size, mtime and ctime: any write changes the ctime, which nobody
+    can set back, so a changed file is hashed again (not remembered where the cache
+    is not trusted)."""
+    def stamp() -> str:
+        st = path.stat()
+        return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+    before = stamp()
+    records = cache_dir / KEY_RECORDS
+    record = records / hashlib.sha256(before.encode()).hexdigest()[:32]
+    remember = private_dir(cache_dir) is None and private_dir(records) is None
+    try:
+        if remember and file_problem(record) is None:
+            known = record.read_text().strip()
+            if len(known) == 64:
+                return known
+    except OSError:  # no record yet
+        pass
+    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        digest.update(f.read(1 << 20))
-        f.seek(max(0, size - (1 << 20)))
-        digest.update(f.read(1 << 20))
-    return digest.hexdigest()[:12]
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    if remember and stamp() == before:  # not written to while it was read
+        _write_record(record, digest.hexdigest())
+    return digest.hexdigest()
+
+
+def _write_record(record: Path, text: str) -> None:
+    """Write `record` whole (a temporary file renamed); a failure only costs a rehash."""
+    fd, tmp = tempfile.mkstemp(dir=record.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text + "\n")
+        os.replace(tmp, record)
+    except OSError as e:
+        logger.warning("could not record a GGUF file's hash in %s: %s", record.parent, e)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def convert_gguf_cached(gguf_path: Path, cache_dir: Path | None = None) -> Path:
     """The converted directory of `gguf_path`, converting it on first use (atomically)."""
     gguf_path = Path(gguf_path).resolve()
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    name = f"{gguf_path.stem}-{gguf_cache_key(gguf_path)}"
+    problem = private_dir(cache_dir)
+    if problem is not None:
+        return _convert_private(gguf_path, f"the model cache {cache_dir} is {problem}")
+    name = f"{gguf_path.stem}-{gguf_cache_key(gguf_path, cache_dir)}"
     final = cache_dir / name
-    if (final / CONVERSION_MARKER).is_file():
+    if _complete(final):
         return final
-    cache_dir.mkdir(parents=True, exist_ok=True)
     with _file_lock(cache_dir / f".{name}.lock") as locked:
-        if (final / CONVERSION_MARKER).is_file():  # another process finished meanwhile
+        problem = _untrusted(final)
+        if problem is None:  # another process finished meanwhile
             return final
+        if problem != "missing":
+            logger.warning("not using %s: it is %s", final, problem)
         if locked:  # nobody else is converting `name`: leftovers are from crashes
             _remove_stale(cache_dir, name)
+        if os.path.lexists(final):  # not ours alone, and it could not be removed
+            return _convert_private(gguf_path, f"{final} is {_untrusted(final)}")
         _convert_into(gguf_path, cache_dir, name)
     return final
+
+
+def _untrusted(final: Path) -> str | None:
+    """Why the converted directory `final` may not be used (None: it may)."""
+    try:
+        problem = tree_problem(final)
+    except FileNotFoundError:
+        return "missing"
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
+    if problem is None and not (final / CONVERSION_MARKER).is_file():
+        return "incomplete (no completion marker)"
+    return problem
+
+
+def _complete(final: Path) -> bool:
+    """A finished conversion of this user's that nobody else can change."""
+    return _untrusted(final) is None
+
+
+def _convert_private(gguf_path: Path, why: str) -> Path:
+    """Convert into a fresh private temporary directory, removed when this process exits."""
+    tmp = Path(tempfile.mkdtemp(prefix="dpserve-model-"))
+    atexit.register(shutil.rmtree, tmp, True)
+    logger.warning("%s: not using it; converting %s into %s, removed at exit (set "
+                   "DPSERVE_CACHE to a directory only this user can write)", why, gguf_path, tmp)
+    _convert_into(gguf_path, tmp, gguf_path.stem)
+    return tmp / gguf_path.stem
 
 
 def _convert_into(gguf_path: Path, cache_dir: Path, name: str) -> None:
@@ -136,18 +218,22 @@ def _convert_into(gguf_path: Path, cache_dir: Path, name: str) -> None:
         try:
             tmp.rename(cache_dir / name)
         except OSError:  # a process without a working lock won the race: keep its result
-            if not (cache_dir / name / CONVERSION_MARKER).is_file():
+            if not _complete(cache_dir / name):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _remove_stale(cache_dir: Path, name: str) -> None:
-    """Drop leftovers of crashed conversions of `name` (only while holding its lock)."""
+    """Drop leftovers of crashed conversions of `name`, and a `name` that is incomplete
+    or not this user's alone (only while holding its lock)."""
     for leftover in cache_dir.glob(f".tmp-{name}-*"):
         shutil.rmtree(leftover, ignore_errors=True)
-    if (cache_dir / name).exists():  # no marker: incomplete, from before markers existed
-        shutil.rmtree(cache_dir / name, ignore_errors=True)
+    final = cache_dir / name
+    if final.is_symlink():
+        final.unlink()
+    elif final.exists():  # no marker (from before markers existed), or not ours alone
+        shutil.rmtree(final, ignore_errors=True)
 
 
 @contextmanager
