@@ -24,6 +24,13 @@ logger = logging.getLogger(__name__)
 
 _EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
+# The EngineCore methods a front-end may call as utilities (an allowlist, used by the
+# engine process and the in-process client alike): read-only views and the prefix-cache
+# reset. Not the request path, sleep / wake-up (only through the engine's control, which
+# aborts first) or DP steps.
+UTILITY_METHODS = frozenset({"get_stats", "get_request_counts", "reset_prefix_cache",
+                             "expert_info", "request_state_sizes"})
+
 
 def check_prompt(ids: list[int], max_model_len: int, vocab_size: int) -> None:
     """Raise ValueError if a prompt can never run (empty, too long, bad token ids)."""

@@ -53,6 +53,7 @@ from dpserve.config import EngineConfig
 from dpserve.control import next_state
 from dpserve.engine.build import build_engine_core, place_engine
 from dpserve.engine.control import EngineControl
+from dpserve.engine.core import UTILITY_METHODS
 from dpserve.engine.dp import DPLink
 from dpserve.launch.process import start_parent_watcher
 from dpserve.logging_utils import name_process
@@ -85,14 +86,10 @@ STOP_LINGER_MS = 500  # ... and the last outputs on a plain stop
 _IDLE_WAIT_S = 0.5  # the busy loop's longest block on an empty input queue
 _POLL_MS = 100  # IO threads look at the stop flag this often
 
-# The EngineCore methods a front-end may call (an allowlist: every other name is
-# refused by name, and the engine serves on). Read-only views and the prefix-cache
-# reset; the request path, sleep / wake-up (`control` below) and DP steps are not.
-# Callers: server/engines.py and app.py (/engines, /debug), async_llm.py's get_stats,
-# the sync client (`LLM.engine.call_utility`), tests.
-_CORE_UTILITIES = frozenset({"get_stats", "get_request_counts", "reset_prefix_cache",
-                             "expert_info"})
-# Utility calls answered by the process itself rather than its EngineCore.
+# Utility calls: `core.UTILITY_METHODS` (an allowlist: every other name is refused by
+# name, and the engine serves on), answered by the EngineCore unless the process
+# answers them itself (these, with its own state included). Callers: server/engines.py
+# and app.py (/engines, /debug), async_llm.py's get_stats, the sync client, tests.
 _PROC_UTILITIES = frozenset({"get_dp_state", "request_state_sizes"})
 # Pause / sleep without a coordinator: `control(op, arg, token)` changes this engine's
 # ControlState; answered (with the state) once it is reached.
@@ -376,7 +373,7 @@ class EngineCoreProc:
         self._client_of[request.request_id] = client
 
     def _call_utility(self, call: UtilityCall, client_index: int) -> None:
-        """Run a listed utility (`_CORE_UTILITIES`, `_PROC_UTILITIES`, `control`); any
+        """Run a listed utility (`UTILITY_METHODS`, `_PROC_UTILITIES`, `control`); any
         other name, and any failure, is answered with an error, never fatal."""
         out = UtilityOutput(call.call_id)
         if call.method == _CONTROL_UTILITY:
@@ -385,7 +382,7 @@ class EngineCoreProc:
         try:
             if call.method in _PROC_UTILITIES:
                 result = getattr(self, call.method)(*call.args)
-            elif call.method in _CORE_UTILITIES:
+            elif call.method in UTILITY_METHODS:
                 result = getattr(self.engine_core, call.method)(*call.args)
             else:
                 raise AttributeError(f"the engine has no utility method {call.method!r}")

@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from dpserve.config import EngineConfig
-from dpserve.engine.core import EngineCore
+from dpserve.engine.core import UTILITY_METHODS, EngineCore
 from dpserve.frontend.errors import EngineDeadError
 from dpserve.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 
@@ -69,10 +69,11 @@ class InprocEngineClient:
             self._inputs.put(("abort", list(request_ids)))
 
     async def call_utility(self, method: str, *args: Any) -> Any:
-        """Run `EngineCore.<method>(*args)` between two steps; returns its result."""
+        """Run `EngineCore.<method>(*args)` between two steps (a method of
+        `UTILITY_METHODS`, as in an engine process); returns its result."""
         loop = self._ready()
-        if method.startswith("_"):
-            raise ValueError(f"no utility method {method!r}")
+        if method not in UTILITY_METHODS:
+            raise ValueError(f"the engine has no utility method {method!r}")
         call_id = next(self._call_ids)
         future = loop.create_future()
         self._calls[call_id] = future
