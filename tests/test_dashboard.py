@@ -62,8 +62,8 @@ def test_dashboard_tiles_update_live_and_cordon_from_the_page(tiny_llama, browse
     from selenium.webdriver.common.by import By
 
     model = str(tiny_llama)
-    with serve(model, *DP_ARGS, "--enable-admin-api", "--data-parallel-size-max", "3"
-               ) as (proc, url):
+    with serve(model, *DP_ARGS, "--enable-admin-api", "--allow-unauthenticated-admin",
+               "--data-parallel-size-max", "3") as (proc, url):
         browser.get(url + "/dashboard")
         tiles = wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, ".tile"), 30,
                            "tiles")
