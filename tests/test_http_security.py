@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from fastapi import Request
 
 from tests.helpers import free_port, output, serve, wait_until
 
@@ -75,21 +76,29 @@ def _routes(routes: list) -> Iterator[tuple[str, set[str]]]:
             yield route.path, route.methods
 
 
-async def _walk(model: str, tmp: Path, metrics_auth: bool) -> dict:
-    """Build the app with a key and the admin API; every (method, route) -> what a
-    client without the key, with a wrong key and with the key gets."""
+@contextlib.asynccontextmanager
+async def _app(model: str, tmp: Path, auth: object):
+    """`build_app` with the admin API over a real engine client whose engines never come."""
     from dpserve.config import EngineArgs
     from dpserve.frontend.async_llm import AsyncLLM
     from dpserve.frontend.engine_client import AsyncEngineClient
     from dpserve.server.app import build_app
-    from dpserve.server.auth import AuthOptions
 
     config = EngineArgs(model=model).create_config()
-    client = AsyncEngineClient(f"ipc://{tmp}/in", f"ipc://{tmp}/out")
-    llm = AsyncLLM(config, client)
+    llm = AsyncLLM(config, AsyncEngineClient(f"ipc://{tmp}/in", f"ipc://{tmp}/out"))
     try:
-        app = build_app(llm, "tiny", enable_admin_api=True, auth=AuthOptions.from_key(
-            KEYS["alice"], metrics_auth=metrics_auth))
+        yield build_app(llm, "tiny", enable_admin_api=True, auth=auth)
+    finally:
+        llm.shutdown()
+
+
+async def _walk(model: str, tmp: Path, metrics_auth: bool) -> dict:
+    """Build the app with a key and the admin API; every (method, route) -> what a
+    client without the key, with a wrong key and with the key sans "Bearer" gets."""
+    from dpserve.server.auth import AuthOptions
+
+    auth = AuthOptions.from_key(KEYS["alice"], metrics_auth=metrics_auth)
+    async with _app(model, tmp, auth) as app:
         seen: dict = {}
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://app") as http:
@@ -101,8 +110,6 @@ async def _walk(model: str, tmp: Path, metrics_auth: bool) -> dict:
                         for headers in ({}, {"Authorization": "Bearer wrong"},
                                         {"Authorization": KEYS["alice"]})]  # no "Bearer"
         return seen
-    finally:
-        llm.shutdown()
 
 
 def test_every_route_needs_the_key_but_the_allowlist(tiny_llama, tmp_path) -> None:
@@ -140,6 +147,31 @@ def test_key_ids_are_names_or_hashes_never_the_key(tmp_path) -> None:
     assert auth.match(f"bearer {KEYS['bob']}") == key_id(KEYS["bob"]) == (
         "key-" + hashlib.sha256(KEYS["bob"].encode()).hexdigest()[:12])
     assert auth.match("Bearer alice") is None and auth.match(KEYS["alice"]) is None
+
+
+def test_the_matched_key_id_reaches_the_route(tiny_llama, tmp_path) -> None:
+    """`request.state.api_key_id` (per-key prefix-cache salting reads it): the key's
+    name, or key-<sha256 prefix>; None without keys; never the key itself."""
+    from dpserve.server.auth import APIKey, AuthOptions, key_id
+
+    named = AuthOptions((APIKey("alice", hashlib.sha256(KEYS["alice"].encode()).digest()),
+                         *AuthOptions.from_key(KEYS["bob"]).keys))
+
+    async def ids(auth: AuthOptions, keys: list[str | None]) -> list[object]:
+        async with _app(str(tiny_llama), tmp_path, auth) as app:
+            @app.get("/who")  # a route added after build_app: behind the key all the same
+            async def who(request: Request) -> dict:
+                return {"id": request.state.api_key_id}
+
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://app") as http:
+                answers = [await http.get("/who", headers={"Authorization": f"Bearer {k}"}
+                                          if k else {}) for k in keys]
+        return [r.json().get("id", r.status_code) for r in answers]
+
+    assert asyncio.run(ids(named, [KEYS["alice"], KEYS["bob"], None, "x"])) == [
+        "alice", key_id(KEYS["bob"]), 401, 401]
+    assert asyncio.run(ids(AuthOptions(), [None])) == [None]
 
 
 # ---- one real server: two keys, the admin API, a small body limit ----------------------
