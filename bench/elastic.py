@@ -163,7 +163,7 @@ def main() -> int:
     log = tempfile.NamedTemporaryFile("w+", prefix="dpserve-elastic-", suffix=".log")
     cmd = [sys.executable, "-m", "dpserve.cli", "serve", *([args.model] if args.model else []),
            "--port", str(port), "--data-parallel-size", "1", "--data-parallel-size-max", "2",
-           "--enable-admin-api", *args.serve_arg]
+           "--enable-admin-api", "--allow-unauthenticated-admin", *args.serve_arg]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         wait_healthy(proc, url, 900, describe=lambda: Path(log.name).read_text())

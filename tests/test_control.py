@@ -35,11 +35,12 @@ def servers(tiny_llama):
     """The three servers, started at once (their start-ups overlap)."""
     model = str(tiny_llama)
     with serve_all([model, "--data-parallel-size", "2", "--api-server-count", "2",
-                    "--enable-admin-api"],
+                    "--enable-admin-api", "--allow-unauthenticated-admin"],
                    [model, "--enable-admin-api", "--api-key", KEY, "--num-kv-blocks",
                     str(KV_BLOCKS), "--max-num-seqs", "2", "--max-num-queued-requests", "2"],
                    [model, "--data-parallel-size", "2", "--data-parallel-lockstep",
-                    "--enable-admin-api"], headers=AUTH, timeout=240) as started:
+                    "--enable-admin-api", "--allow-unauthenticated-admin"],
+                   headers=AUTH, timeout=240) as started:
         yield {name: (proc, url, model) for name, (proc, url) in
                zip(("dp", "one", "lockstep"), started)}
 
@@ -60,7 +61,7 @@ def lockstep_server(servers):
 
 
 def _post(url: str, path: str, headers: dict | None = None, **params) -> dict:
-    resp = httpx.post(url + path, params=params, headers=headers, timeout=120)
+    resp = httpx.post(url + path, params=params, json={}, headers=headers, timeout=120)
     assert resp.status_code == 200, resp.text
     return resp.json()
 
@@ -231,8 +232,10 @@ def test_control_routes_need_the_api_key(one_server):
     _, url, _ = one_server
     assert httpx.post(url + "/pause").status_code == 401
     assert httpx.get(url + "/is_paused").status_code == 401
-    assert httpx.post(url + "/sleep", params={"level": 3}, headers=AUTH).status_code == 400
-    assert httpx.post(url + "/pause", params={"mode": "x"}, headers=AUTH).status_code == 400
+    assert httpx.post(url + "/sleep", params={"level": 3}, json={},
+                      headers=AUTH).status_code == 400
+    assert httpx.post(url + "/pause", params={"mode": "x"}, json={},
+                      headers=AUTH).status_code == 400
 
 
 def test_overload_gets_429_with_retry_after_then_normal_service(one_server):

@@ -3,7 +3,8 @@ by selenium) against `dpserve serve --data-parallel-size 2 --enable-admin-api` o
 the tiny model: one tile per rank, numbers that move under load, a cordon click
 that /engines agrees with, a scale from the page that adds a tile, and a
 screenshot (kept as docs/dashboard.png when DPSERVE_DASHBOARD_SCREENSHOT names
-where to write it)."""
+where to write it); and on a server with --api-key, the page asks for the key and
+shows the ranks once it is typed in."""
 
 from __future__ import annotations
 
@@ -62,8 +63,8 @@ def test_dashboard_tiles_update_live_and_cordon_from_the_page(tiny_llama, browse
     from selenium.webdriver.common.by import By
 
     model = str(tiny_llama)
-    with serve(model, *DP_ARGS, "--enable-admin-api", "--data-parallel-size-max", "3"
-               ) as (proc, url):
+    with serve(model, *DP_ARGS, "--enable-admin-api", "--allow-unauthenticated-admin",
+               "--data-parallel-size-max", "3") as (proc, url):
         browser.get(url + "/dashboard")
         tiles = wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, ".tile"), 30,
                            "tiles")
@@ -124,3 +125,25 @@ def test_dashboard_tiles_update_live_and_cordon_from_the_page(tiny_llama, browse
         wait_until(lambda: browser.find_element(
             By.CSS_SELECTOR, '.tile[data-rank="2"]').get_attribute("data-state") == "serving",
             30, "the new rank's tile to show it serving")
+
+
+def test_dashboard_on_a_server_with_an_api_key(tiny_llama, browser):
+    """The page is open but holds no data: /engines needs the key, so the page asks for
+    it, and shows the ranks once it is typed in (its script sends it)."""
+    from selenium.webdriver.common.by import By
+
+    key = "dash-key-0123456789"
+    with serve(str(tiny_llama), "--threads-per-engine", "1", "--max-model-len", "256",
+               "--api-key", key) as (_, url):
+        assert httpx.get(url + "/engines", timeout=5).status_code == 401
+        browser.get(url + "/dashboard")
+        status = wait_until(lambda: browser.find_element(By.ID, "status").text, 30, "a status")
+        wait_until(lambda: "API key" in browser.find_element(By.ID, "status").text, 30,
+                   f"the page to ask for the key (status {status!r})")
+        assert browser.find_elements(By.CSS_SELECTOR, ".tile") == []
+        browser.find_element(By.ID, "api-key").send_keys(key)
+        wait_until(lambda: len(browser.find_elements(By.CSS_SELECTOR, ".tile")) == 1, 30,
+                   "the tile once the key is typed")
+        assert browser.find_element(By.CSS_SELECTOR, ".tile").get_attribute(
+            "data-state") == "serving"
+        assert browser.find_element(By.ID, "status").text.startswith("updated")

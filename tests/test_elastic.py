@@ -34,7 +34,7 @@ from helpers import (
 pytestmark = [pytest.mark.procs, pytest.mark.slow]
 
 ARGS = ("--threads-per-engine", "1", "--max-model-len", "256", "--enable-admin-api",
-        "--shutdown-timeout", "120")
+        "--allow-unauthenticated-admin", "--shutdown-timeout", "120")
 PROMPTS = FAULT_PROMPTS[:16]
 FRESH = {"Connection": "close"}  # a new connection each: every API server answers some
 
@@ -139,7 +139,8 @@ def test_bad_sizes_400_and_a_second_change_409(answer_servers):
             resp = httpx.post(url + "/scale_elastic_ep", json=body, timeout=30)
             assert resp.status_code == 400, (body, resp.text)
             assert resp.json()["error"]["type"] == "invalid_request_error", resp.text
-        resp = httpx.post(url + "/scale_elastic_ep", content=b"{not json", timeout=30)
+        resp = httpx.post(url + "/scale_elastic_ep", content=b"{not json", timeout=30,
+                          headers={"Content-Type": "application/json"})
         assert resp.status_code == 400, resp.text
         assert "[1, 2]" in _scale(url, 3).json()["error"]["message"]
         # A change runs (the new rank is STARTING): a second one gets 409, then it ends.
@@ -195,7 +196,8 @@ def test_without_the_flag_or_the_max(tiny_llama):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for option, value in refused]
     try:
-        with serve_all([model, *plain], [model, *plain, "--enable-admin-api"]) as [
+        with serve_all([model, *plain], [model, *plain, "--enable-admin-api",
+                                          "--allow-unauthenticated-admin"]) as [
                 (_, no_admin), (_, admin)]:
             assert _scale(no_admin, 2).status_code == 404  # no --enable-admin-api: no route
             resp = _scale(admin, 1)  # no --data-parallel-size-max: the one engine stays

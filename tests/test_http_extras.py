@@ -48,6 +48,8 @@ def test_cors_preflight(server) -> None:
     assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
     r = httpx.get(url + "/v1/models", headers={"Origin": ORIGIN})
     assert r.headers["access-control-allow-origin"] == ORIGIN
+    r = httpx.get(url + "/v1/models", headers={"Origin": "https://evil"})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
 
 
 def test_served_model_names_and_model_route(server) -> None:
@@ -95,6 +97,12 @@ def test_root_path(server) -> None:
     url, _ = server
     assert httpx.get(url + "/v1/models").status_code == 200
     assert httpx.get(url + "/openapi.json").json()["servers"] == [{"url": "/api"}]
+    # The dashboard's URLs are relative: a browser at <proxy>/api/dashboard loads
+    # /api/dashboard/dashboard.js and polls /api/engines, which the proxy strips.
+    html = httpx.get(url + "/dashboard").text
+    assert 'src="dashboard/dashboard.js"' in html and 'href="dashboard/dashboard.css"' in html
+    js = httpx.get(url + "/dashboard/dashboard.js").text
+    assert 'fetch("engines"' in js and 'fetch("/' not in js
 
 
 def test_python_m_dpserve_version() -> None:

@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.procs, pytest.mark.slow]
 PROMPTS = FAULT_PROMPTS[:8]
 SHORT = [f"Once upon a time {i}" for i in range(3)]
 ARGS = ("--enable-expert-parallel", "--threads-per-engine", "1", "--max-model-len", "256",
-        "--enable-admin-api", "--shutdown-timeout", "120")
+        "--enable-admin-api", "--allow-unauthenticated-admin", "--shutdown-timeout", "120")
 
 
 def _experts(url: str) -> dict[str, list[int]]:

@@ -30,14 +30,14 @@ ROW_KEYS = {"rank", "state", "cordoned", "waiting", "running", "kv_cache_usage",
             "tokens_per_s", "wave", "restarts", "incarnation", "host", "pid", "ttft_s"}
 
 
-def engines(url: str) -> dict:
-    resp = httpx.get(url + "/engines", timeout=5)
+def engines(url: str, headers: dict | None = None) -> dict:
+    resp = httpx.get(url + "/engines", headers=headers, timeout=5)
     assert resp.status_code == 200, resp.text
     return resp.json()
 
 
-def row(url: str, rank: int) -> dict:
-    return next(e for e in engines(url)["engines"] if e["rank"] == rank)
+def row(url: str, rank: int, headers: dict | None = None) -> dict:
+    return next(e for e in engines(url, headers)["engines"] if e["rank"] == rank)
 
 
 async def complete(url: str, model: str, n: int, *, max_tokens: int = 8,
@@ -129,25 +129,27 @@ def test_admin_routes_404_without_the_flag(plain_and_keyed):
 def test_admin_routes_need_the_api_key(plain_and_keyed):
     key = KEY
     with stopping(plain_and_keyed[1]) as (_, url):
-        resp = httpx.post(f"{url}/engines/1/cordon", timeout=5)
+        resp = httpx.post(f"{url}/engines/1/cordon", json={}, timeout=5)
         assert resp.status_code == 401, resp.text
         assert resp.json()["error"]["code"] == "invalid_api_key"
-        assert row(url, 1)["cordoned"] is False  # nothing happened
-        assert engines(url)["admin"] is True  # /engines is open, like /metrics
+        assert row(url, 1, key)["cordoned"] is False  # nothing happened
+        assert engines(url, key)["admin"] is True
+        assert httpx.get(url + "/engines", timeout=5).status_code == 401  # hosts, pids
         # With the key: bad rank 400, unknown action 404, a real one 200.
         for path, status in (("/engines/7/cordon", 400), ("/engines/x/cordon", 400),
                              ("/engines/1/reboot", 404), ("/engines/1/drain?timeout=-1", 400)):
-            resp = httpx.post(url + path, headers=key, timeout=5)
+            resp = httpx.post(url + path, json={}, headers=key, timeout=5)
             assert resp.status_code == status, (path, resp.text)
             assert "message" in resp.json()["error"]
-        resp = httpx.post(f"{url}/engines/1/cordon", headers=key, timeout=15)
+        resp = httpx.post(f"{url}/engines/1/cordon", json={}, headers=key, timeout=15)
         assert resp.status_code == 200, resp.text
         assert resp.json()["rank"] == 1 and resp.json()["cordoned"] is True
 
 
 def test_cordon_stops_new_work_in_both_api_servers_and_uncordon_resumes(tiny_llama):
     model = str(tiny_llama)
-    with serve(model, *DP_ARGS, "--api-server-count", "2", "--enable-admin-api") as (_, url):
+    with serve(model, *DP_ARGS, "--api-server-count", "2", "--enable-admin-api",
+               "--allow-unauthenticated-admin") as (_, url):
         # /engines numbers are real: under load, requests wait or run and tokens flow.
         with Load(url, model, streams=16) as load:
             busy = wait_until(lambda: [e for e in engines(url)["engines"]
@@ -161,7 +163,7 @@ def test_cordon_stops_new_work_in_both_api_servers_and_uncordon_resumes(tiny_lla
                        60, "a time to first token on every rank")
         assert set(load.finishes) == {"length"}
 
-        resp = httpx.post(f"{url}/engines/1/cordon", timeout=15)
+        resp = httpx.post(f"{url}/engines/1/cordon", json={}, timeout=15)
         assert resp.status_code == 200 and resp.json()["cordoned"] is True, resp.text
         assert row(url, 1)["state"] == "serving"  # cordoned is not a state: it serves on
         before, servers_before = finished_by_engine(url), by_api_server(url)
@@ -177,7 +179,7 @@ def test_cordon_stops_new_work_in_both_api_servers_and_uncordon_resumes(tiny_lla
                             json={"model": model, "prompt": "hi", "max_tokens": 2}, timeout=30)
         assert pinned.status_code == 503 and "cordoned" in pinned.json()["error"]["message"]
 
-        resp = httpx.post(f"{url}/engines/1/uncordon", timeout=15)
+        resp = httpx.post(f"{url}/engines/1/uncordon", json={}, timeout=15)
         assert resp.status_code == 200 and resp.json()["cordoned"] is False, resp.text
         before = finished_by_engine(url)
         assert asyncio.run(complete(url, model, 40)) == ["length"] * 40
@@ -186,11 +188,12 @@ def test_cordon_stops_new_work_in_both_api_servers_and_uncordon_resumes(tiny_lla
 
 def test_drain_answers_when_empty_and_restart_serves_as_a_new_incarnation(tiny_llama):
     model = str(tiny_llama)
-    with serve(model, *DP_ARGS, "--enable-admin-api") as (proc, url):
+    with serve(model, *DP_ARGS, "--enable-admin-api", "--allow-unauthenticated-admin"
+               ) as (proc, url):
         # Drain under load pinned to rank 1 (seconds of work): answered once it holds nothing.
         with Load(url, model, streams=48, rank=1, rounds=1) as load:
             wait_until(lambda: row(url, 1)["running"] > 0, 60, "rank 1 busy")
-            resp = httpx.post(f"{url}/engines/1/drain?timeout=120", timeout=150)
+            resp = httpx.post(f"{url}/engines/1/drain?timeout=120", json={}, timeout=150)
             assert resp.status_code == 200, resp.text
             assert resp.json()["cordoned"] is True
             assert (resp.json()["waiting"], resp.json()["running"]) == (0, 0)
@@ -200,14 +203,15 @@ def test_drain_answers_when_empty_and_restart_serves_as_a_new_incarnation(tiny_l
         before = finished_by_engine(url)
         assert asyncio.run(complete(url, model, 8)) == ["length"] * 8
         assert finished_by_engine(url).get(1, 0) == before.get(1, 0)  # stays cordoned
-        assert httpx.post(f"{url}/engines/1/uncordon", timeout=15).status_code == 200
+        assert httpx.post(f"{url}/engines/1/uncordon", json={},
+                          timeout=15).status_code == 200
 
         # Restart rank 1 under load: a new process, its requests move, none is cut.
         old_pid = proc_named(descendants(proc.pid), "EngineCore_1").pid
         assert row(url, 1)["pid"] == old_pid
         with Load(url, model, streams=16) as load:
             wait_until(lambda: row(url, 1)["running"] > 0, 60, "rank 1 busy")
-            resp = httpx.post(f"{url}/engines/1/restart?timeout=120", timeout=150)
+            resp = httpx.post(f"{url}/engines/1/restart?timeout=120", json={}, timeout=150)
             assert resp.status_code == 200, resp.text
         assert set(load.stop()) == {"length"}
         assert resp.json()["state"] == "serving" and resp.json()["incarnation"] == 1

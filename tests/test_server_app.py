@@ -480,8 +480,9 @@ def test_engines_view_of_one_engine_and_no_admin_routes_without_the_flag(srv, ht
 
 def test_admin_routes_need_a_coordinator(tiny_llama):
     with serve(tiny_llama, enable_admin_api=True) as served:
-        resp = httpx.post(served.url + "/engines/0/cordon", timeout=10)
+        resp = httpx.post(served.url + "/engines/0/cordon", json={}, timeout=10)
         assert resp.status_code == 400, resp.text
         assert "coordinator" in resp.json()["error"]["message"]
-        assert httpx.post(served.url + "/engines/0/reboot", timeout=10).status_code == 404
+        assert httpx.post(served.url + "/engines/0/reboot", json={},
+                          timeout=10).status_code == 404
         assert httpx.get(served.url + "/engines", timeout=10).json()["admin"] is True

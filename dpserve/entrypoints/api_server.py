@@ -72,6 +72,7 @@ from dpserve.frontend.errors import EngineDeadError
 from dpserve.launch.api_servers import API_SERVER_READY_TIMEOUT_S, ControlMessage
 from dpserve.launch.process import start_parent_watcher
 from dpserve.logging_utils import name_process
+from dpserve.server.auth import AuthOptions
 from dpserve.server.extras import HTTPOptions, uvicorn_kwargs
 from dpserve.server.log_options import LogOptions, configure_access_log
 from dpserve.server.stats_log import log_stats_every
@@ -99,7 +100,7 @@ class APIServerOptions:
     """The HTTP options every API server shares (from the `dpserve serve` flags)."""
 
     served_model_name: str
-    api_key: str | None
+    auth: AuthOptions  # the accepted API keys, --metrics-auth
     max_request_body_bytes: int
     load_balance: str  # "least-loaded" | "round-robin" | "cache-aware"
     uvicorn_log_level: str
@@ -116,7 +117,8 @@ class APIServerOptions:
         first = names[0] if isinstance(names, list) and names else names
         return cls(served_model_name=first or _default_served_name(args.model),
                    http=HTTPOptions.from_args(args), log=LogOptions.from_args(args),
-                   api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes,
+                   auth=AuthOptions.from_args(args),
+                   max_request_body_bytes=args.max_request_body_bytes,
                    load_balance=args.load_balance, uvicorn_log_level=args.uvicorn_log_level,
                    enable_admin_api=getattr(args, "enable_admin_api", False),
                    max_num_queued_requests=getattr(args, "max_num_queued_requests", None),
@@ -196,7 +198,7 @@ async def serve_http(options: APIServerOptions, config: EngineConfig, spec: APIS
     died = False
     try:
         llm = AsyncLLM(config, client)
-        app = build_app(llm, options.served_model_name, api_key=options.api_key,
+        app = build_app(llm, options.served_model_name, auth=options.auth,
                         max_request_body_bytes=options.max_request_body_bytes,
                         api_server_index=spec.index,
                         enable_admin_api=options.enable_admin_api,

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING
 
 from dpserve.config import ConfigError, EngineArgs, EngineConfig, ParallelConfig
 from dpserve.logging_utils import name_process
+from dpserve.server.auth import add_auth_args
 from dpserve.server.extras import add_http_args
 from dpserve.server.log_options import add_log_args
 
@@ -79,13 +80,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "(default: built-in SmolLM2-135M-Instruct)")
     parser.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
     parser.add_argument("--port", type=int, default=8000, help="Port to listen on.")
-    parser.add_argument("--api-key", default=None,
-                        help="Require 'Authorization: Bearer KEY' on /v1/* "
-                             "(default: $DPSERVE_API_KEY; none = open).")
+    add_auth_args(parser)
     parser.add_argument("--enable-admin-api", action="store_true",
                         help="Serve the admin routes (/pause, /resume, /sleep, /wake_up, "
                              "/reset_prefix_cache, /scale_elastic_ep, per-rank cordon/uncordon/"
-                             "drain/restart); with --api-key they need the key too.")
+                             "drain/restart), behind the API key; without a key only with "
+                             "--allow-unauthenticated-admin on a loopback --host.")
     parser.add_argument("--max-num-queued-requests", type=int, default=None,
                         help="Answer 429 (Retry-After) when every serving engine has this "
                              "many requests waiting (default: no limit).")
@@ -106,7 +106,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-ready-timeout", type=float, default=600.0,
                         help="Seconds to wait for the engines to load the model.")
     parser.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
-                        help="Larger request bodies get HTTP 413.")
+                        help="Larger request bodies (on any route) get HTTP 413.")
     parser.add_argument("--load-balance", default="least-loaded",
                         choices=["least-loaded", "round-robin", "cache-aware"],
                         help="How the API server places requests on engines: the lowest "
@@ -146,9 +146,14 @@ def _check_args(args: argparse.Namespace) -> None:
         value = getattr(args, option, None)
         if value is not None and value < 1:
             raise ConfigError(f"--{option.replace('_', '-')} must be at least 1, got {value}")
+    from dpserve.server.auth import AuthOptions, check_admin_exposure
+    from dpserve.server.extras import HTTPOptions
     from dpserve.server.log_options import LogOptions
 
-    LogOptions.from_args(args)  # its ConfigErrors before anything loads
+    LogOptions.from_args(args)  # their ConfigErrors before anything loads
+    HTTPOptions.from_args(args)
+    if not args.headless:
+        check_admin_exposure(args, AuthOptions.from_args(args))
     if args.api_server_count < 1:
         raise ConfigError(f"--api-server-count must be at least 1, got "
                           f"{args.api_server_count}")

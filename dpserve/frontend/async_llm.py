@@ -1,6 +1,8 @@
 """AsyncLLM: the asyncio front-end that the HTTP server drives.
 
-It tokenises prompts (and applies chat templates), validates requests before
+It tokenises prompts (and applies chat templates; the server does it on one
+tokenizer thread, `in_tokenizer_thread`, so a huge prompt does not stall the
+event loop and every other client's stream), validates requests before
 they reach an engine, registers them with the `OutputProcessor` (DELTA
 outputs: each update carries only the new text, with possible stop-string
 starts held back) and sends the engine requests through an engine client
@@ -23,11 +25,13 @@ may pin an engine with `data_parallel_rank`), HTTP.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -42,6 +46,10 @@ from dpserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _ABORTED = object()  # queue sentinel: abort() ended the request
+# One thread, as vLLM's: a Hugging Face tokenizer is not safe to mutate from two
+# threads at once, and one is enough to keep the event loop free.
+TOKENIZER_THREADS = 1
+_T = TypeVar("_T")
 
 
 class EngineClient(Protocol):
@@ -131,8 +139,18 @@ class AsyncLLM:
         # Set by the server: called with the prompt lengths of a request before it is
         # sent; raises to refuse it (paused, asleep, queues full: server/control.py).
         self.admission: Callable[[list[int]], None] | None = None
+        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS,
+                                                  thread_name_prefix="dpserve-tokenizer")
 
     # ---- prompts ----------------------------------------------------------
+
+    async def in_tokenizer_thread(self, fn: Callable[..., _T], *args: Any, **kwargs: Any
+                                  ) -> _T:
+        """`fn(*args, **kwargs)` (tokenising, a chat template) on the tokenizer thread,
+        so the event loop serves other clients meanwhile; same result, same errors."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool,
+                                          functools.partial(fn, *args, **kwargs))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
@@ -398,4 +416,5 @@ class AsyncLLM:
         task = self._output_task
         if task is not None and not task.done() and not task.get_loop().is_closed():
             task.get_loop().call_soon_threadsafe(task.cancel)
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         self.client.shutdown()

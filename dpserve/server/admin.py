@@ -1,15 +1,16 @@
 """Admin routes: they exist only with `--enable-admin-api` (`build_app` mounts them).
 
-Scope: `admin_dependencies(api_key)`, the guard every admin router shares
-(with an API key: `Authorization: Bearer KEY`, else 401), and `admin_router`,
-the per-rank controls:
+Scope: `admin_router`, the per-rank controls (behind the API key like every
+route, `dpserve.server.auth`; POSTs only as `Content-Type: application/json`,
+`dpserve.server.bodies.require_json`, which `build_app` passes in):
 
     POST /engines/{rank}/cordon     the rank gets no new requests, in every API
                                     server (through the DP coordinator); what it
                                     holds goes on. 200 once this API server sees it.
     POST /engines/{rank}/uncordon   undoes it.
     POST /engines/{rank}/drain      cordon, then wait until the rank holds no request
-                                    (200; `?timeout=S`, default 300: 504 after it);
+                                    (200; `?timeout=S`, default 300, at most 3600:
+                                    504 after it);
                                     the rank stays cordoned.
     POST /engines/{rank}/restart    the launcher that runs the rank kills its engine
                                     and starts a new one at once (incarnation + 1),
@@ -17,7 +18,8 @@ the per-rank controls:
                                     --max-engine-restarts; its requests move to other
                                     ranks as on a crash (drain first to avoid that).
                                     200 when the new one serves (`?timeout=S`,
-                                    default 300: 504). A cordon outlives it.
+                                    default 300, at most 3600: 504). A cordon
+                                    outlives it.
 
 Each answers the rank's /engines row. A rank this server does not have, or a
 bad timeout: 400; an action not listed: 404; a server without a DP
@@ -35,10 +37,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 
 from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.errors import EngineDeadError
+from dpserve.server.bodies import query_seconds
 from dpserve.server.engines import engine_rows
 from dpserve.server.protocol import APIError
 
@@ -47,15 +50,6 @@ CONTROL_TIMEOUT_S = 10.0  # cordon / uncordon: the coordinator's update comes wi
 DEFAULT_WAIT_S = 300.0  # drain / restart without ?timeout=
 _POLL_S = 0.05
 _DRAIN_SETTLE_S = 0.5  # requests other API servers sent just before the cordon land first
-
-
-def admin_dependencies(api_key: str | None) -> list[Any]:
-    """The guard of every admin router: the API key when one is set (401 without it)."""
-    if not api_key:
-        return []
-    from dpserve.server.app import _bearer_check  # app imports this module
-
-    return [Depends(_bearer_check(api_key))]
 
 
 def admin_router(async_llm: AsyncLLM, dependencies: list[Any]) -> APIRouter:
@@ -69,10 +63,10 @@ def admin_router(async_llm: AsyncLLM, dependencies: list[Any]) -> APIRouter:
                            code="not_found")
         client = async_llm.client
         number = _rank(client, rank)
+        timeout = query_seconds(request, "timeout", DEFAULT_WAIT_S)
         if not getattr(client, "has_coordinator", False):
             raise APIError(400, "per-rank controls go through the DP coordinator, and this "
                            "server has none (--data-parallel-size 1)", code="not_supported")
-        timeout = _timeout(request)
         if action == "restart":
             old = client.engines[number].status.incarnation
             await client.control_rank(number, "restart")
@@ -102,20 +96,6 @@ def _rank(client: Any, rank: str) -> int:
         raise APIError(400, f"rank must be one of this server's ranks {ranks}, got {rank!r}",
                        param="rank")
     return int(rank)
-
-
-def _timeout(request: Request) -> float:
-    value = request.query_params.get("timeout")
-    if value is None:
-        return DEFAULT_WAIT_S
-    try:
-        timeout = float(value)
-    except ValueError:
-        timeout = -1.0
-    if not 0 < timeout <= 86400:
-        raise APIError(400, f"timeout must be a number of seconds in (0, 86400], got "
-                       f"{value!r}", param="timeout")
-    return timeout
 
 
 def _restarted(client: Any, rank: int, old_incarnation: int) -> bool:

@@ -1,10 +1,15 @@
 """The FastAPI app: thin routes over `OpenAIServing`, one error handler.
 
-Routes: /v1/completions, /v1/chat/completions, /v1/models (behind the API
-key when one is set), /health (200; 503 once the engine is dead), /metrics
-(Prometheus), /version, /debug/request_state (sizes of the per-request state,
-for leak checks), /engines and /dashboard (`dpserve.server.engines`); with
-`enable_admin_api` the admin routes (`dpserve.server.admin`, `dpserve.server.control`).
+Routes: /v1/completions, /v1/chat/completions, /v1/models, /health (200; 503
+once the engine is dead), /ping (the same, vLLM's name), /metrics (Prometheus),
+/version, /debug/request_state (sizes of the per-request state, for leak
+checks), /debug/dp_state, /engines and /dashboard (`dpserve.server.engines`);
+with `enable_admin_api` the admin routes (`dpserve.server.admin`,
+`dpserve.server.control`). With an API key, every route but a short allowlist
+needs it (`dpserve.server.auth`: one middleware in front of all of them); every
+body is capped at `max_request_body_bytes` (`dpserve.server.bodies`: 413).
+FastAPI's /docs and /redoc are off (they load scripts from a CDN);
+/openapi.json is behind the key like any route.
 While the server drains (`AsyncLLM.draining`, set on SIGTERM), /health and
 every /v1 route answer 503 with `Retry-After` and code
 "server_draining"; requests already in flight go on. The
@@ -16,8 +21,9 @@ or not, has its request aborted in the engine.
 
 With `enable_admin_api`, the operator routes of `server/control.py` (pause,
 resume, sleep, wake_up, reset_prefix_cache, is_paused, is_sleeping) are
-mounted, behind the API key when one is set; its `Admission` check answers
-503 while paused or asleep and 429 when every engine's queue is full.
+mounted; like every admin route their POSTs take only `Content-Type:
+application/json` (415). Its `Admission` check answers 503 while paused or
+asleep and 429 when every engine's queue is full.
 
 Not here: starting uvicorn or the engine (`dpserve serve` does that).
 """
@@ -26,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import secrets
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
@@ -40,7 +45,9 @@ from starlette.types import Send
 from dpserve import __version__
 from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.errors import EngineDeadError
-from dpserve.server.admin import admin_dependencies, admin_router
+from dpserve.server.admin import admin_router
+from dpserve.server.auth import API_KEY_ENV, AuthMiddleware, AuthOptions
+from dpserve.server.bodies import BodyLimit, require_json
 from dpserve.server.control import Admission, control_router
 from dpserve.server.engines import engines_router
 from dpserve.server.extras import HTTPOptions, install_extras
@@ -69,19 +76,23 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
               max_num_queued: tuple[int | None, int | None] = (None, None),
               tool_call_parser: str | None = None,
               http_options: HTTPOptions | None = None,
-              log_requests: bool = False) -> FastAPI:
-    """An OpenAI-compatible app over `async_llm`; `api_key` defaults to $DPSERVE_API_KEY.
+              log_requests: bool = False, auth: AuthOptions | None = None) -> FastAPI:
+    """An OpenAI-compatible app over `async_llm`.
 
     The app does not own `async_llm`: whoever built it shuts it down.
     `api_server_index` labels this API server's series in /metrics.
+    `auth`: the accepted API keys and `--metrics-auth` (`dpserve.server.auth`);
+    without it, `api_key` (default $DPSERVE_API_KEY) is the one key, if any.
     `enable_admin_api`: mount the admin routers (`dpserve.server.admin`,
-    `dpserve.server.control`), behind `api_key` when one is set; without it they do
-    not exist (404). `max_num_queued`: (requests, prompt tokens) waiting per engine
-    before a 429. `tool_call_parser`: parse tool calls for tool_choice "auto".
+    `dpserve.server.control`); without it they do not exist (404). The refusal of
+    an admin API without a key is the command line's (`check_admin_exposure`).
+    `max_num_queued`: (requests, prompt tokens) waiting per engine before a 429.
+    `tool_call_parser`: parse tool calls for tool_choice "auto".
     `http_options`: CORS, model aliases, chat template (server/extras.py).
     `log_requests`: a log line per request arrival and finish (server/log_options.py).
     """
-    api_key = api_key or os.environ.get("DPSERVE_API_KEY") or None
+    if auth is None:
+        auth = AuthOptions.from_key(api_key or os.environ.get(API_KEY_ENV))
     serving = OpenAIServing(async_llm, served_model_name, tool_call_parser)
     http_options = http_options or HTTPOptions()
     serving.model_aliases = http_options.model_aliases
@@ -93,19 +104,18 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     async_llm.add_stats_listener(metrics)
     # Moves show in every engine message's wake: count them in this API server then.
     async_llm.add_stats_listener(_MovedListener(metrics, async_llm))
-    app = FastAPI(title="dpserve", version=__version__)
+    app = FastAPI(title="dpserve", version=__version__, docs_url=None, redoc_url=None)
     app.state.serving, app.state.metrics = serving, metrics
-    auth = [Depends(_bearer_check(api_key))] if api_key else []
-    v1 = APIRouter(prefix="/v1", dependencies=[*auth, Depends(_drain_check(async_llm))])
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_drain_check(async_llm))])
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
-        body = await _parse(request, CompletionRequest, max_request_body_bytes)
+        body = await _parse(request, CompletionRequest)
         return await _respond(request, serving.create_completion(body, _dp_rank(request)))
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await _parse(request, ChatCompletionRequest, max_request_body_bytes)
+        body = await _parse(request, ChatCompletionRequest)
         return await _respond(request, serving.create_chat_completion(body,
                                                                       _dp_rank(request)))
 
@@ -123,6 +133,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
         return card(model_id)
 
     @app.get("/health")
+    @app.get("/ping")
+    @app.post("/ping")
     async def health(request: Request) -> Response:
         """200 while at least one rank serves (`?rank=R`: while rank R serves), else 503;
         the body lists every rank's state."""
@@ -184,13 +196,16 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
         return {"version": __version__}
 
     app.include_router(v1)
+    # Middleware, innermost first: body cap, API key, then (extras) counts and CORS.
+    app.add_middleware(BodyLimit, limit=max_request_body_bytes)
+    app.add_middleware(AuthMiddleware, options=auth)
     install_extras(app, async_llm, serving, metrics.registry, http_options)
-    app.include_router(engines_router(async_llm, admin=enable_admin_api))  # open, as /metrics
+    app.include_router(engines_router(async_llm, admin=enable_admin_api))
     if hasattr(async_llm.client, "control"):  # pause / sleep / queue limits (control.py)
         async_llm.admission = Admission(
             async_llm.client, *max_num_queued, async_llm.config.scheduler.max_num_seqs)
     if enable_admin_api:
-        admin = admin_dependencies(api_key)
+        admin = [Depends(require_json)]
         app.include_router(admin_router(async_llm, admin))
         add_scale_route(app, async_llm, admin)
         if hasattr(async_llm.client, "control"):
@@ -236,18 +251,6 @@ def _rank_states(async_llm: AsyncLLM) -> list[dict[str, Any]]:
             for e in engines.values()]
 
 
-def _bearer_check(api_key: str) -> Any:
-    expected = f"Bearer {api_key}".encode()
-
-    async def check(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode()
-        if not secrets.compare_digest(given, expected):
-            raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer "
-                           "<key>'.", type="invalid_request_error", code="invalid_api_key")
-
-    return check
-
-
 def _drain_check(async_llm: AsyncLLM) -> Any:
     async def check() -> None:
         if async_llm.draining:
@@ -274,19 +277,9 @@ def _dp_rank(request: Request) -> int | None:
                        f"{value!r}", param=DP_RANK_HEADER) from None
 
 
-async def _parse(request: Request, model: type[_M], limit: int) -> _M:
-    """Read the body (at most `limit` bytes, else 413) and validate it strictly."""
-    too_large = APIError(413, f"request body larger than {limit} bytes",
-                         code="request_too_large")
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise too_large
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_large
-    return model.model_validate_json(bytes(body), strict=True)
+async def _parse(request: Request, model: type[_M]) -> _M:
+    """Read the body (capped by `BodyLimit`: 413) and validate it strictly."""
+    return model.model_validate_json(await request.body(), strict=True)
 
 
 async def _respond(request: Request, work: Awaitable[Any]) -> Response:

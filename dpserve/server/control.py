@@ -1,7 +1,8 @@
 """Operator routes for pause / sleep, and the admission check of new requests.
 
 Routes (`control_router`; mounted only with `--enable-admin-api`, behind the
-API key when one is set), vLLM's names, acting on every rank at once:
+API key like every route; POSTs take only `Content-Type: application/json`),
+vLLM's names, acting on every rank at once:
 
     POST /pause?mode=abort|wait|keep   abort (default): requests in flight end now
                                        (finish_reason "abort"); wait: answers once
@@ -14,7 +15,7 @@ API key when one is set), vLLM's names, acting on every rank at once:
     POST /reset_prefix_cache
 
 A change answers 200 with the state once every serving rank reached it
-(`?timeout=` s, default 600: else 504, the state stays). `Admission` is the
+(`?timeout=` s, default 600, at most 3600: else 504, the state stays). `Admission` is the
 check `OpenAIServing` runs before a request is sent: 503 while paused or
 asleep (code "server_paused" / "server_sleeping", Retry-After), 429 when
 every serving rank's queue is at `--max-num-queued-requests` or
@@ -33,9 +34,11 @@ from fastapi import APIRouter, Request
 from dpserve.control import PAUSE_MODES
 from dpserve.frontend.control import change_control
 from dpserve.protocol import ControlState
+from dpserve.server.bodies import query_seconds
 from dpserve.server.protocol import APIError
 
 RETRY_AFTER_S = 1  # the Retry-After of a 503 (paused, asleep) or a 429 (queues full)
+DEFAULT_TIMEOUT_S = 600.0  # a change without ?timeout=
 
 
 def control_router(client: Any) -> APIRouter:
@@ -43,7 +46,7 @@ def control_router(client: Any) -> APIRouter:
     router = APIRouter()
 
     async def change(request: Request, op: str, arg: str | int | None = None) -> dict:
-        timeout = _float_param(request, "timeout", 600.0)
+        timeout = query_seconds(request, "timeout", DEFAULT_TIMEOUT_S)
         try:
             state = await change_control(client, op, arg, timeout=timeout)
         except TimeoutError as e:
@@ -91,20 +94,6 @@ def control_router(client: Any) -> APIRouter:
 def _flags(state: ControlState) -> dict:
     return {"is_paused": state.paused is not None, "pause_mode": state.paused,
             "is_sleeping": state.sleep_level > 0, "sleep_level": state.sleep_level}
-
-
-def _float_param(request: Request, name: str, default: float) -> float:
-    value = request.query_params.get(name)
-    if value is None:
-        return default
-    try:
-        number = float(value)
-    except ValueError:
-        number = -1.0
-    if not number > 0:
-        raise APIError(400, f"{name} must be a positive number of seconds, got {value!r}",
-                       param=name)
-    return number
 
 
 class Admission:

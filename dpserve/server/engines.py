@@ -1,8 +1,10 @@
 """`GET /engines` and `/dashboard`: the read-only view of every DP rank.
 
-Scope: `engines_router(async_llm, admin)`, open like /metrics (no API key,
-no admin flag), and `engine_rows(...)`, the per-rank rows that both /engines
-and the admin routes (`dpserve.server.admin`) answer with:
+Scope: `engines_router(async_llm, admin)` (no admin flag needed; /engines is
+behind the API key like every data route, while the dashboard page and its two
+static files are open: they hold no data), and `engine_rows(...)`, the per-rank
+rows that both /engines and the admin routes (`dpserve.server.admin`) answer
+with:
 
     {"data_parallel_size": N, "admin": bool, "engines": [{"rank", "state",
      "cordoned", "waiting", "running", "kv_cache_usage", "tokens_per_s", "wave",
@@ -18,7 +20,12 @@ alike. Without one (N = 1) the engine is asked for its `SchedulerStats`
 
 The dashboard is one HTML page with its script and style sheet, shipped in
 `dpserve/server/static/` (package data; no build step, nothing from a CDN);
-it polls /engines every second.
+it polls /engines every second, sending the API key typed into the page (kept
+in the page only). Its URLs are relative, so it works under --root-path. Every
+dashboard response carries `DASHBOARD_HEADERS`: a Content-Security-Policy that
+allows only this origin's script and style (no inline code, no framing, no
+form targets), `X-Frame-Options: DENY`, `X-Content-Type-Options: nosniff` and
+`Referrer-Policy: no-referrer`.
 
 Not here: cordon / drain / restart (`dpserve.server.admin`).
 """
@@ -38,6 +45,15 @@ from dpserve.server.protocol import APIError
 
 _STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 _STATS_TIMEOUT_S = 2.0  # N = 1: how long /engines waits for the engine's figures
+DASHBOARD_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+                               "connect-src 'self'; img-src 'self'; base-uri 'none'; "
+                               "form-action 'none'; frame-ancestors 'none'",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
 
 
 def engines_router(async_llm: AsyncLLM, admin: bool) -> APIRouter:
@@ -55,13 +71,14 @@ def engines_router(async_llm: AsyncLLM, admin: bool) -> APIRouter:
 
     @router.get("/dashboard")
     async def dashboard() -> Response:
-        return Response(_static("dashboard.html"), media_type="text/html")
+        return Response(_static("dashboard.html"), media_type="text/html",
+                        headers=DASHBOARD_HEADERS)
 
     @router.get("/dashboard/{name}")
     async def dashboard_file(name: str) -> Response:
         if name not in _STATIC:
             raise APIError(404, f"no dashboard file {name!r}", code="not_found")
-        return Response(_static(name), media_type=_STATIC[name])
+        return Response(_static(name), media_type=_STATIC[name], headers=DASHBOARD_HEADERS)
 
     return router
 

@@ -5,6 +5,14 @@ responses by route and status in /metrics.
 `add_http_args` adds the flags to `dpserve serve`; `HTTPOptions.from_args` reads
 them once; `install_extras(app, ...)` adds the routes and middleware to the app
 `build_app` made; `uvicorn_kwargs` is what uvicorn itself needs (TLS, root path).
+
+CORS: no CORS headers at all unless `--allowed-origins` is given (a page on
+another origin cannot read any answer, and a cross-site fetch() that needs a
+preflight, e.g. a JSON POST to an admin route, is not sent). `--allowed-methods`,
+`--allowed-headers` and `--allow-credentials` need `--allowed-origins`;
+`--allow-credentials` with a "*" origin is refused (it would grant any site the
+user's credentials). /tokenize and /detokenize tokenise on `AsyncLLM`'s tokenizer
+thread, not on the event loop.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ if TYPE_CHECKING:  # prometheus_client is imported late: it reads its env on imp
 
 @dataclass(frozen=True)
 class HTTPOptions:
-    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_origins: tuple[str, ...] = ()  # empty: no CORS middleware at all
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
@@ -46,11 +54,14 @@ class HTTPOptions:
                 raise ConfigError(f"--{option.replace('_', '-')}: no such file: {path}")
         names = getattr(args, "served_model_name", None)
         aliases = tuple(names[1:]) if isinstance(names, list) else ()
+        origins = _json_list(args, "allowed_origins", [])
+        credentials = bool(getattr(args, "allow_credentials", False))
+        _check_cors(args, origins, credentials)
         return cls(
-            allowed_origins=tuple(_json_list(args, "allowed_origins")),
-            allowed_methods=tuple(_json_list(args, "allowed_methods")),
-            allowed_headers=tuple(_json_list(args, "allowed_headers")),
-            allow_credentials=bool(getattr(args, "allow_credentials", False)),
+            allowed_origins=tuple(origins),
+            allowed_methods=tuple(_json_list(args, "allowed_methods", ["*"])),
+            allowed_headers=tuple(_json_list(args, "allowed_headers", ["*"])),
+            allow_credentials=credentials,
             root_path=getattr(args, "root_path", "") or "",
             ssl_keyfile=getattr(args, "ssl_keyfile", None),
             ssl_certfile=getattr(args, "ssl_certfile", None),
@@ -58,10 +69,21 @@ class HTTPOptions:
             model_aliases=aliases)
 
 
-def _json_list(args: argparse.Namespace, name: str) -> list[str]:
+def _check_cors(args: argparse.Namespace, origins: list[str], credentials: bool) -> None:
+    if not origins:
+        for option in ("allowed_methods", "allowed_headers", "allow_credentials"):
+            if getattr(args, option, None):
+                raise ConfigError(f"--{option.replace('_', '-')} needs --allowed-origins "
+                                  f"(without it the server sends no CORS headers)")
+    if credentials and "*" in origins:
+        raise ConfigError("--allow-credentials cannot be used with a '*' origin in "
+                          "--allowed-origins: list the origins that may send credentials")
+
+
+def _json_list(args: argparse.Namespace, name: str, default: list[str]) -> list[str]:
     raw = getattr(args, name, None)
     if raw is None:
-        return ["*"]
+        return default
     try:
         value = json.loads(raw)
     except json.JSONDecodeError:
@@ -87,10 +109,14 @@ def load_chat_template(value: str | None) -> str | None:
 def add_http_args(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--allowed-origins", default=None,
-      help='CORS: origins allowed, a JSON list (default ["*"]).')
-    a("--allowed-methods", default=None, help='CORS: methods allowed (default ["*"]).')
-    a("--allowed-headers", default=None, help='CORS: headers allowed (default ["*"]).')
-    a("--allow-credentials", action="store_true", help="CORS: allow credentials.")
+      help='CORS: origins allowed, a JSON list, e.g. \'["https://app.example"]\' (default: '
+           'none, no CORS headers at all).')
+    a("--allowed-methods", default=None,
+      help='CORS, with --allowed-origins: methods allowed (default ["*"]).')
+    a("--allowed-headers", default=None,
+      help='CORS, with --allowed-origins: headers allowed (default ["*"]).')
+    a("--allow-credentials", action="store_true",
+      help="CORS, with --allowed-origins (not '*'): allow credentials.")
     a("--root-path", default="", help="The path prefix a proxy serves this server under.")
     a("--ssl-keyfile", default=None, help="Serve HTTPS: the private key file (PEM).")
     a("--ssl-certfile", default=None, help="Serve HTTPS: the certificate file (PEM).")
@@ -107,14 +133,11 @@ def uvicorn_kwargs(options: HTTPOptions) -> dict[str, Any]:
 
 def install_extras(app: FastAPI, llm: Any, serving: Any, registry: CollectorRegistry,
                    options: HTTPOptions, v1: APIRouter | None = None) -> None:
-    """CORS, HTTP-response metrics and the extra routes (see the module docstring)."""
+    """HTTP-response metrics, CORS (the outermost middleware: preflights are answered
+    before the API key is asked for) and the extra routes (the module docstring)."""
     from fastapi.middleware.cors import CORSMiddleware
     from prometheus_client import Counter
 
-    app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
-                       allow_methods=list(options.allowed_methods),
-                       allow_headers=list(options.allowed_headers),
-                       allow_credentials=options.allow_credentials)
     responses = Counter("dpserve:http_responses", "HTTP responses by route and status.",
                         ["route", "status"], registry=registry)
 
@@ -126,22 +149,31 @@ def install_extras(app: FastAPI, llm: Any, serving: Any, registry: CollectorRegi
         responses.labels(path, str(response.status_code)).inc()
         return response
 
+    if options.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
+                           allow_methods=list(options.allowed_methods),
+                           allow_headers=list(options.allowed_headers),
+                           allow_credentials=options.allow_credentials)
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         body = await _json_body(request)
         serving.check_model(body.get("model"))
         if "messages" in body:
-            ids = llm.apply_chat_template(body["messages"],
-                                          bool(body.get("add_generation_prompt", True)))
+            ids = await llm.in_tokenizer_thread(
+                llm.apply_chat_template, body["messages"],
+                bool(body.get("add_generation_prompt", True)))
         elif isinstance(body.get("prompt"), str):
-            ids = (llm.tokenizer.encode(body["prompt"]) if body.get("add_special_tokens", True)
-                   else llm.tokenizer.encode(body["prompt"], add_special_tokens=False))
+            special = {} if body.get("add_special_tokens", True) else {
+                "add_special_tokens": False}
+            ids = await llm.in_tokenizer_thread(llm.tokenizer.encode, body["prompt"], **special)
         else:
             raise RequestError("tokenize needs a prompt (string) or messages", param="prompt")
         out: dict[str, Any] = {"count": len(ids), "max_model_len": llm.max_model_len,
                                "tokens": ids}
         if body.get("return_token_strs"):
-            out["token_strs"] = llm.tokenizer.convert_ids_to_tokens(ids)
+            out["token_strs"] = await llm.in_tokenizer_thread(
+                llm.tokenizer.convert_ids_to_tokens, ids)
         return out
 
     @app.post("/detokenize")
@@ -153,10 +185,11 @@ def install_extras(app: FastAPI, llm: Any, serving: Any, registry: CollectorRegi
                 isinstance(t, int) and 0 <= t < llm.vocab_size for t in tokens):
             raise RequestError(f"tokens must be a list of token ids in [0, {llm.vocab_size})",
                                param="tokens")
-        return {"prompt": llm.decode(tokens)}
+        return {"prompt": await llm.in_tokenizer_thread(llm.decode, tokens)}
 
 
 async def _json_body(request: Request) -> dict[str, Any]:
+    """The body as a JSON object (read through `BodyLimit`: 413 over the cap)."""
     try:
         body = json.loads(await request.body() or b"{}")
     except json.JSONDecodeError as e:

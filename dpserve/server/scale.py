@@ -11,7 +11,9 @@ the change is done:
     409  another change runs (code "scale_in_progress")
     503  the change failed (e.g. a new engine did not start; the size is the old one)
 
-Mounted only with `--enable-admin-api`; with `--api-key` it needs the key too.
+Mounted only with `--enable-admin-api`; behind the API key like every route, and
+only as `Content-Type: application/json` (415); the body is capped like every
+body (`--max-request-body-bytes`, 413).
 
 Not here: carrying the change out (`dpserve.launch`), the coordinator's one-at-a-
 time rule (`dpserve.launch.autoscale.ScaleBook`).

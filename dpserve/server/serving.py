@@ -105,8 +105,8 @@ class OpenAIServing:
                                        logprobs=req.logprobs)
         prompt = req.prompt
         batch = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
-        prompts = [(p, self.llm.encode(p)) if isinstance(p, str) else (None, list(p))
-                   for p in batch]
+        prompts = [(p, await self.llm.in_tokenizer_thread(self.llm.encode, p))
+                   if isinstance(p, str) else (None, list(p)) for p in batch]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = self._start(request_id, prompts, params, data_parallel_rank)
         # echo: each choice starts with its prompt's text.
@@ -179,7 +179,7 @@ class OpenAIServing:
                                    f"response_format or structured_outputs",
                                    param="tool_choice")
             params = msgspec.structs.replace(params, structured_outputs=constraint)
-        prompt_ids = self._render_chat(req, plan)
+        prompt_ids = await self.llm.in_tokenizer_thread(self._render_chat, req, plan)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             streams = self._start(request_id, [(None, prompt_ids)], params,

@@ -1,6 +1,9 @@
 // dpserve dashboard: polls GET /engines every second; a tile per rank, two plots of the
 // last few minutes, and (when the admin API is on) cordon / uncordon / drain buttons and
 // a scale control. Plain DOM and canvas: no build step, nothing from elsewhere.
+// Every URL is relative (the page works under --root-path), every request carries the
+// API key typed into the page (kept in the page only), and every POST is JSON: the
+// server's admin routes take nothing else.
 "use strict";
 
 const POLL_MS = 1000;
@@ -17,13 +20,9 @@ function authHeaders() {
   return key ? { "Authorization": "Bearer " + key } : {};
 }
 
-async function post(path, body) {
-  const init = { method: "POST", headers: authHeaders() };
-  if (body !== undefined) {
-    init.headers["Content-Type"] = "application/json";
-    init.body = JSON.stringify(body);
-  }
-  const resp = await fetch(path, init);
+async function post(path, body = {}) {
+  const headers = { ...authHeaders(), "Content-Type": "application/json" };
+  const resp = await fetch(path, { method: "POST", headers, body: JSON.stringify(body) });
   let text = await resp.text();
   try {
     const json = JSON.parse(text);
@@ -63,7 +62,7 @@ function makeTile(rank) {
       const action = button.dataset.action;
       field(tile, "answer", action + "...");
       try {
-        const answer = await post("/engines/" + rank + "/" + action);
+        const answer = await post("engines/" + rank + "/" + action);
         field(tile, "answer", answer.startsWith("200 ") ? "200 " + action + " done" : answer);
       } catch (e) {
         field(tile, "answer", action + " failed: " + e);
@@ -155,7 +154,12 @@ function plot(canvas, key, color) {
 
 async function poll() {
   try {
-    const resp = await fetch("/engines", { cache: "no-store" });
+    const resp = await fetch("engines", { cache: "no-store", headers: authHeaders() });
+    if (resp.status === 401) {
+      $("status").textContent = "this server needs its API key: type it above";
+      $("status").classList.add("error");
+      return;
+    }
     if (!resp.ok) throw new Error("HTTP " + resp.status);
     const data = await resp.json();
     render(data);
@@ -175,7 +179,7 @@ $("scale-button").addEventListener("click", async () => {
   $("scale-result").textContent = "scaling to " + n + "...";
   try {
     $("scale-result").textContent =
-        await post("/scale_elastic_ep", { new_data_parallel_size: n });
+        await post("scale_elastic_ep", { new_data_parallel_size: n });
   } catch (e) {
     $("scale-result").textContent = "scale failed: " + e;
   }

@@ -1,0 +1,101 @@
+"""Request bodies and query numbers: the one size-limited reader, JSON-only admin
+posts, bounded seconds.
+
+Scope:
+
+* `BodyLimit`, an ASGI middleware in front of every route: a request whose
+  Content-Length is over `--max-request-body-bytes` gets 413 at once; a body
+  sent without one (chunked) is counted as the route reads it, and the read
+  that crosses the limit raises a 413 `APIError` (the app's error handler
+  answers it). Every route reads its body through it (`request.body()`,
+  `request.stream()`), so none reads an unbounded one.
+* `require_json`, the dependency of every admin / control route: a POST must
+  say `Content-Type: application/json` (415 otherwise; `{}` is a fine body).
+  An HTML form can only send form or text types, so a cross-site form post
+  cannot reach these routes, and a cross-site fetch() with JSON needs a CORS
+  preflight that no origin passes by default.
+* `query_seconds`, a `?timeout=`-style query parameter: finite, positive and
+  at most a bound, else 400 naming the bound.
+
+Not here: the API key (`dpserve.server.auth`), request-field limits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from fastapi import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from dpserve.server.protocol import APIError
+
+MAX_WAIT_S = 3600.0  # the largest ?timeout= a control route accepts
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"request body larger than --max-request-body-bytes ({limit} bytes)",
+                    code="request_too_large")
+
+
+class BodyLimit:
+    """Caps every request body at `limit` bytes (module docstring)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            await _send_error(send, too_large(self.limit))
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise too_large(self.limit)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+async def _send_error(send: Send, error: APIError) -> None:
+    body = json.dumps({"error": {"message": error.message, "type": error.type,
+                                 "param": error.param, "code": error.code}}).encode()
+    await send({"type": "http.response.start", "status": error.status_code, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def require_json(request: Request) -> None:
+    """415 for a POST that is not `Content-Type: application/json` (module docstring)."""
+    if request.method != "POST":
+        return
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise APIError(415, f"this route takes Content-Type: application/json (a body of {{}} "
+                       f"will do), got {media_type or 'none'!r}", code="unsupported_media_type")
+
+
+def query_seconds(request: Request, name: str, default: float,
+                  maximum: float = MAX_WAIT_S) -> float:
+    """`?name=S`: seconds in (0, maximum]; `default` when absent; else 400."""
+    value = request.query_params.get(name)
+    if value is None:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and 0 < seconds <= maximum):
+        raise APIError(400, f"{name} must be a number of seconds in (0, {maximum:g}], got "
+                       f"{value!r}", param=name)
+    return seconds
