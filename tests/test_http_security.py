@@ -34,7 +34,7 @@ import openai
 import pytest
 from fastapi import Request
 
-from tests.helpers import free_port, output, serve, wait_until
+from helpers import free_port, output, serve, wait_until
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(300)]
 
@@ -140,9 +140,11 @@ def test_key_ids_are_names_or_hashes_never_the_key(tmp_path) -> None:
     from dpserve.server.auth import AuthOptions, key_id, load_key_file
 
     path = tmp_path / "keys"
-    path.write_text(f"# operators\n\nalice {KEYS['alice']}\n  {KEYS['bob']}  \n")
+    path.write_text(f"# operators\n\nalice {KEYS['alice']}\n  {KEYS['bob']}  \n"
+                    "an-unnamed-key-too\n")
     path.chmod(0o600)
     auth = AuthOptions(tuple(load_key_file(str(path))))
+    assert auth.match("Bearer an-unnamed-key-too") == key_id("an-unnamed-key-too")
     assert auth.match(f"Bearer {KEYS['alice']}") == "alice"
     assert auth.match(f"bearer {KEYS['bob']}") == key_id(KEYS["bob"]) == (
         "key-" + hashlib.sha256(KEYS["bob"].encode()).hexdigest()[:12])

@@ -132,10 +132,11 @@ def load_key_file(path: str) -> list[APIKey]:
             raise ConfigError(f"--api-key-file {path} line {number}: expected KEY or "
                               f"NAME KEY (NAME: letters, digits, ._-)")
         name = fields[0] if len(fields) == 2 else None
-        if name in names:
-            raise ConfigError(f"--api-key-file {path} line {number}: name {name!r} is "
-                              f"used twice")
-        names.add(name)
+        if name is not None:
+            if name in names:
+                raise ConfigError(f"--api-key-file {path} line {number}: name {name!r} is "
+                                  f"used twice")
+            names.add(name)
         keys.append(_entry(fields[-1], name))
     if not keys:
         raise ConfigError(f"--api-key-file {path} holds no key")
