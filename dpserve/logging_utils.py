@@ -3,6 +3,9 @@
 Each dpserve process calls `name_process(role)` first: the role becomes its
 multiprocessing name (shown in every log line), its process title
 (`dpserve::<role>` in ps/top) and logging is set up if nobody did it yet.
+The title replaces the whole command line in /proc/<pid>/cmdline, so secrets
+given as options (`SECRET_FLAGS`) leave `ps` once it is set; `dpserve serve`
+sets it (and scrubs `sys.argv`: `scrub_argv`) right after parsing its options.
 """
 
 from __future__ import annotations
@@ -14,6 +17,22 @@ import sys
 
 LOG_FORMAT = ("%(asctime)s %(levelname)s %(processName)s pid=%(process)d "
               "[%(name)s] %(message)s")
+
+
+SECRET_FLAGS = ("--api-key", "--data-parallel-secret")  # their values never show
+HIDDEN = "<hidden>"
+
+
+def scrub_argv(flags: tuple[str, ...] = SECRET_FLAGS) -> None:
+    """Replace the values of `flags` ("--flag V" and "--flag=V") in sys.argv with
+    HIDDEN, so nothing that reads sys.argv later (spawned children get a copy) sees
+    them."""
+    argv = sys.argv
+    for i, arg in enumerate(argv):
+        if arg in flags and i + 1 < len(argv):
+            argv[i + 1] = HIDDEN
+        elif arg.split("=", 1)[0] in flags and "=" in arg:
+            argv[i] = arg.split("=", 1)[0] + "=" + HIDDEN
 
 
 def setup_logging() -> None:

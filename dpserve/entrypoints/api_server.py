@@ -60,7 +60,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import connection
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -99,7 +99,7 @@ class APIServerOptions:
     """The HTTP options every API server shares (from the `dpserve serve` flags)."""
 
     served_model_name: str
-    api_key: str | None
+    api_key: str | None = field(repr=False)  # never in a repr or log line
     max_request_body_bytes: int
     load_balance: str  # "least-loaded" | "round-robin" | "cache-aware"
     uvicorn_log_level: str
