@@ -201,11 +201,11 @@ def test_rendezvous_drops_junk_and_answers():
 def test_without_the_secret_a_process_cannot_join(tiny_llama):
     """With a secret, an engine (and a plain socket) without it never completes the
     handshake; an engine with it does."""
-    secret = "correct horse battery staple"
+    secret = "correct horse battery staple, 32+ chars"
     alloc = AddressAllocator()
     addrs = alloc.engine_addresses(1)
     outsider = EngineArgs(model=str(tiny_llama), max_model_len=128, num_kv_blocks=16,
-                          data_parallel_secret="not the secret").create_config()
+                          data_parallel_secret="not the secret, though long enough").create_config()
     manager = None
     try:
         manager = EngineProcManager(outsider, addrs.handshake, handshake_timeout=3)
@@ -281,7 +281,7 @@ def test_with_a_secret_every_socket_refuses_outsiders(tiny_llama):
     """With --data-parallel-secret, every socket a peer can reach (the front-end's
     engine sockets, the coordinator's three) completes a handshake only with a peer
     that has the secret: a plain peer and one with another secret are refused."""
-    secret = "correct horse battery staple"
+    secret = "correct horse battery staple, 32+ chars"
     config = EngineArgs(model=str(tiny_llama), data_parallel_size=2, threads_per_engine=1,
                         max_model_len=256, num_kv_blocks=64,
                         data_parallel_secret=secret).create_config()

@@ -91,8 +91,7 @@ class DPStoreServer:
         if not self._stop.is_set():
             self._stop.set()
             self._thread.join(5)
-            self._sock.close(linger=0)
-            self._ctx.term()
+            self._ctx.destroy(linger=0)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -175,6 +174,8 @@ class ZmqStore(dist.Store):
         self._ctx = zmq.Context()
         self._sock = secure(self._ctx.socket(zmq.DEALER), "client", secret)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # No peer (the coordinator gone, or refusing our keys): a send fails, not blocks.
+        self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(self._timeout_s * 1000)))
         self._sock.connect(address)
         self.address = address
         self._seq = 0
@@ -182,16 +183,18 @@ class ZmqStore(dist.Store):
         self._decoder = msgspec.msgpack.Decoder(StoreReply)
 
     def close(self) -> None:
-        self._sock.close(linger=0)
-        self._ctx.term()
+        self._ctx.destroy(linger=0)
 
     def _call(self, op: str, keys: list[str], hold_s: float = 0.0, **fields: Any) -> StoreReply:
         with self._lock:
             self._seq += 1
             request = StoreRequest(self._seq, op, keys, timeout_ms=int(hold_s * 1000),
                                    **fields)
-            self._sock.send(msgspec.msgpack.encode(request))
             deadline = time.monotonic() + hold_s + self._timeout_s
+            try:
+                self._sock.send(msgspec.msgpack.encode(request))
+            except zmq.Again:
+                deadline = 0.0  # never sent: no peer took it in time
             while (left := deadline - time.monotonic()) > 0:
                 if not self._sock.poll(max(1, int(left * 1000))):
                     break
