@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import os
 import re
 from collections.abc import Mapping
@@ -27,8 +26,6 @@ from dpserve.generation_config import load_generation_defaults
 from dpserve.security import SECRET_ENV, check_exposure, check_secret, read_secret_file
 
 __all__ = ["ConfigError", "EngineArgs", "EngineConfig"]
-
-logger = logging.getLogger(__name__)
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
@@ -175,6 +172,11 @@ class ParallelConfig:
     @property
     def has_remote_engines(self) -> bool:
         return self.data_parallel_size_local < self.data_parallel_size
+
+    @property
+    def tcp_data_plane(self) -> bool:
+        """Some data-plane sockets are tcp:// on data_parallel_address (other hosts, Ray)."""
+        return self.has_remote_engines or self.local_lb or self.data_parallel_backend == "ray"
 
     @property
     def local_lb(self) -> bool:
@@ -434,7 +436,7 @@ class EngineArgs:
             data_parallel_hybrid_lb=self.data_parallel_hybrid_lb,
             data_parallel_backend=self.data_parallel_backend,
             data_parallel_pack_strategy=self.data_parallel_pack_strategy,
-            data_parallel_secret=self._data_plane_secret(warn=True),
+            data_parallel_secret=self._data_plane_secret(),
             ray_address=self.ray_address,
             engine_heartbeat_timeout=self.engine_heartbeat_timeout,
             engine_stall_timeout=self.engine_stall_timeout,
@@ -642,9 +644,10 @@ class EngineArgs:
                  "--data-parallel-start-rank, --data-parallel-rank or hybrid LB)")
         self._data_plane_secret()
 
-    def _data_plane_secret(self, warn: bool = False) -> str | None:
+    def _data_plane_secret(self) -> str | None:
         """The secret (option, file or $DPSERVE_DP_SECRET), checked; a tcp:// data plane
-        on a non-loopback address without one is refused (warned about on loopback)."""
+        on a non-loopback address without one is refused (`--data-parallel-insecure`
+        aside; the launcher warns about a plain one: `security.warn_plain_tcp`)."""
         if self.data_parallel_secret is not None and self.data_parallel_secret_file:
             raise ConfigError("data_parallel_secret_file cannot be combined with "
                               "--data-parallel-secret (give the secret once)")
@@ -658,10 +661,7 @@ class EngineArgs:
         tcp = (local < size or self.data_parallel_backend == "ray"
                or self.data_parallel_rank is not None or self.data_parallel_hybrid_lb)
         if tcp:
-            warning = check_exposure(self.data_parallel_address, secret,
-                                     self.data_parallel_insecure)
-            if warning is not None and warn:
-                logger.warning("%s", warning)
+            check_exposure(self.data_parallel_address, secret, self.data_parallel_insecure)
         return secret
 
 

@@ -26,6 +26,7 @@ import functools
 import hashlib
 import hmac
 import ipaddress
+import logging
 import os
 import socket
 import stat
@@ -34,6 +35,8 @@ import zmq
 from zmq.utils import z85
 
 from dpserve.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 64 << 20  # a remote peer's bigger message is dropped by ZMQ (MAXMSGSIZE)
 MIN_SECRET_CHARS = 32  # a shared secret shorter than this is refused
@@ -122,17 +125,20 @@ def is_loopback(host: str) -> bool:
                                for i in infos)
 
 
-def check_exposure(address: str, secret: str | None, insecure: bool) -> str | None:
+def check_exposure(address: str, secret: str | None, insecure: bool) -> None:
     """The rule for a tcp:// data plane on `address`: SecretError (refused) when it is
-    not loopback and has no secret, unless `insecure`; else a warning to log (plain
-    tcp), or None (a secret: nothing to say)."""
-    if secret is not None:
-        return None
-    if not is_loopback(address) and not insecure:
+    not loopback and has no secret, unless `insecure` (then `warn_plain_tcp` says so)."""
+    if secret is None and not insecure and not is_loopback(address):
         raise SecretError(
             f"data_parallel_address {address} is not a loopback address: its tcp:// data "
             f"plane needs --data-parallel-secret (or --data-parallel-secret-file, "
             f"${SECRET_ENV}) on every host, or --data-parallel-insecure on a trusted "
             f"network")
-    return (f"the tcp:// data plane on {address} has no --data-parallel-secret: any "
-            f"process that reaches it can act as a DP rank (read prompts, forge outputs)")
+
+
+def warn_plain_tcp(address: str, secret: str | None) -> None:
+    """Log a warning when this host's tcp:// data plane on `address` has no secret."""
+    if secret is None:
+        logger.warning("the tcp:// data plane on %s has no --data-parallel-secret: any "
+                       "process that reaches it can act as a DP rank (read its prompts, "
+                       "forge its outputs)", address)

@@ -198,6 +198,8 @@ def test_hybrid_lb_each_host_balances_over_its_engines(tiny_llama):
         first, second = finished_by_engine(urls[0]), finished_by_engine(urls[1])
         assert set(first) == {0, 1} and min(first.values()) > 0, first
         assert set(second) == {2}, second
+        for _, log in procs:  # tcp:// on loopback without a secret: served, with a warning
+            assert "has no --data-parallel-secret" in read_log(log)
 
 
 @pytest.mark.parametrize("args, flag", [

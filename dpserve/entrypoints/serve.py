@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING
 
 from dpserve.config import ConfigError, EngineArgs, EngineConfig, ParallelConfig
 from dpserve.logging_utils import name_process, scrub_argv
+from dpserve.security import warn_plain_tcp
 from dpserve.server.extras import add_http_args
 from dpserve.server.log_options import add_log_args
 
@@ -248,6 +249,7 @@ def run_headless(args: argparse.Namespace) -> int:
         raise ConfigError("--headless needs --data-parallel-start-rank > 0 (rank 0 runs on "
                           "the head)")
     head = f"tcp://{url_host(p.data_parallel_address)}:{p.data_parallel_rpc_port}"
+    warn_plain_tcp(p.data_parallel_address, p.data_parallel_secret)
     logger.info("headless: engines %s for the head at %s", p.local_ranks, head)
     stop = _StopSignal()
     manager = EngineProcManager(config, head, num_engines=p.data_parallel_size_local,
