@@ -7,7 +7,7 @@ import json
 import sys
 
 from dpserve.config import ConfigError, EngineArgs
-from dpserve.logging_utils import setup_logging
+from dpserve.logging_utils import hide_command_line, setup_logging
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -86,6 +86,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
 def main(argv: list[str] | None = None) -> int:
     from dpserve import __version__
 
+    if argv is None:  # our own command line: secrets in it leave `ps` now
+        hide_command_line()
     parser = argparse.ArgumentParser(prog="dpserve", description=__doc__)
     parser.add_argument("--version", action="version", version=f"dpserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -4,8 +4,9 @@ Each dpserve process calls `name_process(role)` first: the role becomes its
 multiprocessing name (shown in every log line), its process title
 (`dpserve::<role>` in ps/top) and logging is set up if nobody did it yet.
 The title replaces the whole command line in /proc/<pid>/cmdline, so secrets
-given as options (`SECRET_FLAGS`) leave `ps` once it is set; `dpserve serve`
-sets it (and scrubs `sys.argv`: `scrub_argv`) right after parsing its options.
+given as options (`SECRET_FLAGS`) leave `ps` once it is set; the `dpserve`
+command sets a first one (and scrubs `sys.argv`) before anything else:
+`hide_command_line`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,16 @@ def scrub_argv(flags: tuple[str, ...] = SECRET_FLAGS) -> None:
             argv[i + 1] = HIDDEN
         elif arg.split("=", 1)[0] in flags and "=" in arg:
             argv[i] = arg.split("=", 1)[0] + "=" + HIDDEN
+
+
+def hide_command_line() -> None:
+    """Before anything slow (the first thing `dpserve` does): scrub sys.argv and set a
+    provisional title, which overwrites the command line in /proc/<pid>/cmdline; a
+    secret given as an option is visible only while Python starts."""
+    import setproctitle
+
+    scrub_argv()
+    setproctitle.setproctitle("dpserve")
 
 
 def setup_logging() -> None:
