@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     from dpserve import __version__
 
     if argv is None:  # our own command line: secrets in it leave `ps` now
-        hide_command_line()
+        argv = sys.argv[1:]
+        hide_command_line()  # (scrubs sys.argv: parse the copy)
     parser = argparse.ArgumentParser(prog="dpserve", description=__doc__)
     parser.add_argument("--version", action="version", version=f"dpserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
