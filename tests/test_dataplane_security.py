@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from helpers import descendants, free_port, output, serve, stop, wait_until
 
+from dpserve.config import ConfigError, EngineArgs
 from dpserve.engine.dp_store import DPStoreServer, ZmqStore, gloo_device, store_address
 from dpserve.security import derive_keys
 
@@ -202,6 +203,30 @@ def test_secret_file_must_be_private_and_long(tmp_path):
     line = _serve_fails(tmp_path, "--data-parallel-secret-file", str(path),
                         "--data-parallel-secret", SECRET)
     assert "--data-parallel-secret-file" in line, line
+
+
+def test_secret_sources_the_override_and_reprs(tiny_llama, tmp_path, monkeypatch):
+    """The secret comes from the option, a private file or $DPSERVE_DP_SECRET and is in
+    no repr; --data-parallel-insecure lets a plain non-loopback tcp data plane start."""
+    model = str(tiny_llama)
+    path = tmp_path / "dp.secret"
+    path.write_text(SECRET + "\n")
+    path.chmod(0o600)
+    args = EngineArgs(model=model, data_parallel_secret_file=str(path))
+    config = args.create_config()
+    assert config.parallel.data_parallel_secret == SECRET
+    monkeypatch.setenv("DPSERVE_DP_SECRET", SECRET[::-1])
+    assert EngineArgs(model=model).create_config().parallel.data_parallel_secret == \
+        SECRET[::-1]
+    given = EngineArgs(model=model, data_parallel_secret=SECRET)
+    assert SECRET not in repr(given) and SECRET not in repr(given.create_config())
+    monkeypatch.delenv("DPSERVE_DP_SECRET")
+    remote = dict(model=model, data_parallel_size=2, data_parallel_size_local=1,
+                  data_parallel_address="10.11.12.13")
+    with pytest.raises(ConfigError, match="--data-parallel-insecure"):
+        EngineArgs(**remote).check_options()
+    EngineArgs(**remote, data_parallel_insecure=True).check_options()
+    EngineArgs(**remote, data_parallel_secret=SECRET).check_options()
 
 
 # ---- a real lockstep server ------------------------------------------------------------------
