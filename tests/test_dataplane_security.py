@@ -118,6 +118,7 @@ def test_store_forms_a_gloo_group_and_refuses_outsiders():
         assert all(ip == "127.0.0.1" for ip, _ in opened | before), opened | before
 
         insider = ZmqStore(address, SECRET, datetime.timedelta(seconds=5))
+        insider.set("dpserve-dp/1/extra", b"generation 1")
         insider.set("dpserve-dp/2/0", b"rank 0's address")
         for key in (None, "another secret, also long enough to be accepted!"):
             outsider = ZmqStore(address, key, datetime.timedelta(seconds=1))
@@ -127,6 +128,11 @@ def test_store_forms_a_gloo_group_and_refuses_outsiders():
                 outsider.get("dpserve-dp/2/0")
             outsider.close()
         assert insider.get("dpserve-dp/2/0") == b"rank 0's address"
+        # Old generations go: a key of generation 3 drops generation 1's, keeps 2's.
+        assert insider.check(["dpserve-dp/1/extra"])
+        insider.set("dpserve-dp/3/0", b"")
+        assert not insider.check(["dpserve-dp/1/extra"])
+        assert insider.check(["dpserve-dp/2/0", "dpserve-dp/3/0"])
         # The rest of the Store API that torch may call.
         assert insider.add("counter", 3) == 3 and insider.add("counter", 2) == 5
         assert insider.compare_set("cas", "", "first") == b"first"

@@ -285,7 +285,7 @@ class DPLink:
         self._pending = False
         import torch.distributed as dist
 
-        from dpserve.engine.dp_store import ZmqStore, gloo_device, store_address
+        from dpserve.engine.dp_store import GROUP_PREFIX, ZmqStore, gloo_device, store_address
 
         host, port = self.master
         timeout = datetime.timedelta(seconds=self.collective_timeout)
@@ -296,7 +296,7 @@ class DPLink:
             options._timeout = timeout
             options._devices = [gloo_device(host)]  # gloo listens there, not everywhere
             self._group = dist.ProcessGroupGloo(
-                dist.PrefixStore(f"dpserve-dp/{self.generation}", self._store),
+                dist.PrefixStore(f"{GROUP_PREFIX}{self.generation}", self._store),
                 self.members.index(self.rank), len(self.members), options)
         except (RuntimeError, OSError) as e:  # store/gloo errors: a member never came
             self._group_failed(f"joining: {e}")

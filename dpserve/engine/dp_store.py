@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 _OPS = ("set", "get", "add", "check", "wait", "compare_set", "delete_key", "num_keys")
 MAX_KEYS = 1 << 16  # a store with this many keys refuses new ones (a runaway peer)
+# Keys of group generation g start with f"{GROUP_PREFIX}{g}/" (`DPLink` prefixes them);
+# the server drops those of generations older than the one before the newest written.
+GROUP_PREFIX = "dpserve-dp/"
 
 
 class StoreRequest(msgspec.Struct, array_like=True, gc=False):
@@ -81,6 +84,7 @@ class DPStoreServer:
             raise
         self.address = address
         self._data: dict[str, bytes] = {}
+        self._newest = 0  # the newest group generation a key was written for
         self._waiting: list[tuple[float, bytes, StoreRequest]] = []  # (deadline, peer, req)
         self._decoder = msgspec.msgpack.Decoder(StoreRequest)
         self._stop = threading.Event()
@@ -127,6 +131,8 @@ class DPStoreServer:
             self._waiting.append((time.monotonic() + req.timeout_ms / 1000, peer, req))
             return
         new = req.op in ("set", "add", "compare_set") and key not in data
+        if new:
+            self._prune(key)
         if new and len(data) >= MAX_KEYS:
             self._reply(peer, StoreReply(req.seq, error=f"store full ({MAX_KEYS} keys)"))
             return
@@ -148,6 +154,16 @@ class DPStoreServer:
         else:  # num_keys
             reply.number = len(data)
         self._reply(peer, reply)
+
+    def _prune(self, key: str) -> None:
+        """A key of a newer generation: forget those of generations before the last."""
+        generation = _generation(key)
+        if generation is not None and generation > self._newest:
+            self._newest = generation
+            stale = [k for k in self._data
+                     if (g := _generation(k)) is not None and g < generation - 1]
+            for old in stale:
+                del self._data[old]
 
     def _answer_waiting(self, now: float) -> None:
         held = []
@@ -236,6 +252,13 @@ class ZmqStore(dist.Store):
 
     def num_keys(self) -> int:
         return self._call("num_keys", []).number
+
+
+def _generation(key: str) -> int | None:
+    """The group generation of a store key (None for another key)."""
+    head, _, rest = key.partition(GROUP_PREFIX)
+    number = rest.split("/", 1)[0]
+    return int(number) if not head and number.isdigit() else None
 
 
 def store_address(host: str, port: int) -> str:
