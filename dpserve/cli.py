@@ -7,7 +7,7 @@ import json
 import sys
 
 from dpserve.config import ConfigError, EngineArgs
-from dpserve.logging_utils import setup_logging
+from dpserve.logging_utils import hide_command_line, setup_logging
 
 MIN_PYTHON = (3, 10, 9)  # pyproject.toml's requires-python: CVE-2022-42919's forkserver
 
@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
               f"(this is {sys.version.split()[0]}): older forkservers run code from any "
               "local user (CVE-2022-42919)", file=sys.stderr)
         return 2
+    if argv is None:  # our own command line: secrets in it leave `ps` now
+        argv = sys.argv[1:]
+        hide_command_line()  # (scrubs sys.argv: parse the copy)
     parser = argparse.ArgumentParser(prog="dpserve", description=__doc__)
     parser.add_argument("--version", action="version", version=f"dpserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -23,6 +23,7 @@ from typing import Any
 
 from dpserve.errors import ConfigError
 from dpserve.generation_config import load_generation_defaults
+from dpserve.security import SECRET_ENV, check_exposure, check_secret, read_secret_file
 
 __all__ = ["ConfigError", "EngineArgs", "EngineConfig"]
 
@@ -173,6 +174,11 @@ class ParallelConfig:
         return self.data_parallel_size_local < self.data_parallel_size
 
     @property
+    def tcp_data_plane(self) -> bool:
+        """Some data-plane sockets are tcp:// on data_parallel_address (other hosts, Ray)."""
+        return self.has_remote_engines or self.local_lb or self.data_parallel_backend == "ray"
+
+    @property
     def local_lb(self) -> bool:
         """Each host's API servers front that host's engines only (external or hybrid LB)."""
         return self.data_parallel_rank is not None or self.data_parallel_hybrid_lb
@@ -189,8 +195,8 @@ class EngineConfig:
     shutdown_timeout: float = 30.0
 
 
-def _opt(default: Any, help: str, **kw: Any) -> Any:
-    return field(default=default, metadata={"help": help, **kw})
+def _opt(default: Any, help: str, repr: bool = True, **kw: Any) -> Any:
+    return field(default=default, repr=repr, metadata={"help": help, **kw})
 
 
 @dataclass
@@ -277,10 +283,20 @@ class EngineArgs:
                                       choices=_DP_BACKENDS, aliases=("-dpb",))
     data_parallel_pack_strategy: str = _opt("strict", "Ray: how ranks are placed on nodes.",
                                             choices=_PACK_STRATEGIES)
-    data_parallel_secret: str | None = _opt(None, "Shared secret for the data plane "
+    data_parallel_secret: str | None = _opt(None, "Shared secret of the data plane, at "
+                                            "least 32 characters, the same on every host "
                                             "(CURVE keys derived from it): processes "
-                                            "without it cannot join (default: "
-                                            "$DPSERVE_DP_SECRET; none = open).")
+                                            "without it cannot join. Prefer "
+                                            "--data-parallel-secret-file (command lines "
+                                            "are public); default $DPSERVE_DP_SECRET.",
+                                            repr=False)
+    data_parallel_secret_file: str | None = _opt(None, "File holding the data-plane "
+                                                 "secret (mode 600: refused if group or "
+                                                 "others may read it).")
+    data_parallel_insecure: bool = _opt(False, "Allow a tcp:// data plane on a "
+                                        "non-loopback --data-parallel-address without a "
+                                        "secret (a trusted private network only: any "
+                                        "peer that reaches it can act as a DP rank).")
     ray_address: str | None = _opt(None, "Ray: join this cluster (default: start a local "
                                    "one).")
     engine_heartbeat_timeout: float = _opt(3.0, "Seconds without a heartbeat after which a "
@@ -420,8 +436,7 @@ class EngineArgs:
             data_parallel_hybrid_lb=self.data_parallel_hybrid_lb,
             data_parallel_backend=self.data_parallel_backend,
             data_parallel_pack_strategy=self.data_parallel_pack_strategy,
-            data_parallel_secret=(self.data_parallel_secret
-                                  or os.environ.get("DPSERVE_DP_SECRET") or None),
+            data_parallel_secret=self._data_plane_secret(),
             ray_address=self.ray_address,
             engine_heartbeat_timeout=self.engine_heartbeat_timeout,
             engine_stall_timeout=self.engine_stall_timeout,
@@ -627,8 +642,27 @@ class EngineArgs:
                  and rank is None, "data_parallel_backend",
                  "'ray' places every rank itself (no --data-parallel-size-local, "
                  "--data-parallel-start-rank, --data-parallel-rank or hybrid LB)")
-        if self.data_parallel_secret is not None and len(self.data_parallel_secret) < 8:
-            raise ConfigError("data_parallel_secret must be at least 8 characters")
+        self._data_plane_secret()
+
+    def _data_plane_secret(self) -> str | None:
+        """The secret (option, file or $DPSERVE_DP_SECRET), checked; a tcp:// data plane
+        on a non-loopback address without one is refused (`--data-parallel-insecure`
+        aside; the launcher warns about a plain one: `security.warn_plain_tcp`)."""
+        if self.data_parallel_secret is not None and self.data_parallel_secret_file:
+            raise ConfigError("data_parallel_secret_file cannot be combined with "
+                              "--data-parallel-secret (give the secret once)")
+        if self.data_parallel_secret_file:
+            secret: str | None = read_secret_file(self.data_parallel_secret_file)
+        else:
+            secret = self.data_parallel_secret or os.environ.get(SECRET_ENV) or None
+            if secret is not None:
+                check_secret(secret)
+        size, local = self.data_parallel_size, self._size_local()
+        tcp = (local < size or self.data_parallel_backend == "ray"
+               or self.data_parallel_rank is not None or self.data_parallel_hybrid_lb)
+        if tcp:
+            check_exposure(self.data_parallel_address, secret, self.data_parallel_insecure)
+        return secret
 
 
 def _parse_cores(text: str) -> tuple[int, ...]:

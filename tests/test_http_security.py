@@ -33,7 +33,6 @@ import httpx
 import openai
 import pytest
 from fastapi import Request
-
 from helpers import free_port, output, serve, wait_until
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(300)]

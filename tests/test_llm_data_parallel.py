@@ -250,8 +250,8 @@ def test_lockstep_and_secret_then_garbage_collection(tiny_llama, one_engine):
     # The serve options that change the engines' protocol work offline too; then
     # dropping the last reference stops every process.
     before = _pids()
-    llm = LLM(str(tiny_llama), data_parallel_lockstep=True, data_parallel_secret="offline-secret",
-              **DP_KWARGS)
+    llm = LLM(str(tiny_llama), data_parallel_lockstep=True,
+              data_parallel_secret="offline-secret-of-32-characters-or-more", **DP_KWARGS)
     children = [p for p in _engine_children() if p.pid not in before]
     assert len(children) == 3 and llm.engine.client.lockstep
     assert _summary(llm.generate(PROMPTS[:6], GREEDY, use_tqdm=False)) == _summary(

@@ -198,6 +198,8 @@ def test_hybrid_lb_each_host_balances_over_its_engines(tiny_llama):
         first, second = finished_by_engine(urls[0]), finished_by_engine(urls[1])
         assert set(first) == {0, 1} and min(first.values()) > 0, first
         assert set(second) == {2}, second
+        for _, log in procs:  # tcp:// on loopback without a secret: served, with a warning
+            assert "has no --data-parallel-secret" in read_log(log)
 
 
 @pytest.mark.parametrize("args, flag", [
@@ -229,6 +231,10 @@ def _listening(procs) -> set[tuple[str, int]]:
     return out
 
 
+RIGHT_SECRET = "the right secret, long enough to be accepted"  # 32+ characters
+WRONG_SECRET = "a wrong secret, long enough to be accepted too"
+
+
 def test_secret_head_timeout_and_bind_addresses(tiny_llama):
     """With --data-parallel-secret on both hosts, a head with the DP address 127.0.0.2
     serves through the other host's engine; its sockets listen on the DP address only
@@ -245,10 +251,10 @@ def test_secret_head_timeout_and_bind_addresses(tiny_llama):
     rpc = free_port(dp_host)
     outsider, out_log = start_background(
         model, "--headless", "--data-parallel-size-local", "1", "--data-parallel-start-rank",
-        "1", *secret_args(rpc, "a wrong secret"))
+        "1", *secret_args(rpc, WRONG_SECRET))
     head, head_log = start_background(
         model, "--port", str(free_port()), "--data-parallel-size-local", "1",
-        "--engine-ready-timeout", "4", *secret_args(rpc, "the right secret"))
+        "--engine-ready-timeout", "4", *secret_args(rpc, RIGHT_SECRET))
     try:
         assert head.wait(180) == 1, read_log(head_log)[-3000:]
         last = read_log(head_log).strip().splitlines()[-1]
@@ -262,10 +268,10 @@ def test_secret_head_timeout_and_bind_addresses(tiny_llama):
     # The right secret: it serves, and listens on the DP address only.
     rpc = free_port(dp_host)
     insider, log = start_background(model, "--headless", "--data-parallel-size-local", "1",
-                          "--data-parallel-start-rank", "1", *secret_args(rpc, "the right secret"))
+                          "--data-parallel-start-rank", "1", *secret_args(rpc, RIGHT_SECRET))
     try:
         with serve(model, "--data-parallel-size-local", "1",
-                   *secret_args(rpc, "the right secret")) as (head, url):
+                   *secret_args(rpc, RIGHT_SECRET)) as (head, url):
             asyncio.run(complete_all(url, model, [f"s{i}" for i in range(16)], max_tokens=3))
             served = finished_by_engine(url)
             assert served.get(0, 0) > 0 and served.get(1, 0) > 0, served

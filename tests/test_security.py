@@ -18,6 +18,7 @@ import zmq
 
 from dpserve import SamplingParams
 from dpserve.config import EngineArgs
+from dpserve.engine.dp_store import store_address
 from dpserve.frontend.engine_client import AsyncEngineClient
 from dpserve.launch.addresses import AddressAllocator
 from dpserve.launch.engines import EngineProcManager, EngineStartupError, wait_for_engine_startup
@@ -201,11 +202,11 @@ def test_rendezvous_drops_junk_and_answers():
 def test_without_the_secret_a_process_cannot_join(tiny_llama):
     """With a secret, an engine (and a plain socket) without it never completes the
     handshake; an engine with it does."""
-    secret = "correct horse battery staple"
+    secret = "correct horse battery staple, 32+ chars"
     alloc = AddressAllocator()
     addrs = alloc.engine_addresses(1)
     outsider = EngineArgs(model=str(tiny_llama), max_model_len=128, num_kv_blocks=16,
-                          data_parallel_secret="not the secret").create_config()
+                          data_parallel_secret="not the secret, though long enough").create_config()
     manager = None
     try:
         manager = EngineProcManager(outsider, addrs.handshake, handshake_timeout=3)
@@ -279,11 +280,12 @@ def _handshake(address: str, kind: int, secret: str | None) -> bool:
 
 def test_with_a_secret_every_socket_refuses_outsiders(tiny_llama):
     """With --data-parallel-secret, every socket a peer can reach (the front-end's
-    engine sockets, the coordinator's three) completes a handshake only with a peer
-    that has the secret: a plain peer and one with another secret are refused."""
-    secret = "correct horse battery staple"
+    engine sockets, the coordinator's three, the lockstep DP group's store) completes a
+    handshake only with a peer that has the secret: a plain peer and one with another
+    secret are refused."""
+    secret = "correct horse battery staple, 32+ chars"
     config = EngineArgs(model=str(tiny_llama), data_parallel_size=2, threads_per_engine=1,
-                        max_model_len=256, num_kv_blocks=64,
+                        max_model_len=256, num_kv_blocks=64, data_parallel_lockstep=True,
                         data_parallel_secret=secret).create_config()
     asyncio.run(_refuse_outsiders(config, secret))
 
@@ -304,6 +306,8 @@ async def _refuse_outsiders(config, secret: str) -> None:
             "coordinator reports": (coordinator.engine_report_address, zmq.PUSH),
             "coordinator front XPUB": (coordinator.front_publish_address, zmq.XSUB),
             "coordinator engine XPUB": (coordinator.engine_publish_address, zmq.XSUB),
+            "DP group store": (store_address(addrs.dp_master_ip, addrs.dp_master_port),
+                               zmq.DEALER),
         }
         for name, (address, kind) in targets.items():
             shake = lambda key, a=address, k=kind: asyncio.to_thread(_handshake, a, k, key)  # noqa: E731

@@ -107,7 +107,7 @@ class DPLink:
         self.group_all_reduces = 0  # ... of them in the current generation's group
         self._steps_since_sync = 0
         self._group = None  # torch.distributed ProcessGroupGloo of `generation` (lockstep)
-        self._store = None  # this engine's client of the coordinator's TCP store
+        self._store = None  # ZmqStore: this engine's client of the coordinator's store
         self.collective_timeout = collective_timeout  # s: one join or all-reduce
         self.generation = 0  # the DP group generation named last (0: none yet)
         self.members: list[int] = []  # ... and its ranks
@@ -254,7 +254,7 @@ class DPLink:
             return
         logger.info("engine %d: DP group generation %d: ranks %s", self.rank,
                     message.generation, message.members)
-        self._group = self._store = None
+        self._group = None
         self.generation, self.members = message.generation, list(message.members)
         self._pending = self.rank in self.members
         size = message.dp_size or self.dp_size
@@ -285,15 +285,20 @@ class DPLink:
         self._pending = False
         import torch.distributed as dist
 
+        from dpserve.engine.dp_store import GROUP_PREFIX, ZmqStore, gloo_device, store_address
+
         host, port = self.master
         timeout = datetime.timedelta(seconds=self.collective_timeout)
         try:
-            self._store = dist.TCPStore(host, port, is_master=False, timeout=timeout,
-                                        wait_for_workers=False)
+            if self._store is None:  # one client for every generation (keys are prefixed)
+                self._store = ZmqStore(store_address(host, port), self._secret, timeout)
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            options._devices = [gloo_device(host)]  # gloo listens there, not everywhere
             self._group = dist.ProcessGroupGloo(
-                dist.PrefixStore(f"dpserve-dp/{self.generation}", self._store),
-                self.members.index(self.rank), len(self.members), timeout)
-        except RuntimeError as e:  # DistStoreError, gloo errors: a member never came
+                dist.PrefixStore(f"{GROUP_PREFIX}{self.generation}", self._store),
+                self.members.index(self.rank), len(self.members), options)
+        except (RuntimeError, OSError) as e:  # store/gloo errors: a member never came
             self._group_failed(f"joining: {e}")
             return True
         self.group_all_reduces = 0
@@ -318,7 +323,7 @@ class DPLink:
         """Leave the group, paused, and tell the coordinator (it forms the next)."""
         logger.warning("engine %d: DP group generation %d failed (%s); waiting for the "
                        "next generation", self.rank, self.generation, reason.splitlines()[0])
-        self._group = self._store = None
+        self._group = None
         self.group_failures += 1
         self._send(EngineReport(self.rank, wave=self.wave, group_failed=self.generation))
 
@@ -387,5 +392,8 @@ class DPLink:
 
     def close(self) -> None:
         self._beats.set()
-        self._group = self._store = None
+        self._group = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
         self._ctx.destroy(linger=0)

@@ -60,7 +60,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import connection
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -100,7 +100,7 @@ class APIServerOptions:
     """The HTTP options every API server shares (from the `dpserve serve` flags)."""
 
     served_model_name: str
-    auth: AuthOptions  # the accepted API keys, --metrics-auth
+    auth: AuthOptions = field(repr=False)  # the accepted keys' digests, --metrics-auth
     max_request_body_bytes: int
     load_balance: str  # "least-loaded" | "round-robin" | "cache-aware"
     uvicorn_log_level: str

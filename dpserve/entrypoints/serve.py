@@ -57,7 +57,8 @@ from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
 from dpserve.config import ConfigError, EngineArgs, EngineConfig, ParallelConfig
-from dpserve.logging_utils import name_process
+from dpserve.logging_utils import name_process, scrub_argv
+from dpserve.security import warn_plain_tcp
 from dpserve.server.auth import add_auth_args
 from dpserve.server.extras import add_http_args
 from dpserve.server.log_options import add_log_args
@@ -185,6 +186,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from dpserve.launch.engines import EngineStartupError
     from dpserve.launch.host import launch_engines
 
+    # First of all: the title replaces the command line (secrets leave `ps`).
+    scrub_argv()
+    name_process("Headless" if args.headless else
+                 "APIServer_0" if args.api_server_count == 1 else "Launcher")
     _check_args(args)
     if args.headless:
         return run_headless(args)
@@ -199,7 +204,6 @@ def run_serve(args: argparse.Namespace) -> int:
     launch: EngineLaunch | None = None
     try:
         config = engine_args.create_config()
-        name_process("APIServer_0" if num_api_servers == 1 else "Launcher")
         # Until the serving phase installs its own handlers, a stop signal
         # unwinds through `finally`.
         signal.signal(signal.SIGTERM, _raise_system_exit)
@@ -249,8 +253,8 @@ def run_headless(args: argparse.Namespace) -> int:
     if p.data_parallel_start_rank == 0:
         raise ConfigError("--headless needs --data-parallel-start-rank > 0 (rank 0 runs on "
                           "the head)")
-    name_process("Headless")
     head = f"tcp://{url_host(p.data_parallel_address)}:{p.data_parallel_rpc_port}"
+    warn_plain_tcp(p.data_parallel_address, p.data_parallel_secret)
     logger.info("headless: engines %s for the head at %s", p.local_ranks, head)
     stop = _StopSignal()
     manager = EngineProcManager(config, head, num_engines=p.data_parallel_size_local,

@@ -39,7 +39,7 @@ class ZmqAddresses:
     outputs: tuple[str, ...]  # [num_clients] front-end PULL (outputs back)
     coordinator_input: str | None = None  # the coordinator's engine XPUB
     coordinator_output: str | None = None  # the coordinator's report PULL
-    # Where the DP coordinator hosts the TCP store of the engines' lockstep group.
+    # Where the DP coordinator hosts the store (ZMQ, `DPStoreServer`) of the lockstep group.
     dp_master_ip: str = "127.0.0.1"
     dp_master_port: int = 0
     remote_handshake: str | None = None

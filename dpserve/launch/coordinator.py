@@ -23,7 +23,8 @@ Scope:
   runs the rank restarts it). Per-rank figures for /engines (`RankInfoTable`:
   KV usage, tokens/s, pid, host from heartbeats) are published with the
   counts, at most every `INFO_PUBLISH_S` when only they changed.
-* Lockstep DP group (`dp_store` given): hosts the engines' TCP store (here, so
+* Lockstep DP group (`dp_store` given): hosts the engines' rendezvous store
+  (`dpserve.engine.dp_store.DPStoreServer`: ZMQ, CURVE with the secret; here, so
   that any rank may die) and decides each group generation (`_DPGroup`): the
   serving ranks that have sent a heartbeat (so are loaded and stepping), sent
   as REGROUP_DP `_SETTLE_GROUP_S` after that set changes (start-up, a rank
@@ -39,7 +40,7 @@ Sockets (all bound here; the wire format is in `dpserve.protocol`):
     engine_report_address   PULL  <- EngineReport from engines (PUSH)
     engine_publish_address  XPUB  -> COORDINATOR_READY, then START_DP_WAVE and
                                   REGROUP_DP (SUB)
-    dp_store (lockstep)     a torch TCPStore server at (host, port)
+    dp_store (lockstep)     ROUTER at tcp://host:port <- StoreRequest (gloo's rendezvous)
 
 The process exits on SIGTERM (it ignores Ctrl-C's SIGINT: the parent stops
 it), when its parent dies (polled every second), or with exit code 1 when not
@@ -380,7 +381,7 @@ class DPCoordinatorProc:
         self.health = _HealthTable(num_engines, heartbeat_timeout_s, stall_timeout_s)
         self.info = RankInfoTable(num_engines)  # what /engines shows besides counts
         self.group = _DPGroup() if dp_store is not None else None  # lockstep only
-        self._store = _host_store(*dp_store) if dp_store is not None else None
+        self._store = _host_store(*dp_store, secret) if dp_store is not None else None
         self.wave = 0  # the current request wave
         self.running = False  # engines are in a running wave (else paused)
         self.control = ControlState()  # pause / sleep state of every rank
@@ -416,6 +417,8 @@ class DPCoordinatorProc:
 
     def close(self) -> None:
         signal.set_wakeup_fd(-1)
+        if self._store is not None:
+            self._store.close()
         self.ctx.destroy(linger=0)
 
     def request_stop(self, signum: int = 0, frame: Any = None) -> None:
@@ -715,15 +718,14 @@ class DPCoordinatorProc:
         self._last_publish = time.monotonic()
 
 
-def _host_store(host: str, port: int) -> Any:
-    """The TCP store server of the engines' lockstep DP group (lives with this process)."""
-    import datetime
+def _host_store(host: str, port: int, secret: str | None) -> Any:
+    """The store server of the engines' lockstep DP group (lives with this process),
+    bound to `host` only; imported here: it brings torch, which only lockstep needs."""
+    from dpserve.engine.dp_store import DPStoreServer, store_address
 
-    import torch.distributed as dist
-
-    logger.info("hosting the DP group store at %s:%d", host, port)
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=60))
+    address = store_address(host, port)
+    logger.info("hosting the DP group store at %s", address)
+    return DPStoreServer(address, secret)
 
 
 def run_coordinator(num_engines: int, front_publish_address: str | list[str],

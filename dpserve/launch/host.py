@@ -42,6 +42,7 @@ from dpserve.protocol import (
     RendezvousReply,
     RendezvousRequest,
 )
+from dpserve.security import warn_plain_tcp
 
 if TYPE_CHECKING:
     from dpserve.launch.coordinator import DPCoordinator
@@ -160,6 +161,8 @@ def launch_engines(config: EngineConfig, num_clients: int = 1,
     if not p.local_lb and p.data_parallel_start_rank != 0:
         raise ConfigError(f"data_parallel_start_rank {p.data_parallel_start_rank} needs "
                           f"--headless (engines for a head) or --data-parallel-hybrid-lb")
+    if p.tcp_data_plane:
+        warn_plain_tcp(p.data_parallel_address, p.data_parallel_secret)
     launch = EngineLaunch(AddressAllocator(), ready_timeout=ready_timeout)
     try:
         if p.data_parallel_backend == "ray":

@@ -341,6 +341,7 @@ class RayEngineManager:
                 self._state.host_procs += self._state.local_instance
             self._state.owns_connection = how != "existing"
             self.started_ray = how == "started"  # close() shuts this instance down
+            _warn_secret_in_ray(parallel.data_parallel_secret, self.node_ip)
             self._place(ranks_per_node, placement_timeout)
             for rank in self.ranks:
                 actor = self._create_actor(rank)
@@ -688,6 +689,17 @@ def _keep_sigterm_handler():
     finally:
         if main and old is not None:
             signal.signal(signal.SIGTERM, old)
+
+
+def _warn_secret_in_ray(secret: str | None, node_ip: str) -> None:
+    """The secret reaches the actors in their (pickled) creation arguments, which Ray
+    keeps in its GCS: without Ray's token authentication anyone who reaches the
+    cluster can read it (and run code there anyway). Say so, off loopback."""
+    if secret is not None and not _is_loopback(node_ip) and \
+            os.environ.get("RAY_AUTH_MODE", "disabled") != "token":
+        logger.warning("the data-parallel secret travels to the Ray actors in their "
+                       "arguments, readable by anyone who can reach this Ray cluster: "
+                       "start every Ray node with RAY_AUTH_MODE=token (Ray >= 2.52)")
 
 
 def _is_loopback(host: str) -> bool:
