@@ -135,12 +135,13 @@ def test_a_dropped_client_that_reads_again_gets_one_notice_then_its_outputs(pair
     # Dropped: outputs are discarded, but a request that finishes (here: aborted by
     # the busy loop) is remembered for the notice.
     sender.put(1, tokens("cut", 99))
+    got = read_all(pulls[1])  # the client reads again, but the busy loop has not
+    sender.pump()             # said yet that every request of it is aborted: no notice
+    assert news == [(1, news[0][1])]
     sender.put(1, EngineCoreOutputs(engine_index=3, outputs=[
         EngineCoreOutput("cut", [], finish_reason=FinishReason.ABORT)]))
-    sender.pump()  # still unread: no notice yet, still dropped
-    assert news == [(1, news[0][1])]
-    got = read_all(pulls[1])  # the client reads again ...
-    sender.pump()  # ... so the notice goes out
+    sender.put(1, None)  # the busy loop: all aborted
+    sender.pump()  # the notice goes out
     got += read_all(pulls[1])
     assert news[1:] == [(1, None)]
     *stale, notice = got
@@ -151,6 +152,21 @@ def test_a_dropped_client_that_reads_again_gets_one_notice_then_its_outputs(pair
     assert notice.engine_index == 3
     sender.put(1, tokens("next", 1))  # served as before
     assert [o.outputs[0].request_id for o in read_all(pulls[1])] == ["next"]
+
+
+def test_a_dropped_client_that_never_reads_again_gets_nothing_and_stays_dropped(pair):
+    sender, pulls, news, clock = pair
+    fill(sender, 1, "b", 3 * HWM, finish_last=True)
+    clock.now += 2.0
+    sender.pump()
+    sender.put(1, None)
+    for _ in range(5):
+        sender.put(1, tokens("b2", 1, finished=True))
+        sender.pump()
+    assert [n[0] for n in news] == [1] and sender.clients[1].dropped
+    assert sender.clients[1].notice == ["b"] + ["b2"] * 5
+    sender.put(0, tokens("a", 1))  # the other client is served all along
+    assert [o.outputs[0].request_id for o in read_all(pulls[0])] == ["a"]
 
 
 def test_run_sends_in_order_and_stops_on_none_or_engine_dead(pair):

@@ -9,14 +9,15 @@ when its backlog would pass the cap, or when its oldest queued message has waite
 `stall_timeout` s:
 
 1. its backlog is discarded, and `on_change(client, reason)` tells the busy loop,
-   which aborts every request of that client (KV freed);
-2. until its socket takes a message again, each output for it is discarded;
-   only the ids of the requests that finish are kept (and those of the
-   requests whose final output was in the discarded backlog);
-3. once its socket is writable (a SIGSTOPped API server got SIGCONT, a blocked
-   event loop moved on), it is sent one notice, finish reason ABORT for each of
-   those requests, so its streams end instead of waiting forever, and it is
-   served as before (`on_change(client, None)`).
+   which aborts every request of that client (KV freed), rejects (ABORT) the new
+   ones it sends, and queues `(client, None)` after the aborts' outputs;
+2. until then and until its socket takes a message again, each output for it is
+   discarded; only the ids of the requests that finish are kept (and those of
+   the requests whose final output was in the discarded backlog);
+3. then (a SIGSTOPped API server got SIGCONT, a blocked event loop moved on) it
+   is sent one notice, finish reason ABORT for each of those requests, so its
+   streams end instead of waiting forever, and it is served as before
+   (`on_change(client, None)`). No output of a request it lost can follow.
 
 Every other front-end keeps its stream at full speed meanwhile. A dropped client
 also loses the utility answers and control states meant for it (its calls time
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from dpserve.protocol import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from dpserve.protocol import ENGINE_CORE_DEAD, EngineCoreOutput, EngineCoreOutputs, FinishReason
 from dpserve.security import secure
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class _Client:
     nbytes: int = 0  # payload bytes in the backlog
     dropped: bool = False
     notice: list[str] = field(default_factory=list)  # dropped: requests to end with ABORT
+    aborted: bool = False  # dropped: the busy loop has aborted its requests (step 1)
 
 
 class OutputSender:
@@ -91,9 +93,13 @@ class OutputSender:
         self.num_dropped = 0  # drops so far (a client may be dropped more than once)
         self._encoder = msgspec.msgpack.Encoder()
 
-    def put(self, client: int, outputs: EngineCoreOutputs) -> None:
-        """Send (or queue) one message for `client`; drop the client if it overflows."""
+    def put(self, client: int, outputs: EngineCoreOutputs | None) -> None:
+        """Send (or queue) one message for `client`; drop the client if it overflows.
+        None: the busy loop says every request of a dropped client is aborted."""
         state = self.clients[client]
+        if outputs is None:
+            state.aborted = True
+            return
         finished = [o.request_id for o in outputs.outputs if o.finished]
         if state.dropped:
             state.notice.extend(finished)
@@ -139,15 +145,15 @@ class OutputSender:
             self.pump()
             time.sleep(_RETRY_S)
 
-    def send_to_all(self, frames: list[bytes]) -> None:
-        """One multi-frame message to every client, never waiting (ENGINE_CORE_DEAD)."""
-        for state in self.clients:
-            if not _try_send(state.sock, frames):
-                logger.error("could not queue %r on an output socket (peer stuck)", frames[0])
+    def send_engine_dead(self, identity: bytes) -> None:
+        """[ENGINE_CORE_DEAD, identity] to every client, never waiting."""
+        for i, state in enumerate(self.clients):
+            if not _try_send(state.sock, [ENGINE_CORE_DEAD, identity]):
+                logger.error("could not queue ENGINE_CORE_DEAD for front-end %d (peer stuck)", i)
 
     def _drop(self, client: int, reason: str) -> None:
         state = self.clients[client]
-        state.dropped = True
+        state.dropped, state.aborted = True, False
         state.notice.extend(rid for queued in state.backlog for rid in queued.finished)
         state.backlog.clear()
         state.nbytes = 0
@@ -155,6 +161,8 @@ class OutputSender:
         self.on_change(client, reason)
 
     def _try_back(self, client: int, state: _Client) -> None:
+        if not state.aborted:
+            return
         if state.notice:
             notice = EngineCoreOutputs(engine_index=self.engine_index, outputs=[
                 EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT)
@@ -190,8 +198,8 @@ class OutputSender:
                 if item is None:
                     self.flush(STOP_LINGER_MS / 1000)
                     return STOP_LINGER_MS
-                if isinstance(item, bytes):
-                    self.send_to_all([item, identity])
+                if isinstance(item, bytes):  # ENGINE_CORE_DEAD: the last message
+                    self.send_engine_dead(identity)
                     return DEAD_LINGER_MS
                 self.put(*item)
                 try:

@@ -124,8 +124,8 @@ class EngineCoreProc:
         self.identity = engine_identity(rank)
         # (type, decoded body, index of the front-end it came from)
         self.input_queue: queue.Queue[tuple[Any, Any, int]] = queue.Queue()
-        # (client index, outputs), ENGINE_CORE_DEAD, or None = stop
-        self.output_queue: queue.Queue[tuple[int, EngineCoreOutputs] | bytes | None] = (
+        # (client index, outputs | None = its requests all aborted), ENGINE_CORE_DEAD, None = stop
+        self.output_queue: queue.Queue[tuple[int, EngineCoreOutputs | None] | bytes | None] = (
             queue.Queue())
         self._stop_io = threading.Event()
         self._client_of: dict[str, int] = {}  # request_id -> client index, until finished
@@ -466,6 +466,7 @@ class EngineCoreProc:
         logger.warning("engine %d: dropped front-end %d: %s; aborting its %d request(s)",
                        self.rank, client, reason, len(ids))
         self._publish(self.engine_core.abort_requests(ids))
+        self.output_queue.put_nowait((client, None))  # its last output is queued
 
     def request_state_sizes(self) -> dict[str, int]:
         """Utility: the core's sizes, the routing map (`client_of_<i>`: front-end i's), drops."""
@@ -557,8 +558,7 @@ class EngineCoreProc:
                 connect_outputs(ctx, addresses, self.secret), self.rank,
                 max_backlog_bytes=self.config.parallel.engine_output_backlog,
                 stall_timeout=self.config.parallel.engine_output_stall_timeout,
-                on_change=lambda client, why: self.input_queue.put_nowait(
-                    (_CLIENT_NEWS, why, client)),
+                on_change=lambda c, why: self.input_queue.put_nowait((_CLIENT_NEWS, why, c)),
             ).run(self.output_queue, self.identity)
 
     # ---- the end -----------------------------------------------------------
