@@ -14,10 +14,11 @@ when its backlog would pass the cap, or when its oldest queued message has waite
 2. until then and until its socket takes a message again, each output for it is
    discarded; only the ids of the requests that finish are kept (and those of
    the requests whose final output was in the discarded backlog);
-3. then (a SIGSTOPped API server got SIGCONT, a blocked event loop moved on) it
-   is sent one notice, finish reason ABORT for each of those requests, so its
-   streams end instead of waiting forever, and it is served as before
-   (`on_change(client, None)`). No output of a request it lost can follow.
+3. then, once its socket has room (a SIGSTOPped API server got SIGCONT, a
+   blocked event loop moved on), it is served as before (`on_change(client,
+   None)` first, so a request it sends on reading the notice is run) and sent
+   one notice, finish reason ABORT for each of those requests, so its streams
+   end instead of waiting forever. No output of a request it lost can follow.
 
 Every other front-end keeps its stream at full speed meanwhile. A dropped client
 also loses the utility answers and control states meant for it (its calls time
@@ -48,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 DEAD_LINGER_MS = 4000  # how long closing output sockets may take to flush ENGINE_CORE_DEAD
 STOP_LINGER_MS = 500  # ... and the last outputs on a plain stop
-SEND_HWM = 256  # messages ZMQ queues per socket before ours (whose age we can see) take over
+SEND_HWM = 64  # messages ZMQ queues per socket before our backlog (whose age we see) takes over
 _RETRY_S = 0.01  # with a backlog: try its socket again this often
 _DROPPED_RETRY_S = 0.1  # a dropped client only: look for it coming back this often
 _NOTHING = object()  # the output queue had nothing
@@ -139,9 +140,8 @@ class OutputSender:
 
     def flush(self, timeout: float) -> None:
         """Before closing: give the backlogs up to `timeout` s to drain."""
-        deadline = self.clock() + timeout
-        while any(s.backlog and not s.dropped for s in self.clients) and \
-                self.clock() < deadline:
+        deadline = time.monotonic() + timeout
+        while any(s.backlog for s in self.clients) and time.monotonic() < deadline:
             self.pump()
             time.sleep(_RETRY_S)
 
@@ -161,20 +161,19 @@ class OutputSender:
         self.on_change(client, reason)
 
     def _try_back(self, client: int, state: _Client) -> None:
-        if not state.aborted:
-            return
-        if state.notice:
-            notice = EngineCoreOutputs(engine_index=self.engine_index, outputs=[
-                EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT)
-                for rid in state.notice], timestamp=self.clock())
-            if not _try_send(state.sock, self._encoder.encode(notice)):
-                return
-        elif not state.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+        """Back once the busy loop has aborted its requests and its socket has room:
+        the busy loop hears first (so an ADD sent on the notice is run), then the
+        notice goes out (none when no request of it was lost)."""
+        if not state.aborted or not state.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
             return
         logger.info("engine %d: front-end %d reads again: %d dropped request(s) ended "
                     "with ABORT", self.engine_index, client, len(state.notice))
-        state.dropped, state.notice = False, []
+        state.dropped, notice, state.notice = False, state.notice, []
         self.on_change(client, None)
+        if notice:
+            self.put(client, EngineCoreOutputs(engine_index=self.engine_index, outputs=[
+                EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT)
+                for rid in notice], timestamp=self.clock()))
 
     # ---- the output thread ----------------------------------------------------------
 
