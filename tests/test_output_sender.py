@@ -2,9 +2,10 @@
 (inproc PUSH -> PULL, small high-water marks): a front-end that reads gets every
 message in order while another does not read; the one that does not read is
 dropped when its backlog passes the byte cap or its oldest message waits the
-stall timeout (a test clock), its backlog discarded; once it reads again it gets
-one notice ending (ABORT) every request that finished meanwhile or in the
-discarded backlog, and is served as before."""
+stall timeout (a test clock), its backlog discarded; once the busy loop says its
+requests are aborted and it reads again, it gets one notice ending (ABORT) every
+request that finished meanwhile or in the discarded backlog, and is served as
+before; until then, it gets nothing."""
 
 from __future__ import annotations
 
