@@ -101,14 +101,13 @@ class OutputSender:
         if outputs is None:
             state.aborted = True
             return
-        finished = [o.request_id for o in outputs.outputs if o.finished]
         if state.dropped:
-            state.notice.extend(finished)
+            state.notice.extend(_finished(outputs))
             return
         payload = self._encoder.encode(outputs)
         if not state.backlog and _try_send(state.sock, payload):
             return
-        state.backlog.append(_Queued(self.clock(), payload, finished))
+        state.backlog.append(_Queued(self.clock(), payload, _finished(outputs)))
         state.nbytes += len(payload)
         if state.nbytes > self.max_backlog_bytes:
             self._drop(client, f"its backlog of unread outputs passed "
@@ -220,6 +219,10 @@ def connect_outputs(ctx: zmq.Context, addresses: Sequence[str],
         sock.connect(address)
         sockets.append(sock)
     return sockets
+
+
+def _finished(outputs: EngineCoreOutputs) -> list[str]:
+    return [o.request_id for o in outputs.outputs if o.finished]
 
 
 def _try_send(sock: zmq.Socket, payload: bytes | list[bytes]) -> bool:

@@ -466,7 +466,7 @@ class EngineCoreProc:
         logger.warning("engine %d: dropped front-end %d: %s; aborting its %d request(s)",
                        self.rank, client, reason, len(ids))
         self._publish(self.engine_core.abort_requests(ids))
-        self.output_queue.put_nowait((client, None))  # its last output is queued
+        self.output_queue.put_nowait((client, None))  # after the aborts: it may come back
 
     def request_state_sizes(self) -> dict[str, int]:
         """Utility: the core's sizes, the routing map (`client_of_<i>`: front-end i's), drops."""
