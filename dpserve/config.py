@@ -151,6 +151,9 @@ class ParallelConfig:
     engine_failure_policy: str = "restart"  # restart | isolate | stop
     max_engine_restarts: int = 5  # per rank per RESTART_WINDOW_S; then it stays out
     max_request_migrations: int = 3  # moves of one request to another rank
+    # An engine drops an API server that leaves its outputs unread (engine/output_sender.py):
+    engine_output_backlog: int = 64 << 20  # bytes queued for one API server, at most
+    engine_output_stall_timeout: float = 5.0  # s the oldest of them may wait
     # Scaling at run time (README "Scaling at run time"): the most engines a change may
     # reach (resolved: the option, else the autoscale MAX, else data_parallel_size).
     data_parallel_size_max: int = 1
@@ -312,6 +315,15 @@ class EngineArgs:
                                     "rank stays out.")
     max_request_migrations: int = _opt(3, "How often one request may move to another rank "
                                        "when its rank fails.")
+    engine_output_backlog: str | int = _opt("64MiB", "Outputs an engine holds for one API "
+                                            "server that does not read them (bytes, or "
+                                            "with a unit); past it that API server is "
+                                            "dropped: its requests there are aborted.")
+    engine_output_stall_timeout: float = _opt(5.0, "Seconds an engine's oldest unread "
+                                              "output for one API server may wait before "
+                                              "that API server is dropped (its requests "
+                                              "there aborted; the others stream on); at "
+                                              "least 2.")
     data_parallel_size_max: int | None = _opt(None, "Most engines a change at run time "
                                               "(POST /scale_elastic_ep, dpserve scale, the "
                                               "autoscaler) may reach (default: the autoscale "
@@ -443,6 +455,9 @@ class EngineArgs:
             engine_failure_policy=self.engine_failure_policy,
             max_engine_restarts=self.max_engine_restarts,
             max_request_migrations=self.max_request_migrations,
+            engine_output_backlog=parse_memory_size(self.engine_output_backlog,
+                                                    "engine_output_backlog"),
+            engine_output_stall_timeout=self.engine_output_stall_timeout,
             data_parallel_size_max=self._size_max(autoscale), autoscale=autoscale)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             parallel=parallel, device=device,
@@ -603,6 +618,9 @@ class EngineArgs:
              f"must be one of {', '.join(_FAILURE_POLICIES)}")
         need(self.max_engine_restarts >= 0, "max_engine_restarts", "must be at least 0")
         need(self.max_request_migrations >= 0, "max_request_migrations", "must be at least 0")
+        parse_memory_size(self.engine_output_backlog, "engine_output_backlog")
+        need(2 <= self.engine_output_stall_timeout < float("inf"), "engine_output_stall_timeout",
+             "must be a number of seconds >= 2")
         need(0 <= self.shutdown_timeout < float("inf"), "shutdown_timeout",
              "must be a number of seconds >= 0")
         self._validate_placement()

@@ -15,7 +15,8 @@ Sockets of engine `rank` (identity = `engine_identity(rank)`):
     handshake  DEALER -> launcher ROUTER   HandshakeHello / EngineInitMetadata / HandshakeReady
     input i    DEALER -> front-end i ROUTER  [RequestType byte, msgpack body]; first an
                empty frame so the ROUTER learns (and can route to) this engine
-    output i   PUSH   -> front-end i PULL    one msgpack EngineCoreOutputs per message
+    output i   PUSH   -> front-end i PULL    one msgpack EngineCoreOutputs per message; no
+               blocking send: one that stops reading is dropped (engine/output_sender.py)
     DP (dp_size > 1): see `DPLink`; its coordinator SUB socket is read by the
                input thread, which queues START_DP_WAVE and REGROUP_DP like a
                front-end request
@@ -43,7 +44,7 @@ import signal
 import sys
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 import msgspec
@@ -55,6 +56,7 @@ from dpserve.engine.build import build_engine_core, place_engine
 from dpserve.engine.control import EngineControl
 from dpserve.engine.core import UTILITY_METHODS
 from dpserve.engine.dp import DPLink
+from dpserve.engine.output_sender import DEAD_LINGER_MS, OutputSender, connect_outputs
 from dpserve.launch.process import start_parent_watcher
 from dpserve.logging_utils import name_process
 from dpserve.protocol import (
@@ -81,8 +83,6 @@ from dpserve.security import secure
 logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 120.0  # wait for the launcher's init metadata
-DEAD_LINGER_MS = 4000  # how long closing output sockets may take to flush ENGINE_CORE_DEAD
-STOP_LINGER_MS = 500  # ... and the last outputs on a plain stop
 _IDLE_WAIT_S = 0.5  # the busy loop's longest block on an empty input queue
 _POLL_MS = 100  # IO threads look at the stop flag this often
 
@@ -97,6 +97,7 @@ _CONTROL_UTILITY = "control"
 
 _IO_FAILED = "io-thread-failed"  # internal input-queue tag: an IO thread died
 _PEER_LOST = "front-end-lost"  # internal input-queue tag: a remote engine lost its front-end
+_CLIENT_NEWS = "client-news"  # internal input-queue tag: a front-end dropped (why) / back (None)
 _PEER_LOST_S = 3.0  # a remote engine stops when a front-end is unreachable this long
 _HEARTBEAT_MS = 1000  # ZMQ heartbeats on a remote engine's input sockets (dead hosts)
 
@@ -124,11 +125,13 @@ class EngineCoreProc:
         self.identity = engine_identity(rank)
         # (type, decoded body, index of the front-end it came from)
         self.input_queue: queue.Queue[tuple[Any, Any, int]] = queue.Queue()
-        # (client index, outputs), ENGINE_CORE_DEAD, or None = stop
-        self.output_queue: queue.Queue[tuple[int, EngineCoreOutputs] | bytes | None] = (
+        # (client index, outputs | None = its requests all aborted), ENGINE_CORE_DEAD, None = stop
+        self.output_queue: queue.Queue[tuple[int, EngineCoreOutputs | None] | bytes | None] = (
             queue.Queue())
         self._stop_io = threading.Event()
         self._client_of: dict[str, int] = {}  # request_id -> client index, until finished
+        self._dropped: set[int] = set()  # front-ends dropped for not reading (no new work)
+        self.num_dropped_clients = 0  # drops so far (request_state_sizes)
         self.drain_deadline: float | None = None  # set by a SIGTERM with requests in flight
         self._drain_logged = False
         self._result_checker = msgspec.msgpack.Encoder()
@@ -343,6 +346,8 @@ class EngineCoreProc:
             self._publish(self.control.apply(body))
         elif request_type == _IO_FAILED:
             raise RuntimeError(f"engine IO thread failed: {body}")
+        elif request_type == _CLIENT_NEWS:
+            self._client_news(client_index, body)
         elif request_type == _PEER_LOST:
             logger.warning("engine %d: %s; shutting down", self.rank, body)
             raise SystemExit(0)
@@ -360,6 +365,8 @@ class EngineCoreProc:
                                  f"(this engine serves {self.num_clients} front-ends)")
             if self.drain_deadline is not None:
                 raise ValueError("the engine is shutting down")
+            if client in self._dropped:
+                raise ValueError(f"front-end {client} was dropped for leaving outputs unread")
             if self.control.rejects_new:
                 raise ValueError("the engine is paused or asleep")
             if self.dp is not None:
@@ -449,9 +456,26 @@ class EngineCoreProc:
             engine_index=self.rank, outputs=outputs, scheduler_stats=stats,
             timestamp=time.monotonic())))
 
+    def _client_news(self, client: int, reason: str | None) -> None:
+        """A front-end dropped for not reading (`reason`): abort its requests, take no new
+        ones until it reads again (None); their ends reach it then (OutputSender)."""
+        if reason is None:
+            self._dropped.discard(client)
+            return
+        self._dropped.add(client)
+        self.num_dropped_clients += 1
+        ids = [rid for rid, owner in self._client_of.items() if owner == client]
+        logger.warning("engine %d: dropped front-end %d: %s; aborting its %d request(s)",
+                       self.rank, client, reason, len(ids))
+        self._publish(self.engine_core.abort_requests(ids))
+        self.output_queue.put_nowait((client, None))  # after the aborts: it may come back
+
     def request_state_sizes(self) -> dict[str, int]:
-        """Utility: the core's per-request state sizes plus this process's routing map."""
-        return {**self.engine_core.request_state_sizes(), "client_of": len(self._client_of)}
+        """Utility: the core's sizes, the routing map (`client_of_<i>`: front-end i's), drops."""
+        per_client = Counter(self._client_of.values())
+        return {**self.engine_core.request_state_sizes(), "client_of": len(self._client_of),
+                **{f"client_of_{i}": per_client[i] for i in range(self.num_clients)},
+                "dropped_clients": self.num_dropped_clients}
 
     def get_dp_state(self) -> dict[str, int | bool] | None:
         """Utility: this engine's DP state (wave, dummy batches...); None without DP."""
@@ -530,32 +554,14 @@ class EngineCoreProc:
                 sock.close()
 
     def _output_loop(self, addresses: list[str]) -> None:
-        """Output queue -> sockets, with one reused encoder and buffer."""
-        encoder = msgspec.msgpack.Encoder()
-        buffer = bytearray()
+        """Output queue -> sockets, never blocked by one front-end (`OutputSender`)."""
         with zmq.Context() as ctx:  # leaving it waits for the flush (linger)
-            sockets = []
-            for address in addresses:
-                sock = secure(ctx.socket(zmq.PUSH), "client", self.secret)
-                sock.setsockopt(zmq.LINGER, DEAD_LINGER_MS)
-                sock.connect(address)
-                sockets.append(sock)
-            linger_ms = STOP_LINGER_MS  # a plain stop: the front-ends are going away too
-            while True:
-                item = self.output_queue.get()
-                if item is None:
-                    break
-                if isinstance(item, bytes):  # ENGINE_CORE_DEAD: the last message
-                    for sock in sockets:
-                        _send_nowait(sock, [item, self.identity])
-                    linger_ms = DEAD_LINGER_MS
-                    break
-                client, outputs = item
-                encoder.encode_into(outputs, buffer)
-                # copy=True: zmq owns a copy, so the buffer is free again at once.
-                sockets[client].send(buffer, copy=True)
-            for sock in sockets:
-                sock.close(linger=linger_ms)
+            OutputSender(
+                connect_outputs(ctx, addresses, self.secret), self.rank,
+                max_backlog_bytes=self.config.parallel.engine_output_backlog,
+                stall_timeout=self.config.parallel.engine_output_stall_timeout,
+                on_change=lambda c, why: self.input_queue.put_nowait((_CLIENT_NEWS, why, c)),
+            ).run(self.output_queue, self.identity)
 
     # ---- the end -----------------------------------------------------------
 
@@ -657,13 +663,6 @@ def _decode_request(frames: list[bytes], decoders: dict,
     except (ValueError, IndexError, msgspec.DecodeError) as e:  # ValidationError is a DecodeError
         logger.error("dropping a bad message from %s: %s", source, e)
         return None
-
-
-def _send_nowait(sock: zmq.Socket, frames: list[bytes]) -> None:
-    try:
-        sock.send_multipart(frames, flags=zmq.NOBLOCK)
-    except zmq.Again:
-        logger.error("could not queue ENGINE_CORE_DEAD on an output socket (peer stuck)")
 
 
 # ---- process entry point ----------------------------------------------------
