@@ -9,9 +9,11 @@ requests with ABORT, and nothing of them after; then it is served as before.
 
 `dpserve serve --api-server-count 2` with one engine, long greedy streams
 on both API servers, then SIGSTOP one API server. The other's streams all finish
-with their normal greedy text, at the speed they had before the stop (median gap
-between chunks within 3x); the engine drops the stopped API server (its counter,
-its log line naming the front-end) and aborts its requests there. After SIGCONT
+with their normal greedy text, within a bound that catches a stall (before, they
+waited forever); their pace before and after the stop is printed, not asserted (no
+timing asserts in tests: the figures go in the closing notes); the engine drops
+the stopped API server (its counter, its log line naming the front-end) and aborts
+its requests there. After SIGCONT
 the stopped API server's streams end (finish reason "abort"): none hangs. SIGTERM
 then leaves no process behind.
 
@@ -189,7 +191,7 @@ async def _run(url: str, model: str, launcher: psutil.Process) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.alone  # its timing check wants no other test beside it
+@pytest.mark.alone  # the pace it prints means something only with no test beside it
 def test_a_stopped_api_server_cannot_stall_the_engine_for_the_other(tiny_llama):
     model = str(tiny_llama)
     with serve(model, *ARGS) as (proc, url):
@@ -200,13 +202,12 @@ def test_a_stopped_api_server_cannot_stall_the_engine_for_the_other(tiny_llama):
         # The other server's streams: whole (their text: below) ...
         for s in healthy:
             assert (s.error, s.finish_reason) == (None, "length"), s
-        # ... at the speed they had before the stop (each stream's mean time per chunk
-        # from its 10th chunk to the stop, and from the stop to its end).
+        # ... and their pace (each stream's mean time per chunk from its 10th chunk to the
+        # stop, and from the stop to its end), printed for the record.
         pre = statistics.median(_mean_gap(s.times, s.times[9], run["t_stop"]) for s in healthy)
         post = statistics.median(_mean_gap(s.times, run["t_stop"], run["t_done"])
                                  for s in healthy)
         ratio = post / pre
-        assert ratio <= 3.0, f"the other API server's streams slowed {ratio:.2f}x"
         # The engine dropped the stopped server and aborted its requests (KV freed).
         assert run["after"]["dropped_clients"] == 1, run["after"]
         log = output(proc)
