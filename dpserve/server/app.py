@@ -44,6 +44,7 @@ from dpserve.server.admin import admin_dependencies, admin_router
 from dpserve.server.control import Admission, control_router
 from dpserve.server.engines import engines_router
 from dpserve.server.extras import HTTPOptions, install_extras
+from dpserve.server.limits import RequestLimits
 from dpserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from dpserve.server.protocol import (
     APIError,
@@ -69,7 +70,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
               max_num_queued: tuple[int | None, int | None] = (None, None),
               tool_call_parser: str | None = None,
               http_options: HTTPOptions | None = None,
-              log_requests: bool = False) -> FastAPI:
+              log_requests: bool = False,
+              request_limits: RequestLimits | None = None) -> FastAPI:
     """An OpenAI-compatible app over `async_llm`; `api_key` defaults to $DPSERVE_API_KEY.
 
     The app does not own `async_llm`: whoever built it shuts it down.
@@ -80,9 +82,10 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     before a 429. `tool_call_parser`: parse tool calls for tool_choice "auto".
     `http_options`: CORS, model aliases, chat template (server/extras.py).
     `log_requests`: a log line per request arrival and finish (server/log_options.py).
+    `request_limits`: the "request limits" options (server/limits.py).
     """
     api_key = api_key or os.environ.get("DPSERVE_API_KEY") or None
-    serving = OpenAIServing(async_llm, served_model_name, tool_call_parser)
+    serving = OpenAIServing(async_llm, served_model_name, tool_call_parser, request_limits)
     http_options = http_options or HTTPOptions()
     serving.model_aliases = http_options.model_aliases
     serving.log_requests = log_requests
@@ -101,13 +104,14 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
         body = await _parse(request, CompletionRequest, max_request_body_bytes)
-        return await _respond(request, serving.create_completion(body, _dp_rank(request)))
+        return await _respond(request, serving.create_completion(
+            body, _dp_rank(request), api_key_id=getattr(request.state, "api_key_id", None)))
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest, max_request_body_bytes)
-        return await _respond(request, serving.create_chat_completion(body,
-                                                                      _dp_rank(request)))
+        return await _respond(request, serving.create_chat_completion(
+            body, _dp_rank(request), api_key_id=getattr(request.state, "api_key_id", None)))
 
     def card(name: str) -> ModelCard:
         return ModelCard(id=name, root=async_llm.config.model.path,
