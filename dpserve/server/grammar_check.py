@@ -5,14 +5,16 @@ compiles for the model's tokenizer within `--structured-outputs-compile-timeout`
 seconds, before the request is sent to an engine:
 
 * it runs in one of `--structured-outputs-compile-workers` worker processes
-  (`dpserve.structured.compile_worker`, started on first use), driven each by
+  (`dpserve.structured.compile_worker`, all started at the first structured
+  request; a worker's start-up is not part of the deadline), driven each by
   its own thread, so the event loop and every other stream go on meanwhile;
 * past the deadline the worker is killed (the compile stops using a core) and
   the request gets a 400 naming the limit; a fresh worker is started in the
   background before the slot takes work again;
-* a spec waits for a free worker at most the deadline, and at most
-  `MAX_WAITING_PER_WORKER` per worker wait at once: past either, a 503 with
-  Retry-After (code `structured_outputs_busy`), never an unbounded queue;
+* a spec waits for a free worker at most twice the deadline (a worker killed at
+  the deadline is replaced first), and at most `MAX_WAITING_PER_WORKER` per
+  worker wait at once: past either, a 503 with Retry-After (code
+  `structured_outputs_busy`), never an unbounded queue;
 * verdicts (compiles, fails with a message, timed out) are remembered in an LRU
   of `VERDICT_CACHE_SIZE` entries keyed by the spec's sha256, so a repeated spec,
   good or pathological, is answered at once.
@@ -38,7 +40,7 @@ from dpserve.structured.spec import StructuredOutputs
 logger = logging.getLogger(__name__)
 
 VERDICT_CACHE_SIZE = 1024
-MAX_WAITING_PER_WORKER = 4
+MAX_WAITING_PER_WORKER = 64
 BUSY_RETRY_AFTER_S = 5
 _TIMED_OUT = "timed out"
 
@@ -108,10 +110,13 @@ class GrammarChecker:
             idle.put_nowait(worker)
 
     async def _take_worker(self, field: str) -> CompileWorker:
-        if self._idle is None:
-            self._idle = asyncio.Queue()
-            for w in self._workers:
-                self._idle.put_nowait(w)
+        if self._idle is None:  # first use: the other workers start in the background
+            idle = self._idle = asyncio.Queue()
+            idle.put_nowait(self._workers[0])
+            loop = asyncio.get_running_loop()
+            for w in self._workers[1:]:
+                job = loop.run_in_executor(self._threads, _restart, w)
+                job.add_done_callback(lambda _, w=w: idle.put_nowait(w))
         if not self._idle.empty():
             return self._idle.get_nowait()
         busy = APIError(503, f"{field}: every structured-output compile worker is busy "
@@ -122,7 +127,7 @@ class GrammarChecker:
             raise busy
         self._waiting += 1
         try:
-            return await asyncio.wait_for(self._idle.get(), self.timeout)
+            return await asyncio.wait_for(self._idle.get(), 2 * self.timeout)
         except TimeoutError:
             raise busy from None
         finally:

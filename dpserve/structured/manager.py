@@ -50,11 +50,10 @@ _BITS = 32  # tokens per bitmask word (xgrammar's int32 layout)
 class RequestGrammar:
     """One request's grammar matcher (see the module docstring)."""
 
-    def __init__(self, future: cf.Future, stop_token_ids: list[int],
-                 deadline: float = float("inf")) -> None:
+    def __init__(self, future: cf.Future, stop_token_ids: list[int]) -> None:
         self.future = future
         self.stop_token_ids = stop_token_ids
-        self.deadline = deadline  # time.monotonic() by which the grammar must be ready
+        self.added_at = time.monotonic()
         self.matcher: Any = None
 
     def start(self, prior_tokens: Sequence[int]) -> str | None:
@@ -103,6 +102,7 @@ class StructuredOutputManager:
             collections.OrderedDict()
         self._executor: cf.ThreadPoolExecutor | None = None
         self._compiler: Any = None
+        self._compiler_ready_at: float | None = None  # time.monotonic() once loaded
         self._compiler_lock = threading.Lock()
 
     # ---- requests ------------------------------------------------------------
@@ -112,8 +112,7 @@ class StructuredOutputManager:
         params = request.sampling_params
         stops = [request.eos_token_id] if request.eos_token_id is not None else []
         stops += [t for t in params.stop_token_ids if t not in stops]
-        request.grammar = RequestGrammar(self._compile(params.structured_outputs), stops,
-                                         time.monotonic() + self.compile_timeout)
+        request.grammar = RequestGrammar(self._compile(params.structured_outputs), stops)
         self.pending[request.request_id] = request
 
     def take_ready(self) -> tuple[list[Any], list[tuple[Any, str]]]:
@@ -122,7 +121,11 @@ class StructuredOutputManager:
         now = time.monotonic()
         for req_id, request in list(self.pending.items()):
             if not request.grammar.future.done():
-                if now > request.grammar.deadline:
+                # The deadline counts from the arrival, or from when the compiler was
+                # loaded (the tokenizer, once per engine): not the load itself.
+                ready_at = self._compiler_ready_at
+                if ready_at is not None and \
+                        now > max(request.grammar.added_at, ready_at) + self.compile_timeout:
                     del self.pending[req_id]
                     self._remember_timeout(request.sampling_params.structured_outputs)
                     failed.append((request, self._timeout_message()))
@@ -206,6 +209,7 @@ class StructuredOutputManager:
                                                           vocab_size=self.vocab_size)
                 self._compiler = xgr.GrammarCompiler(
                     info, max_threads=1, cache_limit_bytes=_XGRAMMAR_CACHE_BYTES)
+                self._compiler_ready_at = time.monotonic()
             return self._compiler
 
 
