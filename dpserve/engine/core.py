@@ -67,8 +67,10 @@ class EngineCore:
         ids = request.prompt_token_ids
         prior = request.prior_output_token_ids or []
         check_prompt([*ids, *prior], self.config.model.max_model_len, self.vocab_size)
-        request.sampling_params.check_limits(self.config.limits.max_stop_token_ids,
-                                             self.config.limits.max_logit_bias)
+        limits = self.config.limits  # the front-end may add the model's extra end ids
+        request.sampling_params.check_limits(
+            limits.max_stop_token_ids + len(self.config.model.eos_token_ids),
+            limits.max_logit_bias)
         req = Request(
             request.request_id, ids, request.sampling_params,
             eos_token_id=request.eos_token_id, arrival_time=request.arrival_time or None,
