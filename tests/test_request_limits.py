@@ -54,6 +54,22 @@ def test_sampling_params_limits_name_the_field_limit_and_option() -> None:
     params.check_limits(max_stop_token_ids=300, max_logit_bias=2000)  # raised: passes
 
 
+def test_offline_llm_enforces_the_engine_limits(tiny_llama) -> None:
+    """The engine's add_request applies --max-stop-token-ids / --max-logit-bias, so the
+    offline LLM gets them (raised here, overridable) and goes on serving."""
+    from dpserve import LLM
+
+    with LLM(str(tiny_llama), max_stop_token_ids=4, max_logit_bias=2) as llm:
+        with pytest.raises(ValueError, match=r"stop_token_ids has 5 entries; at most 4"):
+            llm.generate("hi", SamplingParams(stop_token_ids=[1, 2, 3, 4, 5]), use_tqdm=False)
+        with pytest.raises(ValueError, match=r"logit_bias has 3 entries; at most 2"):
+            llm.generate("hi", SamplingParams(logit_bias={1: 1.0, 2: 1.0, 3: 1.0}),
+                         use_tqdm=False)
+        out = llm.generate("hi", SamplingParams(max_tokens=3, stop_token_ids=[1, 2, 3, 4]),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) >= 1
+
+
 def _hashes(prompt: list[int], salt: str | None) -> list[bytes]:
     kv = KVCacheManager(16, 4)
     request = Request("r", prompt, SamplingParams(), cache_salt=salt)

@@ -67,10 +67,13 @@ class EngineCore:
         ids = request.prompt_token_ids
         prior = request.prior_output_token_ids or []
         check_prompt([*ids, *prior], self.config.model.max_model_len, self.vocab_size)
-        limits = self.config.limits  # the front-end may add the model's extra end ids
-        request.sampling_params.check_limits(
-            limits.max_stop_token_ids + len(self.config.model.eos_token_ids),
-            limits.max_logit_bias)
+        limits, stops = self.config.limits, request.sampling_params.stop_token_ids
+        # The front-end appends the model's extra end ids: they do not count.
+        eos, extra = set(self.config.model.eos_token_ids), 0
+        while extra < min(len(eos), len(stops)) and stops[-1 - extra] in eos:
+            extra += 1
+        request.sampling_params.check_limits(limits.max_stop_token_ids + extra,
+                                             limits.max_logit_bias)
         req = Request(
             request.request_id, ids, request.sampling_params,
             eos_token_id=request.eos_token_id, arrival_time=request.arrival_time or None,
