@@ -11,6 +11,7 @@ equal salts share cached prompt blocks and different ones do not; a request past
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -282,6 +283,43 @@ def test_pathological_schema_beside_a_live_stream(server) -> None:
     r = httpx.post(url + "/v1/completions", timeout=60, json={
         "model": model, "prompt": "hi", "structured_outputs": {"json": slow_schema(200)}})
     assert r.status_code == 400 and "--structured-outputs-compile-timeout" in r.text
+
+
+def test_saturated_compile_pool_answers_every_request_in_bounded_time(server) -> None:
+    """Four different pathological schemas at once on the one compile worker: each gets
+    a 400 (its compile timed out) or a 503 (no worker freed up within twice the
+    deadline), all within that bound plus the worker restarts; none waits unbounded.
+    Then a plain schema compiles again."""
+    url, model = server
+
+    async def run() -> list[tuple[httpx.Response, float]]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            async def one(i: int) -> tuple[httpx.Response, float]:
+                start = time.monotonic()
+                r = await client.post("/v1/completions", json={
+                    "model": model, "prompt": "hi", "guided_json": slow_schema(201 + i)})
+                return r, time.monotonic() - start
+            return await asyncio.gather(*(one(i) for i in range(4)))
+
+    results = asyncio.run(run())
+    codes = sorted(r.status_code for r, _ in results)
+    print("saturated pool:", [(r.status_code, round(t, 2)) for r, t in results])
+    assert set(codes) <= {400, 503} and codes[0] == 400, codes
+    for r, elapsed in results:
+        code = r.json()["error"]["code"]
+        assert code == ("structured_outputs_timeout" if r.status_code == 400
+                        else "structured_outputs_busy"), r.text
+        if r.status_code == 503:
+            assert r.headers["Retry-After"] and "--structured-outputs-compile-workers" in r.text
+        assert elapsed < 4 * COMPILE_TIMEOUT + 30, elapsed  # bounded (restarts included)
+
+    def plain_ok() -> bool:
+        r = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": model, "prompt": "hi", "max_tokens": 2,
+            "guided_json": {"type": "object", "properties": {"a": {"type": "integer"}}}})
+        return r.status_code == 200
+
+    wait_until(plain_ok, 60, "a plain schema compiling again")
 
 
 def _cached(client: openai.OpenAI, model: str, prompt: str, salt: str | None) -> int:

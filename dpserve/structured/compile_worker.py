@@ -13,7 +13,8 @@ not come within the deadline; the next check starts a fresh one.
 a thread). The wire: each frame is a 4-byte big-endian length and a msgpack
 value; the worker sends `["ready"]` once it has loaded the tokenizer, then for
 each `[kind, text]` (a `StructuredOutputs.key()`) the answer `[ok, message]`.
-The worker exits when its stdin closes or its parent dies.
+The worker runs at the lowest CPU priority (nice 19) and exits when its stdin
+closes or its parent dies.
 
 Not here: the pool, the deadline's policy and the verdict cache
 (`dpserve.server.grammar_check`); the engine's own compiles (`manager.py`).
@@ -151,6 +152,9 @@ def _watch_parent(parent_pid: int) -> None:
 
 def main(argv: list[str]) -> int:
     tokenizer_path, vocab_size, parent_pid = argv[0], int(argv[1]), int(argv[2])
+    # Lowest CPU priority: on a CPU server the engines' steps come first, and a compile
+    # (or this start-up) only takes what they leave.
+    os.nice(19)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     import xgrammar as xgr
     from transformers import AutoTokenizer
