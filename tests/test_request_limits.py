@@ -103,28 +103,32 @@ def test_request_salt_cannot_collide_across_keys() -> None:
 
 
 def test_engine_compile_deadline_backstop(tiny_llama) -> None:
-    """The engine's compile pool: a grammar not ready within the deadline fails its
-    request with a message naming the option; the same spec then fails at once; a
-    plain spec still compiles beside the one still running."""
+    """The engine's compile pool (one thread here): a grammar not ready within the
+    deadline fails its request with a message naming the option, and its thread is
+    replaced, so a plain spec compiles while the slow one still runs; the same slow
+    spec then fails at once."""
     vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
-    manager = StructuredOutputManager(str(tiny_llama), vocab, compile_timeout=0.5)
-    slow = SamplingParams(structured_outputs=StructuredOutputs(json=slow_schema(100)))
+    manager = StructuredOutputManager(str(tiny_llama), vocab, max_workers=1,
+                                      compile_timeout=0.5)
+    slow = SamplingParams(structured_outputs=StructuredOutputs(json=slow_schema(120)))
     try:
         manager.add(Request("slow-1", [1, 2, 3], slow))
+        slow_compile = manager.pending["slow-1"].grammar.future
         failed: list = []
-        wait_until(lambda: failed.extend(manager.take_ready()[1]) or failed, 30,
+        wait_until(lambda: failed.extend(manager.take_ready()[1]) or failed, 60,
                    "the slow grammar's deadline")
         assert [r.request_id for r, _ in failed] == ["slow-1"]
         assert "--structured-outputs-compile-timeout" in failed[0][1]
-        manager.add(Request("slow-2", [1, 2, 3], slow))
-        ready, again = manager.take_ready()
-        assert ready == [] and [r.request_id for r, _ in again] == ["slow-2"]
         plain = SamplingParams(structured_outputs=StructuredOutputs(json_object=True))
         manager.add(Request("plain", [1, 2, 3], plain))
         done: list = []
         wait_until(lambda: done.extend(manager.take_ready()[0]) or done, 30,
                    "the plain grammar")
         assert [r.request_id for r in done] == ["plain"]
+        assert not slow_compile.done(), "premise: the slow compile is still running"
+        manager.add(Request("slow-2", [1, 2, 3], slow))
+        ready, again = manager.take_ready()
+        assert ready == [] and [r.request_id for r, _ in again] == ["slow-2"]
     finally:
         manager.close()
 

@@ -9,7 +9,8 @@
   `compile_timeout` s (--structured-outputs-compile-timeout) fails with an error
   naming it, and so does every later request for that spec while it is
   remembered (a backstop: the API server refuses such specs first, in a worker
-  it can kill; here a compile cannot be stopped, only no longer waited for).
+  it can kill; here a compile cannot be stopped, only no longer waited for: its
+  thread is replaced, `compile_pool.py`, so the compiles behind it go on).
 * `RequestGrammar` is one request's matcher. It is created waiting for the
   compiled grammar; when ready it is fed the request's output tokens so far (a
   migrated request arrives with some). It survives preemption unchanged: a
@@ -32,6 +33,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from dpserve.structured.compile_pool import CompilePool
 from dpserve.structured.grammar import compile_spec
 from dpserve.structured.spec import StructuredOutputs
 
@@ -44,6 +46,7 @@ _CACHE_SIZE = 256  # compiled grammars kept
 _CACHE_BYTES = 512 << 20  # ... and their size at most (CompiledGrammar.memory_size_bytes)
 _XGRAMMAR_CACHE_BYTES = 64 << 20  # xgrammar's GrammarCompiler cache
 _TIMED_OUT_KEYS = 1024  # specs remembered as too slow to compile
+_MAX_STUCK = 4  # compiles past their deadline still running (compile_pool.py)
 _BITS = 32  # tokens per bitmask word (xgrammar's int32 layout)
 
 
@@ -100,7 +103,7 @@ class StructuredOutputManager:
         self.pending: dict[str, Any] = {}  # request id -> Request waiting for its grammar
         self._cache: collections.OrderedDict[tuple[str, str], cf.Future] = \
             collections.OrderedDict()
-        self._executor: cf.ThreadPoolExecutor | None = None
+        self._pool: CompilePool | None = None
         self._compiler: Any = None
         self._compiler_ready_at: float | None = None  # time.monotonic() once loaded
         self._compiler_lock = threading.Lock()
@@ -128,6 +131,8 @@ class StructuredOutputManager:
                         now > max(request.grammar.added_at, ready_at) + self.compile_timeout:
                     del self.pending[req_id]
                     self._remember_timeout(request.sampling_params.structured_outputs)
+                    if self._pool is not None:  # its thread is replaced; others go on
+                        self._pool.write_off(request.grammar.future)
                     failed.append((request, self._timeout_message()))
                     logger.error("request %s: %s", req_id, self._timeout_message())
                 continue
@@ -151,8 +156,8 @@ class StructuredOutputManager:
         return [r for r in (self.pending.pop(i, None) for i in request_ids) if r is not None]
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.close()
 
     # ---- compiling -----------------------------------------------------------
 
@@ -175,10 +180,9 @@ class StructuredOutputManager:
         if future is not None and not (future.done() and future.exception() is not None):
             self._cache.move_to_end(key)
             return future
-        if self._executor is None:
-            self._executor = cf.ThreadPoolExecutor(self.max_workers,
-                                                   thread_name_prefix="dpserve-grammar")
-        future = self._executor.submit(self._compile_now, spec)
+        if self._pool is None:
+            self._pool = CompilePool(self._compile_now, self.max_workers, _MAX_STUCK)
+        future = self._pool.submit(spec)
         self._cache[key] = future
         self._evict()
         return future
