@@ -23,6 +23,7 @@ from typing import Any
 
 from dpserve.errors import ConfigError
 from dpserve.generation_config import load_generation_defaults
+from dpserve.sampling_params import DEFAULT_MAX_LOGIT_BIAS, DEFAULT_MAX_STOP_TOKEN_IDS
 from dpserve.security import SECRET_ENV, check_exposure, check_secret, read_secret_file
 
 __all__ = ["ConfigError", "EngineArgs", "EngineConfig"]
@@ -40,6 +41,7 @@ _DEFAULT_BUDGET = 2048  # GPU engines, and lockstep engines anywhere
 _DP_BACKENDS = ("mp", "ray")
 _PACK_STRATEGIES = ("strict", "fill", "span")
 _FAILURE_POLICIES = ("restart", "isolate", "stop")
+_LIMITS = "request limits"  # the `dpserve serve` argument group of these options
 
 
 @dataclass(frozen=True)
@@ -188,6 +190,16 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class RequestLimitsConfig:
+    """The request limits the engine enforces too (the offline `LLM` included); the API
+    server's own limits are `dpserve.server.limits.RequestLimits`."""
+
+    max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS  # SamplingParams.stop_token_ids
+    max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS  # SamplingParams.logit_bias entries
+    structured_outputs_compile_timeout: float = 10.0  # seconds to compile one grammar
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -196,6 +208,7 @@ class EngineConfig:
     device: str  # "cpu" | "cuda"
     # SIGTERM: requests in flight get this long to finish (server and engines), then abort.
     shutdown_timeout: float = 30.0
+    limits: RequestLimitsConfig = RequestLimitsConfig()
 
 
 def _opt(default: Any, help: str, repr: bool = True, **kw: Any) -> Any:
@@ -348,6 +361,16 @@ class EngineArgs:
     shutdown_timeout: float = _opt(30.0, "On SIGTERM (or Ctrl-C), seconds that requests in "
                                    "flight get to finish before they are aborted; new "
                                    "requests get 503 meanwhile.")
+    # Request limits (the "request limits" group of `dpserve serve`).
+    max_stop_token_ids: int = _opt(DEFAULT_MAX_STOP_TOKEN_IDS, "Most stop_token_ids of one "
+                                   "request (each is checked for every token it "
+                                   "generates).", group=_LIMITS)
+    max_logit_bias: int = _opt(DEFAULT_MAX_LOGIT_BIAS, "Most logit_bias entries of one request.",
+                               group=_LIMITS)
+    structured_outputs_compile_timeout: float = _opt(
+        10.0, "Seconds one structured-output grammar (JSON schema, regex, grammar, tool "
+        "schema) may take to compile; past it the request fails (400 from the API server, "
+        "an error from the engine).", group=_LIMITS)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -359,20 +382,24 @@ class EngineArgs:
         return cls(**kwargs)
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+    def add_cli_args(cls, parser: argparse.ArgumentParser,
+                     groups: Mapping[str, argparse.ArgumentParser] | None = None) -> None:
+        """Every option as a flag on `parser`, or on `groups[name]` for the options of
+        group `name` (e.g. "request limits")."""
         for f in fields(cls):
             flag = "--" + f.name.replace("_", "-")
             flags = (flag, *f.metadata.get("aliases", ()))  # vLLM's short flags (-dp, ...)
             help_text = f.metadata.get("help", "")
             if f.name == "model":
                 continue  # positional, added by the CLI
+            target = (groups or {}).get(f.metadata.get("group", ""), parser)
             if f.type in ("bool", bool):
-                parser.add_argument(*flags, action=argparse.BooleanOptionalAction,
+                target.add_argument(*flags, action=argparse.BooleanOptionalAction,
                                     default=f.default, help=help_text)
                 continue
             kind = {"int": int, "float": float, "int | None": int,
                     "float | None": float}.get(str(f.type), str)
-            parser.add_argument(*flags, type=kind, default=f.default, help=help_text,
+            target.add_argument(*flags, type=kind, default=f.default, help=help_text,
                                 choices=f.metadata.get("choices"))
 
     @classmethod
@@ -459,9 +486,12 @@ class EngineArgs:
                                                     "engine_output_backlog"),
             engine_output_stall_timeout=self.engine_output_stall_timeout,
             data_parallel_size_max=self._size_max(autoscale), autoscale=autoscale)
+        limits = RequestLimitsConfig(
+            max_stop_token_ids=self.max_stop_token_ids, max_logit_bias=self.max_logit_bias,
+            structured_outputs_compile_timeout=float(self.structured_outputs_compile_timeout))
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             parallel=parallel, device=device,
-                            shutdown_timeout=float(self.shutdown_timeout))
+                            shutdown_timeout=float(self.shutdown_timeout), limits=limits)
 
     def _expert_parallel(self, hf_config: Mapping[str, Any], arch: str,
                          autoscale: AutoscaleConfig | None) -> bool:
@@ -623,6 +653,10 @@ class EngineArgs:
              "must be a number of seconds >= 2")
         need(0 <= self.shutdown_timeout < float("inf"), "shutdown_timeout",
              "must be a number of seconds >= 0")
+        need(self.max_stop_token_ids >= 0, "max_stop_token_ids", "must be at least 0")
+        need(self.max_logit_bias >= 0, "max_logit_bias", "must be at least 0")
+        need(0 < self.structured_outputs_compile_timeout < float("inf"),
+             "structured_outputs_compile_timeout", "must be a positive number of seconds")
         self._validate_placement()
         if self.kv_cache_memory is not None:
             parse_memory_size(self.kv_cache_memory, "kv_cache_memory")

@@ -68,6 +68,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # Migration: tokens another engine already generated for this request (they
     # count as outputs; outputs from here on carry only what comes after them).
     prior_output_token_ids: list[int] | None = None
+    # Prefix-cache salt: folded into the hash of the first block (kv_cache.root_hash),
+    # so requests share cached blocks only with equal salts (None: unsalted).
+    cache_salt: str | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
@@ -94,8 +97,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # On the output that finishes a request (stop or length) in its engine: seconds
     # [queued (arrival -> first scheduled), prefill (-> first token), decode (-> finish)].
     phase_times: list[float] | None = None
-    # Set only by a front-end's engine client, never on the wire: the request
-    # failed for good (no rank could take it over); `finish_reason` is ABORT.
+    # The request failed for good, `finish_reason` is ABORT: set by a front-end's
+    # engine client (no rank could take it over), or by an engine for a request it
+    # could not start (its structured-output grammar failed or timed out).
     error: str | None = None
 
     @property

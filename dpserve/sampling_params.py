@@ -3,7 +3,8 @@
 `SamplingParams` is a msgspec Struct so that it can later cross process
 boundaries as it is. It validates itself on construction: every bad value
 raises `ValueError` naming the field, so both the offline API and the HTTP
-server turn it into a clear message.
+server turn it into a clear message. Its sizes (stop_token_ids, logit_bias
+entries) are checked by `check_limits` against the configured request limits.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import msgspec
 from dpserve.structured.spec import StructuredOutputs
 
 _MAX_LOGPROBS = 20
+# Request limits (EngineArgs / `dpserve serve` override them: `check_limits`).
+DEFAULT_MAX_STOP_TOKEN_IDS = 256  # each is checked for every generated token
+DEFAULT_MAX_LOGIT_BIAS = 1024
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -84,6 +88,20 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0
             for t, b in self.logit_bias.items()), "logit_bias",
             "maps token ids (>= 0) to biases in [-100, 100]")
+
+    def check_limits(self, max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS,
+                     max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS) -> None:
+        """Raise ValueError naming the field, the limit and its option when a list is
+        longer than allowed. Not part of construction (a server may raise the limits):
+        the API server checks before building, the engine on `add_request` with its
+        configured limits, so the offline `LLM` gets them too."""
+        _check(len(self.stop_token_ids) <= max_stop_token_ids, "stop_token_ids",
+               f"has {len(self.stop_token_ids)} entries; at most {max_stop_token_ids} are "
+               f"allowed (max_stop_token_ids, --max-stop-token-ids)")
+        biases = len(self.logit_bias) if self.logit_bias else 0
+        _check(biases <= max_logit_bias, "logit_bias",
+               f"has {biases} entries; at most {max_logit_bias} are allowed "
+               f"(max_logit_bias, --max-logit-bias)")
 
     @property
     def greedy(self) -> bool:

@@ -58,7 +58,9 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks)
         self.vocab_size = int(config.model.hf_config["vocab_size"])
         # Requests with structured output wait here until their grammar is compiled.
-        self.structured = StructuredOutputManager(config.model.tokenizer, self.vocab_size)
+        self.structured = StructuredOutputManager(
+            config.model.tokenizer, self.vocab_size,
+            compile_timeout=config.limits.structured_outputs_compile_timeout)
         self.num_forward_passes = 0  # model executions by step(), cumulative
         self.ep_failure: str | None = None  # set when an expert-parallel collective failed
         logger.info("engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens)",
@@ -72,10 +74,17 @@ class EngineCore:
         ids = request.prompt_token_ids
         prior = request.prior_output_token_ids or []
         check_prompt([*ids, *prior], self.config.model.max_model_len, self.vocab_size)
+        limits, stops = self.config.limits, request.sampling_params.stop_token_ids
+        # The front-end appends the model's extra end ids: they do not count.
+        eos, extra = set(self.config.model.eos_token_ids), 0
+        while extra < min(len(eos), len(stops)) and stops[-1 - extra] in eos:
+            extra += 1
+        request.sampling_params.check_limits(limits.max_stop_token_ids + extra,
+                                             limits.max_logit_bias)
         req = Request(
             request.request_id, ids, request.sampling_params,
             eos_token_id=request.eos_token_id, arrival_time=request.arrival_time or None,
-            prior_output_token_ids=prior)
+            prior_output_token_ids=prior, cache_salt=request.cache_salt)
         if request.sampling_params.structured_outputs is None:
             self.scheduler.add_request(req)
             return
@@ -148,8 +157,10 @@ class EngineCore:
             except ValueError as e:  # checked in add_request; never fatal here
                 logger.error("%s", e)
                 failed.append((request, str(e)))
-        return [EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ABORT)
-                for r, _ in failed]  # (logged by the manager)
+        # The reason travels to the client (`error`: its front-end fails the request).
+        return [EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ABORT,
+                                 error=f"request {r.request_id}: {e}")
+                for r, e in failed]  # (logged by the manager)
 
     def _drop_failed_step(self, reason: str) -> None:
         """An expert-parallel collective failed mid-forward (a peer rank died): nothing

@@ -22,9 +22,20 @@ from dpserve.engine.request import Request
 # every process (no PYTHONHASHSEED), which equal hashes across engines rely on.
 BlockHash = bytes
 
-# Parent digest of a request's first block.
+# Parent digest of an unsalted request's first block.
 _ROOT_HASH: BlockHash = hashlib.sha256(b"dpserve prefix cache root").digest()
 _BIG_ENDIAN = sys.byteorder == "big"
+
+
+def root_hash(cache_salt: str | None) -> BlockHash:
+    """The parent digest of a request's first block: the unsalted root, or one derived
+    from its salt (vLLM's cache_salt). Every later block covers its parent, so two
+    requests share cached blocks only when their salts are equal; a salted root is
+    the sha256 of a different prefix than the unsalted one's, so neither can equal
+    the other."""
+    if cache_salt is None:
+        return _ROOT_HASH
+    return hashlib.sha256(b"dpserve prefix cache salt\0" + cache_salt.encode()).digest()
 
 
 def hash_block(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
@@ -268,8 +279,8 @@ class KVCacheManager:
         bs = self.block_size
         tokens = request.all_token_ids
         for i in range(len(hashes), len(tokens) // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else None,
-                                     tokens[i * bs:(i + 1) * bs]))
+            parent = hashes[-1] if hashes else root_hash(request.cache_salt)
+            hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs]))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached block-aligned prefix of `request`, and its token count."""

@@ -55,6 +55,7 @@ class Request:
         eos_token_id: int | None = None,
         arrival_time: float | None = None,
         prior_output_token_ids: list[int] | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -78,7 +79,9 @@ class Request:
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
-        # Hashes of this request's full blocks, filled by the KV-cache manager.
+        # Hashes of this request's full blocks, filled by the KV-cache manager; the first
+        # block's parent is the root of its salt (kv_cache.root_hash; None: unsalted).
+        self.cache_salt = cache_salt
         self.block_hashes: list[bytes] = []  # sha256 digests (kv_cache.hash_block)
         # structured.manager.RequestGrammar when the output is constrained, else None.
         self.grammar: Any = None

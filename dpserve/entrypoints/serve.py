@@ -61,6 +61,7 @@ from dpserve.logging_utils import name_process, scrub_argv
 from dpserve.security import warn_plain_tcp
 from dpserve.server.auth import add_auth_args
 from dpserve.server.extras import add_http_args
+from dpserve.server.limits import RequestLimits, add_limit_args
 from dpserve.server.log_options import add_log_args
 
 if TYPE_CHECKING:
@@ -128,10 +129,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="Log level of uvicorn's own logger.")
     add_http_args(parser.add_argument_group("HTTP options"))
     add_log_args(parser.add_argument_group("logging options"))
-    EngineArgs.add_cli_args(parser.add_argument_group("engine options"))
+    limits = parser.add_argument_group("request limits")
+    add_limit_args(limits)
+    EngineArgs.add_cli_args(parser.add_argument_group("engine options"),
+                            groups={"request limits": limits})
 
 
 def _check_args(args: argparse.Namespace) -> None:
+    RequestLimits.from_args(args)  # ConfigError naming the option
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     if args.engine_ready_timeout <= 0:

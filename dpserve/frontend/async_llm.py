@@ -202,7 +202,7 @@ class AsyncLLM:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, prompt_text: str | None = None,
                        data_parallel_rank: int | None = None,
-                       ) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream DELTA RequestOutputs for one request until it finishes.
 
         `data_parallel_rank` pins the engine that runs it. Raises RequestError
@@ -217,7 +217,8 @@ class AsyncLLM:
         arrival = time.monotonic()
         engine_requests = self.processor.add_request(
             request_id, prompt_text, list(prompt_token_ids), params, kind=OutputKind.DELTA,
-            arrival_time=arrival, data_parallel_rank=data_parallel_rank)
+            arrival_time=arrival, data_parallel_rank=data_parallel_rank,
+            cache_salt=cache_salt)
         tracked = _Tracked(asyncio.Queue(), len(prompt_token_ids), arrival)
         self._requests[request_id] = tracked
         finished = False

@@ -49,7 +49,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from dpserve.engine.kv_cache import BlockHash, hash_block
+from dpserve.engine.kv_cache import BlockHash, hash_block, root_hash
 from dpserve.protocol import EngineCoreRequest, SchedulerStats
 
 LOAD_BALANCE_POLICIES = ("least-loaded", "round-robin", "cache-aware")
@@ -99,13 +99,16 @@ class PrefixTracker:
         self.block_size = block_size
         self._blocks: dict[int, OrderedDict[BlockHash, None]] = {}
 
-    def hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
+    def hashes(self, token_ids: Sequence[int], cache_salt: str | None = None,
+               ) -> list[BlockHash]:
         """The hash chain of the prompt's blocks that an engine can serve from its cache:
-        (n - 1) // block_size full blocks (the last token is always computed)."""
+        (n - 1) // block_size full blocks (the last token is always computed), rooted
+        at the request's salt as the engine roots it (kv_cache.root_hash)."""
         bs = self.block_size
         chain: list[BlockHash] = []
         for i in range((len(token_ids) - 1) // bs if token_ids else 0):
-            chain.append(hash_block(chain[-1] if chain else None, token_ids[i * bs:(i + 1) * bs]))
+            parent = chain[-1] if chain else root_hash(cache_salt)
+            chain.append(hash_block(parent, token_ids[i * bs:(i + 1) * bs]))
         return chain
 
     def matched_blocks(self, rank: int, chain: Sequence[BlockHash]) -> int:
@@ -173,7 +176,7 @@ class Router:
         least = self._least_loaded(live, balanced)
         if self.policy == "least-loaded":
             return least
-        chain = self.tracker.hashes(request.prompt_token_ids)
+        chain = self.tracker.hashes(request.prompt_token_ids, request.cache_salt)
         chosen = self._cache_aware(live, chain, len(request.prompt_token_ids), least,
                                    balanced)
         self.record(chosen, chain)
@@ -186,7 +189,8 @@ class Router:
         if self.policy != "cache-aware":
             return
         if chain is None:
-            chain = self.tracker.hashes(request.prompt_token_ids if request else [])
+            chain = self.tracker.hashes(request.prompt_token_ids if request else [],
+                                        request.cache_salt if request else None)
         capacity = kv_capacity_blocks(engine.stats) or self.default_capacity
         self.tracker.record(engine.rank, chain, capacity)
 

@@ -51,6 +51,7 @@ from dpserve.server.bodies import BodyLimit, require_json
 from dpserve.server.control import Admission, control_router
 from dpserve.server.engines import engines_router
 from dpserve.server.extras import HTTPOptions, install_extras
+from dpserve.server.limits import RequestLimits
 from dpserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from dpserve.server.protocol import (
     APIError,
@@ -76,7 +77,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
               max_num_queued: tuple[int | None, int | None] = (None, None),
               tool_call_parser: str | None = None,
               http_options: HTTPOptions | None = None,
-              log_requests: bool = False, auth: AuthOptions | None = None) -> FastAPI:
+              log_requests: bool = False, auth: AuthOptions | None = None,
+              request_limits: RequestLimits | None = None) -> FastAPI:
     """An OpenAI-compatible app over `async_llm`.
 
     The app does not own `async_llm`: whoever built it shuts it down.
@@ -90,10 +92,11 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     `tool_call_parser`: parse tool calls for tool_choice "auto".
     `http_options`: CORS, model aliases, chat template (server/extras.py).
     `log_requests`: a log line per request arrival and finish (server/log_options.py).
+    `request_limits`: the "request limits" options (server/limits.py).
     """
     if auth is None:
         auth = AuthOptions.from_key(api_key or os.environ.get(API_KEY_ENV))
-    serving = OpenAIServing(async_llm, served_model_name, tool_call_parser)
+    serving = OpenAIServing(async_llm, served_model_name, tool_call_parser, request_limits)
     http_options = http_options or HTTPOptions()
     serving.model_aliases = http_options.model_aliases
     serving.log_requests = log_requests
@@ -111,13 +114,14 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
         body = await _parse(request, CompletionRequest)
-        return await _respond(request, serving.create_completion(body, _dp_rank(request)))
+        return await _respond(request, serving.create_completion(
+            body, _dp_rank(request), api_key_id=request.state.api_key_id))
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
-        return await _respond(request, serving.create_chat_completion(body,
-                                                                      _dp_rank(request)))
+        return await _respond(request, serving.create_chat_completion(
+            body, _dp_rank(request), api_key_id=request.state.api_key_id))
 
     def card(name: str) -> ModelCard:
         return ModelCard(id=name, root=async_llm.config.model.path,

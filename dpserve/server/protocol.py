@@ -3,8 +3,10 @@
 Requests are parsed with `Model.model_validate_json(body, strict=True)`:
 wrong JSON types fail here with the field named. Value ranges that
 `SamplingParams` already checks (temperature, top_p, ...) are left to it;
-this module checks only what it alone knows (n and stop limits, fields we do
-not support). Unknown fields are ignored, as OpenAI clients send many;
+this module checks only what it alone knows (n, fields we do not support).
+The sizes that are options (stop strings, stop_token_ids, logit_bias, tools,
+messages, ...) are checked by server/limits.py once parsing is done.
+Unknown fields are ignored, as OpenAI clients send many;
 fields that would change the result and that dpserve does not implement
 (suffix, best_of > n, echo with logprobs) are
 rejected with a message naming them.
@@ -19,8 +21,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 MAX_N = 16
-MAX_STOP_STRINGS = 4
-MAX_STOP_LENGTH = 256  # characters
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 
 
@@ -100,27 +100,20 @@ class SamplingRequest(_Model):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # Prefix-cache isolation (vLLM's field): requests share cached prompt blocks only
+    # when their salts are equal (none = the unsalted cache).
+    cache_salt: str | None = None
 
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, v: str | list[str] | None) -> list[str]:
-        stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > MAX_STOP_STRINGS:
-            raise PydanticCustomError(
-                "too_many", "at most {limit} stop strings are allowed, got {n}",
-                {"limit": MAX_STOP_STRINGS, "n": len(stops)})
-        if any(len(s) > MAX_STOP_LENGTH for s in stops):
-            raise PydanticCustomError("too_long", "stop strings must be at most {limit} "
-                                      "characters long", {"limit": MAX_STOP_LENGTH})
-        if any(not s for s in stops):
-            raise PydanticCustomError("empty", "stop strings must not be empty")
-        return stops
+        return [v] if isinstance(v, str) else list(v or [])  # sizes: server/limits.py
 
-    @field_validator("logit_bias")
+    @field_validator("cache_salt")
     @classmethod
-    def _logit_bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v and not all(k.isdigit() for k in v):
-            raise PydanticCustomError("logit_bias", "logit_bias keys must be token ids")
+    def _salt_not_empty(cls, v: str | None) -> str | None:
+        if v == "":
+            raise PydanticCustomError("cache_salt", "cache_salt must be a non-empty string")
         return v
 
     @field_validator("prompt_logprobs")

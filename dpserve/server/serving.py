@@ -7,6 +7,12 @@ become either one response or SSE chunks (`data: {...}\\n\\n`, then
 sent to the engine, so a bad request never disturbs the ones in flight and a
 streamed request fails with a status code, not in the middle of a stream.
 
+Request limits (server/limits.py) are checked on the parsed request first;
+a structured-output spec is compiled for the tokenizer off the event loop under
+the compile deadline (server/grammar_check.py); with `--request-timeout` each
+engine stream ends with a 504 past it (aborted in the engine); `cache_salt` and,
+with --prefix-cache-salt-per-key, the API key's identity salt the prefix cache.
+
 `to_api_error()` turns any exception into the OpenAI error shape; the app's
 one exception handler and the in-stream error event both use it.
 """
@@ -29,6 +35,14 @@ from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError, RequestError
 from dpserve.outputs import CompletionOutput, Logprob, RequestOutput
 from dpserve.sampling_params import SamplingParams
+from dpserve.server.grammar_check import GrammarChecker
+from dpserve.server.limits import (
+    RequestLimits,
+    check_chat,
+    check_completion,
+    request_salt,
+    with_deadline,
+)
 from dpserve.server.log_options import logged_stream
 from dpserve.server.protocol import (
     APIError,
@@ -62,6 +76,7 @@ from dpserve.server.tools import (
     template_supports_tools,
     tool_constraint,
 )
+from dpserve.structured.spec import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -84,10 +99,16 @@ class OpenAIServing:
     """Completions and chat completions over one AsyncLLM."""
 
     def __init__(self, llm: AsyncLLM, model_name: str,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None,
+                 limits: RequestLimits | None = None) -> None:
         self.llm = llm
         self.model_name = model_name
         self.tool_call_parser = tool_call_parser  # None: tool_choice "auto" is refused
+        self.limits = limits or RequestLimits.from_engine(llm.config.limits)
+        self.grammar_checker = GrammarChecker(
+            llm.config.model.tokenizer, llm.vocab_size,
+            self.limits.structured_outputs_compile_workers,
+            self.limits.structured_outputs_compile_timeout)
         self.token_text = functools.lru_cache(maxsize=65536)(
             lambda token_id: llm.decode([token_id]))
         # generation_config.json defaults for fields a request leaves unset.
@@ -97,18 +118,25 @@ class OpenAIServing:
 
     async def create_completion(self, req: CompletionRequest,
                                 data_parallel_rank: int | None = None,
+                                api_key_id: str | None = None,
                                 ) -> BaseModel | AsyncIterator[str]:
-        """`data_parallel_rank` (the X-data-parallel-rank header) pins the engine."""
+        """`data_parallel_rank` (the X-data-parallel-rank header) pins the engine;
+        `api_key_id` (the auth layer's name of the key used) salts the prefix cache
+        with --prefix-cache-salt-per-key."""
+        deadline = self._deadline()
         self._check_model(req.model)
+        check_completion(req, self.limits)
         params = self._sampling_params(req, max_tokens=self.defaults.get("max_tokens", 16)
                                        if req.max_tokens is None else req.max_tokens,
-                                       logprobs=req.logprobs)
+                                       logprobs=req.logprobs,
+                                       structured=await self._structured(req))
         prompt = req.prompt
         batch = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
         prompts = [(p, await self.llm.in_tokenizer_thread(self.llm.encode, p))
                    if isinstance(p, str) else (None, list(p)) for p in batch]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = self._start(request_id, prompts, params, data_parallel_rank)
+        streams = self._start(request_id, prompts, params, data_parallel_rank,
+                              self._salt(req, api_key_id), deadline)
         # echo: each choice starts with its prompt's text.
         echo = [(t if t is not None else self.llm.decode(ids)) if req.echo else ""
                 for t, ids in prompts]
@@ -160,8 +188,11 @@ class OpenAIServing:
 
     async def create_chat_completion(self, req: ChatCompletionRequest,
                                      data_parallel_rank: int | None = None,
+                                     api_key_id: str | None = None,
                                      ) -> BaseModel | AsyncIterator[str]:
+        deadline = self._deadline()
         self._check_model(req.model)
+        check_chat(req, self.limits)
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                       else req.max_tokens)
         if max_tokens is None:
@@ -170,7 +201,8 @@ class OpenAIServing:
         params = self._sampling_params(
             req, max_tokens=max_tokens, logprobs=num_logprobs,
             renames={"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"
-                     if req.max_completion_tokens is not None else "max_tokens"})
+                     if req.max_completion_tokens is not None else "max_tokens"},
+            structured=await self._structured(req))
         plan = plan_tools(req, self.tool_call_parser)
         constraint = tool_constraint(plan) if plan is not None else None
         if constraint is not None:
@@ -178,12 +210,13 @@ class OpenAIServing:
                 raise RequestError(f"tool_choice {req.tool_choice!r} cannot be combined with "
                                    f"response_format or structured_outputs",
                                    param="tool_choice")
+            await self.grammar_checker.check(constraint, "tools")
             params = msgspec.structs.replace(params, structured_outputs=constraint)
         prompt_ids = await self.llm.in_tokenizer_thread(self._render_chat, req, plan)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             streams = self._start(request_id, [(None, prompt_ids)], params,
-                                  data_parallel_rank)
+                                  data_parallel_rank, self._salt(req, api_key_id), deadline)
         except RequestError as e:
             raise RequestError(str(e), "messages" if e.param == "prompt" else e.param,
                                e.code) from None
@@ -260,9 +293,26 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model}` does not exist.", param="model",
                            code="model_not_found")
 
+    def _deadline(self) -> float | None:
+        """When a request arriving now must be done by (--request-timeout), loop time."""
+        timeout = self.limits.request_timeout
+        return None if timeout is None else asyncio.get_running_loop().time() + timeout
+
+    def _salt(self, req: SamplingRequest, api_key_id: str | None) -> str | None:
+        return request_salt(req.cache_salt, api_key_id, self.limits.prefix_cache_salt_per_key)
+
+    async def _structured(self, req: SamplingRequest) -> StructuredOutputs | None:
+        """The request's constraint, compiled in time (grammar_check) or a 400."""
+        found = structured_from_request(req)
+        if found is None:
+            return None
+        field, spec = found
+        await self.grammar_checker.check(spec, field)
+        return spec
+
     def _sampling_params(self, req: SamplingRequest, max_tokens: int | None,
-                         logprobs: int | None,
-                         renames: dict[str, str] | None = None) -> SamplingParams:
+                         logprobs: int | None, renames: dict[str, str] | None = None,
+                         structured: StructuredOutputs | None = None) -> SamplingParams:
         """OpenAI names -> SamplingParams; its ValueErrors name the request field."""
         given = {k: getattr(req, k) for k in (
             "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -276,7 +326,7 @@ class OpenAIServing:
                 prompt_logprobs=req.prompt_logprobs,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
-                structured_outputs=structured_from_request(req),
+                structured_outputs=structured,
                 logit_bias=self._logit_bias(req), **given)
         except RequestError:
             raise
@@ -290,6 +340,8 @@ class OpenAIServing:
     def _logit_bias(self, req: SamplingRequest) -> dict[int, float] | None:
         if not req.logit_bias:
             return None
+        if not all(k.isdigit() for k in req.logit_bias):  # its size is checked already
+            raise RequestError("logit_bias keys must be token ids", param="logit_bias")
         bias = {int(k): float(v) for k, v in req.logit_bias.items()}
         bad = next((t for t in bias if t >= self.llm.vocab_size), None)
         if bad is not None:
@@ -299,19 +351,24 @@ class OpenAIServing:
 
     def _start(self, request_id: str, prompts: Sequence[tuple[str | None, list[int]]],
                params: SamplingParams, data_parallel_rank: int | None = None,
+               cache_salt: str | None = None, deadline: float | None = None,
                ) -> list[AsyncIterator[RequestOutput]]:
-        """Validate every prompt, then open one generate() stream per prompt."""
+        """Validate every prompt, then open one generate() stream per prompt (each ends
+        with a 504 past `deadline`, loop time)."""
         for _, ids in prompts:
             self.llm.validate(ids, params, data_parallel_rank)
         admit = getattr(self.llm, "admission", None)  # paused / asleep / queues full
         if admit is not None:
             admit([len(ids) for _, ids in prompts] * params.n)
         streams = [self.llm.generate(ids, params, f"{request_id}-{i}", text,
-                                     data_parallel_rank)
+                                     data_parallel_rank, cache_salt=cache_salt)
                    for i, (text, ids) in enumerate(prompts)]
         if self.log_requests:
             streams = [logged_stream(s, f"{request_id}-{i}", len(ids), params)
                        for i, (s, (_, ids)) in enumerate(zip(streams, prompts))]
+        if deadline is not None:
+            timeout = self.limits.request_timeout or 0.0
+            streams = [with_deadline(s, deadline, timeout) for s in streams]
         return streams
 
     async def _collect(self, streams: list[AsyncIterator[RequestOutput]],

@@ -3,8 +3,9 @@
 Accepted, one at a time: `response_format` (`json_object`; `json_schema` with
 `json_schema.schema`), vLLM's `structured_outputs` extra (`json`, `regex`,
 `choice`, `grammar`, `json_object`) and its older `guided_json`, `guided_regex`,
-`guided_choice`, `guided_grammar`. A bad schema, regex or grammar is a 400 that
-names the field and the problem (compiled once here, cached, without a tokenizer).
+`guided_choice`, `guided_grammar`. The spec is checked by the caller (server/grammar_check.py:
+compiled for the tokenizer in a worker process, under the compile deadline); a bad
+schema, regex or grammar is then a 400 that names the field and the problem.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import json
 from typing import Any
 
 from dpserve.frontend.errors import RequestError
-from dpserve.structured.grammar import validate
 from dpserve.structured.spec import StructuredOutputs
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -21,8 +21,9 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def structured_from_request(req: Any) -> StructuredOutputs | None:
-    """The request's constraint (None: unconstrained); RequestError naming the field."""
+def structured_from_request(req: Any) -> tuple[str, StructuredOutputs] | None:
+    """(the field that gave it, the request's constraint), None when unconstrained;
+    RequestError naming the field for a malformed one (compiling is the caller's)."""
     found: list[tuple[str, StructuredOutputs]] = []
     fmt = getattr(req, "response_format", None)
     if fmt is not None and fmt.type != "text":
@@ -39,12 +40,7 @@ def structured_from_request(req: Any) -> StructuredOutputs | None:
     if len(found) > 1:
         raise RequestError(f"only one of {', '.join(f for f, _ in found)} may be given",
                            param=found[1][0])
-    field, spec = found[0]
-    try:
-        validate(spec)
-    except ValueError as e:
-        raise RequestError(f"{field}: {e}", param=field) from None
-    return spec
+    return found[0]
 
 
 def _from_response_format(fmt: Any) -> StructuredOutputs:

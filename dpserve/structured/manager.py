@@ -2,8 +2,15 @@
 
 * `StructuredOutputManager` compiles specs on a small thread pool (never on the
   busy loop), keeps compiled grammars in an LRU keyed by the spec (concurrent
-  requests for one spec share one compile), and holds the requests whose grammar
-  is not ready yet: `EngineCore` hands them to the scheduler once it is.
+  requests for one spec share one compile; at most `_CACHE_SIZE` grammars and
+  `_CACHE_BYTES` of them, xgrammar's own cache at most `_XGRAMMAR_CACHE_BYTES`),
+  and holds the requests whose grammar is not ready yet: `EngineCore` hands them
+  to the scheduler once it is. A request whose grammar is not ready within
+  `compile_timeout` s (--structured-outputs-compile-timeout) fails with an error
+  naming it, and so does every later request for that spec while it is
+  remembered (a backstop: the API server refuses such specs first, in a worker
+  it can kill; here a compile cannot be stopped, only no longer waited for: its
+  thread is replaced, `compile_pool.py`, so the compiles behind it go on).
 * `RequestGrammar` is one request's matcher. It is created waiting for the
   compiled grammar; when ready it is fed the request's output tokens so far (a
   migrated request arrives with some). It survives preemption unchanged: a
@@ -19,11 +26,14 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import hashlib
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from dpserve.structured.compile_pool import CompilePool
 from dpserve.structured.grammar import compile_spec
 from dpserve.structured.spec import StructuredOutputs
 
@@ -33,6 +43,10 @@ if TYPE_CHECKING:  # the launcher imports the engine's modules without torch
 logger = logging.getLogger(__name__)
 
 _CACHE_SIZE = 256  # compiled grammars kept
+_CACHE_BYTES = 512 << 20  # ... and their size at most (CompiledGrammar.memory_size_bytes)
+_XGRAMMAR_CACHE_BYTES = 64 << 20  # xgrammar's GrammarCompiler cache
+_TIMED_OUT_KEYS = 1024  # specs remembered as too slow to compile
+_MAX_STUCK = 4  # compiles past their deadline still running (compile_pool.py)
 _BITS = 32  # tokens per bitmask word (xgrammar's int32 layout)
 
 
@@ -42,6 +56,7 @@ class RequestGrammar:
     def __init__(self, future: cf.Future, stop_token_ids: list[int]) -> None:
         self.future = future
         self.stop_token_ids = stop_token_ids
+        self.added_at = time.monotonic()
         self.matcher: Any = None
 
     def start(self, prior_tokens: Sequence[int]) -> str | None:
@@ -78,15 +93,19 @@ class RequestGrammar:
 class StructuredOutputManager:
     """Compiles off the busy loop; holds requests until their grammar is ready."""
 
-    def __init__(self, tokenizer: str, vocab_size: int, max_workers: int = 2) -> None:
+    def __init__(self, tokenizer: str, vocab_size: int, max_workers: int = 2,
+                 compile_timeout: float = 10.0) -> None:
         self.tokenizer_path = tokenizer
         self.vocab_size = vocab_size
         self.max_workers = max_workers
+        self.compile_timeout = compile_timeout
+        self._timed_out: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self.pending: dict[str, Any] = {}  # request id -> Request waiting for its grammar
         self._cache: collections.OrderedDict[tuple[str, str], cf.Future] = \
             collections.OrderedDict()
-        self._executor: cf.ThreadPoolExecutor | None = None
+        self._pool: CompilePool | None = None
         self._compiler: Any = None
+        self._compiler_ready_at: float | None = None  # time.monotonic() once loaded
         self._compiler_lock = threading.Lock()
 
     # ---- requests ------------------------------------------------------------
@@ -102,8 +121,20 @@ class StructuredOutputManager:
     def take_ready(self) -> tuple[list[Any], list[tuple[Any, str]]]:
         """(requests whose grammar is ready, in arrival order; (request, error) failed)."""
         ready, failed = [], []
+        now = time.monotonic()
         for req_id, request in list(self.pending.items()):
             if not request.grammar.future.done():
+                # The deadline counts from the arrival, or from when the compiler was
+                # loaded (the tokenizer, once per engine): not the load itself.
+                ready_at = self._compiler_ready_at
+                if ready_at is not None and \
+                        now > max(request.grammar.added_at, ready_at) + self.compile_timeout:
+                    del self.pending[req_id]
+                    self._remember_timeout(request.sampling_params.structured_outputs)
+                    if self._pool is not None:  # its thread is replaced; others go on
+                        self._pool.write_off(request.grammar.future)
+                    failed.append((request, self._timeout_message()))
+                    logger.error("request %s: %s", req_id, self._timeout_message())
                 continue
             del self.pending[req_id]
             error = request.grammar.start(request.output_token_ids)
@@ -125,25 +156,48 @@ class StructuredOutputManager:
         return [r for r in (self.pending.pop(i, None) for i in request_ids) if r is not None]
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.close()
 
     # ---- compiling -----------------------------------------------------------
 
+    def _timeout_message(self) -> str:
+        return (f"the structured-output grammar did not compile within "
+                f"{self.compile_timeout:g} s (--structured-outputs-compile-timeout)")
+
+    def _remember_timeout(self, spec: StructuredOutputs) -> None:
+        self._timed_out[_digest(spec)] = None
+        while len(self._timed_out) > _TIMED_OUT_KEYS:
+            self._timed_out.popitem(last=False)
+
     def _compile(self, spec: StructuredOutputs) -> cf.Future:
+        if _digest(spec) in self._timed_out:  # known too slow: fail at once
+            failed: cf.Future = cf.Future()
+            failed.set_exception(TimeoutError(self._timeout_message()))
+            return failed
         key = spec.key()
         future = self._cache.get(key)
         if future is not None and not (future.done() and future.exception() is not None):
             self._cache.move_to_end(key)
             return future
-        if self._executor is None:
-            self._executor = cf.ThreadPoolExecutor(self.max_workers,
-                                                   thread_name_prefix="dpserve-grammar")
-        future = self._executor.submit(self._compile_now, spec)
+        if self._pool is None:
+            self._pool = CompilePool(self._compile_now, self.max_workers, _MAX_STUCK)
+        future = self._pool.submit(spec)
         self._cache[key] = future
-        while len(self._cache) > _CACHE_SIZE:
-            self._cache.popitem(last=False)
+        self._evict()
         return future
+
+    def _evict(self) -> None:
+        """Oldest grammars out until at most _CACHE_SIZE of at most _CACHE_BYTES remain
+        (compiles still running count as nothing yet)."""
+        def size(f: cf.Future) -> int:
+            done = f.done() and not f.cancelled() and f.exception() is None
+            return f.result().memory_size_bytes if done else 0
+
+        total = sum(size(f) for f in self._cache.values())
+        while self._cache and (len(self._cache) > _CACHE_SIZE or total > _CACHE_BYTES):
+            _, oldest = self._cache.popitem(last=False)
+            total -= size(oldest)
 
     def _compile_now(self, spec: StructuredOutputs) -> Any:
         return compile_spec(self._get_compiler(), spec)
@@ -157,8 +211,15 @@ class StructuredOutputManager:
                 tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
                 info = xgr.TokenizerInfo.from_huggingface(tokenizer,
                                                           vocab_size=self.vocab_size)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                self._compiler = xgr.GrammarCompiler(
+                    info, max_threads=1, cache_limit_bytes=_XGRAMMAR_CACHE_BYTES)
+                self._compiler_ready_at = time.monotonic()
             return self._compiler
+
+
+def _digest(spec: StructuredOutputs) -> bytes:
+    kind, text = spec.key()
+    return hashlib.sha256(f"{kind}\0{text}".encode()).digest()
 
 
 def grammar_bitmask(requests: Sequence[Any], vocab_size: int,
