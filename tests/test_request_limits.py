@@ -139,15 +139,22 @@ COMPILE_TIMEOUT = 1.0
 REQUEST_TIMEOUT = 1.5
 
 
+TENANT_KEYS = {"alice": "alice-key-0123456789abcdef", "bob": "bob-key-fedcba9876543210"}
+
+
 @pytest.fixture(scope="module")
-def servers(tiny_llama):
+def servers(tiny_llama, tmp_path_factory):
     model = str(tiny_llama)
+    keys = tmp_path_factory.mktemp("keys") / "keys"
+    keys.write_text("".join(f"{name} {key}\n" for name, key in TENANT_KEYS.items()))
+    keys.chmod(0o600)
     # One compile worker: the warm-up request starts it (a start-up is not the deadline's).
     with serve_all([model, "--structured-outputs-compile-timeout", str(COMPILE_TIMEOUT),
                     "--structured-outputs-compile-workers", "1"],
                    [model, "--request-timeout", str(REQUEST_TIMEOUT)],
+                   [model, "--api-key-file", str(keys), "--prefix-cache-salt-per-key"],
                    timeout=180) as started:
-        yield dict(zip(("limits", "timeout"), started))
+        yield dict(zip(("limits", "timeout", "per_key"), started))
 
 
 @pytest.fixture(scope="module")
@@ -344,6 +351,20 @@ def test_cache_salt_separates_prefix_cache(server) -> None:
     assert _cached(client, model, prompt, None) == 0  # unsalted: no hit on salted blocks
     assert _cached(client, model, prompt, "tenant-a") > 0  # equal salt: hit
     assert _cached(client, model, prompt, None) > 0  # unsalted as before
+
+
+def test_salt_per_key_keeps_tenants_apart(servers) -> None:
+    """--prefix-cache-salt-per-key: a key's requests hit only its own cached prefixes,
+    and no cache_salt a client sends reaches another key's."""
+    _, url = servers["per_key"]
+    alice, bob = (openai.OpenAI(base_url=url + "/v1", api_key=TENANT_KEYS[name],
+                                max_retries=0, timeout=60) for name in ("alice", "bob"))
+    model = alice.models.list().data[0].id
+    prompt = "Each tenant's prompts stay its own business on a shared server. " * 6
+    assert _cached(alice, model, prompt, None) == 0
+    assert _cached(bob, model, prompt, None) == 0  # another key: no hit
+    assert _cached(bob, model, prompt, "alice") == 0  # nor through a salt of her name
+    assert _cached(alice, model, prompt, None) > 0  # her own prefix: a hit
 
 
 def test_request_timeout_aborts_in_the_engine(servers) -> None:
