@@ -146,6 +146,7 @@ class ParallelConfig:
     data_parallel_backend: str = "mp"  # "mp": local processes; "ray": Ray actors
     data_parallel_pack_strategy: str = "strict"  # Ray: how ranks are packed onto nodes
     data_parallel_secret: str | None = field(default=None, repr=False)  # data-plane key
+    data_parallel_insecure: bool = False  # the operator accepts an exposed data plane
     ray_address: str | None = None  # Ray: join this cluster (None: start a local one)
     # Faults (see README "Failures and draining"):
     engine_heartbeat_timeout: float = 3.0  # s without a heartbeat: the rank is unhealthy
@@ -476,6 +477,7 @@ class EngineArgs:
             data_parallel_backend=self.data_parallel_backend,
             data_parallel_pack_strategy=self.data_parallel_pack_strategy,
             data_parallel_secret=self._data_plane_secret(),
+            data_parallel_insecure=self.data_parallel_insecure,
             ray_address=self.ray_address,
             engine_heartbeat_timeout=self.engine_heartbeat_timeout,
             engine_stall_timeout=self.engine_stall_timeout,

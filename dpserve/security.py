@@ -136,6 +136,25 @@ def check_exposure(address: str, secret: str | None, insecure: bool) -> None:
             f"network")
 
 
+RAY_AUTH_ENV = "RAY_AUTH_MODE"
+
+
+def check_ray_secret(node_ip: str, secret: str | None, insecure: bool) -> None:
+    """The rule for a secret handed to Ray actors: it travels in their (pickled)
+    creation arguments, which Ray keeps in its GCS, readable by anyone who reaches an
+    unauthenticated cluster. Off loopback that needs Ray's token authentication
+    (RAY_AUTH_MODE=token, Ray >= 2.52); else SecretError, unless `insecure`, which
+    only warns."""
+    if secret is None or is_loopback(node_ip) or os.environ.get(RAY_AUTH_ENV) == "token":
+        return
+    message = (f"the data-parallel secret would reach the Ray actors in their arguments, "
+               f"readable by anyone who reaches this Ray cluster ({node_ip}): start every "
+               f"Ray node with {RAY_AUTH_ENV}=token (Ray >= 2.52)")
+    if not insecure:
+        raise SecretError(message + ", or accept it with --data-parallel-insecure")
+    logger.warning("%s (--data-parallel-insecure: going on)", message)
+
+
 def warn_plain_tcp(address: str, secret: str | None) -> None:
     """Log a warning when this host's tcp:// data plane on `address` has no secret."""
     if secret is None:

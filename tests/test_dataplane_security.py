@@ -27,7 +27,7 @@ from helpers import descendants, free_port, output, serve, stop, wait_until
 
 from dpserve.config import ConfigError, EngineArgs
 from dpserve.engine.dp_store import DPStoreServer, ZmqStore, gloo_device, store_address
-from dpserve.security import derive_keys
+from dpserve.security import SecretError, check_ray_secret, derive_keys
 
 SECRET = "dpserve-test-secret-" + "0123456789abcdef" * 2  # 52 characters
 API_KEY = "sk-dpserve-test-api-key-4f1d2c"
@@ -194,6 +194,22 @@ def test_exposed_or_weak_data_plane_is_refused_in_one_line(tmp_path, args, names
 def test_short_secret_from_the_environment_is_refused(tmp_path):
     line = _serve_fails(tmp_path, env={"DPSERVE_DP_SECRET": "tiny"})
     assert "--data-parallel-secret" in line and "32" in line, line
+
+
+def test_a_secret_reaches_ray_actors_only_where_ray_authenticates(monkeypatch, caplog):
+    """Off loopback, a secret in Ray actors' arguments needs RAY_AUTH_MODE=token; the
+    operator may accept the exposure with --data-parallel-insecure (a warning)."""
+    secret = "s" * 40
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    with pytest.raises(SecretError, match="RAY_AUTH_MODE=token.*--data-parallel-insecure"):
+        check_ray_secret("10.1.2.3", secret, insecure=False)
+    check_ray_secret("127.0.0.1", secret, insecure=False)  # loopback: this host only
+    check_ray_secret("10.1.2.3", None, insecure=False)  # no secret travels
+    with caplog.at_level("WARNING"):
+        check_ray_secret("10.1.2.3", secret, insecure=True)
+    assert "RAY_AUTH_MODE=token" in caplog.text
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    check_ray_secret("10.1.2.3", secret, insecure=False)
 
 
 def test_secret_file_must_be_private_and_long(tmp_path):

@@ -70,7 +70,6 @@ messages say what a rank needs, what is missing and what each node has.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import math
 import os
@@ -100,6 +99,7 @@ from dpserve.launch.ray_teardown import (
 )
 from dpserve.logging_utils import name_process
 from dpserve.protocol import EngineInitMetadata, HandshakeReady
+from dpserve.security import check_ray_secret, is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -333,7 +333,9 @@ class RayEngineManager:
         self._actor_class: Any = None  # ray.remote(EngineCoreActor), made once
         self._state = RayState()
         self._finalizer = weakref.finalize(self, teardown, self._state)
-        try:
+        try:  # before Ray starts: an exposed secret is refused
+            check_ray_secret(self.node_ip, parallel.data_parallel_secret,
+                             parallel.data_parallel_insecure)
             before = child_pids()
             how = connect_ray(ray_address or parallel.ray_address, self.node_ip)
             if how == "started":  # gcs_server, raylet, monitors: children of this process
@@ -341,7 +343,6 @@ class RayEngineManager:
                 self._state.host_procs += self._state.local_instance
             self._state.owns_connection = how != "existing"
             self.started_ray = how == "started"  # close() shuts this instance down
-            _warn_secret_in_ray(parallel.data_parallel_secret, self.node_ip)
             self._place(ranks_per_node, placement_timeout)
             for rank in self.ranks:
                 actor = self._create_actor(rank)
@@ -663,7 +664,7 @@ def connect_ray(address: str | None, node_ip: str) -> str:
     if ray.is_initialized():
         logger.info("using this process's existing Ray connection")
         return "existing"
-    if _is_loopback(node_ip):
+    if is_loopback(node_ip):
         _keep_ray_on_loopback()
     kwargs: dict[str, Any] = dict(_node_ip_address=node_ip, logging_level=logging.WARNING,
                                   log_to_driver=True)  # engine logs show up here
@@ -689,24 +690,6 @@ def _keep_sigterm_handler():
     finally:
         if main and old is not None:
             signal.signal(signal.SIGTERM, old)
-
-
-def _warn_secret_in_ray(secret: str | None, node_ip: str) -> None:
-    """The secret reaches the actors in their (pickled) creation arguments, which Ray
-    keeps in its GCS: without Ray's token authentication anyone who reaches the
-    cluster can read it (and run code there anyway). Say so, off loopback."""
-    if secret is not None and not _is_loopback(node_ip) and \
-            os.environ.get("RAY_AUTH_MODE", "disabled") != "token":
-        logger.warning("the data-parallel secret travels to the Ray actors in their "
-                       "arguments, readable by anyone who can reach this Ray cluster: "
-                       "start every Ray node with RAY_AUTH_MODE=token (Ray >= 2.52)")
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def _keep_ray_on_loopback() -> None:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import ipaddress
 import json
 import os
 import re
@@ -46,6 +45,7 @@ from pathlib import Path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dpserve.errors import ConfigError
+from dpserve.security import is_loopback
 
 API_KEY_ENV = "DPSERVE_API_KEY"
 # Open without a key (exact paths, any method).
@@ -197,15 +197,6 @@ def add_auth_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
       help="/metrics needs the API key too (default: open, for scrapers).")
     a("--allow-unauthenticated-admin", action="store_true",
       help="Allow --enable-admin-api without an API key; only with a loopback --host.")
-
-
-def is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def check_admin_exposure(args: argparse.Namespace, auth: AuthOptions) -> None:
