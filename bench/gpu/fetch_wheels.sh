@@ -24,7 +24,10 @@ cd "$ROOT"
 
 # Missing from the image: pyproject.toml's dependencies (uvicorn[standard]'s extras
 # included) and the test extras a GPU run uses, with their own requirements.
-# Not carried: torch, transformers, tokenizers, safetensors, numpy, huggingface-hub,
+# transformers too, though the image has one (5.17 when last read): the oracle of the
+# exact-token tests is then the version the CPU suite runs against (run.sh falls back
+# to the image's if this one does not import there).
+# Not carried: torch, tokenizers, safetensors, numpy, huggingface-hub,
 # prometheus-client, psutil, tqdm, jinja2, httpx, accelerate, pytest, pytest-timeout,
 # pytest-xdist, hypothesis (the image has them); ruff and selenium (no lint or browser
 # test runs there).
@@ -38,6 +41,7 @@ WHEELS=(
   referencing==0.37.0 rpds-py==2026.9.1
   openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 distro==1.9.0
   jiter==0.19.0 sniffio==1.3.1 pytest-randomly==5.1.0
+  transformers==5.24.0
 )
 # The GPU image's packages (KINDS.md, read 2026-11-17), lower-case, '_' as '-'.
 IMAGE="absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio
@@ -66,7 +70,7 @@ torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope
 typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt
 xarray xxhash yarl zipp"
 
-mkdir -p .whl
+rm -rf .whl && mkdir -p .whl  # one version of each: nothing stale from an older list
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

@@ -132,7 +132,7 @@ def cmd_bandwidth(args: argparse.Namespace) -> None:
     a = torch.randn(size, size, dtype=torch.bfloat16, device=device)
     b = torch.randn(size, size, dtype=torch.bfloat16, device=device)
     mm_s = _best_seconds(lambda: a @ b, reps=3 if args.cpu else 10)
-    figs = {"device": torch.cuda.get_device_name() if not args.cpu else platform.processor(),
+    figs = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(),
             "copy_bytes": n, "copy_gb_s_read_plus_write": 2 * n / copy_s / 1e9,
             "matmul_size": size, "bf16_matmul_tflop_s": 2 * size**3 / mm_s / 1e12}
     _write(args.fig, figs)

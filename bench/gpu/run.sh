@@ -20,7 +20,8 @@
 #   bandwidth    copy bandwidth and bf16 TFLOP/s (the roofline's ceilings)
 #   hf-floor-*   transformers' batched generate (the floor), per model
 #   serve-*      dpserve serve under W16 and a larger load, per model
-#   dp2          --data-parallel-size 2 on one GPU: W16 and the memory split
+#   dp2          --data-parallel-size 2 on one GPU: as a user starts it (the memory
+#                split, or why it fails), then capped (W16 and the memory split)
 #   tp           tensor parallelism: recorded as not available until it lands
 #
 # Results under $OUT (set by the device tool; else a new /tmp folder, printed at the
@@ -93,7 +94,11 @@ install() {
   ls .whl/*.whl >/dev/null || { echo "no .whl/*.whl: run bench/gpu/fetch_wheels.sh, carry .whl"; return 1; }
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$WORK/site" .whl/*.whl || return 1
-  PYTHONPATH="$ROOT:$WORK/site${PYTHONPATH#"$ROOT"}" "$PY" -c "$IMPORTS" && echo "installed"
+  local path="$ROOT:$WORK/site${PYTHONPATH#"$ROOT"}"
+  PYTHONPATH=$path "$PY" -c "$IMPORTS" && { echo "installed"; return 0; }
+  echo "the carried transformers does not import here: the image's instead"
+  rm -rf "$WORK"/site/transformers "$WORK"/site/transformers-*.dist-info
+  PYTHONPATH=$path "$PY" -c "$IMPORTS" && echo "installed (transformers: the image's)"
 }
 export -f install
 part install 90 bash -c install
@@ -135,7 +140,7 @@ for name in default large; do
     --bandwidth "$FIG/bandwidth.json" --hf-floor "$FIG/hf-floor-$name.json" \
     --fig "$FIG/serve-$name.json" --logs "$LOGS" "${CPU_FLAG[@]}"
   if [ $name = default ]; then
-    part dp2 150 "$PY" bench/gpu/serve_bench.py dp2 --model "$DEFAULT" --fig "$FIG/dp2.json" \
+    part dp2 240 "$PY" bench/gpu/serve_bench.py dp2 --model "$DEFAULT" --fig "$FIG/dp2.json" \
       --logs "$LOGS" "${CPU_FLAG[@]}"
   fi
 done

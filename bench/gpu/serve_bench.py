@@ -8,9 +8,11 @@
   measured copy bandwidth; every prompt token costs 2 FLOPs per parameter at the
   measured matrix-product rate). CUDA graphs for decode steps are not built in
   dpserve (decode steps run eagerly): the figures are without them.
-* `dp2 --model M`: `--data-parallel-size 2` on one GPU: W16 against it, and how the
-  memory split between the two engines (each engine's KV blocks from the log; each
-  engine process's GPU memory from nvidia-smi; RSS on CPU).
+* `dp2 --model M`: `--data-parallel-size 2` on one GPU, twice: as a user starts it
+  (the model's max_model_len, the default gpu_memory_utilization; no load), then
+  capped at 1,024 tokens per request under W16. For each, how the memory split
+  between the two engines (each engine's KV blocks from the log; each engine
+  process's GPU memory from nvidia-smi; RSS on CPU), or why it did not start.
 
 Servers are started and stopped as bench/dp_scaling.py does (`ServeProcess`: own
 session, /health polled with the process watched, SIGTERM then the whole tree
@@ -40,11 +42,16 @@ from parts import CPU_WORKLOADS, WORKLOADS, _write  # noqa: E402
 from dpserve.benchmark.serve import BenchConfig, BenchResult, run_benchmark  # noqa: E402
 
 START_TIMEOUT_S = 240.0
+DEFAULTS_START_TIMEOUT_S = 75.0  # dp2's first server: it may fail to start (docstring)
 
 
-def _server_options(args: argparse.Namespace, *extra: str) -> tuple[str, ...]:
+def _server_options(args: argparse.Namespace, *extra: str, capped: bool = True
+                    ) -> tuple[str, ...]:
+    """bfloat16 on the run's device; `capped`: 1,024 tokens per request (the loads
+    need 640), so the KV cache is sized by max_num_seqs requests of that length."""
     device = "cpu" if args.cpu else "cuda"
-    return ("--device", device, "--dtype", "bfloat16", "--max-model-len", "1024", *extra)
+    cap = ("--max-model-len", "1024") if capped else ()
+    return ("--device", device, "--dtype", "bfloat16", *cap, *extra)
 
 
 def _model_dims(model: str) -> dict[str, int]:
@@ -126,44 +133,72 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _engine_memory(server: ServeProcess, cpu: bool) -> dict[str, Any]:
-    """Per engine process: GPU memory (nvidia-smi, MiB) or RSS (MiB) on the CPU."""
-    procs = [p for p in _descendants(server.proc.pid) if "EngineCore" in _title(p)]
+    """Per engine process: GPU memory from nvidia-smi (MiB), or RSS (MiB) on the CPU."""
+    procs = {p.pid: _title(p) for p in _descendants(server.proc.pid)
+             if "EngineCore" in _title(p)}
     if cpu:
-        return {_title(p): p.memory_info().rss / 2**20 for p in procs}
+        return {"measured_by": "RSS", "per_engine_mib": {
+            title: psutil.Process(pid).memory_info().rss / 2**20
+            for pid, title in procs.items()}}
     smi = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
                           "--format=csv,noheader,nounits"], capture_output=True, text=True,
                          timeout=20).stdout
     used = {int(pid): float(mib) for pid, mib in
             (line.split(",") for line in smi.strip().splitlines() if "," in line)}
-    return {"per_engine_mib": {_title(p): used.get(p.pid) for p in procs},
-            "all_processes_mib": used}
+    return {"measured_by": "nvidia-smi", "per_engine_mib": {
+        title: used.get(pid) for pid, title in procs.items()}, "all_processes_mib": used}
 
 
 def _title(p: psutil.Process) -> str:
     try:
-        return " ".join(p.cmdline()) or p.name()
+        return " ".join(p.cmdline()).strip() or p.name()
     except psutil.Error:
         return "?"
 
 
-def cmd_dp2(args: argparse.Namespace) -> int:
-    loads = CPU_WORKLOADS if args.cpu else WORKLOADS
-    dims = _model_dims(args.model)
-    log = Path(args.logs) / "serve-dp2.log"
-    server = ServeProcess(args.model, _free_port(),
-                          _server_options(args, "--data-parallel-size", "2"), log)
-    figs: dict[str, Any] = {"model": args.model}
-    with server:
-        figs["ready_s"] = server.start(START_TIMEOUT_S)
-        figs.update(_run_loads(server, {"W16": loads["W16"]}, dims["vocab_size"]))
-        figs["memory"] = _engine_memory(server, args.cpu)
+def _kv_split(log: Path) -> dict[str, list]:
+    """Each engine's KV cache as its start-up log line gives it."""
     text = log.read_text(errors="replace")
-    figs["kv_blocks_per_engine"] = [int(n) for n in re.findall(r"KV cache: (\d+) blocks", text)]
-    figs["kv_mib_per_engine"] = [float(m) for m in re.findall(
-        r"KV cache: \d+ blocks x \d+ tokens, ([\d.]+) MiB", text)]
-    figs["server_notes"] = server.notes
+    return {"kv_blocks_per_engine": [int(n) for n in re.findall(r"KV cache: (\d+) blocks",
+                                                                  text)],
+            "kv_mib_per_engine": [float(m) for m in re.findall(
+                r"KV cache: \d+ blocks x \d+ tokens, ([\d.]+) MiB", text)]}
+
+
+def _dp2_row(args: argparse.Namespace, name: str, options: tuple[str, ...],
+             loads: dict[str, tuple], vocab: int, start_timeout: float) -> dict[str, Any]:
+    """One DP=2 server: ready or why not, the loads, each engine's memory, its log."""
+    log = Path(args.logs) / f"serve-dp2-{name}.log"
+    server = ServeProcess(args.model, _free_port(), options, log)
+    row: dict[str, Any] = {"options": " ".join(options)}
+    with server:
+        try:
+            row["ready_s"] = server.start(start_timeout)
+        except RuntimeError as e:
+            row["error"] = str(e)[-2000:]
+            return {**row, **_kv_split(log), "server_notes": server.notes}
+        row.update(_run_loads(server, loads, vocab))
+        row["memory"] = _engine_memory(server, args.cpu)
+    return {**row, **_kv_split(log), "server_notes": server.notes}
+
+
+def cmd_dp2(args: argparse.Namespace) -> int:
+    """DP=2 on one device twice: as a user starts it (the model's max_model_len, the
+    default gpu_memory_utilization: how the engines share the card, or why they
+    cannot), then capped at 1,024 tokens per request under W16."""
+    loads = CPU_WORKLOADS if args.cpu else WORKLOADS
+    vocab = _model_dims(args.model)["vocab_size"]
+    dp2 = ("--data-parallel-size", "2")
+    figs = {"model": args.model,
+            "defaults": _dp2_row(args, "defaults", ("--device", "cpu" if args.cpu else "cuda",
+                                                    *dp2), {}, vocab,
+                                DEFAULTS_START_TIMEOUT_S),
+            "capped": _dp2_row(args, "capped", _server_options(args, *dp2),
+                               {"W16": loads["W16"]}, vocab, START_TIMEOUT_S)}
     _write(args.fig, figs)
-    return 0 if figs["W16"]["failed"] == 0 and len(figs["kv_blocks_per_engine"]) == 2 else 1
+    capped = figs["capped"]
+    return 0 if "error" not in capped and capped["W16"]["failed"] == 0 \
+        and len(capped["kv_blocks_per_engine"]) == 2 else 1
 
 
 def main(argv: list[str] | None = None) -> int:
