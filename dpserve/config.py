@@ -76,15 +76,13 @@ class ModelConfig:
 
 def _check_quantization(quantization: str, device: str, dtype: str, arch: str) -> None:
     """int8 runs fbgemm CPU kernels on float32 dense Llama-family models only."""
-    from dpserve.model.registry import get_model_class
+    from dpserve.model.registry import supports_int8
 
     if device != "cpu":
         raise ConfigError(f"quantization {quantization} runs on CPU only (device is {device})")
     if dtype != "float32":
         raise ConfigError(f"quantization {quantization} needs dtype float32, got {dtype}")
-    from dpserve.model.llama import LlamaForCausalLM
-
-    if get_model_class(arch) is not LlamaForCausalLM:
+    if not supports_int8(arch):
         raise ConfigError(f"quantization {quantization} is not supported for {arch} "
                           "(dense Llama, Mistral and Qwen2 models only)")
 
