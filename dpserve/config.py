@@ -6,12 +6,14 @@ validates every option, resolves the model (local directory, GGUF file, the
 built-in default or the Hugging Face hub) and returns a frozen
 `EngineConfig`. Nothing mutates a config after that: values found at run time
 (the number of KV blocks) travel as explicit results.
+
+The frozen types live in `dpserve.engine_config` (handed on from here), the
+data-parallel layout's resolution and checks in `dpserve.placement`.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -21,12 +23,35 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from dpserve.engine_config import (
+    AutoscaleConfig,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    RequestLimitsConfig,
+    SchedulerConfig,
+    replace,
+)
 from dpserve.errors import ConfigError
 from dpserve.generation_config import load_generation_defaults
+from dpserve.placement import (
+    DP_BACKENDS,
+    PACK_STRATEGIES,
+    autoscale_config,
+    check_placement,
+    cpu_groups,
+    data_plane_secret,
+    size_local,
+    size_max,
+    start_rank,
+    threads_per_engine,
+)
 from dpserve.sampling_params import DEFAULT_MAX_LOGIT_BIAS, DEFAULT_MAX_STOP_TOKEN_IDS
-from dpserve.security import SECRET_ENV, check_exposure, check_secret, read_secret_file
 
-__all__ = ["ConfigError", "EngineArgs", "EngineConfig"]
+__all__ = ["AutoscaleConfig", "CacheConfig", "ConfigError", "EngineArgs", "EngineConfig",
+           "ModelConfig", "ParallelConfig", "RequestLimitsConfig", "SchedulerConfig",
+           "parse_memory_size", "replace"]
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
@@ -38,178 +63,21 @@ _DEFAULT_CPU_KV_BYTES = 2 << 30
 # output tok/s equal or higher (256 lost 15% of it): BENCHMARKS.md.
 _DEFAULT_CPU_BUDGET = 512
 _DEFAULT_BUDGET = 2048  # GPU engines, and lockstep engines anywhere
-_DP_BACKENDS = ("mp", "ray")
-_PACK_STRATEGIES = ("strict", "fill", "span")
 _FAILURE_POLICIES = ("restart", "isolate", "stop")
 _LIMITS = "request limits"  # the `dpserve serve` argument group of these options
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    model: str | None  # as the user gave it (None: the built-in default)
-    path: str  # local Hugging Face directory holding config.json + weights
-    tokenizer: str  # local directory (or hub name) for the tokenizer
-    architecture: str  # e.g. "LlamaForCausalLM"
-    hf_config: Mapping[str, Any]  # config.json, read-only
-    dtype: str  # resolved torch dtype name: "float32" | "bfloat16" | "float16"
-    max_model_len: int  # prompt + output tokens per request
-    seed: int
-    enforce_eager: bool = False  # no start-up kernel compilation (EngineArgs.enforce_eager)
-    # (SamplingParams field, value) from generation_config.json (dpserve/generation_config.py)
-    generation_defaults: tuple[tuple[str, Any], ...] = ()
-    quantization: str | None = None  # "int8": dynamic int8 linears (dpserve.model.quant)
-
-    def __reduce__(self):
-        # MappingProxyType does not pickle; send a plain copy (spawned engines
-        # get their config through pickle) and re-wrap it on arrival.
-        state = {f.name: getattr(self, f.name) for f in fields(self)}
-        state["hf_config"] = dict(self.hf_config)
-        return (_rebuild_model_config, (state,))
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        eos = self.hf_config.get("eos_token_id")
-        if eos is None:
-            return []
-        return list(eos) if isinstance(eos, (list, tuple)) else [eos]
-
-
 def _check_quantization(quantization: str, device: str, dtype: str, arch: str) -> None:
     """int8 runs fbgemm CPU kernels on float32 dense Llama-family models only."""
-    from dpserve.model.registry import get_model_class
+    from dpserve.model.registry import supports_int8
 
     if device != "cpu":
         raise ConfigError(f"quantization {quantization} runs on CPU only (device is {device})")
     if dtype != "float32":
         raise ConfigError(f"quantization {quantization} needs dtype float32, got {dtype}")
-    from dpserve.model.llama import LlamaForCausalLM
-
-    if get_model_class(arch) is not LlamaForCausalLM:
+    if not supports_int8(arch):
         raise ConfigError(f"quantization {quantization} is not supported for {arch} "
                           "(dense Llama, Mistral and Qwen2 models only)")
-
-
-def _rebuild_model_config(state: dict[str, Any]) -> ModelConfig:
-    return ModelConfig(**{**state, "hf_config": MappingProxyType(state["hf_config"])})
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    block_size: int  # tokens per KV block
-    kv_cache_memory: int | None  # bytes for the KV cache on CPU
-    gpu_memory_utilization: float  # fraction of device memory on CUDA
-    enable_prefix_caching: bool
-    num_kv_blocks: int | None  # fixed block count, overriding the memory budget
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_batched_tokens: int  # token budget of one step
-    max_num_seqs: int  # requests running at once
-    max_model_len: int
-
-
-@dataclass(frozen=True)
-class AutoscaleConfig:
-    """`--data-parallel-autoscale MIN:MAX` and its targets (`dpserve.launch.autoscale`)."""
-
-    min_size: int
-    max_size: int
-    up_queue: float = 2.0  # mean waiting requests per serving rank above this ...
-    up_window_s: float = 10.0  # ... for this long: add a rank
-    down_load: float = 0.5  # mean waiting + running per serving rank below this ...
-    down_window_s: float = 60.0  # ... for this long: remove a rank
-    cooldown_s: float = 30.0  # no decision this long after a change ends
-    up_ttft_s: float | None = None  # or a serving rank's recent mean TTFT above this (s)
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    data_parallel_size: int  # engine replicas, on every host together
-    threads_per_engine: int | None  # torch CPU threads (None: torch's default)
-    # CPU cores of each local engine (this host's i-th engine: cpu_groups[i]); None: unbound.
-    cpu_groups: tuple[tuple[int, ...], ...] | None = None
-    # Engines step together in request waves (dummy batches, periodic all-reduce):
-    # forced by the user, or needed by the model (expert-parallel MoE).
-    data_parallel_lockstep: bool = False
-    data_parallel_sync_interval: int = 32  # lockstep: steps between "any work left?" all-reduces
-    data_parallel_collective_timeout: float = 10.0  # lockstep: s for one join or all-reduce
-    enable_expert_parallel: bool = False  # MoE: each DP rank holds 1/N of the experts
-    # Where the engines run (see DESIGN "Launch modes"). This host runs ranks
-    # [start_rank, start_rank + size_local); the others run on other hosts.
-    data_parallel_size_local: int = 1
-    data_parallel_start_rank: int = 0
-    data_parallel_address: str = "127.0.0.1"  # the head's address: handshake, coordinator
-    data_parallel_rpc_port: int = 29550  # the head's handshake / rendezvous port
-    data_parallel_rank: int | None = None  # external LB: this server fronts this rank only
-    data_parallel_hybrid_lb: bool = False  # API servers balance over this host's engines
-    data_parallel_backend: str = "mp"  # "mp": local processes; "ray": Ray actors
-    data_parallel_pack_strategy: str = "strict"  # Ray: how ranks are packed onto nodes
-    data_parallel_secret: str | None = field(default=None, repr=False)  # data-plane key
-    data_parallel_insecure: bool = False  # the operator accepts an exposed data plane
-    ray_address: str | None = None  # Ray: join this cluster (None: start a local one)
-    # Faults (see README "Failures and draining"):
-    engine_heartbeat_timeout: float = 3.0  # s without a heartbeat: the rank is unhealthy
-    engine_stall_timeout: float = 30.0  # s with work but no finished step: unhealthy
-    engine_failure_policy: str = "restart"  # restart | isolate | stop
-    max_engine_restarts: int = 5  # per rank per RESTART_WINDOW_S; then it stays out
-    max_request_migrations: int = 3  # moves of one request to another rank
-    # An engine drops an API server that leaves its outputs unread (engine/output_sender.py):
-    engine_output_backlog: int = 64 << 20  # bytes queued for one API server, at most
-    engine_output_stall_timeout: float = 5.0  # s the oldest of them may wait
-    # Scaling at run time (README "Scaling at run time"): the most engines a change may
-    # reach (resolved: the option, else the autoscale MAX, else data_parallel_size).
-    data_parallel_size_max: int = 1
-    autoscale: AutoscaleConfig | None = None  # --data-parallel-autoscale
-
-    @property
-    def elastic(self) -> bool:
-        """The engine count may change at run time (one host's mp engines, or Ray)."""
-        return self.data_parallel_size_max > 1 and (
-            self.data_parallel_backend == "ray"
-            or (not self.has_remote_engines and not self.local_lb))
-
-    @property
-    def local_ranks(self) -> list[int]:
-        """The DP ranks whose engines this host runs."""
-        start = self.data_parallel_start_rank
-        return list(range(start, start + self.data_parallel_size_local))
-
-    @property
-    def has_remote_engines(self) -> bool:
-        return self.data_parallel_size_local < self.data_parallel_size
-
-    @property
-    def tcp_data_plane(self) -> bool:
-        """Some data-plane sockets are tcp:// on data_parallel_address (other hosts, Ray)."""
-        return self.has_remote_engines or self.local_lb or self.data_parallel_backend == "ray"
-
-    @property
-    def local_lb(self) -> bool:
-        """Each host's API servers front that host's engines only (external or hybrid LB)."""
-        return self.data_parallel_rank is not None or self.data_parallel_hybrid_lb
-
-
-@dataclass(frozen=True)
-class RequestLimitsConfig:
-    """The request limits the engine enforces too (the offline `LLM` included); the API
-    server's own limits are `dpserve.server.limits.RequestLimits`."""
-
-    max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS  # SamplingParams.stop_token_ids
-    max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS  # SamplingParams.logit_bias entries
-    structured_outputs_compile_timeout: float = 10.0  # seconds to compile one grammar
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: ModelConfig
-    cache: CacheConfig
-    scheduler: SchedulerConfig
-    parallel: ParallelConfig
-    device: str  # "cpu" | "cuda"
-    # SIGTERM: requests in flight get this long to finish (server and engines), then abort.
-    shutdown_timeout: float = 30.0
-    limits: RequestLimitsConfig = RequestLimitsConfig()
 
 
 def _opt(default: Any, help: str, repr: bool = True, **kw: Any) -> Any:
@@ -297,9 +165,9 @@ class EngineArgs:
                                          aliases=("-dph",))
     data_parallel_backend: str = _opt("mp", "Run engines as local processes (mp) or Ray "
                                       "actors (ray; pip install dpserve[ray]).",
-                                      choices=_DP_BACKENDS, aliases=("-dpb",))
+                                      choices=DP_BACKENDS, aliases=("-dpb",))
     data_parallel_pack_strategy: str = _opt("strict", "Ray: how ranks are placed on nodes.",
-                                            choices=_PACK_STRATEGIES)
+                                            choices=PACK_STRATEGIES)
     data_parallel_secret: str | None = _opt(None, "Shared secret of the data plane, at "
                                             "least 32 characters, the same on every host "
                                             "(CURVE keys derived from it): processes "
@@ -416,6 +284,33 @@ class EngineArgs:
         """Validate every option, resolve the model, and freeze the result."""
         self.check_options()
         device = _resolve_device(self.device)
+        model = self._model_config(device)
+        kv_bytes = (parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
+                    if self.kv_cache_memory is not None else
+                    (_DEFAULT_CPU_KV_BYTES if device == "cpu" else None))
+        cache = CacheConfig(
+            block_size=self.block_size, kv_cache_memory=kv_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            enable_prefix_caching=self.enable_prefix_caching, num_kv_blocks=self.num_kv_blocks)
+        parallel = self._parallel_config(device, model.hf_config, model.architecture)
+        # Lockstep engines pay a collective every step (every MoE layer's, under
+        # expert parallelism): fewer, larger steps there (a 2 -> 3 -> 1 rescale
+        # under streams took 41 s at 512, 25 s at 2048).
+        small = device == "cpu" and not parallel.data_parallel_lockstep
+        budget = self.max_num_batched_tokens or max(
+            _DEFAULT_CPU_BUDGET if small else _DEFAULT_BUDGET, self.max_num_seqs)
+        scheduler = SchedulerConfig(max_num_batched_tokens=budget,
+                                    max_num_seqs=self.max_num_seqs,
+                                    max_model_len=model.max_model_len)
+        limits = RequestLimitsConfig(
+            max_stop_token_ids=self.max_stop_token_ids, max_logit_bias=self.max_logit_bias,
+            structured_outputs_compile_timeout=float(self.structured_outputs_compile_timeout))
+        return EngineConfig(model=model, cache=cache, scheduler=scheduler,
+                            parallel=parallel, device=device,
+                            shutdown_timeout=float(self.shutdown_timeout), limits=limits)
+
+    def _model_config(self, device: str) -> ModelConfig:
+        """Resolve the model (directory, GGUF file, default, hub) and check it."""
         dtype = _resolve_dtype(self.dtype, device, self.quantization)
         from dpserve.model.loader import resolve_model
 
@@ -442,41 +337,31 @@ class EngineArgs:
             quantization=self.quantization)
         if self.quantization is not None:
             _check_quantization(self.quantization, device, dtype, arch)
-        kv_bytes = (parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
-                    if self.kv_cache_memory is not None else
-                    (_DEFAULT_CPU_KV_BYTES if device == "cpu" else None))
-        cache = CacheConfig(
-            block_size=self.block_size, kv_cache_memory=kv_bytes,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            enable_prefix_caching=self.enable_prefix_caching, num_kv_blocks=self.num_kv_blocks)
-        autoscale = self._autoscale()
-        lockstep = ((self.data_parallel_lockstep or _is_moe(hf_config))
-                    and self._size_max(autoscale) > 1)
-        # Lockstep engines pay a collective every step (every MoE layer's, under
-        # expert parallelism): fewer, larger steps there (a 2 -> 3 -> 1 rescale
-        # under streams took 41 s at 512, 25 s at 2048).
-        small = device == "cpu" and not lockstep
-        budget = self.max_num_batched_tokens or max(
-            _DEFAULT_CPU_BUDGET if small else _DEFAULT_BUDGET, self.max_num_seqs)
-        scheduler = SchedulerConfig(max_num_batched_tokens=budget,
-                                    max_num_seqs=self.max_num_seqs, max_model_len=max_model_len)
-        parallel = ParallelConfig(
+        return model
+
+    def _parallel_config(self, device: str, hf_config: Mapping[str, Any],
+                         arch: str) -> ParallelConfig:
+        """The data-parallel options resolved (`dpserve.placement`) for this model."""
+        autoscale = autoscale_config(self)
+        most = size_max(self, autoscale)
+        return ParallelConfig(
             data_parallel_size=self.data_parallel_size,
-            threads_per_engine=self._threads_per_engine(device),
-            cpu_groups=self._cpu_groups(device),
-            data_parallel_lockstep=lockstep,
+            threads_per_engine=threads_per_engine(self, device),
+            cpu_groups=cpu_groups(self, device),
+            data_parallel_lockstep=(self.data_parallel_lockstep or _is_moe(hf_config))
+            and most > 1,
             data_parallel_sync_interval=self.data_parallel_sync_interval,
             data_parallel_collective_timeout=self.data_parallel_collective_timeout,
-            enable_expert_parallel=self._expert_parallel(hf_config, arch, autoscale),
-            data_parallel_size_local=self._size_local(),
-            data_parallel_start_rank=self._start_rank(),
+            enable_expert_parallel=self._expert_parallel(hf_config, arch, most),
+            data_parallel_size_local=size_local(self),
+            data_parallel_start_rank=start_rank(self),
             data_parallel_address=self.data_parallel_address,
             data_parallel_rpc_port=self.data_parallel_rpc_port,
             data_parallel_rank=self.data_parallel_rank,
             data_parallel_hybrid_lb=self.data_parallel_hybrid_lb,
             data_parallel_backend=self.data_parallel_backend,
             data_parallel_pack_strategy=self.data_parallel_pack_strategy,
-            data_parallel_secret=self._data_plane_secret(),
+            data_parallel_secret=data_plane_secret(self),
             data_parallel_insecure=self.data_parallel_insecure,
             ray_address=self.ray_address,
             engine_heartbeat_timeout=self.engine_heartbeat_timeout,
@@ -487,16 +372,9 @@ class EngineArgs:
             engine_output_backlog=parse_memory_size(self.engine_output_backlog,
                                                     "engine_output_backlog"),
             engine_output_stall_timeout=self.engine_output_stall_timeout,
-            data_parallel_size_max=self._size_max(autoscale), autoscale=autoscale)
-        limits = RequestLimitsConfig(
-            max_stop_token_ids=self.max_stop_token_ids, max_logit_bias=self.max_logit_bias,
-            structured_outputs_compile_timeout=float(self.structured_outputs_compile_timeout))
-        return EngineConfig(model=model, cache=cache, scheduler=scheduler,
-                            parallel=parallel, device=device,
-                            shutdown_timeout=float(self.shutdown_timeout), limits=limits)
+            data_parallel_size_max=most, autoscale=autoscale)
 
-    def _expert_parallel(self, hf_config: Mapping[str, Any], arch: str,
-                         autoscale: AutoscaleConfig | None) -> bool:
+    def _expert_parallel(self, hf_config: Mapping[str, Any], arch: str, most: int) -> bool:
         """--enable-expert-parallel, checked against the model and the DP layout."""
         if not self.enable_expert_parallel:
             return False
@@ -512,105 +390,10 @@ class EngineArgs:
                               "rank's experts under enable_expert_parallel; use restart or "
                               "stop")
         # Elastic EP: a change of the DP size re-shards the experts (up to one per rank).
-        self._need(self._size_max(autoscale) <= experts, "data_parallel_size_max",
+        self._need(most <= experts, "data_parallel_size_max",
                    f"must not exceed the model's {experts} experts with "
                    f"enable_expert_parallel")
         return True
-
-    def _threads_per_engine(self, device: str) -> int | None:
-        """The user's choice; on CPU with several (local) engines, a fair share of the cores."""
-        local = self._size_local()
-        if self.threads_per_engine is not None or device != "cpu" or \
-                self.data_parallel_size == 1:
-            return self.threads_per_engine
-        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                 else os.cpu_count() or 1)
-        return max(1, cores // local)
-
-    def _cpu_groups(self, device: str) -> tuple[tuple[int, ...], ...] | None:
-        """--cpu-bind resolved: the cores of each local engine, or None (unbound).
-
-        'auto' binds CPU engines run as local processes, more than one here, whose
-        threads share out the cores: dpserve's own share (no --threads-per-engine),
-        or threads that add up to every core. Engines with fewer threads stay
-        unbound: a second server on the same host would otherwise be bound to the
-        same first cores as this one."""
-        spec, local = self.cpu_bind.strip(), self._size_local()
-        if spec == "none" or device != "cpu":
-            return None
-        allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        if spec == "auto":
-            threads = self._threads_per_engine(device) or 0
-            shared_out = self.threads_per_engine is None or threads * local == len(allowed)
-            if (self.data_parallel_backend != "mp" or local == 1 or not allowed
-                    or threads * local > len(allowed) or not shared_out):
-                return None
-            return tuple(tuple(allowed[i * threads:(i + 1) * threads]) for i in range(local))
-        groups = tuple(_parse_cores(group) for group in spec.split("|"))
-        if len(groups) != local:
-            raise ConfigError(f"cpu_bind {spec!r} names {len(groups)} core list(s); this host "
-                              f"runs {local} engine(s) (data_parallel_size_local)")
-        outside = sorted(set().union(*groups) - set(allowed)) if allowed else []
-        if outside:
-            raise ConfigError(f"cpu_bind {spec!r}: core(s) {outside} are not available to "
-                              f"this process (allowed: {_format_cores(allowed)})")
-        return groups
-
-    def _autoscale(self) -> AutoscaleConfig | None:
-        """--data-parallel-autoscale MIN:MAX and its targets, validated."""
-        spec = self.data_parallel_autoscale
-        if spec is None:
-            return None
-        lo, _, hi = spec.partition(":")
-        if not (lo.strip().isdigit() and hi.strip().isdigit()):
-            raise ConfigError(f"data_parallel_autoscale must be MIN:MAX (two whole numbers, "
-                              f"e.g. 1:4), got {spec!r}")
-        low, high = int(lo), int(hi)
-        if not 1 <= low <= self.data_parallel_size <= high:
-            raise ConfigError(f"data_parallel_autoscale {spec} must satisfy 1 <= MIN <= "
-                              f"data_parallel_size ({self.data_parallel_size}) <= MAX")
-        for name in ("autoscale_up_queue", "autoscale_up_window", "autoscale_down_window"):
-            self._need(getattr(self, name) > 0, name, "must be positive")
-        for name in ("autoscale_down_load", "autoscale_cooldown"):
-            self._need(getattr(self, name) >= 0, name, "must not be negative")
-        self._need(self.autoscale_up_ttft is None or self.autoscale_up_ttft > 0,
-                   "autoscale_up_ttft", "must be positive")
-        self._need(self.autoscale_down_load < self.autoscale_up_queue, "autoscale_down_load",
-                   f"must be below autoscale_up_queue ({self.autoscale_up_queue}) "
-                   f"(hysteresis)")
-        return AutoscaleConfig(low, high, self.autoscale_up_queue, self.autoscale_up_window,
-                               self.autoscale_down_load, self.autoscale_down_window,
-                               self.autoscale_cooldown, self.autoscale_up_ttft)
-
-    def _size_max(self, autoscale: AutoscaleConfig | None) -> int:
-        """The most engines a change at run time may reach (validated)."""
-        size = self.data_parallel_size
-        scaling = autoscale is not None or (self.data_parallel_size_max or size) > size
-        fixed_hosts = (self._size_local() < size or self.data_parallel_rank is not None
-                       or self.data_parallel_hybrid_lb)
-        if scaling and fixed_hosts and self.data_parallel_backend != "ray":
-            raise ConfigError("data_parallel_size_max: scaling at run time (it, or "
-                              "--data-parallel-autoscale) needs one host's engines (mp) or "
-                              "Ray, not headless hosts or external/hybrid load balancing")
-        if self.data_parallel_size_max is None:
-            return autoscale.max_size if autoscale is not None else size
-        self._need(self.data_parallel_size_max >= size, "data_parallel_size_max",
-                   f"must be at least data_parallel_size ({size})")
-        if autoscale is not None:
-            self._need(self.data_parallel_size_max >= autoscale.max_size,
-                       "data_parallel_size_max",
-                       f"must be at least the autoscale MAX ({autoscale.max_size})")
-        return self.data_parallel_size_max
-
-    def _size_local(self) -> int:
-        if self.data_parallel_size_local is not None:
-            return self.data_parallel_size_local
-        return 1 if self.data_parallel_rank is not None else self.data_parallel_size
-
-    def _start_rank(self) -> int:
-        if self.data_parallel_start_rank is not None:
-            return self.data_parallel_start_rank
-        return self.data_parallel_rank if self.data_parallel_rank is not None else 0
 
     def _need(self, ok: bool, name: str, what: str) -> None:
         if not ok:
@@ -659,83 +442,9 @@ class EngineArgs:
         need(self.max_logit_bias >= 0, "max_logit_bias", "must be at least 0")
         need(0 < self.structured_outputs_compile_timeout < float("inf"),
              "structured_outputs_compile_timeout", "must be a positive number of seconds")
-        self._validate_placement()
+        check_placement(self)
         if self.kv_cache_memory is not None:
             parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
-
-
-    def _validate_placement(self) -> None:
-        """The multi-host options: which ranks run here, and how hosts find each other."""
-        size = self.data_parallel_size
-        need = self._need
-        rank = self.data_parallel_rank
-        need(rank is None or 0 <= rank < size, "data_parallel_rank",
-             f"must be in [0, data_parallel_size={size})")
-        local, start = self._size_local(), self._start_rank()
-        need(1 <= local <= size, "data_parallel_size_local",
-             f"must be in [1, data_parallel_size={size}]")
-        need(0 <= start and start + local <= size, "data_parallel_start_rank",
-             f"plus data_parallel_size_local ({local}) must fit in data_parallel_size={size}")
-        if rank is not None:
-            need(local == 1, "data_parallel_size_local",
-                 "must be 1 with data_parallel_rank (one engine per server)")
-            need(start == rank, "data_parallel_start_rank",
-                 f"must equal data_parallel_rank ({rank})")
-            need(not self.data_parallel_hybrid_lb, "data_parallel_hybrid_lb",
-                 "cannot be combined with data_parallel_rank")
-        need(1 <= self.data_parallel_rpc_port <= 65535, "data_parallel_rpc_port",
-             "must be in [1, 65535]")
-        need(bool(self.data_parallel_address.strip()), "data_parallel_address",
-             "must not be empty")
-        need(self.data_parallel_backend in _DP_BACKENDS, "data_parallel_backend",
-             f"must be one of {', '.join(_DP_BACKENDS)}")
-        need(self.data_parallel_pack_strategy in _PACK_STRATEGIES,
-             "data_parallel_pack_strategy", f"must be one of {', '.join(_PACK_STRATEGIES)}")
-        if self.data_parallel_backend == "ray":
-            need(local == size and start == 0 and not self.data_parallel_hybrid_lb
-                 and rank is None, "data_parallel_backend",
-                 "'ray' places every rank itself (no --data-parallel-size-local, "
-                 "--data-parallel-start-rank, --data-parallel-rank or hybrid LB)")
-        self._data_plane_secret()
-
-    def _data_plane_secret(self) -> str | None:
-        """The secret (option, file or $DPSERVE_DP_SECRET), checked; a tcp:// data plane
-        on a non-loopback address without one is refused (`--data-parallel-insecure`
-        aside; the launcher warns about a plain one: `security.warn_plain_tcp`)."""
-        if self.data_parallel_secret is not None and self.data_parallel_secret_file:
-            raise ConfigError("data_parallel_secret_file cannot be combined with "
-                              "--data-parallel-secret (give the secret once)")
-        if self.data_parallel_secret_file:
-            secret: str | None = read_secret_file(self.data_parallel_secret_file)
-        else:
-            secret = self.data_parallel_secret or os.environ.get(SECRET_ENV) or None
-            if secret is not None:
-                check_secret(secret)
-        size, local = self.data_parallel_size, self._size_local()
-        tcp = (local < size or self.data_parallel_backend == "ray"
-               or self.data_parallel_rank is not None or self.data_parallel_hybrid_lb)
-        if tcp:
-            check_exposure(self.data_parallel_address, secret, self.data_parallel_insecure)
-        return secret
-
-
-def _parse_cores(text: str) -> tuple[int, ...]:
-    """'0-3,8' -> (0, 1, 2, 3, 8); ConfigError naming cpu_bind when malformed."""
-    cores: list[int] = []
-    for part in text.split(","):
-        lo, dash, hi = part.strip().partition("-")
-        if not lo.isdigit() or (dash and not hi.isdigit()) or (dash and int(hi) < int(lo)):
-            raise ConfigError(f"cpu_bind: {text!r} is not a core list ('auto', 'none', or "
-                              f"lists such as '0-3|4-7', one per local engine)")
-        cores.extend(range(int(lo), int(hi if dash else lo) + 1))
-    return tuple(sorted(set(cores)))
-
-
-def _format_cores(cores: list[int]) -> str:
-    """The allowed cores for a message: all of them, or their count and bounds."""
-    if len(cores) < 8:
-        return ",".join(map(str, cores))
-    return f"{len(cores)} cores from {cores[0]} to {cores[-1]}"
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
@@ -814,6 +523,3 @@ def _model_context_length(hf_config: Mapping[str, Any]) -> int:
     return 2048
 
 
-def replace(config: Any, **changes: Any) -> Any:
-    """A copy of a frozen config with some fields changed (the original stays)."""
-    return dataclasses.replace(config, **changes)

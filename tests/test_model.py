@@ -19,11 +19,11 @@ import torch
 
 from dpserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from dpserve.engine.request import Request
-from dpserve.engine.types import ScheduledRequest, SchedulerOutput
 from dpserve.model.layers import bucket_rows, can_prepack, linear, prepack, rope_spec_from_config
 from dpserve.model.llama import LlamaForCausalLM
 from dpserve.model.runner import ModelRunner
 from dpserve.sampling_params import SamplingParams
+from dpserve.step import SchedulerOutput
 from dpserve.testing.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.slow  # model forwards compared with transformers: tens of seconds
@@ -65,9 +65,8 @@ class Driver:
             blocks = self.blocks.setdefault(req.request_id, [])
             while len(blocks) * BS < req.num_computed_tokens + n:
                 blocks.append(self.free.pop())
-            scheduled.append(ScheduledRequest(
-                request=req, start=req.num_computed_tokens, num_new_tokens=n,
-                block_ids=list(blocks), sample=req.num_computed_tokens + n == req.num_tokens))
+            scheduled.append(req.for_step(req.num_computed_tokens, n, list(blocks),
+                                          sample=req.num_computed_tokens + n == req.num_tokens))
         so = SchedulerOutput(scheduled=scheduled,
                              num_decodes=sum(s.num_new_tokens == 1 for s in scheduled),
                              total_num_tokens=sum(s.num_new_tokens for s in scheduled))
@@ -76,8 +75,8 @@ class Driver:
             hidden = self.runner.model(inputs.input_ids, inputs.positions, inputs.attn_meta,
                                        self.runner.kv_caches)
             logits = self.runner.model.compute_logits(hidden)
-        for s in scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
+        for req, n in work:
+            req.num_computed_tokens += n
         return so, logits
 
 
@@ -98,7 +97,7 @@ def hf_logits(path: Path, tokens: list[int]) -> torch.Tensor:
 def check_step(path: Path, so: SchedulerOutput, logits: torch.Tensor) -> None:
     row = 0
     for s in so.scheduled:
-        ref = hf_logits(path, s.request.all_token_ids[:s.start + s.num_new_tokens])
+        ref = hf_logits(path, s.token_ids[:s.start + s.num_new_tokens])
         got = logits[row:row + s.num_new_tokens]
         torch.testing.assert_close(got, ref[s.start:], atol=ATOL, rtol=0)
         row += s.num_new_tokens
@@ -165,7 +164,7 @@ def test_mixed_decode_and_prefill_step(driver, model_path):
 
 def test_execute_samples_hf_argmax(driver, model_path):
     reqs = make_requests(vocab(driver), [7, 12])
-    scheduled = [ScheduledRequest(r, 0, r.num_tokens, list(range(i * 4, i * 4 + 4)), True)
+    scheduled = [r.for_step(0, r.num_tokens, list(range(i * 4, i * 4 + 4)), True)
                  for i, r in enumerate(reqs)]
     out = driver.runner.execute(SchedulerOutput(scheduled, 0, 19))
     assert out.req_ids == ["r0", "r1"]

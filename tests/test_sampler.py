@@ -15,24 +15,26 @@ from dpserve.model.sampler import (
     top_k_top_p_threshold,
 )
 from dpserve.sampling_params import SamplingParams
+from dpserve.step import ScheduledRequest
 
 CPU = torch.device("cpu")
 
 
 def request(i: int, prompt: list[int] | None = None, output: list[int] = (),
-            eos: int | None = None, **params) -> Request:
+            eos: int | None = None, **params) -> ScheduledRequest:
+    """The sampler's view of a request whose step samples its next token."""
     req = Request(f"r{i}", prompt or [0], SamplingParams(**params), eos_token_id=eos)
     for t in output:
         req.append_output_token(t)
-    return req
+    return req.for_step(0, req.num_tokens, [0], sample=True)
 
 
-def sample(logits: torch.Tensor, reqs: list[Request], sampler: Sampler | None = None,
+def sample(logits: torch.Tensor, reqs: list[ScheduledRequest], sampler: Sampler | None = None,
            generators: dict[str, torch.Generator] | None = None):
     generators = {} if generators is None else generators
     for r in reqs:
-        if r.sampling_params.seed is not None and r.request_id not in generators:
-            generators[r.request_id] = make_generator(r.sampling_params.seed, CPU)
+        if r.sampling_params.seed is not None and r.req_id not in generators:
+            generators[r.req_id] = make_generator(r.sampling_params.seed, CPU)
     meta = SamplingMetadata.from_requests(reqs, generators, logits.shape[1], CPU)
     return (sampler or Sampler(0, CPU))(logits.clone(), meta)
 

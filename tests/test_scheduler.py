@@ -15,8 +15,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 from dpserve.config import CacheConfig, SchedulerConfig
 from dpserve.engine.request import FinishReason, Request, RequestStatus
 from dpserve.engine.scheduler import Scheduler
-from dpserve.engine.types import Logprobs, ModelRunnerOutput, SchedulerOutput
 from dpserve.sampling_params import SamplingParams
+from dpserve.step import Logprobs, ModelRunnerOutput, SchedulerOutput
 
 BS = 4  # block size used throughout
 EOS = 2
@@ -43,7 +43,7 @@ def make_request(req_id: str, prompt: list[int] | int, eos: int | None = EOS,
 def runner_output(out: SchedulerOutput, tokens: dict[str, int] | None = None,
                   default: int = 7) -> ModelRunnerOutput:
     """One sampled token per sample=True entry: tokens[req_id], else `default`."""
-    req_ids = [s.request.request_id for s in out.scheduled if s.sample]
+    req_ids = [s.req_id for s in out.scheduled if s.sample]
     tokens = tokens or {}
     return ModelRunnerOutput(req_ids, [tokens.get(r, default) for r in req_ids])
 
@@ -54,7 +54,7 @@ def step(sched: Scheduler, tokens: dict[str, int] | None = None, default: int = 
 
 
 def shape(out: SchedulerOutput) -> list[tuple[str, int, int]]:
-    return [(s.request.request_id, s.start, s.num_new_tokens) for s in out.scheduled]
+    return [(s.req_id, s.start, s.num_new_tokens) for s in out.scheduled]
 
 
 def check_blocks(sched: Scheduler) -> None:
@@ -119,7 +119,7 @@ def test_max_num_seqs_limits_running_requests():
     for name in "abc":
         sched.add_request(make_request(name, 3, max_tokens=2))
     out, _ = step(sched)
-    assert [s.request.request_id for s in out.scheduled] == ["a", "b"]
+    assert [s.req_id for s in out.scheduled] == ["a", "b"]
     assert sched.get_request_counts() == (1, 2)
     out, deltas = step(sched)  # a and b hit max_tokens=2
     assert len(deltas) == 2 and all(d.finish_reason == FinishReason.LENGTH for d in deltas)
@@ -353,11 +353,11 @@ def check_schedule(sched: Scheduler, out: SchedulerOutput) -> None:
     assert len(sched.running) <= config.max_num_seqs
     assert all(s.num_new_tokens == 1 for s in out.scheduled[:out.num_decodes])
     assert all(s.num_new_tokens > 1 for s in out.scheduled[out.num_decodes:])
-    assert len({s.request.request_id for s in out.scheduled}) == len(out.scheduled)
+    assert len({s.req_id for s in out.scheduled}) == len(out.scheduled)
     for s in out.scheduled:
         assert len(s.block_ids) * BS >= s.start + s.num_new_tokens
-        assert s.sample == (s.start + s.num_new_tokens == s.request.num_tokens)
-        assert s.request.request_id not in out.preempted_req_ids
+        assert s.sample == (s.start + s.num_new_tokens == s.num_tokens)
+        assert s.req_id not in out.preempted_req_ids
 
 
 def fake_forward(cache: dict[int, list], out: SchedulerOutput) -> None:
@@ -370,15 +370,15 @@ def fake_forward(cache: dict[int, list], out: SchedulerOutput) -> None:
     manager's contract asks of a real runner.
     """
     for s in out.scheduled:
-        tokens = s.request.all_token_ids
+        tokens = s.token_ids
         for pos in range(s.start, s.start + s.num_new_tokens):
             block = cache.setdefault(s.block_ids[pos // BS], [None] * BS)
             block[pos % BS] = tuple(tokens[:pos + 1])
     for s in out.scheduled:
-        tokens = s.request.all_token_ids
+        tokens = s.token_ids
         for pos in range(s.start + s.num_new_tokens):
             assert cache[s.block_ids[pos // BS]][pos % BS] == tuple(tokens[:pos + 1]), (
-                f"{s.request} reads stale KV at position {pos}")
+                f"{s.req_id} reads stale KV at position {pos}")
 
 
 class Driver:
@@ -406,7 +406,7 @@ class Driver:
         out = self.sched.schedule()
         check_schedule(self.sched, out)
         fake_forward(self.kv, out)
-        req_ids = [s.request.request_id for s in out.scheduled if s.sample]
+        req_ids = [s.req_id for s in out.scheduled if s.sample]
         tokens = [draw_token() for _ in req_ids]
         if abort_mid_step is not None:
             self.record(self.sched.finish_requests([abort_mid_step]))

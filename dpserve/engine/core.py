@@ -15,9 +15,9 @@ from typing import Any
 from dpserve.config import EngineConfig
 from dpserve.engine.request import Request, RequestStatus
 from dpserve.engine.scheduler import Scheduler
-from dpserve.engine.types import ModelRunnerOutput
 from dpserve.errors import ExpertParallelError
 from dpserve.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, SchedulerStats
+from dpserve.step import ModelRunnerOutput
 from dpserve.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)

@@ -1,9 +1,12 @@
 """EngineCoreProc: one EngineCore in its own process, wired to front-ends by ZMQ.
 
 Scope: the start-up handshake with the launcher, two IO threads (sockets ->
-input queue, output queue -> sockets), the busy loop that drives the
-`EngineCore` it holds, utility calls, the engine-dead signal, signal handling
-and the parent-death watcher. `run_engine_core` is the multiprocessing target.
+input queue: `InputReader` in `dpserve.engine.input_reader`; output queue ->
+sockets: `OutputSender` in `dpserve.engine.output_sender`), the busy loop that
+drives the `EngineCore` it holds, utility calls (pause / sleep ones through
+`ControlCalls`, `dpserve.engine.control`), the engine-dead signal, signal
+handling and the parent-death watcher. `run_engine_core` is the
+multiprocessing target.
 
 Not here: scheduling and the model (`EngineCore`), address allocation and
 process spawning (`dpserve.launch`), the data-parallel part (`DPLink` in
@@ -51,19 +54,16 @@ import msgspec
 import zmq
 
 from dpserve.config import EngineConfig
-from dpserve.control import next_state
 from dpserve.engine.build import build_engine_core, place_engine
-from dpserve.engine.control import EngineControl
+from dpserve.engine.control import ControlCalls, EngineControl
 from dpserve.engine.core import UTILITY_METHODS
 from dpserve.engine.dp import DPLink
+from dpserve.engine.input_reader import CLIENT_NEWS, IO_FAILED, PEER_LOST, InputReader
 from dpserve.engine.output_sender import DEAD_LINGER_MS, OutputSender, connect_outputs
-from dpserve.launch.process import start_parent_watcher
 from dpserve.logging_utils import name_process
+from dpserve.parent_watch import start_parent_watcher
 from dpserve.protocol import (
-    COORDINATOR_READY,
     ENGINE_CORE_DEAD,
-    ControlChange,
-    ControlState,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -71,9 +71,7 @@ from dpserve.protocol import (
     FinishReason,
     HandshakeHello,
     HandshakeReady,
-    RegroupDP,
     RequestType,
-    StartDPWave,
     UtilityCall,
     UtilityOutput,
     engine_identity,
@@ -84,7 +82,6 @@ logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 120.0  # wait for the launcher's init metadata
 _IDLE_WAIT_S = 0.5  # the busy loop's longest block on an empty input queue
-_POLL_MS = 100  # IO threads look at the stop flag this often
 
 # Utility calls: `core.UTILITY_METHODS` (an allowlist: every other name is refused by
 # name, and the engine serves on), answered by the EngineCore unless the process
@@ -95,11 +92,6 @@ _PROC_UTILITIES = frozenset({"get_dp_state", "request_state_sizes"})
 # ControlState; answered (with the state) once it is reached.
 _CONTROL_UTILITY = "control"
 
-_IO_FAILED = "io-thread-failed"  # internal input-queue tag: an IO thread died
-_PEER_LOST = "front-end-lost"  # internal input-queue tag: a remote engine lost its front-end
-_CLIENT_NEWS = "client-news"  # internal input-queue tag: a front-end dropped (why) / back (None)
-_PEER_LOST_S = 3.0  # a remote engine stops when a front-end is unreachable this long
-_HEARTBEAT_MS = 1000  # ZMQ heartbeats on a remote engine's input sockets (dead hosts)
 
 
 class EngineCoreProc:
@@ -190,8 +182,11 @@ class EngineCoreProc:
         if ep is not None and self.dp is not None:  # MoE layers use the lockstep DP group
             ep.group_source = self.dp.expert_group
         self.control = EngineControl(self.engine_core)  # pause / sleep (dpserve.control)
-        self._control_acked = 0  # the ControlState seq reported reached
-        self._control_waiters: list[tuple[int, int, int]] = []  # (client, call_id, seq)
+        self.control_calls = ControlCalls(
+            self.control, self.rank, self.num_clients,
+            send=lambda client, outs: self.output_queue.put_nowait((client, outs)),
+            publish=self._publish,
+            report_done=self.dp.report_control_done if self.dp is not None else None)
         if self.dp is not None:
             self.dp.wait_ready()  # every engine is subscribed: reports are heard
             # Lockstep: the busy loop joins the DP group the coordinator names next.
@@ -215,7 +210,7 @@ class EngineCoreProc:
                 self._drain_step()
             # 1. Take in everything the front-ends sent; block only when idle.
             self._process_input_queue()
-            self._control_check()
+            self.control_calls.check()
             if self.dp is not None and self.dp.needs_group():
                 self._wait_for_group()  # lockstep: no steps outside a formed DP group
                 continue
@@ -226,7 +221,7 @@ class EngineCoreProc:
             # 3. Send each request's delta to the front-end that owns it; say when a
             #    pause / sleep state is reached.
             self._publish(outputs)
-            self._control_check()
+            self.control_calls.check()
             # 4. DP: lockstep bookkeeping (dummy batch, all-reduce, wave end),
             #    then tell the coordinator when [waiting, running] or the wave changed.
             if self.dp is not None:
@@ -344,11 +339,11 @@ class EngineCoreProc:
                     self.engine_core.runner.reshard_experts(self.rank, size)
         elif request_type is RequestType.CONTROL:
             self._publish(self.control.apply(body))
-        elif request_type == _IO_FAILED:
+        elif request_type == IO_FAILED:
             raise RuntimeError(f"engine IO thread failed: {body}")
-        elif request_type == _CLIENT_NEWS:
+        elif request_type == CLIENT_NEWS:
             self._client_news(client_index, body)
-        elif request_type == _PEER_LOST:
+        elif request_type == PEER_LOST:
             logger.warning("engine %d: %s; shutting down", self.rank, body)
             raise SystemExit(0)
         else:
@@ -384,7 +379,7 @@ class EngineCoreProc:
         other name, and any failure, is answered with an error, never fatal."""
         out = UtilityOutput(call.call_id)
         if call.method == _CONTROL_UTILITY:
-            self._control_call(call, client_index)
+            self.control_calls.call(call, client_index)
             return
         try:
             if call.method in _PROC_UTILITIES:
@@ -400,38 +395,6 @@ class EngineCoreProc:
             out.failure_message = f"{call.method}() failed: {type(e).__name__}: {e}"
         self.output_queue.put_nowait((client_index, EngineCoreOutputs(
             engine_index=self.rank, utility_output=out, timestamp=time.monotonic())))
-
-    def _control_call(self, call: UtilityCall, client_index: int) -> None:
-        """`control(op, arg, token)` without a coordinator: change this engine's state,
-        tell every front-end, answer once the state is reached (`_control_check`)."""
-        try:
-            state = next_state(self.control.state, ControlChange(*call.args))
-        except (TypeError, ValueError) as e:
-            self.output_queue.put_nowait((client_index, EngineCoreOutputs(
-                engine_index=self.rank, utility_output=UtilityOutput(
-                    call.call_id, failure_message=f"control() failed: {e}"))))
-            return
-        self._publish(self.control.apply(state))
-        for client in range(self.num_clients):
-            self.output_queue.put_nowait((client, EngineCoreOutputs(
-                engine_index=self.rank, control=state, timestamp=time.monotonic())))
-        self._control_waiters.append((client_index, call.call_id, state.seq))
-        self._control_check()
-
-    def _control_check(self) -> None:
-        """Once the control state is reached: tell the coordinator, answer waiters."""
-        state = self.control.state
-        if self._control_acked == state.seq or not self.control.done:
-            return
-        self._control_acked = state.seq
-        if self.dp is not None:
-            self.dp.report_control_done(state.seq)
-        result = msgspec.to_builtins(state)
-        for client, call_id, _ in self._control_waiters:
-            self.output_queue.put_nowait((client, EngineCoreOutputs(
-                engine_index=self.rank, utility_output=UtilityOutput(call_id, result=result),
-                timestamp=time.monotonic())))
-        self._control_waiters.clear()
 
     def _publish(self, outputs: list[EngineCoreOutput]) -> None:
         """Group outputs by front-end; a finished request forgets its front-end."""
@@ -485,8 +448,10 @@ class EngineCoreProc:
 
     def _start_io_threads(self, init: EngineInitMetadata) -> None:
         coordinator = self.dp.take_publish_socket() if self.dp is not None else None
+        reader = InputReader(init.input_addresses, coordinator, self.identity, self.secret,
+                             not self.local, self.input_queue, self._stop_io)
         self.input_thread = threading.Thread(
-            target=self._guarded, args=(self._input_loop, init.input_addresses, coordinator),
+            target=self._guarded, args=(reader.run,),
             name=f"EngineCore_{self.rank}_input", daemon=True)
         self.output_thread = threading.Thread(
             target=self._guarded, args=(self._output_loop, init.output_addresses),
@@ -500,58 +465,7 @@ class EngineCoreProc:
             loop(*args)
         except Exception as e:
             logger.exception("%s failed", threading.current_thread().name)
-            self.input_queue.put_nowait((_IO_FAILED, f"{type(e).__name__}: {e}", -1))
-
-    def _input_loop(self, addresses: list[str], coordinator: zmq.Socket | None) -> None:
-        """Sockets -> input queue: decode by the one-byte type tag.
-
-        `coordinator`: the DP coordinator's SUB socket (START_DP_WAVE), handed
-        over by `DPLink`; its messages are queued with client index -1.
-        """
-        decoders = {RequestType.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
-                    RequestType.ABORT: msgspec.msgpack.Decoder(list[str]),
-                    RequestType.UTILITY: msgspec.msgpack.Decoder(UtilityCall)}
-        coordinator_decoders = {RequestType.START_DP_WAVE: msgspec.msgpack.Decoder(StartDPWave),
-                                RequestType.REGROUP_DP: msgspec.msgpack.Decoder(RegroupDP),
-                                RequestType.CONTROL: msgspec.msgpack.Decoder(ControlState)}
-        with zmq.Context() as ctx:
-            poller = zmq.Poller()
-            index_of: dict[zmq.Socket, int] = {}
-            links = _FrontEndLinks(addresses, remote=not self.local)
-            if coordinator is not None:
-                poller.register(coordinator, zmq.POLLIN)
-            for i, address in enumerate(addresses):
-                sock = secure(ctx.socket(zmq.DEALER), "client", self.secret)
-                sock.setsockopt(zmq.IDENTITY, self.identity)
-                sock.setsockopt(zmq.LINGER, 0)
-                links.watch(sock, i, poller)
-                sock.connect(address)
-                sock.send(b"")  # register: now the front-end's ROUTER can route to us
-                poller.register(sock, zmq.POLLIN)
-                index_of[sock] = i
-            while not self._stop_io.is_set():
-                lost = links.lost_for_good()
-                if lost is not None:
-                    self.input_queue.put_nowait((_PEER_LOST, lost, -1))
-                    break
-                for sock, _ in poller.poll(_POLL_MS):
-                    if links.handles(sock):
-                        continue
-                    frames = sock.recv_multipart()
-                    if sock is coordinator:
-                        if frames == [COORDINATOR_READY]:  # for an engine that joined later
-                            continue
-                        item = _decode_request(frames, coordinator_decoders,
-                                               "the DP coordinator")
-                        if item is not None:
-                            self.input_queue.put_nowait((*item, -1))
-                        continue
-                    item = _decode_request(frames, decoders)
-                    if item is not None:
-                        self.input_queue.put_nowait((*item, index_of[sock]))
-            links.close()
-            for sock in index_of:
-                sock.close()
+            self.input_queue.put_nowait((IO_FAILED, f"{type(e).__name__}: {e}", -1))
 
     def _output_loop(self, addresses: list[str]) -> None:
         """Output queue -> sockets, never blocked by one front-end (`OutputSender`)."""
@@ -560,7 +474,7 @@ class EngineCoreProc:
                 connect_outputs(ctx, addresses, self.secret), self.rank,
                 max_backlog_bytes=self.config.parallel.engine_output_backlog,
                 stall_timeout=self.config.parallel.engine_output_stall_timeout,
-                on_change=lambda c, why: self.input_queue.put_nowait((_CLIENT_NEWS, why, c)),
+                on_change=lambda c, why: self.input_queue.put_nowait((CLIENT_NEWS, why, c)),
             ).run(self.output_queue, self.identity)
 
     # ---- the end -----------------------------------------------------------
@@ -594,75 +508,6 @@ def _say_hello(sock: zmq.Socket, local: bool, address: str,
                            f"{timeout:g} s of HELLO (is the head running there, with the "
                            f"same data-parallel secret?)")
     return msgspec.msgpack.decode(sock.recv(), type=EngineInitMetadata)
-
-
-class _FrontEndLinks:
-    """An engine's watch on its front-end connections (ZMQ socket monitors).
-
-    Every (re)connection re-sends the empty registration frame, so a restarted
-    API server learns of this engine at once. Remote engines also stop when a
-    front-end stays disconnected (its host stopped, crashed or is unreachable:
-    heartbeats time out) for `_PEER_LOST_S`: the head is gone, and a remote
-    engine has no parent there to watch.
-    """
-
-    def __init__(self, addresses: list[str], remote: bool) -> None:
-        self.addresses = addresses
-        self.remote = remote
-        self._monitors: dict[zmq.Socket, tuple[zmq.Socket, int]] = {}  # monitor -> (sock, i)
-        self._down_since: dict[int, float] = {}
-
-    def watch(self, sock: zmq.Socket, index: int, poller: zmq.Poller) -> None:
-        """Call before `sock.connect`."""
-        if self.remote:
-            sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * _HEARTBEAT_MS)
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        poller.register(monitor, zmq.POLLIN)
-        self._monitors[monitor] = (sock, index)
-
-    def handles(self, sock: zmq.Socket) -> bool:
-        """Take a monitor event if `sock` is a monitor; False for other sockets."""
-        if sock not in self._monitors:
-            return False
-        from zmq.utils.monitor import recv_monitor_message
-
-        event = recv_monitor_message(sock)["event"]
-        front_end, index = self._monitors[sock]
-        if event == zmq.EVENT_DISCONNECTED and self.remote:
-            self._down_since.setdefault(index, time.monotonic())
-        elif event == zmq.EVENT_CONNECTED:
-            self._down_since.pop(index, None)
-            front_end.send(b"")  # (re-)register: a new front-end process learns of us
-        return True
-
-    def lost_for_good(self) -> str | None:
-        """A message naming a front-end down for `_PEER_LOST_S`, else None."""
-        now = time.monotonic()
-        for index, since in self._down_since.items():
-            if now - since >= _PEER_LOST_S:
-                return (f"front-end {index} at {self.addresses[index]} unreachable for "
-                        f"{now - since:.0f} s")
-        return None
-
-    def close(self) -> None:
-        for monitor, (sock, _) in self._monitors.items():
-            sock.disable_monitor()
-            monitor.close()
-
-
-def _decode_request(frames: list[bytes], decoders: dict,
-                    source: str = "a front-end") -> tuple[RequestType, Any] | None:
-    """[type byte, body] -> (type, decoded body); None (logged) for a bad message."""
-    try:
-        request_type = RequestType(frames[0])
-        decoder = decoders.get(request_type)
-        if len(frames) != 2 or decoder is None:
-            raise ValueError(f"{request_type.name} with {len(frames)} frames is not served")
-        return request_type, decoder.decode(frames[1])
-    except (ValueError, IndexError, msgspec.DecodeError) as e:  # ValidationError is a DecodeError
-        logger.error("dropping a bad message from %s: %s", source, e)
-        return None
 
 
 # ---- process entry point ----------------------------------------------------

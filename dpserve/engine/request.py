@@ -14,6 +14,7 @@ from typing import Any
 
 from dpserve.protocol import FinishReason, TokenLogprobs
 from dpserve.sampling_params import SamplingParams
+from dpserve.step import ScheduledRequest
 
 __all__ = ["FinishReason", "Request", "RequestStatus"]
 
@@ -132,6 +133,15 @@ class Request:
         scheduled = self.engine_arrival if self.scheduled_at is None else self.scheduled_at
         first = now if self.first_token_at is None else self.first_token_at
         return [scheduled - self.engine_arrival, first - scheduled, now - first]
+
+    def for_step(self, start: int, num_new_tokens: int, block_ids: list[int],
+                 sample: bool) -> ScheduledRequest:
+        """The plain record of this request's share of a step, for the model runner
+        (it refers to `all_token_ids`: no copy of the tokens)."""
+        return ScheduledRequest(
+            self.request_id, self.all_token_ids, len(self.prompt_token_ids), start,
+            num_new_tokens, block_ids, sample, self.sampling_params, self.eos_token_id,
+            self.grammar, self.prompt_logprobs is not None)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -22,8 +22,8 @@ from collections.abc import Iterable
 from dpserve.config import CacheConfig, SchedulerConfig
 from dpserve.engine.kv_cache import KVCacheManager
 from dpserve.engine.request import Request, RequestStatus
-from dpserve.engine.types import Logprobs, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from dpserve.protocol import EngineCoreOutput, SchedulerStats, TokenLogprobs
+from dpserve.step import Logprobs, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ class Scheduler:
     def _scheduled(request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
         start = request.num_computed_tokens
         request.num_computed_tokens = start + num_new
-        return ScheduledRequest(request, start, num_new, block_ids,
+        return request.for_step(start, num_new, block_ids,
                                 sample=start + num_new == request.num_tokens)
 
     def preempt_all(self) -> None:

@@ -5,7 +5,8 @@
   a process can be replaced in place (a restart).
 * `wait_for_any_exit`, `shutdown` (terminate -> join with a shared deadline ->
   kill the tree), `kill_process_tree`.
-* `start_parent_watcher`: in a child, exit when the parent dies.
+* `start_parent_watcher` (from `dpserve.parent_watch`, which the engine uses too):
+  in a child, exit when the parent dies.
 * `engine_context`: in `dpserve serve`, engines start from a forkserver that has
   imported torch and the engine's modules once (`FORKSERVER_PRELOAD`), instead of
   each spawned engine importing them again (seconds of CPU per engine); offline
@@ -20,7 +21,6 @@ import contextlib
 import logging
 import multiprocessing
 import os
-import select
 import signal
 import sys
 import threading
@@ -33,10 +33,10 @@ from typing import Any
 
 import psutil
 
+from dpserve.parent_watch import start_parent_watcher as start_parent_watcher  # re-export
+
 logger = logging.getLogger(__name__)
 
-PARENT_POLL_S = 1.0  # without pidfds: how often a child looks for re-parenting
-PARENT_GRACE_S = 10.0  # after asking itself to stop, an orphan hard-exits after this
 # Imported once by the engines' forkserver: the first module makes it ignore SIGTERM
 # (a signal to the whole process group must not kill it under running engines).
 FORKSERVER_PRELOAD = ["dpserve.launch.forkserver_init", "torch", "dpserve.engine.process",
@@ -208,38 +208,6 @@ def stop_socket_thread(stop: threading.Event, thread: threading.Thread,
         ctx.destroy(linger=0)
     else:
         ctx.term()
-
-
-def start_parent_watcher(parent_pid: int, what: str = "process") -> None:
-    """Exit when the parent dies: SIGTERM ourselves, then, if the main thread is
-    stuck, hard-exit after a grace period."""
-
-    def watch() -> None:
-        _wait_for_death(parent_pid)
-        logger.warning("parent process %d is gone; %s shutting down", parent_pid, what)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(PARENT_GRACE_S)
-        logger.error("still alive %.0f s after the parent died; exiting hard", PARENT_GRACE_S)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watcher", daemon=True).start()
-
-
-def _wait_for_death(pid: int) -> None:
-    """Block until process `pid` (our parent, or the launcher that asked a forkserver
-    for us) has exited: on its pidfd, else by polling for re-parenting."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return  # gone already
-    except (AttributeError, OSError):  # no pidfds here: only our own parent is watched
-        while os.getppid() == pid:
-            time.sleep(PARENT_POLL_S)
-        return
-    try:
-        select.select([fd], [], [])  # readable once it has exited
-    finally:
-        os.close(fd)
 
 
 def wait_for_any_exit(procs: Sequence[BaseProcess],

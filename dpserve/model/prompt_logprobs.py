@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from dpserve.engine.types import SchedulerOutput
 from dpserve.protocol import TokenLogprobs
+from dpserve.step import SchedulerOutput
 
 _ROWS_PER_SLICE = 256  # logits rows at a time ([rows, vocab] float32 each)
 
@@ -28,15 +28,14 @@ def compute_prompt_logprobs(model: Any, hidden: torch.Tensor, so: SchedulerOutpu
     out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
     offset = 0
     for s in so.scheduled:
-        req = s.request
         # Position p predicts prompt token p + 1: positions start .. num_prompt - 2.
-        end = min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)
-        if req.needs_prompt_logprobs and end > s.start:
-            k = req.sampling_params.prompt_logprobs or 0
+        end = min(s.start + s.num_new_tokens, s.num_prompt_tokens - 1)
+        if s.needs_prompt_logprobs and end > s.start:
+            k = s.sampling_params.prompt_logprobs or 0
             rows = hidden[offset:offset + end - s.start]
-            targets = torch.tensor(req.prompt_token_ids[s.start + 1:end + 1],
+            targets = torch.tensor(s.token_ids[s.start + 1:end + 1],
                                    dtype=torch.int64, device=hidden.device)
-            out[req.request_id] = (s.start, _token_logprobs(model, rows, targets, k))
+            out[s.req_id] = (s.start, _token_logprobs(model, rows, targets, k))
         offset += s.num_new_tokens
     return out
 

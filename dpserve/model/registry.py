@@ -25,6 +25,12 @@ def register_model(architecture: str, module: str, class_name: str) -> None:
     _MODELS[architecture] = (module, class_name)
 
 
+def supports_int8(architecture: str) -> bool:
+    """Whether `--quantization int8` serves it: the dense Llama family's class
+    (read from the table: the check imports no torch model code)."""
+    return _MODELS.get(architecture) == ("dpserve.model.llama", "LlamaForCausalLM")
+
+
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 

@@ -27,14 +27,13 @@ import torch
 
 from dpserve.config import EngineConfig
 from dpserve.cpu_features import auto_cpu_dtype
-from dpserve.engine.request import Request
-from dpserve.engine.types import ModelRunnerOutput, SchedulerOutput
 from dpserve.model import cpu_kernels
 from dpserve.model.attention import AttentionMetadata, build_attention_metadata, token_positions
 from dpserve.model.expert_parallel import ExpertParallel
 from dpserve.model.prompt_logprobs import compute_prompt_logprobs
 from dpserve.model.registry import get_model_class
 from dpserve.model.sampler import Sampler, SamplingMetadata, make_generator
+from dpserve.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +46,7 @@ class StepInputs:
     positions: torch.Tensor  # [T] int64
     attn_meta: AttentionMetadata
     logits_index: torch.Tensor  # [S] int64 token index of each sampled row
-    sampled: list[Request]  # [S] the requests that sample, in output order
+    sampled: list[ScheduledRequest]  # [S] the requests that sample, in output order
 
 
 class ModelRunner:
@@ -239,7 +238,7 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_meta,
                             self.kv_caches)  # [T, hidden]
         prompt_logprobs = (compute_prompt_logprobs(self.model, hidden, scheduler_output)
-                           if any(s.request.needs_prompt_logprobs
+                           if any(s.needs_prompt_logprobs
                                   for s in scheduler_output.scheduled) else {})
         if not inputs.sampled:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[],
@@ -247,12 +246,12 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_index))
         for req in inputs.sampled:
             seed = req.sampling_params.seed
-            if seed is not None and req.request_id not in self.generators:
-                self.generators[req.request_id] = make_generator(seed, self.device)
+            if seed is not None and req.req_id not in self.generators:
+                self.generators[req.req_id] = make_generator(seed, self.device)
         meta = SamplingMetadata.from_requests(inputs.sampled, self.generators, self.vocab_size,
                                               self.device)
         tokens, logprobs = self.sampler(logits, meta)
-        return ModelRunnerOutput(req_ids=[r.request_id for r in inputs.sampled],
+        return ModelRunnerOutput(req_ids=[r.req_id for r in inputs.sampled],
                                  sampled_token_ids=tokens.tolist(), logprobs=logprobs,
                                  prompt_logprobs=prompt_logprobs)
 
@@ -268,7 +267,7 @@ class ModelRunner:
         query_lens = np.fromiter((s.num_new_tokens for s in sched), np.int64, num_reqs)
         context_lens = np.fromiter((s.start for s in sched), np.int64, num_reqs)
         token_ids = list(itertools.chain.from_iterable(
-            s.request.all_token_ids[s.start:s.start + s.num_new_tokens] for s in sched))
+            s.token_ids[s.start:s.start + s.num_new_tokens] for s in sched))
         # Block table: only the blocks this step's tokens reach; padding is masked.
         needed = -(-(context_lens + query_lens) // bs)  # [R]
         table = np.zeros((num_reqs, int(needed.max())), dtype=np.int64)
@@ -283,7 +282,7 @@ class ModelRunner:
             input_ids=torch.tensor(token_ids, dtype=torch.int64).to(self.device),
             positions=torch.from_numpy(positions).to(self.device), attn_meta=meta,
             logits_index=torch.from_numpy(ends[sample_rows]).to(self.device),
-            sampled=[sched[i].request for i in sample_rows])
+            sampled=[sched[i] for i in sample_rows])
 
     @torch.inference_mode()
     def execute_dummy(self) -> None:

@@ -28,8 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dpserve.engine.request import Request
-from dpserve.engine.types import Logprobs
+from dpserve.step import Logprobs, ScheduledRequest
 from dpserve.structured.manager import apply_bitmask, grammar_bitmask
 
 _TOP_P_CANDIDATES = 128
@@ -67,7 +66,7 @@ class SamplingMetadata:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
-    def from_requests(cls, requests: Sequence[Request],
+    def from_requests(cls, requests: Sequence[ScheduledRequest],
                       generators: Mapping[str, torch.Generator], vocab_size: int,
                       device: torch.device) -> SamplingMetadata:
         """Read every row's SamplingParams; `generators` is keyed by request id."""
@@ -91,8 +90,8 @@ class SamplingMetadata:
                                      dtype=torch.float32, device=device),
             min_p=opt(min_p, 0.0, torch.float32), top_k=opt(top_k, vocab_size, torch.int64),
             top_p=opt(top_p, 1.0, torch.float32),
-            generators={i: generators[requests[i].request_id] for i in random_rows
-                        if requests[i].request_id in generators},
+            generators={i: generators[requests[i].req_id] for i in random_rows
+                        if requests[i].req_id in generators},
             penalties=_penalty_metadata(requests, vocab_size, device),
             min_tokens_mask=_min_tokens_mask(requests, vocab_size, device),
             max_num_logprobs=max(asked) if asked else None,
@@ -107,7 +106,7 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
     return torch.from_numpy(out).to(device)
 
 
-def _penalty_metadata(requests: Sequence[Request], vocab_size: int,
+def _penalty_metadata(requests: Sequence[ScheduledRequest], vocab_size: int,
                       device: torch.device) -> PenaltyMetadata | None:
     params = [r.sampling_params for r in requests]
     if not any(p.needs_penalties for p in params):
@@ -118,7 +117,7 @@ def _penalty_metadata(requests: Sequence[Request], vocab_size: int,
 
     outputs = [r.output_token_ids if p.needs_penalties else []
                for r, p in zip(requests, params, strict=True)]
-    seen = [r.all_token_ids if p.repetition_penalty != 1.0 else []
+    seen = [r.token_ids if p.repetition_penalty != 1.0 else []
             for r, p in zip(requests, params, strict=True)]
     return PenaltyMetadata(presence=col([p.presence_penalty for p in params]),
                            frequency=col([p.frequency_penalty for p in params]),
@@ -127,7 +126,7 @@ def _penalty_metadata(requests: Sequence[Request], vocab_size: int,
                            seen_ids=_padded(seen, vocab_size, device))
 
 
-def _min_tokens_mask(requests: Sequence[Request], vocab_size: int,
+def _min_tokens_mask(requests: Sequence[ScheduledRequest], vocab_size: int,
                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rows, token ids) of EOS / stop ids to mask in rows still short of min_tokens."""
     rows: list[int] = []

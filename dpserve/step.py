@@ -1,36 +1,59 @@
-"""The named types that cross module boundaries inside one engine.
+"""One engine step's boundary types: what the scheduler hands the model runner,
+and what comes back.
 
 scheduler --SchedulerOutput--> model runner --ModelRunnerOutput--> scheduler
-scheduler.update_from_output --> list[EngineCoreOutput] --> EngineCore.step()
 
-(`EngineCoreOutput` crosses process boundaries, so it lives in dpserve.protocol.)
+They sit below both (ARCHITECTURE.md, "Layers"): the model runner reads a plain
+record of each scheduled request, never the engine's live `Request`.
+(`EngineCoreOutput`, what a step sends to the front-end, crosses process
+boundaries, so it lives in dpserve.protocol.)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from dpserve.engine.request import Request
+from dpserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the launcher imports the engine's modules without torch
     import torch
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
-    """One request's share of a step.
+    """One request's share of a step, as the model runner and the sampler read it.
 
-    The step computes tokens `request.all_token_ids[start : start + num_new_tokens]`
-    at positions `start .. start + num_new_tokens - 1`. After the step the
-    request has `start + num_new_tokens` computed tokens.
+    The step computes tokens `token_ids[start : start + num_new_tokens]` at
+    positions `start .. start + num_new_tokens - 1`. `token_ids` is the request's
+    own list (prompt, then outputs), not a copy: the runner reads it during the
+    step, and the scheduler appends the sampled token only after the step.
     """
 
-    request: Request
+    req_id: str
+    token_ids: list[int]  # prompt + outputs so far (the request's list, read-only here)
+    num_prompt_tokens: int
     start: int  # tokens already in the KV cache before this step
     num_new_tokens: int  # tokens computed this step (> 0)
     block_ids: list[int]  # the request's whole block table after allocation
     sample: bool  # True when this step reaches the end of the known tokens
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    grammar: Any = None  # structured.manager.RequestGrammar of a constrained output
+    needs_prompt_logprobs: bool = False  # every prompt position computed gets logprobs
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """A copy of the outputs so far (penalties read them)."""
+        return self.token_ids[self.num_prompt_tokens:]
 
 
 @dataclass

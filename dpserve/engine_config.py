@@ -1,0 +1,178 @@
+"""The frozen engine configuration: `EngineConfig` and its parts.
+
+`EngineArgs.create_config()` (dpserve.config) builds one from the user's options;
+nothing changes it afterwards (values found at run time, such as the number of
+KV blocks, travel as explicit results). Every layer above reads these types;
+`dpserve.config` hands them on, so `from dpserve.config import EngineConfig`
+reads as before.
+
+Not here: the options and their checks (`dpserve.config`, `dpserve.placement`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Any
+
+from dpserve.sampling_params import DEFAULT_MAX_LOGIT_BIAS, DEFAULT_MAX_STOP_TOKEN_IDS
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None  # as the user gave it (None: the built-in default)
+    path: str  # local Hugging Face directory holding config.json + weights
+    tokenizer: str  # local directory (or hub name) for the tokenizer
+    architecture: str  # e.g. "LlamaForCausalLM"
+    hf_config: Mapping[str, Any]  # config.json, read-only
+    dtype: str  # resolved torch dtype name: "float32" | "bfloat16" | "float16"
+    max_model_len: int  # prompt + output tokens per request
+    seed: int
+    enforce_eager: bool = False  # no start-up kernel compilation (EngineArgs.enforce_eager)
+    # (SamplingParams field, value) from generation_config.json (dpserve/generation_config.py)
+    generation_defaults: tuple[tuple[str, Any], ...] = ()
+    quantization: str | None = None  # "int8": dynamic int8 linears (dpserve.model.quant)
+
+    def __reduce__(self):
+        # MappingProxyType does not pickle; send a plain copy (spawned engines
+        # get their config through pickle) and re-wrap it on arrival.
+        state = {f.name: getattr(self, f.name) for f in fields(self)}
+        state["hf_config"] = dict(self.hf_config)
+        return (_rebuild_model_config, (state,))
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.hf_config.get("eos_token_id")
+        if eos is None:
+            return []
+        return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
+def _rebuild_model_config(state: dict[str, Any]) -> ModelConfig:
+    return ModelConfig(**{**state, "hf_config": MappingProxyType(state["hf_config"])})
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int  # tokens per KV block
+    kv_cache_memory: int | None  # bytes for the KV cache on CPU
+    gpu_memory_utilization: float  # fraction of device memory on CUDA
+    enable_prefix_caching: bool
+    num_kv_blocks: int | None  # fixed block count, overriding the memory budget
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int  # token budget of one step
+    max_num_seqs: int  # requests running at once
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    """`--data-parallel-autoscale MIN:MAX` and its targets (`dpserve.launch.autoscale`)."""
+
+    min_size: int
+    max_size: int
+    up_queue: float = 2.0  # mean waiting requests per serving rank above this ...
+    up_window_s: float = 10.0  # ... for this long: add a rank
+    down_load: float = 0.5  # mean waiting + running per serving rank below this ...
+    down_window_s: float = 60.0  # ... for this long: remove a rank
+    cooldown_s: float = 30.0  # no decision this long after a change ends
+    up_ttft_s: float | None = None  # or a serving rank's recent mean TTFT above this (s)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    data_parallel_size: int  # engine replicas, on every host together
+    threads_per_engine: int | None  # torch CPU threads (None: torch's default)
+    # CPU cores of each local engine (this host's i-th engine: cpu_groups[i]); None: unbound.
+    cpu_groups: tuple[tuple[int, ...], ...] | None = None
+    # Engines step together in request waves (dummy batches, periodic all-reduce):
+    # forced by the user, or needed by the model (expert-parallel MoE).
+    data_parallel_lockstep: bool = False
+    data_parallel_sync_interval: int = 32  # lockstep: steps between "any work left?" all-reduces
+    data_parallel_collective_timeout: float = 10.0  # lockstep: s for one join or all-reduce
+    enable_expert_parallel: bool = False  # MoE: each DP rank holds 1/N of the experts
+    # Where the engines run (see DESIGN "Launch modes"). This host runs ranks
+    # [start_rank, start_rank + size_local); the others run on other hosts.
+    data_parallel_size_local: int = 1
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str = "127.0.0.1"  # the head's address: handshake, coordinator
+    data_parallel_rpc_port: int = 29550  # the head's handshake / rendezvous port
+    data_parallel_rank: int | None = None  # external LB: this server fronts this rank only
+    data_parallel_hybrid_lb: bool = False  # API servers balance over this host's engines
+    data_parallel_backend: str = "mp"  # "mp": local processes; "ray": Ray actors
+    data_parallel_pack_strategy: str = "strict"  # Ray: how ranks are packed onto nodes
+    data_parallel_secret: str | None = field(default=None, repr=False)  # data-plane key
+    data_parallel_insecure: bool = False  # the operator accepts an exposed data plane
+    ray_address: str | None = None  # Ray: join this cluster (None: start a local one)
+    # Faults (see README "Failures and draining"):
+    engine_heartbeat_timeout: float = 3.0  # s without a heartbeat: the rank is unhealthy
+    engine_stall_timeout: float = 30.0  # s with work but no finished step: unhealthy
+    engine_failure_policy: str = "restart"  # restart | isolate | stop
+    max_engine_restarts: int = 5  # per rank per RESTART_WINDOW_S; then it stays out
+    max_request_migrations: int = 3  # moves of one request to another rank
+    # An engine drops an API server that leaves its outputs unread (engine/output_sender.py):
+    engine_output_backlog: int = 64 << 20  # bytes queued for one API server, at most
+    engine_output_stall_timeout: float = 5.0  # s the oldest of them may wait
+    # Scaling at run time (README "Scaling at run time"): the most engines a change may
+    # reach (resolved: the option, else the autoscale MAX, else data_parallel_size).
+    data_parallel_size_max: int = 1
+    autoscale: AutoscaleConfig | None = None  # --data-parallel-autoscale
+
+    @property
+    def elastic(self) -> bool:
+        """The engine count may change at run time (one host's mp engines, or Ray)."""
+        return self.data_parallel_size_max > 1 and (
+            self.data_parallel_backend == "ray"
+            or (not self.has_remote_engines and not self.local_lb))
+
+    @property
+    def local_ranks(self) -> list[int]:
+        """The DP ranks whose engines this host runs."""
+        start = self.data_parallel_start_rank
+        return list(range(start, start + self.data_parallel_size_local))
+
+    @property
+    def has_remote_engines(self) -> bool:
+        return self.data_parallel_size_local < self.data_parallel_size
+
+    @property
+    def tcp_data_plane(self) -> bool:
+        """Some data-plane sockets are tcp:// on data_parallel_address (other hosts, Ray)."""
+        return self.has_remote_engines or self.local_lb or self.data_parallel_backend == "ray"
+
+    @property
+    def local_lb(self) -> bool:
+        """Each host's API servers front that host's engines only (external or hybrid LB)."""
+        return self.data_parallel_rank is not None or self.data_parallel_hybrid_lb
+
+
+@dataclass(frozen=True)
+class RequestLimitsConfig:
+    """The request limits the engine enforces too (the offline `LLM` included); the API
+    server's own limits are `dpserve.server.limits.RequestLimits`."""
+
+    max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS  # SamplingParams.stop_token_ids
+    max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS  # SamplingParams.logit_bias entries
+    structured_outputs_compile_timeout: float = 10.0  # seconds to compile one grammar
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: str  # "cpu" | "cuda"
+    # SIGTERM: requests in flight get this long to finish (server and engines), then abort.
+    shutdown_timeout: float = 30.0
+    limits: RequestLimitsConfig = RequestLimitsConfig()
+
+
+def replace(config: Any, **changes: Any) -> Any:
+    """A copy of a frozen config with some fields changed (the original stays)."""
+    return dataclasses.replace(config, **changes)

@@ -1,0 +1,233 @@
+"""Where the engines run: the data-parallel layout options resolved and checked.
+
+Which ranks this host runs (`size_local`, `start_rank`), their CPU threads and
+cores (`threads_per_engine`, `cpu_groups`), how far the engine count may change
+at run time (`autoscale_config`, `size_max`), the data-plane secret and the
+exposure check (`data_plane_secret`), and the checks of the multi-host options
+(`check_placement`). `EngineArgs` (dpserve.config) calls them with itself: they
+read the options that `PlacementArgs` lists.
+
+Not here: the other options, the model, the frozen result (`dpserve.config`,
+`dpserve.engine_config`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Protocol
+
+from dpserve.engine_config import AutoscaleConfig
+from dpserve.errors import ConfigError
+from dpserve.security import SECRET_ENV, check_exposure, check_secret, read_secret_file
+
+DP_BACKENDS = ("mp", "ray")
+PACK_STRATEGIES = ("strict", "fill", "span")
+
+
+class PlacementArgs(Protocol):
+    """The options this module reads (fields of `dpserve.config.EngineArgs`)."""
+
+    data_parallel_size: int
+    data_parallel_size_local: int | None
+    data_parallel_start_rank: int | None
+    data_parallel_rank: int | None
+    data_parallel_hybrid_lb: bool
+    data_parallel_backend: str
+    data_parallel_pack_strategy: str
+    data_parallel_address: str
+    data_parallel_rpc_port: int
+    data_parallel_secret: str | None
+    data_parallel_secret_file: str | None
+    data_parallel_insecure: bool
+    data_parallel_size_max: int | None
+    data_parallel_autoscale: str | None
+    autoscale_up_queue: float
+    autoscale_up_ttft: float | None
+    autoscale_up_window: float
+    autoscale_down_load: float
+    autoscale_down_window: float
+    autoscale_cooldown: float
+    threads_per_engine: int | None
+    cpu_bind: str
+
+
+def _need(args: PlacementArgs, ok: bool, name: str, what: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name} {what}, got {getattr(args, name)!r}")
+
+
+def check_placement(args: PlacementArgs) -> None:
+    """The multi-host options: which ranks run here, and how hosts find each other."""
+    size = args.data_parallel_size
+    need = functools.partial(_need, args)
+    rank = args.data_parallel_rank
+    need(rank is None or 0 <= rank < size, "data_parallel_rank",
+         f"must be in [0, data_parallel_size={size})")
+    local, start = size_local(args), start_rank(args)
+    need(1 <= local <= size, "data_parallel_size_local",
+         f"must be in [1, data_parallel_size={size}]")
+    need(0 <= start and start + local <= size, "data_parallel_start_rank",
+         f"plus data_parallel_size_local ({local}) must fit in data_parallel_size={size}")
+    if rank is not None:
+        need(local == 1, "data_parallel_size_local",
+             "must be 1 with data_parallel_rank (one engine per server)")
+        need(start == rank, "data_parallel_start_rank",
+             f"must equal data_parallel_rank ({rank})")
+        need(not args.data_parallel_hybrid_lb, "data_parallel_hybrid_lb",
+             "cannot be combined with data_parallel_rank")
+    need(1 <= args.data_parallel_rpc_port <= 65535, "data_parallel_rpc_port",
+         "must be in [1, 65535]")
+    need(bool(args.data_parallel_address.strip()), "data_parallel_address",
+         "must not be empty")
+    need(args.data_parallel_backend in DP_BACKENDS, "data_parallel_backend",
+         f"must be one of {', '.join(DP_BACKENDS)}")
+    need(args.data_parallel_pack_strategy in PACK_STRATEGIES,
+         "data_parallel_pack_strategy", f"must be one of {', '.join(PACK_STRATEGIES)}")
+    if args.data_parallel_backend == "ray":
+        need(local == size and start == 0 and not args.data_parallel_hybrid_lb
+             and rank is None, "data_parallel_backend",
+             "'ray' places every rank itself (no --data-parallel-size-local, "
+             "--data-parallel-start-rank, --data-parallel-rank or hybrid LB)")
+    data_plane_secret(args)
+
+
+def size_local(args: PlacementArgs) -> int:
+    if args.data_parallel_size_local is not None:
+        return args.data_parallel_size_local
+    return 1 if args.data_parallel_rank is not None else args.data_parallel_size
+
+
+def start_rank(args: PlacementArgs) -> int:
+    if args.data_parallel_start_rank is not None:
+        return args.data_parallel_start_rank
+    return args.data_parallel_rank if args.data_parallel_rank is not None else 0
+
+
+def threads_per_engine(args: PlacementArgs, device: str) -> int | None:
+    """The user's choice; on CPU with several (local) engines, a fair share of the cores."""
+    local = size_local(args)
+    if args.threads_per_engine is not None or device != "cpu" or \
+            args.data_parallel_size == 1:
+        return args.threads_per_engine
+    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+             else os.cpu_count() or 1)
+    return max(1, cores // local)
+
+
+def cpu_groups(args: PlacementArgs, device: str) -> tuple[tuple[int, ...], ...] | None:
+    """--cpu-bind resolved: the cores of each local engine, or None (unbound).
+
+    'auto' binds CPU engines run as local processes, more than one here, whose
+    threads share out the cores: dpserve's own share (no --threads-per-engine),
+    or threads that add up to every core. Engines with fewer threads stay
+    unbound: a second server on the same host would otherwise be bound to the
+    same first cores as this one."""
+    spec, local = args.cpu_bind.strip(), size_local(args)
+    if spec == "none" or device != "cpu":
+        return None
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if spec == "auto":
+        threads = threads_per_engine(args, device) or 0
+        shared_out = args.threads_per_engine is None or threads * local == len(allowed)
+        if (args.data_parallel_backend != "mp" or local == 1 or not allowed
+                or threads * local > len(allowed) or not shared_out):
+            return None
+        return tuple(tuple(allowed[i * threads:(i + 1) * threads]) for i in range(local))
+    groups = tuple(_parse_cores(group) for group in spec.split("|"))
+    if len(groups) != local:
+        raise ConfigError(f"cpu_bind {spec!r} names {len(groups)} core list(s); this host "
+                          f"runs {local} engine(s) (data_parallel_size_local)")
+    outside = sorted(set().union(*groups) - set(allowed)) if allowed else []
+    if outside:
+        raise ConfigError(f"cpu_bind {spec!r}: core(s) {outside} are not available to "
+                          f"this process (allowed: {_format_cores(allowed)})")
+    return groups
+
+
+def autoscale_config(args: PlacementArgs) -> AutoscaleConfig | None:
+    """--data-parallel-autoscale MIN:MAX and its targets, validated."""
+    spec = args.data_parallel_autoscale
+    if spec is None:
+        return None
+    lo, _, hi = spec.partition(":")
+    if not (lo.strip().isdigit() and hi.strip().isdigit()):
+        raise ConfigError(f"data_parallel_autoscale must be MIN:MAX (two whole numbers, "
+                          f"e.g. 1:4), got {spec!r}")
+    low, high = int(lo), int(hi)
+    if not 1 <= low <= args.data_parallel_size <= high:
+        raise ConfigError(f"data_parallel_autoscale {spec} must satisfy 1 <= MIN <= "
+                          f"data_parallel_size ({args.data_parallel_size}) <= MAX")
+    need = functools.partial(_need, args)
+    for name in ("autoscale_up_queue", "autoscale_up_window", "autoscale_down_window"):
+        need(getattr(args, name) > 0, name, "must be positive")
+    for name in ("autoscale_down_load", "autoscale_cooldown"):
+        need(getattr(args, name) >= 0, name, "must not be negative")
+    need(args.autoscale_up_ttft is None or args.autoscale_up_ttft > 0,
+         "autoscale_up_ttft", "must be positive")
+    need(args.autoscale_down_load < args.autoscale_up_queue, "autoscale_down_load",
+         f"must be below autoscale_up_queue ({args.autoscale_up_queue}) (hysteresis)")
+    return AutoscaleConfig(low, high, args.autoscale_up_queue, args.autoscale_up_window,
+                           args.autoscale_down_load, args.autoscale_down_window,
+                           args.autoscale_cooldown, args.autoscale_up_ttft)
+
+
+def size_max(args: PlacementArgs, autoscale: AutoscaleConfig | None) -> int:
+    """The most engines a change at run time may reach (validated)."""
+    size = args.data_parallel_size
+    scaling = autoscale is not None or (args.data_parallel_size_max or size) > size
+    fixed_hosts = (size_local(args) < size or args.data_parallel_rank is not None
+                   or args.data_parallel_hybrid_lb)
+    if scaling and fixed_hosts and args.data_parallel_backend != "ray":
+        raise ConfigError("data_parallel_size_max: scaling at run time (it, or "
+                          "--data-parallel-autoscale) needs one host's engines (mp) or "
+                          "Ray, not headless hosts or external/hybrid load balancing")
+    if args.data_parallel_size_max is None:
+        return autoscale.max_size if autoscale is not None else size
+    _need(args, args.data_parallel_size_max >= size, "data_parallel_size_max",
+          f"must be at least data_parallel_size ({size})")
+    if autoscale is not None:
+        _need(args, args.data_parallel_size_max >= autoscale.max_size,
+              "data_parallel_size_max",
+              f"must be at least the autoscale MAX ({autoscale.max_size})")
+    return args.data_parallel_size_max
+
+
+def data_plane_secret(args: PlacementArgs) -> str | None:
+    """The secret (option, file or $DPSERVE_DP_SECRET), checked; a tcp:// data plane
+    on a non-loopback address without one is refused (`--data-parallel-insecure`
+    aside; the launcher warns about a plain one: `security.warn_plain_tcp`)."""
+    if args.data_parallel_secret is not None and args.data_parallel_secret_file:
+        raise ConfigError("data_parallel_secret_file cannot be combined with "
+                          "--data-parallel-secret (give the secret once)")
+    if args.data_parallel_secret_file:
+        secret: str | None = read_secret_file(args.data_parallel_secret_file)
+    else:
+        secret = args.data_parallel_secret or os.environ.get(SECRET_ENV) or None
+        if secret is not None:
+            check_secret(secret)
+    size, local = args.data_parallel_size, size_local(args)
+    tcp = (local < size or args.data_parallel_backend == "ray"
+           or args.data_parallel_rank is not None or args.data_parallel_hybrid_lb)
+    if tcp:
+        check_exposure(args.data_parallel_address, secret, args.data_parallel_insecure)
+    return secret
+
+
+def _parse_cores(text: str) -> tuple[int, ...]:
+    """'0-3,8' -> (0, 1, 2, 3, 8); ConfigError naming cpu_bind when malformed."""
+    cores: list[int] = []
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()) or (dash and int(hi) < int(lo)):
+            raise ConfigError(f"cpu_bind: {text!r} is not a core list ('auto', 'none', or "
+                              f"lists such as '0-3|4-7', one per local engine)")
+        cores.extend(range(int(lo), int(hi if dash else lo) + 1))
+    return tuple(sorted(set(cores)))
+
+
+def _format_cores(cores: list[int]) -> str:
+    """The allowed cores for a message: all of them, or their count and bounds."""
+    if len(cores) < 8:
+        return ",".join(map(str, cores))
+    return f"{len(cores)} cores from {cores[0]} to {cores[-1]}"
