@@ -1,6 +1,6 @@
 """The lockstep DP group's generations, decided by a real coordinator process
-driven by scripted engines (real ZMQ sockets, a real torch TCP store hosted by
-the coordinator): who is a member, when a new generation is formed, who may
+driven by scripted engines (real ZMQ sockets, the DP store, a torch Store over
+ZMQ, hosted by the coordinator): who is a member, when a new generation is formed, who may
 end a wave. Every receive has a timeout; coordinators are always closed."""
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def lockstep3(make_coordinator, ctx) -> Iterator[tuple]:  # noqa: F811
 
 
 def test_first_generation_has_every_rank_and_the_store_lives_in_the_coordinator(lockstep3):
-    import torch.distributed as dist
+    from dpserve.engine.dp_store import ZmqStore, store_address
 
     _, engines, _, (host, port), beats = lockstep3
     assert_silent(engines.subs[0], 1.0)  # no group before the engines are heard
@@ -87,10 +87,12 @@ def test_first_generation_has_every_rank_and_the_store_lives_in_the_coordinator(
     for engine in range(3):  # every engine hears the same generation
         assert recv_regroup(engines, engine) == RegroupDP(1, [0, 1, 2], 3)
     # The store the engines form their groups over answers (no engine hosts it).
-    client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                           timeout=datetime.timedelta(seconds=5))
-    client.set("probe", b"1")
-    assert client.get("probe") == b"1"
+    client = ZmqStore(store_address(host, port), None, datetime.timedelta(seconds=5))
+    try:
+        client.set("probe", b"1")
+        assert client.get("probe") == b"1"
+    finally:
+        client.close()
 
 
 def test_membership_follows_deaths_restarts_and_failures(lockstep3):

@@ -11,10 +11,13 @@ seconds, before the request is sent to an engine:
 * past the deadline the worker is killed (the compile stops using a core) and
   the request gets a 400 naming the limit; a fresh worker is started in the
   background before the slot takes work again;
-* a spec waits for a free worker at most twice the deadline (a worker killed at
-  the deadline is replaced first), and at most `MAX_WAITING_PER_WORKER` per
-  worker wait at once: past either, a 503 with Retry-After (code
-  `structured_outputs_busy`), never an unbounded queue;
+* a spec waits for a free worker while the pool makes progress: a burst of
+  ordinary specs queues and is compiled in turn, however long the queue takes;
+  once no worker has come free for twice the deadline (every worker stuck on a
+  compile that will time out, or restarting), the waiting specs get a 503 with
+  Retry-After (code `structured_outputs_busy`); and at most
+  `MAX_WAITING_PER_WORKER` per worker wait at once (more: 503 at once), never
+  an unbounded queue;
 * verdicts (compiles, fails with a message, timed out) are remembered in an LRU
   of `VERDICT_CACHE_SIZE` entries keyed by the spec's sha256, so a repeated spec,
   good or pathological, is answered at once.
@@ -30,6 +33,7 @@ import atexit
 import collections
 import hashlib
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from dpserve.frontend.errors import RequestError
@@ -55,6 +59,7 @@ class GrammarChecker:
         self._threads = ThreadPoolExecutor(workers, thread_name_prefix="dpserve-grammar-check")
         self._idle: asyncio.Queue[CompileWorker] | None = None  # made on the loop
         self._waiting = 0
+        self._freed_at = 0.0  # monotonic time a worker last came free (or the pool started)
         self._verdicts: collections.OrderedDict[bytes, str | None] = collections.OrderedDict()
         self.num_timeouts = 0
         atexit.register(self.close)
@@ -99,24 +104,27 @@ class GrammarChecker:
         return verdict
 
     def _release(self, worker: CompileWorker, job: asyncio.Future) -> None:
-        assert self._idle is not None
-        idle = self._idle
         if not job.cancelled() and job.exception() is None and job.result() == _TIMED_OUT:
             # Start the killed worker's successor before the slot takes work again.
             restart = asyncio.get_running_loop().run_in_executor(self._threads, _restart,
                                                                  worker)
-            restart.add_done_callback(lambda _: idle.put_nowait(worker))
+            restart.add_done_callback(lambda _: self._free(worker))
         else:
-            idle.put_nowait(worker)
+            self._free(worker)
+
+    def _free(self, worker: CompileWorker) -> None:
+        assert self._idle is not None
+        self._freed_at = time.monotonic()
+        self._idle.put_nowait(worker)
 
     async def _take_worker(self, field: str) -> CompileWorker:
         if self._idle is None:  # first use: the other workers start in the background
-            idle = self._idle = asyncio.Queue()
-            idle.put_nowait(self._workers[0])
+            self._idle = asyncio.Queue()
+            self._free(self._workers[0])
             loop = asyncio.get_running_loop()
             for w in self._workers[1:]:
                 job = loop.run_in_executor(self._threads, _restart, w)
-                job.add_done_callback(lambda _, w=w: idle.put_nowait(w))
+                job.add_done_callback(lambda _, w=w: self._free(w))
         if not self._idle.empty():
             return self._idle.get_nowait()
         busy = APIError(503, f"{field}: every structured-output compile worker is busy "
@@ -127,9 +135,14 @@ class GrammarChecker:
             raise busy
         self._waiting += 1
         try:
-            return await asyncio.wait_for(self._idle.get(), 2 * self.timeout)
-        except TimeoutError:
-            raise busy from None
+            while True:  # as long as some worker came free within twice the deadline
+                quiet_s = time.monotonic() - self._freed_at
+                try:
+                    return await asyncio.wait_for(self._idle.get(),
+                                                  max(0.0, 2 * self.timeout - quiet_s))
+                except TimeoutError:
+                    if time.monotonic() - self._freed_at >= 2 * self.timeout:
+                        raise busy from None
         finally:
             self._waiting -= 1
 

@@ -13,8 +13,11 @@ not come within the deadline; the next check starts a fresh one.
 a thread). The wire: each frame is a 4-byte big-endian length and a msgpack
 value; the worker sends `["ready"]` once it has loaded the tokenizer, then for
 each `[kind, text]` (a `StructuredOutputs.key()`) the answer `[ok, message]`.
-The worker runs at the lowest CPU priority (nice 19) and exits when its stdin
-closes or its parent dies.
+The worker starts at its parent's priority (loading xgrammar and the tokenizer
+takes seconds of CPU, which a starved worker would stretch into minutes), then
+compiles at nice `COMPILE_NICE`: beside busy engines a pathological compile takes
+about a tenth of a core until it is killed, while an ordinary one (milliseconds)
+still finishes promptly. It exits when its stdin closes or its parent dies.
 
 Not here: the pool, the deadline's policy and the verdict cache
 (`dpserve.server.grammar_check`); the engine's own compiles (`manager.py`).
@@ -34,6 +37,8 @@ from typing import Any
 import msgspec
 
 _HEADER = struct.Struct(">I")
+# A compile's CPU weight beside the engines (CFS: nice 10 ~ 1/10 of a nice-0 thread's).
+COMPILE_NICE = 10
 
 
 class CompileTimeout(Exception):
@@ -152,9 +157,6 @@ def _watch_parent(parent_pid: int) -> None:
 
 def main(argv: list[str]) -> int:
     tokenizer_path, vocab_size, parent_pid = argv[0], int(argv[1]), int(argv[2])
-    # Lowest CPU priority: on a CPU server the engines' steps come first, and a compile
-    # (or this start-up) only takes what they leave.
-    os.nice(19)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     import xgrammar as xgr
     from transformers import AutoTokenizer
@@ -165,6 +167,7 @@ def main(argv: list[str]) -> int:
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     out, inp = sys.stdout.buffer, sys.stdin.buffer.fileno()
+    os.nice(COMPILE_NICE)  # loaded: compiles yield to the engines' steps (docstring)
     out.write(_frame(["ready"]))
     out.flush()
     while True:
