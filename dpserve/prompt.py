@@ -39,7 +39,8 @@ def check_prompt(prompt_token_ids: Sequence[int], max_model_len: int, vocab_size
     bad = next((t for ids in (prompt_token_ids, prior_token_ids) for t in ids
                 if not isinstance(t, int) or not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise PromptError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
+        raise PromptError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size}) "
+                          f"(token ids must be below the vocabulary size)")
     context = n + len(prior_token_ids)
     completion = max_tokens or 1
     if context + completion > max_model_len:
@@ -48,6 +49,6 @@ def check_prompt(prompt_token_ids: Sequence[int], max_model_len: int, vocab_size
             f"This model's maximum context length is {max_model_len} tokens. "
             f"However, you requested {context + completion} tokens ({n} in the prompt"
             f"{prior}, {completion} for the completion). Please reduce the length of "
-            f"the prompt or max_tokens.",
+            f"the prompt or max_tokens (max_model_len {max_model_len}).",
             param="prompt" if context >= max_model_len else "max_tokens",
             code="context_length_exceeded")
