@@ -57,15 +57,21 @@ TOKENIZER_THREADS = 1
 _T = TypeVar("_T")
 
 
-class EngineClient(ClusterView, Protocol):
+class EngineClient(Protocol):
     """What AsyncLLM needs from an engine client (in-process or over sockets): the
-    request path here, and the `ClusterView` it hands the server."""
+    request path, and the `ClusterView` it hands the server (`cluster`)."""
 
+    dead: bool
     max_model_len: int | None  # the engines' limit (READY, KV-capped); None: unknown
+
+    @property
+    def cluster(self) -> ClusterView: ...
+    def request_state_sizes(self) -> dict[str, int]: ...
 
     async def add_request(self, request: EngineCoreRequest) -> None: ...
     async def abort_requests(self, request_ids: list[str]) -> None: ...
-    async def call_utility(self, method: str, *args: Any) -> Any: ...
+    async def call_utility(self, method: str, *args: Any, engine: int | None = None,
+                           timeout: float = 30.0, result_type: Any = None) -> Any: ...
     async def get_output(self) -> EngineCoreOutputs: ...
     def shutdown(self) -> None: ...
 
@@ -150,7 +156,7 @@ class AsyncLLM:
     @property
     def cluster(self) -> ClusterView:
         """The engines as the server may see and steer them (module docstring)."""
-        return self.client
+        return self.client.cluster
 
     # ---- prompts ----------------------------------------------------------
 
@@ -182,7 +188,7 @@ class AsyncLLM:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
                  data_parallel_rank: int | None = None) -> None:
         """Raise RequestError if the engine could never run this request."""
-        ranks = [r.rank for r in self.client.ranks()]
+        ranks = [r.rank for r in self.client.cluster.ranks()]
         if data_parallel_rank is not None and data_parallel_rank not in ranks:
             raise RequestError(f"data_parallel_rank {data_parallel_rank} is out of range: "
                                f"this server's engines are {ranks}",

@@ -4,10 +4,11 @@ Scope: the one typed surface `dpserve.server` uses of the engine side
 (`AsyncLLM.cluster`): the ranks and their states, the data-parallel size,
 pause / sleep and its state, scale requests, moved-request counts, utility
 calls (one rank, or every live one), per-rank operator controls, the queues
-admission control reads, and death. Both engine clients implement it: the
-socket client (`dpserve.frontend.engine_client.AsyncEngineClient`) and the
-in-process one (`dpserve.testing.inproc_client.InprocEngineClient`: one
-engine, rank 0 serving, no coordinator).
+admission control reads, and death. Both engine clients provide it as
+`client.cluster`: the socket client's is `EngineClientCluster`
+(`dpserve.frontend.engine_cluster`, over its rank table, in-flight book and
+coordinator link); the in-process one (`dpserve.testing.inproc_client.
+InprocEngineClient`: one engine, rank 0 serving, no coordinator) is its own.
 
 Not here: sending requests and reading outputs (`AsyncLLM`'s `EngineClient`).
 """

@@ -28,7 +28,7 @@ from dpserve.frontend.errors import EngineDeadError
 from dpserve.protocol import ControlChange, ControlState, RankState
 
 if TYPE_CHECKING:
-    from dpserve.frontend.engine_client import AsyncEngineClient
+    from dpserve.frontend.engine_cluster import EngineClientCluster
 
 
 class ControlView:
@@ -55,7 +55,7 @@ class ControlView:
         changed.set()
 
 
-async def change_control(client: AsyncEngineClient, op: str, arg: str | int | None = None,
+async def change_control(client: EngineClientCluster, op: str, arg: str | int | None = None,
                          timeout: float = 600.0) -> ControlState:
     """Apply one change on every rank; the state reached. ValueError for a bad
     change, TimeoutError when not reached in `timeout` s, EngineDeadError."""
@@ -70,22 +70,22 @@ async def change_control(client: AsyncEngineClient, op: str, arg: str | int | No
     while True:
         if client.dead:
             raise EngineDeadError(client.dead_reason)
-        seq = client.controls.tokens.get(change.token)
+        seq = client.news.controls.tokens.get(change.token)
         if seq is not None and _reached(client, seq):
-            return client.controls.state
+            return client.news.controls.state
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError(f"{op} was not reached on every rank within {timeout:g} s")
-        event = client.controls.changed
+        event = client.news.controls.changed
         try:  # wake on news, and at least every second to look at the client
             await asyncio.wait_for(event.wait(), min(left, 1.0))
         except asyncio.TimeoutError:
             pass
 
 
-def _reached(client: AsyncEngineClient, seq: int) -> bool:
+def _reached(client: EngineClientCluster, seq: int) -> bool:
     """Every serving (or draining) rank has reached control state `seq` or a later one."""
-    ranks = client.all_ranks or [e.status for e in client.engines.values()]
-    done = client.controls.done
+    ranks = client.news.all_ranks or [e.status for e in client.engines.values()]
+    done = client.news.controls.done
     return all(rank < len(done) and done[rank] >= seq for rank, status in enumerate(ranks)
                if status.state in (RankState.SERVING, RankState.DRAINING))

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import threading
 from collections.abc import Sequence
@@ -57,42 +56,30 @@ import zmq
 import zmq.asyncio
 
 from dpserve.config import EngineConfig
-from dpserve.frontend.cluster import DEFAULT_CONTROL_TIMEOUT_S
-from dpserve.frontend.control import ControlView, change_control
+from dpserve.frontend.coordinator_link import CoordinatorLink, CoordinatorNews
+from dpserve.frontend.engine_cluster import EngineClientCluster
+from dpserve.frontend.engine_sockets import EngineSockets, UtilityCallError, UtilityCalls
 from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError
-from dpserve.frontend.migration import Evacuation, InFlightBook, MovedCounts
-from dpserve.frontend.rank_table import EngineState, RankTable, RankView, StatusChange
+from dpserve.frontend.migration import Evacuation, InFlightBook
+from dpserve.frontend.rank_table import EngineState, RankTable, StatusChange
 from dpserve.frontend.routing import Router
-from dpserve.frontend.scale import ScaleRequests
 from dpserve.protocol import (
-    ENGINE_CORE_DEAD,
-    ControlChange,
-    ControlState,
-    CoordinatorUpdate,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
-    RankControl,
     RankState,
     RankStatus,
     RequestType,
-    ScaleStatus,
-    UtilityCall,
     WakeEngines,
     engine_identity,
 )
-from dpserve.security import secure
 
 __all__ = ["AsyncEngineClient", "EngineState", "UtilityCallError", "from_config"]
 
 logger = logging.getLogger(__name__)
 
 _DEAD = object()  # the output-queue item that stands for "the engines are dead"
-
-
-class UtilityCallError(RuntimeError):
-    """A utility call raised inside the engine; the message is the engine's."""
 
 
 class AsyncEngineClient:
@@ -128,45 +115,21 @@ class AsyncEngineClient:
         self.dead = False
         self.dead_reason: str | None = None
         self._dead_event = asyncio.Event()
-        self._registered = asyncio.Event()  # set, then replaced, on every registration
         self._closed = False
         self._outputs: asyncio.Queue[Any] = asyncio.Queue()
-        self._calls: dict[int, asyncio.Future] = {}  # call_id -> its UtilityOutput
-        self._call_ids = itertools.count()
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self._calls = UtilityCalls()
         self._watch_stop = threading.Event()
+        self.cluster = EngineClientCluster(self)  # what the HTTP server sees (ClusterView)
         self._ctx = zmq.asyncio.Context()
-        self._input, self._output = self._bind(input_address, output_address, secret)
+        self._sockets = EngineSockets(self._ctx, input_address, output_address, secret)
         self._tasks = [self._loop.create_task(self._read_registrations()),
                        self._loop.create_task(self._read_outputs())]
         self.lockstep = lockstep and balanced
-        self.current_wave = 0  # the request wave, from the coordinator
-        self.info_updates = 0  # coordinator updates with per-rank figures, so far
-        self.engines_running = False  # the coordinator's last word (or our own wake-up)
-        self.controls = ControlView()  # pause / sleep as last heard (dpserve.control)
-        self.all_ranks: list[RankStatus] = []  # every rank's state, from the coordinator
-        self._scales = ScaleRequests()
-        self.autoscale_decisions: list[int] | None = None  # [up, down], from the coordinator
-        self._coordinator: zmq.asyncio.Socket | None = None
+        self.news = CoordinatorNews()  # wave, pause / sleep, rank list, scale answers
+        self._coordinator: CoordinatorLink | None = None
         if coordinator_address is not None:
-            self._coordinator = secure(self._ctx.socket(zmq.XSUB), "client", secret)
-            self._coordinator.setsockopt(zmq.LINGER, 0)
-            self._coordinator.connect(coordinator_address)
+            self._coordinator = CoordinatorLink(self._ctx, coordinator_address, secret)
             self._tasks.append(self._loop.create_task(self._read_coordinator()))
-
-    def _bind(self, input_address: str | Sequence[str], output_address: str | Sequence[str],
-              secret: str | None) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
-        inputs = secure(self._ctx.socket(zmq.ROUTER), "server", secret)
-        inputs.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: error, not a drop
-        inputs.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted engine takes its identity
-        inputs.setsockopt(zmq.LINGER, 0)
-        outputs = secure(self._ctx.socket(zmq.PULL), "server", secret)
-        outputs.setsockopt(zmq.LINGER, 0)
-        for sock, addresses in ((inputs, input_address), (outputs, output_address)):
-            for address in [addresses] if isinstance(addresses, str) else addresses:
-                sock.bind(address)
-        return inputs, outputs
 
     # ---- what the table and the book know --------------------------------------
 
@@ -181,21 +144,8 @@ class AsyncEngineClient:
         return self.table.ranks
 
     @property
-    def data_parallel_size(self) -> int:
-        """The number of DP engines now (it changes when the server scales)."""
-        return len(self.table.engines)
-
-    @property
     def router(self) -> Router:
         return self.table.router
-
-    @property
-    def balanced(self) -> bool:
-        return self.table.balanced
-
-    @property
-    def elastic(self) -> bool:
-        return self.table.elastic
 
     @property
     def has_coordinator(self) -> bool:
@@ -203,28 +153,12 @@ class AsyncEngineClient:
         return self._coordinator is not None
 
     @property
-    def moved(self) -> MovedCounts:
-        return self.book.moved
+    def current_wave(self) -> int:
+        return self.news.wave
 
     @property
-    def num_retries(self) -> int:
-        return self.book.num_retries
-
-    @property
-    def num_migrations(self) -> int:
-        return self.book.num_migrations
-
-    @property
-    def recomputed_tokens(self) -> int:
-        return self.book.recomputed_tokens
-
-    @property
-    def control(self) -> ControlState:
-        """The pause / sleep state as last heard."""
-        return self.controls.state
-
-    def ranks(self) -> list[RankView]:
-        return [self.table.view(self.table.engines[r]) for r in self.table.ranks]
+    def engines_running(self) -> bool:
+        return self.news.running
 
     def describe_ranks(self) -> str:
         """`rank 0 serving, rank 1 dead (exit code -9)`."""
@@ -233,19 +167,6 @@ class AsyncEngineClient:
     def engine_of(self, request_id: str) -> int | None:
         """The rank of the engine running a request in flight (None: not in flight)."""
         return self.book.rank_of(request_id)
-
-    def queued(self) -> list[tuple[int, int]]:
-        """(requests, prompt tokens) waiting at each serving rank, for admission control:
-        the coordinator's figures plus what this client sent since; without a
-        coordinator, its own requests in flight there (running ones too) and the
-        prompt tokens of those with no token yet."""
-        serving = [e for e in self.table.engines.values() if e.serving]
-        if self.balanced:
-            return [(e.waiting + e.sent_since_publish, e.waiting_tokens + e.tokens_since_publish)
-                    for e in serving]
-        return [(len(flights), sum(len(f.request.prompt_token_ids) for f in flights
-                                   if not f.generated))
-                for flights in (self.book.at(e.rank) for e in serving)]
 
     def request_state_sizes(self) -> dict[str, int]:
         """Entries of the per-request structures (0 once every request has ended)."""
@@ -261,7 +182,7 @@ class AsyncEngineClient:
         The request's `client_index` is set to this client's, so that its
         outputs come back here, and its `current_wave` to the wave it last heard of.
         """
-        self._check_alive()
+        self.check_alive()
         if (request.client_index, request.current_wave) != (self.client_index,
                                                             self.current_wave):
             request = msgspec.structs.replace(request, client_index=self.client_index,
@@ -283,11 +204,11 @@ class AsyncEngineClient:
         return self.table.choose(request, exclude)
 
     async def _wake_if_paused(self, request: EngineCoreRequest, engine: EngineState) -> None:
-        if self.lockstep and not self.engines_running:
+        if self.lockstep and not self.news.running:
             # The engines are paused: our engine starts by itself, the
             # coordinator starts the others. Until it says otherwise, assume running.
-            self.engines_running = True
-            await self._to_coordinator(WakeEngines(request.current_wave, engine.rank))
+            self.news.running = True
+            await self.coordinator().send(WakeEngines(request.current_wave, engine.rank))
 
     async def abort_requests(self, request_ids: Sequence[str]) -> None:
         """Abort requests at the engines that own them; unknown ids are ignored.
@@ -326,10 +247,14 @@ class AsyncEngineClient:
             self.table.release(flight.rank)
 
     async def _send(self, engine: EngineState, request_type: RequestType, body: Any) -> None:
-        await self._wait_registered(engine)
+        await self._sockets.wait_for(lambda: engine.registered, self._dead_event,
+                                     self.register_timeout)
+        self.check_alive()
+        if not engine.registered:
+            raise TimeoutError(f"engine {engine.rank} did not register with front-end "
+                               f"{self.client_index} within {self.register_timeout:.0f} s")
         try:
-            await self._input.send_multipart(
-                [engine.identity, request_type.value, self._encoder.encode(body)])
+            await self._sockets.send(engine.identity, request_type, body)
         except zmq.ZMQError as e:  # EHOSTUNREACH: the engine is gone
             reason = f"unreachable: {e}"
             self.mark_engine_dead(engine.rank, reason)
@@ -346,25 +271,13 @@ class AsyncEngineClient:
         UtilityCallError with the engine's message when the call failed there,
         EngineDeadError when the engine dies, TimeoutError after `timeout` s.
         """
-        self._check_alive()
+        self.check_alive()
         if engine is not None and engine not in self.engines:
             raise ValueError(f"no engine of rank {engine} (engines: {sorted(self.engines)})")
         target = self.engines[engine] if engine is not None else self.table.placeable()[0]
-        call_id = next(self._call_ids)
-        future = self._loop.create_future()
-        self._calls[call_id] = future
-        try:
-            await self._send(target, RequestType.UTILITY, UtilityCall(call_id, method,
-                                                                      list(args)))
-            out = await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"engine {target.rank} did not answer {method}() within "
-                               f"{timeout:.0f} s") from None
-        finally:
-            self._calls.pop(call_id, None)
-        if out.failure_message is not None:
-            raise UtilityCallError(out.failure_message)
-        return out.result if result_type is None else msgspec.convert(out.result, result_type)
+        return await self._calls.call(
+            lambda call: self._send(target, RequestType.UTILITY, call), target.rank, method,
+            args, timeout, result_type)
 
     async def call_utility_all(self, method: str, *args: Any, timeout: float = 30.0,
                                result_type: Any = None) -> dict[int, Any]:
@@ -375,42 +288,14 @@ class AsyncEngineClient:
                               result_type=result_type) for rank in live))
         return dict(zip(live, results))
 
-    # ---- operators: pause / sleep, per-rank controls, scaling ---------------------------
-
-    async def change_control(self, op: str, arg: str | int | None = None,
-                             timeout: float = DEFAULT_CONTROL_TIMEOUT_S) -> ControlState:
-        """Pause / sleep on every rank (`dpserve.frontend.control.change_control`)."""
-        return await change_control(self, op, arg, timeout=timeout)
-
-    async def send_control(self, change: ControlChange) -> None:
-        """Send a pause / sleep change to the coordinator (see dpserve.frontend.control)."""
-        self._check_alive()
-        await self._to_coordinator(change)
-
-    async def control_rank(self, rank: int, action: str) -> None:
-        """Send an operator's "cordon" / "uncordon" / "restart" of `rank` to the DP
-        coordinator (every front-end learns the outcome from its updates). ValueError
-        without a coordinator or for a rank this client does not have."""
-        if self._coordinator is None:
-            raise ValueError("per-rank controls go through the DP coordinator, and this "
-                             "server has none (--data-parallel-size 1)")
-        if rank not in self.engines:
-            raise ValueError(f"rank must be one of this server's ranks {self.engine_ranks}, "
-                             f"got {rank}")
-        await self._to_coordinator(RankControl(rank, action))
-
-    async def request_scale(self, num_engines: int, timeout: float) -> ScaleStatus:
-        """Ask the coordinator to change the engine count; its final answer (DONE,
-        FAILED or REJECTED). TimeoutError after `timeout` s."""
-        self._check_alive()
-        if not self.elastic:
-            raise EngineUnavailableError("this server cannot change its engine count")
-        scale_id = f"api{self.client_index}-{next(self._call_ids)}-{id(self):x}"
-        return await self._scales.ask(self._to_coordinator, scale_id, num_engines, timeout)
-
-    async def _to_coordinator(self, message: Any) -> None:
+    def coordinator(self) -> CoordinatorLink:
+        """The link to the DP coordinator (callers check `has_coordinator` first)."""
         assert self._coordinator is not None
-        await self._coordinator.send(self._encoder.encode(message))
+        return self._coordinator
+
+    def new_id(self) -> str:
+        """An id unique to this client among every API server's (scale requests)."""
+        return f"api{self.client_index}-{next(self._calls.ids)}-{id(self):x}"
 
     # ---- rank news, and carrying out what the table and the book decide -----------------
 
@@ -458,9 +343,8 @@ class AsyncEngineClient:
                                          self.table, self.current_wave)
         if plan.abort:  # it may come back (or still runs): no duplicates
             with contextlib.suppress(zmq.ZMQError):
-                await self._input.send_multipart(
-                    [engine_identity(plan.rank), RequestType.ABORT.value,
-                     self._encoder.encode(plan.abort)], flags=zmq.NOBLOCK)
+                await self._sockets.send(engine_identity(plan.rank), RequestType.ABORT,
+                                         plan.abort, flags=zmq.NOBLOCK)
         for failure in plan.failures:
             self._outputs.put_nowait(EngineCoreOutputs(engine_index=failure.rank, outputs=[
                 EngineCoreOutput(failure.request_id, [], finish_reason=FinishReason.ABORT,
@@ -484,94 +368,39 @@ class AsyncEngineClient:
 
     # ---- the socket readers ------------------------------------------------------------
 
-    async def _wait_registered(self, engine: EngineState) -> None:
-        deadline = self._loop.time() + self.register_timeout
-        while not engine.registered and not self.dead:
-            left = deadline - self._loop.time()
-            if left <= 0:
-                break
-            waits = [asyncio.ensure_future(self._registered.wait()),
-                     asyncio.ensure_future(self._dead_event.wait())]
-            try:
-                await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for w in waits:
-                    w.cancel()
-        self._check_alive()
-        if not engine.registered:
-            raise TimeoutError(f"engine {engine.rank} did not register with front-end "
-                               f"{self.client_index} within {self.register_timeout:.0f} s")
-
     async def _read_registrations(self) -> None:
         """The ROUTER only ever receives each engine's empty registration frame."""
-        while True:
-            identity, *frames = await self._input.recv_multipart()
-            rank = int.from_bytes(identity, "little")
-            known = rank in self.engines
-            if not known and not (self.elastic and frames == [b""]):
+        async for rank, registration in self._sockets.registrations():
+            if rank not in self.engines and not (self.table.elastic and registration):
                 logger.warning("message from unexpected engine rank %d ignored", rank)
-                continue
-            if frames != [b""]:
-                continue
-            change = self.table.register(rank)  # an unknown rank: scaling up (elastic)
-            logger.debug("engine %d registered with front-end %d", rank, self.client_index)
-            registered, self._registered = self._registered, asyncio.Event()
-            registered.set()
-            self._apply(change)
+            elif registration:  # an unknown rank: scaling up (elastic), kept for later
+                logger.debug("engine %d registered with front-end %d", rank,
+                             self.client_index)
+                self._apply(self.table.register(rank))
 
     async def _read_outputs(self) -> None:
-        while True:
-            frames = await self._output.recv_multipart()
-            if frames[0] == ENGINE_CORE_DEAD:
-                if len(frames) > 1 and int.from_bytes(frames[1], "little") in self.engines:
-                    self.mark_engine_dead(int.from_bytes(frames[1], "little"),
-                                          "fatal error (ENGINE_CORE_DEAD); see its log")
-                else:
-                    logger.error("ENGINE_CORE_DEAD from an unknown engine: %r", frames[1:])
-                continue
-            try:
-                outputs = self._decoder.decode(frames[0])
-            except msgspec.DecodeError as e:
-                logger.error("undecodable message from an engine dropped: %s", e)
-                continue
-            self._dispatch(outputs)
+        async for outputs in self._sockets.outputs():
+            if isinstance(outputs, EngineCoreOutputs):
+                self._dispatch(outputs)
+            elif outputs in self.engines:  # ENGINE_CORE_DEAD from that rank
+                self.mark_engine_dead(outputs, "fatal error (ENGINE_CORE_DEAD); see its log")
+            else:
+                logger.error("ENGINE_CORE_DEAD from an unknown engine: %r", outputs)
 
     async def _read_coordinator(self) -> None:
-        """Keep the engines' loads, states and figures from the coordinator's publishes."""
-        assert self._coordinator is not None
-        await self._coordinator.send(b"\x01")  # XSUB: subscribe to everything
-        decoder = msgspec.msgpack.Decoder(CoordinatorUpdate)
-        while True:
-            body = await self._coordinator.recv()
-            try:
-                update = decoder.decode(body)
-            except msgspec.DecodeError as e:
-                logger.error("undecodable message from the DP coordinator dropped: %s", e)
-                continue
-            self.current_wave, self.engines_running = update.wave, update.running
-            if update.autoscale_decisions is not None:
-                self.autoscale_decisions = update.autoscale_decisions
-            self._scales.on_status(update.scale)
+        """Keep the coordinator's news; apply its rank states, loads and figures."""
+        async for update in self.coordinator().updates():
+            self.news.note(update)
             for change in self.table.apply_update(update):
                 self._apply(change)
-            if update.ranks is not None:
-                self.all_ranks = list(update.ranks)
-            if update.control is not None:
-                self.controls.update(update.control, update.control_done)
-            if update.engines is not None:
-                self.info_updates += 1
 
     def _dispatch(self, outputs: EngineCoreOutputs) -> None:
         engine = self.engines.get(outputs.engine_index)
         if engine is not None and outputs.scheduler_stats is not None:
             engine.stats = outputs.scheduler_stats
         if outputs.control is not None:  # no coordinator: the engine's own state
-            self.controls.update(outputs.control)
-        call = outputs.utility_output
-        if call is not None:
-            future = self._calls.get(call.call_id)
-            if future is not None and not future.done():
-                future.set_result(call)
+            self.news.controls.update(outputs.control)
+        self._calls.resolve(outputs.utility_output)
         kept = []
         for out in outputs.outputs:
             keep, finished = self.book.accept(outputs.engine_index, out)
@@ -597,9 +426,7 @@ class AsyncEngineClient:
         if not self._closed:
             logger.error("engine client %d: engines dead: %s", self.client_index, reason)
         self.dead, self.dead_reason = True, reason
-        for future in self._calls.values():
-            if not future.done():
-                future.set_exception(EngineDeadError(reason))
+        self._calls.fail_all(reason)
         self._outputs.put_nowait(_DEAD)
         self._dead_event.set()
 
@@ -618,7 +445,7 @@ class AsyncEngineClient:
 
         threading.Thread(target=watch, name="engine-process-watcher", daemon=True).start()
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
         if self.dead:
             raise EngineDeadError(self.dead_reason)
 

@@ -143,6 +143,10 @@ class InprocEngineClient:
     # ---- ClusterView: one engine's answers ------------------------------------------
 
     @property
+    def cluster(self) -> InprocEngineClient:
+        return self  # it is its own ClusterView
+
+    @property
     def dead_reason(self) -> str | None:
         return str(self._death) if self._death is not None else None
 
