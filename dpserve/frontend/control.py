@@ -21,14 +21,11 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from dpserve.control import check_change
 from dpserve.frontend.errors import EngineDeadError
-from dpserve.protocol import ControlChange, ControlState, RankState
-
-if TYPE_CHECKING:
-    from dpserve.frontend.engine_cluster import EngineClientCluster
+from dpserve.protocol import ControlChange, ControlState, RankState, RankStatus
 
 
 class ControlView:
@@ -55,7 +52,23 @@ class ControlView:
         changed.set()
 
 
-async def change_control(client: EngineClientCluster, op: str, arg: str | int | None = None,
+class ControlTarget(Protocol):
+    """What `change_control` needs of the engines (`EngineClientCluster` has it)."""
+
+    dead: bool
+    dead_reason: str | None
+
+    @property
+    def has_coordinator(self) -> bool: ...
+    @property
+    def controls(self) -> ControlView: ...
+    def rank_statuses(self) -> list[RankStatus]: ...
+    async def send_control(self, change: ControlChange) -> None: ...
+    async def call_utility_all(self, method: str, *args: Any, timeout: float = 30.0,
+                               result_type: Any = None) -> dict[int, Any]: ...
+
+
+async def change_control(client: ControlTarget, op: str, arg: str | int | None = None,
                          timeout: float = 600.0) -> ControlState:
     """Apply one change on every rank; the state reached. ValueError for a bad
     change, TimeoutError when not reached in `timeout` s, EngineDeadError."""
@@ -70,22 +83,22 @@ async def change_control(client: EngineClientCluster, op: str, arg: str | int | 
     while True:
         if client.dead:
             raise EngineDeadError(client.dead_reason)
-        seq = client.news.controls.tokens.get(change.token)
+        seq = client.controls.tokens.get(change.token)
         if seq is not None and _reached(client, seq):
-            return client.news.controls.state
+            return client.controls.state
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError(f"{op} was not reached on every rank within {timeout:g} s")
-        event = client.news.controls.changed
+        event = client.controls.changed
         try:  # wake on news, and at least every second to look at the client
             await asyncio.wait_for(event.wait(), min(left, 1.0))
         except asyncio.TimeoutError:
             pass
 
 
-def _reached(client: EngineClientCluster, seq: int) -> bool:
+def _reached(client: ControlTarget, seq: int) -> bool:
     """Every serving (or draining) rank has reached control state `seq` or a later one."""
-    ranks = client.news.all_ranks or [e.status for e in client.engines.values()]
-    done = client.news.controls.done
+    ranks = client.rank_statuses()
+    done = client.controls.done
     return all(rank < len(done) and done[rank] >= seq for rank, status in enumerate(ranks)
                if status.state in (RankState.SERVING, RankState.DRAINING))

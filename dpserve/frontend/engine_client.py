@@ -48,6 +48,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Sequence
+from multiprocessing import connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -432,13 +433,14 @@ class AsyncEngineClient:
 
     def watch_processes(self, procs: Sequence[BaseProcess]) -> None:
         """Mark the client dead when any of these (local, spawned here) processes exits."""
-        from dpserve.launch.process import wait_for_any_exit
+        by_sentinel = {p.sentinel: p for p in procs}
 
         def watch() -> None:
             while not self._watch_stop.is_set():
-                exited = wait_for_any_exit(procs, timeout=0.5)
+                exited = connection.wait(list(by_sentinel), timeout=0.5)
                 if exited:
-                    p = exited[0]
+                    p = by_sentinel[exited[0]]  # type: ignore[index]
+                    p.join(timeout=1.0)  # reap: its exit code becomes known
                     self.mark_dead(f"process {p.name} (pid {p.pid}) exited with "
                                    f"code {p.exitcode}")
                     return

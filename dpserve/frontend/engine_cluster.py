@@ -12,23 +12,48 @@ Not here: the request path and the sockets (`dpserve.frontend.engine_client`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from dpserve.frontend.cluster import DEFAULT_CONTROL_TIMEOUT_S
-from dpserve.frontend.control import change_control
+from dpserve.frontend.control import ControlView, change_control
+from dpserve.frontend.coordinator_link import CoordinatorLink, CoordinatorNews
 from dpserve.frontend.errors import EngineUnavailableError
-from dpserve.frontend.migration import MovedCounts
-from dpserve.frontend.rank_table import RankView
-from dpserve.protocol import ControlChange, ControlState, RankControl, ScaleStatus
+from dpserve.frontend.migration import InFlightBook, MovedCounts
+from dpserve.frontend.rank_table import RankTable, RankView
+from dpserve.protocol import (
+    ControlChange,
+    ControlState,
+    RankControl,
+    RankStatus,
+    ScaleStatus,
+)
 
-if TYPE_CHECKING:
-    from dpserve.frontend.engine_client import AsyncEngineClient
+
+class ClientParts(Protocol):
+    """What the view reads and calls of the socket client (`AsyncEngineClient`)."""
+
+    table: RankTable
+    book: InFlightBook
+    news: CoordinatorNews
+    dead: bool
+    dead_reason: str | None
+
+    @property
+    def has_coordinator(self) -> bool: ...
+    def check_alive(self) -> None: ...
+    def coordinator(self) -> CoordinatorLink: ...
+    def new_id(self) -> str: ...
+    def request_state_sizes(self) -> dict[str, int]: ...
+    async def call_utility(self, method: str, *args: Any, engine: int | None = None,
+                           timeout: float = 30.0, result_type: Any = None) -> Any: ...
+    async def call_utility_all(self, method: str, *args: Any, timeout: float = 30.0,
+                               result_type: Any = None) -> dict[int, Any]: ...
 
 
 class EngineClientCluster:
     """`ClusterView` over one `AsyncEngineClient` (module docstring)."""
 
-    def __init__(self, client: AsyncEngineClient) -> None:
+    def __init__(self, client: ClientParts) -> None:
         self._client = client
 
     @property
@@ -130,12 +155,13 @@ class EngineClientCluster:
         return await self._client.call_utility_all(method, *args, timeout=timeout,
                                                    result_type=result_type)
 
-    # what `change_control` reads (dpserve.frontend.control)
+    # what `change_control` reads besides (dpserve.frontend.control.ControlTarget)
 
     @property
-    def news(self) -> Any:
-        return self._client.news
+    def controls(self) -> ControlView:
+        return self._client.news.controls
 
-    @property
-    def engines(self) -> Any:
-        return self._client.table.engines
+    def rank_statuses(self) -> list[RankStatus]:
+        """Every rank's state: the coordinator's list, else this client's table."""
+        client = self._client
+        return client.news.all_ranks or [e.status for e in client.table.engines.values()]

@@ -45,6 +45,8 @@ from prometheus_client import (
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from dpserve.protocol import RankState
+
 disable_created_metrics()  # no `*_created` series: dpserve's dashboards never read them
 
 if TYPE_CHECKING:
@@ -265,8 +267,6 @@ class ServerMetrics:
 
     def set_ranks(self, states: dict[int, tuple[str, int]]) -> None:
         """The front-end's view at scrape time: rank -> (state, incarnation = restarts)."""
-        from dpserve.protocol import RankState
-
         for rank, (state, restarts) in states.items():
             labels = (self.model_name, str(rank))
             for s in RankState:
