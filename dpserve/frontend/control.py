@@ -9,8 +9,8 @@ Without one (DP 1) it is a `control` utility call on each engine this
 client has, answered once reached; the engine tells every API server.
 
 Also the front-end client's side of operator state (`ControlView`: the
-pause / sleep state as last heard, the seq each rank reached);
-`AsyncEngineClient` holds one.
+pause / sleep state as last heard, the seq each rank reached), kept in the
+client's `CoordinatorNews` (`dpserve.frontend.coordinator_link`).
 
 Not here: the rules of the state (`dpserve.control`), the engine's side
 (`dpserve.engine.control`), run-time scaling (`dpserve.frontend.scale`), HTTP.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError, RequestError
 from dpserve.sampling_params import SamplingParams
@@ -42,9 +43,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(503, str(exc), type="server_error", code="engine_unavailable")
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), type="server_error", code="engine_dead")
-    status = getattr(exc, "status_code", None)
-    if isinstance(status, int) and 400 <= status < 600:  # Starlette HTTPException
-        detail = getattr(exc, "detail", None) or str(exc)
+    if isinstance(exc, StarletteHTTPException) and 400 <= exc.status_code < 600:
+        status, detail = exc.status_code, exc.detail or str(exc)
         return APIError(status, str(detail), type="invalid_request_error" if status < 500
                         else "server_error")
     logger.error("internal error", exc_info=exc)
