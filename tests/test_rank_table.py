@@ -184,3 +184,22 @@ def test_with_no_serving_rank_left_every_request_fails():
     assert [f.request_id for f in plan.failures] == ["a", "b"]
     assert all("no engine is serving" in f.error for f in plan.failures)
     assert book.flights == {}
+
+
+# ---- the coordinator's news ---------------------------------------------------------------
+
+def test_coordinator_news_keeps_the_latest_word():
+    from dpserve.frontend.coordinator_link import CoordinatorNews
+    from dpserve.protocol import ControlState
+
+    news = CoordinatorNews()
+    news.note(CoordinatorUpdate(counts=None, wave=3, running=True,
+                                ranks=[RankStatus(), dead()], autoscale_decisions=[1, 0],
+                                control=ControlState(seq=2, paused="keep"),
+                                control_done=[2, 1], engines=[EngineInfo(), EngineInfo()]))
+    assert (news.wave, news.running, news.autoscale_decisions) == (3, True, [1, 0])
+    assert news.all_ranks[1].state is RankState.DEAD and news.info_updates == 1
+    assert news.controls.state.paused == "keep" and news.controls.done == [2, 1]
+    news.note(CoordinatorUpdate(counts=[[0, 0]], wave=4, running=False))  # wave news only
+    assert (news.wave, news.running, news.autoscale_decisions) == (4, False, [1, 0])
+    assert news.controls.state.seq == 2 and news.info_updates == 1
