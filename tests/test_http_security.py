@@ -369,8 +369,8 @@ def _in_process(model: Path, **app_kw: object) -> Iterator[str]:
 
     from dpserve.config import EngineArgs
     from dpserve.frontend.async_llm import AsyncLLM
-    from dpserve.frontend.inproc_client import InprocEngineClient
     from dpserve.server.app import build_app
+    from dpserve.testing.inproc_client import InprocEngineClient
 
     config = EngineArgs(model=str(model), num_kv_blocks=64).create_config()
     llm = AsyncLLM(config, InprocEngineClient(config))

@@ -211,7 +211,7 @@ def test_a_killed_engine_is_survived_offline(tiny_llama, one_engine, monkeypatch
         assert not victim.is_running()
         assert _summary(got) == _summary(one_engine.generate(PROMPTS[:8], long,
                                                              use_tqdm=False))
-        assert llm.engine.client.num_migrations + llm.engine.client.num_retries > 0
+        assert llm.engine.client.book.num_migrations + llm.engine.client.book.num_retries > 0
         deadline = time.monotonic() + 60
         while not llm.engine.client.engines[1].serving:  # back as a new process
             assert time.monotonic() < deadline, llm.engine.client.describe_ranks()

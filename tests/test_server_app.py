@@ -25,8 +25,8 @@ import uvicorn
 
 from dpserve.config import EngineArgs
 from dpserve.frontend.async_llm import AsyncLLM
-from dpserve.frontend.inproc_client import InprocEngineClient
 from dpserve.server.app import build_app
+from dpserve.testing.inproc_client import InprocEngineClient
 
 pytestmark = pytest.mark.timeout(120)
 

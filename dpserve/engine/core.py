@@ -16,6 +16,7 @@ from dpserve.config import EngineConfig
 from dpserve.engine.request import Request, RequestStatus
 from dpserve.engine.scheduler import Scheduler
 from dpserve.errors import ExpertParallelError
+from dpserve.prompt import check_prompt
 from dpserve.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, SchedulerStats
 from dpserve.step import ModelRunnerOutput
 from dpserve.structured.manager import StructuredOutputManager
@@ -30,18 +31,6 @@ _EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 # aborts first) or DP steps.
 UTILITY_METHODS = frozenset({"get_stats", "get_request_counts", "reset_prefix_cache",
                              "expert_info", "request_state_sizes"})
-
-
-def check_prompt(ids: list[int], max_model_len: int, vocab_size: int) -> None:
-    """Raise ValueError if a prompt can never run (empty, too long, bad token ids)."""
-    if not ids:
-        raise ValueError("prompt must contain at least one token")
-    if len(ids) >= max_model_len:
-        raise ValueError(f"prompt has {len(ids)} tokens; the model's context is "
-                         f"{max_model_len} tokens (max_model_len), which leaves no room to "
-                         f"generate")
-    if min(ids) < 0 or max(ids) >= vocab_size:
-        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
 
 
 class EngineCore:
@@ -73,7 +62,8 @@ class EngineCore:
         """Queue a request; raises ValueError if it can never run."""
         ids = request.prompt_token_ids
         prior = request.prior_output_token_ids or []
-        check_prompt([*ids, *prior], self.config.model.max_model_len, self.vocab_size)
+        check_prompt(ids, self.config.model.max_model_len, self.vocab_size,
+                     prior_token_ids=prior)
         limits, stops = self.config.limits, request.sampling_params.stop_token_ids
         # The front-end appends the model's extra end ids: they do not count.
         eos, extra = set(self.config.model.eos_token_ids), 0

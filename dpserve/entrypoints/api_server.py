@@ -182,24 +182,18 @@ async def serve_http(options: APIServerOptions, config: EngineConfig, spec: APIS
     launcher's DRAIN), stopped by a second signal (128 + it), or the engines die (1).
     """
     from dpserve.frontend.async_llm import AsyncLLM
-    from dpserve.frontend.engine_client import AsyncEngineClient
+    from dpserve.frontend.engine_client import from_config
     from dpserve.server.app import build_app
 
-    client = AsyncEngineClient(spec.input_address, spec.output_address,
-                               engine_ranks=spec.engine_ranks, client_index=spec.index,
-                               max_model_len=spec.max_model_len,
-                               coordinator_address=spec.coordinator_address,
-                               load_balance=options.load_balance,
-                               lockstep=config.parallel.data_parallel_lockstep,
-                               secret=config.parallel.data_parallel_secret,
-                               max_migrations=config.parallel.max_request_migrations,
-                               fail_stop=config.parallel.engine_failure_policy == "stop",
-                               elastic=config.parallel.elastic,
-                               block_size=config.cache.block_size)
+    client = from_config(config, spec.input_address, spec.output_address,
+                         engine_ranks=spec.engine_ranks, client_index=spec.index,
+                         max_model_len=spec.max_model_len,
+                         coordinator_address=spec.coordinator_address,
+                         load_balance=options.load_balance)
     llm: AsyncLLM | None = None
     died = False
     try:
-        llm = AsyncLLM(config, client)
+        llm = AsyncLLM(config, client, chat_template=options.http.chat_template)
         app = build_app(llm, options.served_model_name, auth=options.auth,
                         max_request_body_bytes=options.max_request_body_bytes,
                         api_server_index=spec.index,

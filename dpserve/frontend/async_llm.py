@@ -6,7 +6,7 @@ event loop and every other client's stream), validates requests before
 they reach an engine, registers them with the `OutputProcessor` (DELTA
 outputs: each update carries only the new text, with possible stop-string
 starts held back) and sends the engine requests through an engine client
-(`InprocEngineClient`, or the socket client). One background task reads the
+(the socket client, or `dpserve.testing`'s in-process one). One background task reads the
 engine's outputs, runs the output processor, aborts stop-string hits in the
 engine and feeds one asyncio queue per request.
 
@@ -17,6 +17,9 @@ Lifecycle rules, enforced here:
   synchronous, so it also works inside a cancelled scope.
 * When the engine dies, every request in flight fails at once with
   `EngineDeadError`, and so does every later `generate()`.
+
+The server knows the engines only through `AsyncLLM.cluster`, a `ClusterView`
+(`dpserve.frontend.cluster`): ranks, pause / sleep, scaling, utility calls.
 
 Not here: load balancing over several engines (the engine client; a request
 may pin an engine with `data_parallel_rank`), HTTP.
@@ -36,10 +39,12 @@ from typing import Any, Protocol, TypeVar
 import msgspec
 
 from dpserve.config import EngineConfig
+from dpserve.frontend.cluster import ClusterView
 from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError, RequestError
 from dpserve.frontend.output_processor import OutputKind, OutputProcessor
 from dpserve.frontend.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
 from dpserve.outputs import RequestOutput
+from dpserve.prompt import PromptError, check_prompt
 from dpserve.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from dpserve.sampling_params import SamplingParams
 
@@ -53,13 +58,20 @@ _T = TypeVar("_T")
 
 
 class EngineClient(Protocol):
-    """What AsyncLLM needs from an engine client (in-process or over sockets)."""
+    """What AsyncLLM needs from an engine client (in-process or over sockets): the
+    request path, and the `ClusterView` it hands the server (`cluster`)."""
 
     dead: bool
+    max_model_len: int | None  # the engines' limit (READY, KV-capped); None: unknown
+
+    @property
+    def cluster(self) -> ClusterView: ...
+    def request_state_sizes(self) -> dict[str, int]: ...
 
     async def add_request(self, request: EngineCoreRequest) -> None: ...
     async def abort_requests(self, request_ids: list[str]) -> None: ...
-    async def call_utility(self, method: str, *args: Any) -> Any: ...
+    async def call_utility(self, method: str, *args: Any, engine: int | None = None,
+                           timeout: float = 30.0, result_type: Any = None) -> Any: ...
     async def get_output(self) -> EngineCoreOutputs: ...
     def shutdown(self) -> None: ...
 
@@ -112,20 +124,22 @@ class AsyncLLM:
 
     `max_model_len` is the engine's limit: the client's (`client.max_model_len`,
     e.g. from the engine's READY message, capped by its KV cache) when it has
-    one, else the config's.
+    one, else the config's. `chat_template` (`--chat-template`'s text) replaces
+    the tokenizer's.
     """
 
     def __init__(self, config: EngineConfig, client: EngineClient,
-                 tokenizer: Any | None = None) -> None:
+                 tokenizer: Any | None = None, chat_template: str | None = None) -> None:
         self.config = config
         self.client = client
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
             config.model.tokenizer)
+        if chat_template:
+            self.tokenizer.chat_template = chat_template
         self.eos_token_id, extra_eos_ids = eos_token_ids(
             self.tokenizer, dict(config.model.hf_config))
         self.vocab_size = int(config.model.hf_config["vocab_size"])
-        self.max_model_len = int(getattr(client, "max_model_len", None)
-                                 or config.model.max_model_len)
+        self.max_model_len = int(client.max_model_len or config.model.max_model_len)
         self.processor = OutputProcessor(self.tokenizer, self.eos_token_id, extra_eos_ids)
         self.scheduler_stats: dict[int, SchedulerStats] = {}  # engine index -> latest
         self._requests: dict[str, _Tracked] = {}
@@ -136,11 +150,13 @@ class AsyncLLM:
         # Set by the server on SIGTERM: it takes no new work (HTTP 503) while
         # the requests in flight finish; generate() itself does not check it.
         self.draining = False
-        # Set by the server: called with the prompt lengths of a request before it is
-        # sent; raises to refuse it (paused, asleep, queues full: server/control.py).
-        self.admission: Callable[[list[int]], None] | None = None
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS,
                                                   thread_name_prefix="dpserve-tokenizer")
+
+    @property
+    def cluster(self) -> ClusterView:
+        """The engines as the server may see and steer them (module docstring)."""
+        return self.client.cluster
 
     # ---- prompts ----------------------------------------------------------
 
@@ -172,30 +188,18 @@ class AsyncLLM:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
                  data_parallel_rank: int | None = None) -> None:
         """Raise RequestError if the engine could never run this request."""
-        ranks = list(getattr(self.client, "engine_ranks", (0,)))
+        ranks = [r.rank for r in self.client.cluster.ranks()]
         if data_parallel_rank is not None and data_parallel_rank not in ranks:
             raise RequestError(f"data_parallel_rank {data_parallel_rank} is out of range: "
                                f"this server's engines are {ranks}",
                                param="data_parallel_rank")
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise RequestError("the prompt must not be empty", param="prompt")
-        bad = next((t for t in prompt_token_ids
-                    if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise RequestError(f"prompt token id {bad} is outside the vocabulary "
-                               f"[0, {self.vocab_size})", param="prompt")
+        try:
+            check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size,
+                         max_tokens=params.max_tokens)
+        except PromptError as e:
+            raise RequestError(str(e), param=e.param, code=e.code) from None
         if params.seed is not None and not -(2**63) <= params.seed <= 2**63 - params.n:
             raise RequestError("seed must fit in a signed 64-bit integer", param="seed")
-        wanted = n + (params.max_tokens or 1)
-        if wanted > self.max_model_len:
-            raise RequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, you requested {wanted} tokens ({n} in the prompt, "
-                f"{params.max_tokens or 1} for the completion). Please reduce the length "
-                f"of the prompt or max_tokens.",
-                param="prompt" if n >= self.max_model_len else "max_tokens",
-                code="context_length_exceeded")
 
     # ---- generation -------------------------------------------------------
 
@@ -367,9 +371,8 @@ class AsyncLLM:
     def request_state_sizes(self) -> dict[str, int]:
         """Entries of every per-request structure of the front-end: this object, the
         output processor and the engine client (leak checks: all 0 once idle)."""
-        client_sizes = getattr(self.client, "request_state_sizes", None)
         return {"tracked": len(self._requests), "background_tasks": len(self._background),
-                **self.processor.state_sizes(), **(client_sizes() if client_sizes else {})}
+                **self.processor.state_sizes(), **self.client.request_state_sizes()}
 
     def add_stats_listener(self, listener: StatsListener) -> None:
         self._listeners.append(listener)

@@ -9,12 +9,11 @@ Without one (DP 1) it is a `control` utility call on each engine this
 client has, answered once reached; the engine tells every API server.
 
 Also the front-end client's side of operator state (`ControlView`: the
-pause / sleep state as last heard, the seq each rank reached) and of run-time
-scaling (`ScaleRequests`: scale requests sent to the coordinator, until its
-final answer); `AsyncEngineClient` holds one of each.
+pause / sleep state as last heard, the seq each rank reached), kept in the
+client's `CoordinatorNews` (`dpserve.frontend.coordinator_link`).
 
 Not here: the rules of the state (`dpserve.control`), the engine's side
-(`dpserve.engine.control`), HTTP.
+(`dpserve.engine.control`), run-time scaling (`dpserve.frontend.scale`), HTTP.
 """
 
 from __future__ import annotations
@@ -22,19 +21,11 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from dpserve.control import check_change
 from dpserve.frontend.errors import EngineDeadError
-from dpserve.protocol import (
-    ControlChange,
-    ControlState,
-    RankState,
-    ScalePhase,
-    ScaleRequest,
-    ScaleStatus,
-)
+from dpserve.protocol import ControlChange, ControlState, RankState, RankStatus
 
 
 class ControlView:
@@ -61,42 +52,29 @@ class ControlView:
         changed.set()
 
 
-class ScaleRequests:
-    """A front-end's scale requests to the coordinator, each waiting for its final
-    answer (DONE, FAILED or REJECTED) in the coordinator's updates."""
+class ControlTarget(Protocol):
+    """What `change_control` needs of the engines (`EngineClientCluster` has it)."""
 
-    def __init__(self) -> None:
-        self._futures: dict[str, asyncio.Future] = {}  # scale_id -> its final ScaleStatus
+    dead: bool
+    dead_reason: str | None
 
-    async def ask(self, send: Callable[[ScaleRequest], Awaitable[Any]], scale_id: str,
-                  num_engines: int, timeout: float) -> ScaleStatus:
-        """Send ScaleRequest(scale_id, num_engines) with `send`; its final status.
-        TimeoutError after `timeout` s."""
-        future = self._futures[scale_id] = asyncio.get_running_loop().create_future()
-        try:
-            await send(ScaleRequest(scale_id, num_engines))
-            return await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"the change to {num_engines} engines did not finish within "
-                               f"{timeout:.0f} s") from None
-        finally:
-            self._futures.pop(scale_id, None)
-
-    def on_status(self, scale: ScaleStatus | None) -> None:
-        """A coordinator update's scale news: a final one answers its request."""
-        if scale is not None and scale.phase is not ScalePhase.PENDING:
-            future = self._futures.get(scale.scale_id)
-            if future is not None and not future.done():
-                future.set_result(scale)
+    @property
+    def has_coordinator(self) -> bool: ...
+    @property
+    def controls(self) -> ControlView: ...
+    def rank_statuses(self) -> list[RankStatus]: ...
+    async def send_control(self, change: ControlChange) -> None: ...
+    async def call_utility_all(self, method: str, *args: Any, timeout: float = 30.0,
+                               result_type: Any = None) -> dict[int, Any]: ...
 
 
-async def change_control(client: Any, op: str, arg: str | int | None = None,
+async def change_control(client: ControlTarget, op: str, arg: str | int | None = None,
                          timeout: float = 600.0) -> ControlState:
     """Apply one change on every rank; the state reached. ValueError for a bad
     change, TimeoutError when not reached in `timeout` s, EngineDeadError."""
     change = ControlChange(op, arg, secrets.randbits(62) + 1)
     check_change(change)
-    if not getattr(client, "has_coordinator", False):
+    if not client.has_coordinator:
         results = await client.call_utility_all("control", op, arg, change.token,
                                                 timeout=timeout, result_type=ControlState)
         return max(results.values(), key=lambda s: s.seq)
@@ -118,9 +96,9 @@ async def change_control(client: Any, op: str, arg: str | int | None = None,
             pass
 
 
-def _reached(client: Any, seq: int) -> bool:
+def _reached(client: ControlTarget, seq: int) -> bool:
     """Every serving (or draining) rank has reached control state `seq` or a later one."""
-    ranks = client.all_ranks or [e.status for e in client.engines.values()]
+    ranks = client.rank_statuses()
     done = client.controls.done
     return all(rank < len(done) and done[rank] >= seq for rank, status in enumerate(ranks)
                if status.state in (RankState.SERVING, RankState.DRAINING))

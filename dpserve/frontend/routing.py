@@ -1,9 +1,10 @@
 """Engine choice: which serving rank gets a request (`--load-balance`).
 
 Scope: the placement policy of one front-end (`Router.choose(live, request,
-balanced)`), over the engines `AsyncEngineClient` says may take new work
-(serving, not cordoned, not excluded). Pinned requests (`data_parallel_rank`),
-rank states and moving requests are the client's; the router only picks among
+balanced)`), over the engines the `RankTable` (`dpserve.frontend.rank_table`)
+says may take new work (serving, not cordoned, not excluded). Pinned requests
+(`data_parallel_rank`) and rank states are the table's, moving requests the
+`InFlightBook`'s (`dpserve.frontend.migration`); the router only picks among
 `live` and remembers, for cache-aware placement, what it sent where.
 
 A rank's load (`Router.load`): with a DP coordinator (`balanced`), its
@@ -59,7 +60,7 @@ DEFAULT_CAPACITY_BLOCKS = 1 << 16
 
 
 class RankLoad(Protocol):
-    """What the router reads of an engine (`engine_client.EngineState` has it)."""
+    """What the router reads of an engine (`rank_table.EngineState` has it)."""
 
     rank: int
     num_requests: int  # requests this client has in flight there

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from dpserve.config import EngineConfig
 from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError
+from dpserve.prompt import check_prompt
 from dpserve.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
 if TYPE_CHECKING:
@@ -208,16 +209,12 @@ class SyncEngineClient:
                                f"(engines alive)") from None
 
     async def _open(self) -> AsyncEngineClient:
-        from dpserve.frontend.engine_client import AsyncEngineClient
+        from dpserve.frontend.engine_client import from_config
 
-        client = AsyncEngineClient(self.engines.input_binds(0), self.engines.output_binds(0),
-                                   engine_ranks=self.ranks,
-                                   client_index=0, max_model_len=self.max_model_len,
-                                   coordinator_address=self.engines.coordinator_address,
-                                   lockstep=self._parallel.data_parallel_lockstep,
-                                   secret=self._parallel.data_parallel_secret,
-                                   max_migrations=self._parallel.max_request_migrations,
-                               fail_stop=self._parallel.engine_failure_policy == "stop")
+        client = from_config(self._config, self.engines.input_binds(0),
+                             self.engines.output_binds(0), engine_ranks=self.ranks,
+                             max_model_len=self.max_model_len,
+                             coordinator_address=self.engines.coordinator_address)
         self.engines.supervise(self._config, on_status=client.set_rank_status,
                                on_fatal=client.mark_dead)
         self._pump = asyncio.get_running_loop().create_task(self._pump_outputs(client))
@@ -259,8 +256,6 @@ class SyncEngineClient:
 def _check_prompt(request_id: str, ids: list[int], config_max_len: int, engine_max_len: int,
                   vocab_size: int) -> None:
     """Raise ValueError as `EngineCore.add_request` / `Scheduler.add_request` would."""
-    from dpserve.engine.core import check_prompt
-
     check_prompt(ids, config_max_len, vocab_size)
     if len(ids) > engine_max_len:
         raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens exceeds the "

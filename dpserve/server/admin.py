@@ -1,8 +1,10 @@
 """Admin routes: they exist only with `--enable-admin-api` (`build_app` mounts them).
 
-Scope: `admin_router`, the per-rank controls (behind the API key like every
-route, `dpserve.server.auth`; POSTs only as `Content-Type: application/json`,
-`dpserve.server.bodies.require_json`, which `build_app` passes in):
+Scope: `admin_router`, every admin route behind the given dependencies (the
+API key like every route, `dpserve.server.auth`; POSTs only as `Content-Type:
+application/json`, `dpserve.server.bodies.require_json`, which `build_app`
+passes in): pause / sleep (`dpserve.server.control`), `POST /scale_elastic_ep`
+(`dpserve.server.scale`) and, here, the per-rank controls:
 
     POST /engines/{rank}/cordon     the rank gets no new requests, in every API
                                     server (through the DP coordinator); what it
@@ -40,10 +42,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from dpserve.frontend.async_llm import AsyncLLM
+from dpserve.frontend.cluster import ClusterView
 from dpserve.frontend.errors import EngineDeadError
+from dpserve.frontend.rank_table import RankView
 from dpserve.server.bodies import query_seconds
+from dpserve.server.control import control_router
 from dpserve.server.engines import engine_rows
 from dpserve.server.protocol import APIError
+from dpserve.server.scale import scale_router
 
 ACTIONS = ("cordon", "uncordon", "drain", "restart")
 CONTROL_TIMEOUT_S = 10.0  # cordon / uncordon: the coordinator's update comes within this
@@ -53,72 +59,92 @@ _DRAIN_SETTLE_S = 0.5  # requests other API servers sent just before the cordon 
 
 
 def admin_router(async_llm: AsyncLLM, dependencies: list[Any]) -> APIRouter:
-    """The per-rank controls (module docstring) behind `dependencies`."""
+    """Every admin route (module docstring) behind `dependencies`."""
     router = APIRouter(dependencies=dependencies)
+    router.include_router(rank_router(async_llm))
+    router.include_router(control_router(async_llm.cluster))
+    router.include_router(scale_router(async_llm))
+    return router
+
+
+def rank_router(async_llm: AsyncLLM) -> APIRouter:
+    """POST /engines/{rank}/{cordon,uncordon,drain,restart}."""
+    router = APIRouter()
+    cluster = async_llm.cluster
 
     @router.post("/engines/{rank}/{action}")
     async def control(rank: str, action: str, request: Request) -> dict[str, Any]:
         if action not in ACTIONS:
             raise APIError(404, f"no engine action {action!r}; one of {', '.join(ACTIONS)}",
                            code="not_found")
-        client = async_llm.client
-        number = _rank(client, rank)
+        number = _rank(cluster, rank)
         timeout = query_seconds(request, "timeout", DEFAULT_WAIT_S)
-        if not getattr(client, "has_coordinator", False):
+        if not cluster.has_coordinator:
             raise APIError(400, "per-rank controls go through the DP coordinator, and this "
                            "server has none (--data-parallel-size 1)", code="not_supported")
         if action == "restart":
-            old = client.engines[number].status.incarnation
-            await client.control_rank(number, "restart")
-            await _wait(client, lambda: _restarted(client, number, old), timeout,
-                        f"rank {number} did not serve again within {timeout:g} s of its "
-                        f"restart (a --headless host's rank is not restarted from here)")
+            await _restart(cluster, number, timeout)
         else:
-            cordon = action != "uncordon"
-            await client.control_rank(number, "cordon" if cordon else "uncordon")
-            await _wait(client, lambda: client.engines[number].cordoned == cordon,
-                        CONTROL_TIMEOUT_S,
-                        f"the DP coordinator did not confirm the {action} of rank {number}")
-            if action == "drain":
-                await asyncio.sleep(_DRAIN_SETTLE_S)
-                await _wait(client, lambda: _empty(client, number), timeout,
-                            f"rank {number} still holds requests after {timeout:g} s; it "
-                            f"stays cordoned")
+            await _cordon(cluster, number, action, timeout)
         rows = await engine_rows(async_llm)
         return next(row for row in rows if row["rank"] == number)
 
     return router
 
 
-def _rank(client: Any, rank: str) -> int:
-    ranks = sorted(getattr(client, "engines", {0: None}))
+async def _restart(cluster: ClusterView, rank: int, timeout: float) -> None:
+    old = _view(cluster, rank).incarnation
+    await cluster.control_rank(rank, "restart")
+    await _wait(cluster, lambda: _restarted(_view(cluster, rank), old), timeout,
+                f"rank {rank} did not serve again within {timeout:g} s of its "
+                f"restart (a --headless host's rank is not restarted from here)")
+
+
+async def _cordon(cluster: ClusterView, rank: int, action: str, timeout: float) -> None:
+    """cordon / uncordon, and for drain: cordon, then wait until the rank is empty."""
+    cordon = action != "uncordon"
+    await cluster.control_rank(rank, "cordon" if cordon else "uncordon")
+    await _wait(cluster, lambda: _view(cluster, rank).cordoned == cordon, CONTROL_TIMEOUT_S,
+                f"the DP coordinator did not confirm the {action} of rank {rank}")
+    if action == "drain":
+        await asyncio.sleep(_DRAIN_SETTLE_S)
+        await _wait(cluster, lambda: _empty(_view(cluster, rank)), timeout,
+                    f"rank {rank} still holds requests after {timeout:g} s; it "
+                    f"stays cordoned")
+
+
+def _view(cluster: ClusterView, rank: int) -> RankView:
+    return next(r for r in cluster.ranks() if r.rank == rank)
+
+
+def _rank(cluster: ClusterView, rank: str) -> int:
+    ranks = [r.rank for r in cluster.ranks()]
     if not rank.isdigit() or int(rank) not in ranks:
         raise APIError(400, f"rank must be one of this server's ranks {ranks}, got {rank!r}",
                        param="rank")
     return int(rank)
 
 
-def _restarted(client: Any, rank: int, old_incarnation: int) -> bool:
-    engine = client.engines[rank]
-    return engine.status.incarnation > old_incarnation and engine.serving
+def _restarted(view: RankView, old_incarnation: int) -> bool:
+    return view.incarnation > old_incarnation and view.serving
 
 
-def _empty(client: Any, rank: int) -> bool:
+def _empty(view: RankView) -> bool:
     """The rank holds no request: none in flight from here, and the coordinator's
     counts (which cover every API server's) are zero, or the rank is dead."""
-    engine = client.engines[rank]
-    if engine.num_requests:
+    if view.in_flight:
         return False
-    return engine.status.state.value == "dead" or engine.waiting + engine.running == 0
+    return view.state.value == "dead" or view.waiting + view.running == 0
 
 
-async def _wait(client: Any, done: Callable[[], bool], timeout: float, message: str) -> None:
+async def _wait(cluster: ClusterView, done: Callable[[], bool], timeout: float,
+                message: str) -> None:
     """Poll `done()` until true; 504 with `message` after `timeout` s, 503 when the
     engines die meanwhile."""
     deadline = time.monotonic() + timeout
     while not done():
-        if client.dead:
-            raise EngineDeadError(client.dead_reason)
+        if cluster.dead:
+            raise EngineDeadError(cluster.dead_reason)
         if time.monotonic() >= deadline:
             raise APIError(504, message, type="server_error", code="timeout")
         await asyncio.sleep(_POLL_S)

@@ -39,6 +39,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from dpserve.frontend.async_llm import AsyncLLM
+from dpserve.frontend.cluster import ClusterView
 from dpserve.protocol import SchedulerStats
 from dpserve.rank_info import TokenRate
 from dpserve.server.protocol import APIError
@@ -65,9 +66,8 @@ def engines_router(async_llm: AsyncLLM, admin: bool) -> APIRouter:
     @router.get("/engines")
     async def engines() -> dict[str, Any]:
         rows = await engine_rows(async_llm, rates)
-        size = getattr(async_llm.client, "data_parallel_size",
-                       async_llm.config.parallel.data_parallel_size)  # the current size
-        return {"data_parallel_size": size, "admin": admin, "engines": rows}
+        return {"data_parallel_size": async_llm.cluster.data_parallel_size, "admin": admin,
+                "engines": rows}
 
     @router.get("/dashboard")
     async def dashboard() -> Response:
@@ -90,52 +90,39 @@ def _static(name: str) -> bytes:
 async def engine_rows(async_llm: AsyncLLM, rates: dict[int, TokenRate] | None = None
                       ) -> list[dict[str, Any]]:
     """One row per rank this API server sends to (module docstring)."""
-    client = async_llm.client
-    engines = getattr(client, "engines", None)
-    if engines is None or not getattr(client, "has_coordinator", False):
-        return await _local_rows(async_llm, rates if rates is not None else {})
-    return [_row(e.rank, e.status.state.value, e.status.incarnation, e.waiting, e.running,
-                 e.info.kv_cache_usage, e.info.tokens_per_s, e.info.wave, e.info.cordoned,
-                 e.info.host, e.info.pid, e.info.ttft_s)
-            for e in engines.values()]
+    cluster = async_llm.cluster
+    if not cluster.has_coordinator:
+        return await _local_rows(cluster, rates if rates is not None else {})
+    return [_row(r.rank, r.state.value, r.incarnation, r.waiting, r.running,
+                 r.info.kv_cache_usage, r.info.tokens_per_s, r.info.wave, r.info.cordoned,
+                 r.info.host, r.info.pid, r.info.ttft_s)
+            for r in cluster.ranks()]
 
 
-async def _local_rows(async_llm: AsyncLLM, rates: dict[int, TokenRate]
+async def _local_rows(cluster: ClusterView, rates: dict[int, TokenRate]
                       ) -> list[dict[str, Any]]:
     """No coordinator: ask each engine for its figures (N = 1, or in-process)."""
-    client = async_llm.client
-    engines = getattr(client, "engines", None)
     rows = []
-    for rank in sorted(engines) if engines is not None else [0]:
-        engine = engines[rank] if engines is not None else None
-        state = engine.status.state.value if engine is not None else "serving"
-        incarnation = engine.status.incarnation if engine is not None else 0
-        stats = await _stats(client, rank if engines is not None else None)
-        rate = rates.setdefault(rank, TokenRate())
+    for view in cluster.ranks():
+        stats = await _stats(cluster, view.rank)
+        rate = rates.setdefault(view.rank, TokenRate())
         if stats is not None:
             rate.add(stats.num_generated_tokens)
-        rows.append(_row(rank, state, incarnation, stats.num_waiting if stats else 0,
+        rows.append(_row(view.rank, view.state.value, view.incarnation,
+                         stats.num_waiting if stats else 0,
                          stats.num_running if stats else 0,
                          stats.kv_cache_usage if stats else 0.0, rate.rate(),
                          stats.wave if stats else 0, False, "", None))
     return rows
 
 
-async def _stats(client: Any, rank: int | None) -> SchedulerStats | None:
+async def _stats(cluster: ClusterView, rank: int) -> SchedulerStats | None:
     """The engine's figures now; None when it cannot answer (dead, restarting)."""
     try:
-        if rank is None:
-            result = await client.call_utility("get_stats")
-        else:
-            result = await client.call_utility("get_stats", engine=rank,
-                                               timeout=_STATS_TIMEOUT_S)
+        return await cluster.call_utility("get_stats", engine=rank, timeout=_STATS_TIMEOUT_S,
+                                          result_type=SchedulerStats)
     except Exception:  # noqa: BLE001 - a rank that cannot answer shows zeros
         return None
-    if isinstance(result, SchedulerStats):
-        return result
-    import msgspec
-
-    return msgspec.convert(result, SchedulerStats)
 
 
 def _row(rank: int, state: str, incarnation: int, waiting: int, running: int,

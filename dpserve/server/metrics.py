@@ -45,6 +45,8 @@ from prometheus_client import (
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from dpserve.protocol import RankState
+
 disable_created_metrics()  # no `*_created` series: dpserve's dashboards never read them
 
 if TYPE_CHECKING:
@@ -77,8 +79,24 @@ class ServerMetrics:
         self.model_name = model_name
         self.api_server_index = api_server_index
         self.multiprocess_dir = _multiprocess_dir()
+        self._add_request_metrics(model_name, api_server_index)
+        self._add_engine_metrics()
+        self._add_dp_metrics(model_name)
+        self._decisions = [0, 0]  # (up, down) already counted
+        self._moved = (0, 0, 0)  # (retries, migrations, recomputed tokens) already counted
+        self._restarts: dict[int, int] = {}  # engine -> restarts already counted
+        # engine index -> last cumulative (queries, hits, preemptions) seen
+        self._last: dict[int, tuple[int, int, int]] = {}
+        self._export: CollectorRegistry | None = None
+        if self.multiprocess_dir is not None:
+            self._export = CollectorRegistry(auto_describe=False)
+            self._export.register(_MultiProcessExport(self.multiprocess_dir))
+        # process_* (CPU, memory, open files) of the process answering the scrape.
+        ProcessCollector(registry=self._export if self._export is not None else self.registry)
+
+    def _add_request_metrics(self, model_name: str, api_server_index: int) -> None:
+        """Per request, counted in this API server: tokens, latencies, finishes."""
         r, m = self.registry, ["model_name"]
-        e = ["model_name", "engine"]
         self.request_success = Counter("dpserve:request_success", "Finished requests (one per "
                                        "completion), by finish reason.",
                                        m + ["finished_reason"], registry=r)
@@ -99,6 +117,18 @@ class ServerMetrics:
             ("prefill", "First scheduled to first token."),
             ("decode", "First token to finish."),
             ("inference", "First scheduled to finish (prefill + decode)."))]
+        self.api_server_finished = Counter("dpserve:api_server_requests_finished", "Requests "
+                                           "finished by an API server (one per completion).",
+                                           m + ["api_server"], registry=r)
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e):
+            metric.labels(model_name)  # show zeros before the first request
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(model_name, reason)
+        self.api_server_finished.labels(model_name, str(api_server_index))
+
+    def _add_engine_metrics(self) -> None:
+        """Per engine, from its `SchedulerStats` and outputs: load, KV, cache, state."""
+        r, e = self.registry, ["model_name", "engine"]
         latest = dict(registry=r, multiprocess_mode="mostrecent")  # ignored by one process
         self.running = Gauge("dpserve:num_requests_running", "Requests running in the engine.",
                              e, **latest)
@@ -120,16 +150,6 @@ class ServerMetrics:
         self.engine_finished = Counter("dpserve:engine_requests_finished", "Requests "
                                        "finished by an engine (one per completion).", e,
                                        registry=r)
-        self.wave = Gauge("dpserve:dp_wave", "The data-parallel request wave (lockstep; "
-                          "from the DP coordinator).", registry=r, multiprocess_mode="max")
-        self.api_server_finished = Counter("dpserve:api_server_requests_finished", "Requests "
-                                           "finished by an API server (one per completion).",
-                                           m + ["api_server"], registry=r)
-        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e):
-            metric.labels(model_name)  # show zeros before the first request
-        for reason in ("stop", "length", "abort"):
-            self.request_success.labels(model_name, reason)
-        self.api_server_finished.labels(model_name, str(api_server_index))
         self.engine_state = Gauge("dpserve:engine_state", "1 for each DP rank's current "
                                   "state (starting, serving, unhealthy, dead, restarting, "
                                   "draining), else 0.", e + ["state"], **latest)
@@ -138,6 +158,12 @@ class ServerMetrics:
                     e, registry=r) if self.multiprocess_dir is None else
             Gauge("dpserve:engine_restarts" + _CUMULATIVE, "Processes started to replace a "
                   "dead engine.", e, registry=r, multiprocess_mode="max"))
+
+    def _add_dp_metrics(self, model_name: str) -> None:
+        """Data parallel: the wave, moved requests, the engine count, autoscaling."""
+        r, m = self.registry, ["model_name"]
+        self.wave = Gauge("dpserve:dp_wave", "The data-parallel request wave (lockstep; "
+                          "from the DP coordinator).", registry=r, multiprocess_mode="max")
         self.retries = Counter("dpserve:request_retries", "Requests re-sent to another rank "
                                "before their first token (their rank failed).", m, registry=r)
         self.migrations = Counter("dpserve:request_migrations", "Requests moved mid-stream to "
@@ -159,17 +185,6 @@ class ServerMetrics:
             Gauge("dpserve:autoscale_decisions" + _CUMULATIVE, "Engines added (up) or "
                   "removed (down) by the autoscaler.", ["direction"], registry=r,
                   multiprocess_mode="max"))
-        self._decisions = [0, 0]  # (up, down) already counted
-        self._moved = (0, 0, 0)  # (retries, migrations, recomputed tokens) already counted
-        self._restarts: dict[int, int] = {}  # engine -> restarts already counted
-        # engine index -> last cumulative (queries, hits, preemptions) seen
-        self._last: dict[int, tuple[int, int, int]] = {}
-        self._export: CollectorRegistry | None = None
-        if self.multiprocess_dir is not None:
-            self._export = CollectorRegistry(auto_describe=False)
-            self._export.register(_MultiProcessExport(self.multiprocess_dir))
-        # process_* (CPU, memory, open files) of the process answering the scrape.
-        ProcessCollector(registry=self._export if self._export is not None else self.registry)
 
     def record(self, engine_index: int | None, scheduler_stats: SchedulerStats | None,
                iteration: IterationStats | None) -> None:
@@ -252,8 +267,6 @@ class ServerMetrics:
 
     def set_ranks(self, states: dict[int, tuple[str, int]]) -> None:
         """The front-end's view at scrape time: rank -> (state, incarnation = restarts)."""
-        from dpserve.protocol import RankState
-
         for rank, (state, restarts) in states.items():
             labels = (self.model_name, str(rank))
             for s in RankState:

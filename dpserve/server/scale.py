@@ -1,7 +1,7 @@
 """`POST /scale_elastic_ep`: change the number of DP engines at run time (admin route).
 
 Body `{"new_data_parallel_size": N}` (vLLM's route and body). The API server
-asks the DP coordinator (`AsyncEngineClient.request_scale`), which has the
+asks the DP coordinator (`ClusterView.request_scale`), which has the
 launcher start or drain engines (`dpserve.launch.scaler`), and answers when
 the change is done:
 
@@ -22,9 +22,8 @@ time rule (`dpserve.launch.autoscale.ScaleBook`).
 from __future__ import annotations
 
 import json
-from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from dpserve.frontend.async_llm import AsyncLLM
@@ -36,22 +35,23 @@ _SIZE_FIELD = "new_data_parallel_size"
 _ANSWER_MARGIN_S = 900.0  # beyond --shutdown-timeout: engines loading, stopping
 
 
-def add_scale_route(app: FastAPI, async_llm: AsyncLLM, guard: list[Any]) -> None:
-    """Mount `POST /scale_elastic_ep` on `app`; `guard`: the admin dependencies."""
+def scale_router(async_llm: AsyncLLM) -> APIRouter:
+    """`POST /scale_elastic_ep` (mounted under the admin dependencies)."""
+    router = APIRouter()
+    cluster = async_llm.cluster
     parallel = async_llm.config.parallel
     size_max = parallel.data_parallel_size_max
     timeout = async_llm.config.shutdown_timeout + _ANSWER_MARGIN_S
 
-    @app.post(SCALE_ROUTE, dependencies=guard)
+    @router.post(SCALE_ROUTE)
     async def scale_elastic_ep(request: Request) -> JSONResponse:
         size = _parse_size(await request.body(), size_max)
-        client = async_llm.client
-        if not parallel.elastic or not getattr(client, "elastic", False):
+        if not parallel.elastic or not cluster.elastic:
             raise APIError(400, "this server cannot change its engine count: start it with "
                            "--data-parallel-size-max M (M > 1), one host's engines or Ray",
                            param=_SIZE_FIELD)
         try:
-            answer = await client.request_scale(size, timeout)
+            answer = await cluster.request_scale(size, timeout)
         except TimeoutError as e:
             raise APIError(503, str(e), type="server_error", code="scale_failed") from None
         if answer.phase is ScalePhase.REJECTED:
@@ -64,6 +64,8 @@ def add_scale_route(app: FastAPI, async_llm: AsyncLLM, guard: list[Any]) -> None
         return JSONResponse({"message": f"Scaled to {answer.new_size} data parallel engines",
                              "old_data_parallel_size": answer.old_size,
                              "new_data_parallel_size": answer.new_size})
+
+    return router
 
 
 def _parse_size(body: bytes, size_max: int) -> int:

@@ -13,8 +13,8 @@ the compile deadline (server/grammar_check.py); with `--request-timeout` each
 engine stream ends with a 504 past it (aborted in the engine); `cache_salt` and,
 with --prefix-cache-salt-per-key, the API key's identity salt the prefix cache.
 
-`to_api_error()` turns any exception into the OpenAI error shape; the app's
-one exception handler and the in-stream error event both use it.
+Not here: the streaming pieces shared with tool calls (`dpserve.server.streams`),
+the error mapping (`dpserve.server.errors.to_api_error`), HTTP (the routers).
 """
 
 from __future__ import annotations
@@ -25,14 +25,13 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from dpserve.frontend.async_llm import AsyncLLM
-from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError, RequestError
+from dpserve.frontend.errors import RequestError
 from dpserve.outputs import CompletionOutput, Logprob, RequestOutput
 from dpserve.sampling_params import SamplingParams
 from dpserve.server.grammar_check import GrammarChecker
@@ -57,16 +56,14 @@ from dpserve.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
-    ErrorInfo,
-    ErrorResponse,
     Logprobs,
     PromptLogprob,
     PromptLogprobs,
-    PromptTokensDetails,
     SamplingRequest,
     TopLogprob,
     UsageInfo,
 )
+from dpserve.server.streams import collect, sse, sse_lines, token_pairs
 from dpserve.server.structured import structured_from_request
 from dpserve.server.tool_serving import chat_tool_stream, history_message, tool_message
 from dpserve.server.tools import (
@@ -82,27 +79,23 @@ logger = logging.getLogger(__name__)
 
 _PARAM_FIELDS = set(SamplingParams.__struct_fields__)
 
-
-@dataclass
-class _Choice:
-    """One choice being assembled from deltas."""
-
-    text: list[str] = field(default_factory=list)
-    num_tokens: int = 0
-    logprobs: list[tuple[int, dict[int, Logprob]]] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # of its prompt
-
-
 class OpenAIServing:
     """Completions and chat completions over one AsyncLLM."""
 
     def __init__(self, llm: AsyncLLM, model_name: str,
                  tool_call_parser: str | None = None,
-                 limits: RequestLimits | None = None) -> None:
+                 limits: RequestLimits | None = None, *,
+                 admission: Callable[[list[int]], None] | None = None,
+                 model_aliases: Sequence[str] = (), log_requests: bool = False) -> None:
+        """`admission`: called with a request's prompt lengths before it is sent;
+        raises to refuse it (`dpserve.server.admission`). `model_aliases`: more
+        names clients may use (--served-model-name). `log_requests`: a line per
+        arrival and finish (--enable-log-requests)."""
         self.llm = llm
         self.model_name = model_name
+        self.model_aliases = tuple(model_aliases)
+        self.log_requests = log_requests
+        self.admission = admission
         self.tool_call_parser = tool_call_parser  # None: tool_choice "auto" is refused
         self.limits = limits or RequestLimits.from_engine(llm.config.limits)
         self.grammar_checker = GrammarChecker(
@@ -144,7 +137,7 @@ class OpenAIServing:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             lines = self._completion_stream(request_id, streams, params, include_usage)
             return self._echo_first(request_id, echo, params.n, lines) if req.echo else lines
-        choices, usage = await self._collect(streams, params.n)
+        choices, usage = await collect(streams, params.n)
         return CompletionResponse(id=request_id, model=self.model_name, usage=usage, choices=[
             CompletionChoice(index=i, text=echo[i // params.n] + "".join(c.text),
                              finish_reason=c.finish_reason,
@@ -156,7 +149,7 @@ class OpenAIServing:
     async def _echo_first(self, request_id: str, echo: list[str], n: int,
                           lines: AsyncIterator[str]) -> AsyncIterator[str]:
         for i in range(len(echo) * n):
-            yield _sse(CompletionResponse(id=request_id, model=self.model_name, choices=[
+            yield sse(CompletionResponse(id=request_id, model=self.model_name, choices=[
                 CompletionChoice(index=i, text=echo[i // n])]))
         async with aclosing(lines):  # type: ignore[type-var]
             async for line in lines:
@@ -168,7 +161,8 @@ class OpenAIServing:
         offsets: dict[int, int] = {}  # choice index -> text offset of its next token
 
         def chunk(index: int, c: CompletionOutput) -> BaseModel:
-            logprobs = self._completion_logprobs(_pairs(c), params.logprobs, offsets.get(index, 0))
+            logprobs = self._completion_logprobs(token_pairs(c), params.logprobs,
+                                                 offsets.get(index, 0))
             if logprobs is not None and logprobs.tokens:
                 offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
             return CompletionResponse(id=request_id, model=self.model_name, choices=[
@@ -179,7 +173,7 @@ class OpenAIServing:
             return CompletionResponse(id=request_id, model=self.model_name, choices=[],
                                       usage=usage)
 
-        async with aclosing(self._sse(streams, params.n, chunk, usage_chunk,
+        async with aclosing(sse_lines(streams, params.n, chunk, usage_chunk,
                                       include_usage)) as lines:
             async for line in lines:
                 yield line
@@ -225,7 +219,7 @@ class OpenAIServing:
             if plan is not None and plan.mode != "none":
                 return chat_tool_stream(self, request_id, streams, params, include_usage, plan)
             return self._chat_stream(request_id, streams, params, include_usage)
-        choices, usage = await self._collect(streams, params.n)
+        choices, usage = await collect(streams, params.n)
         out = []
         for i, c in enumerate(choices):
             message, finish = tool_message("".join(c.text), c.finish_reason, plan)
@@ -266,24 +260,21 @@ class OpenAIServing:
             return ChatCompletionChunk(id=request_id, model=self.model_name, choices=[
                 ChatStreamChoice(index=index, delta=DeltaMessage(content=c.text),
                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                 logprobs=self._chat_logprobs(_pairs(c), params.logprobs))])
+                                 logprobs=self._chat_logprobs(token_pairs(c), params.logprobs))])
 
         def usage_chunk(usage: UsageInfo) -> BaseModel:
             return ChatCompletionChunk(id=request_id, model=self.model_name, choices=[],
                                        usage=usage)
 
         for i in range(len(streams) * params.n):  # OpenAI sends the role first
-            yield _sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[
+            yield sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[
                 ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]))
-        async with aclosing(self._sse(streams, params.n, chunk, usage_chunk,
+        async with aclosing(sse_lines(streams, params.n, chunk, usage_chunk,
                                       include_usage)) as lines:
             async for line in lines:
                 yield line
 
     # ---- shared --------------------------------------------------------------------
-
-    model_aliases: tuple[str, ...] = ()  # more names clients may use (--served-model-name)
-    log_requests = False  # --enable-log-requests: a line per arrival and finish
 
     def check_model(self, model: str | None) -> None:
         self._check_model(model)
@@ -357,9 +348,8 @@ class OpenAIServing:
         with a 504 past `deadline`, loop time)."""
         for _, ids in prompts:
             self.llm.validate(ids, params, data_parallel_rank)
-        admit = getattr(self.llm, "admission", None)  # paused / asleep / queues full
-        if admit is not None:
-            admit([len(ids) for _, ids in prompts] * params.n)
+        if self.admission is not None:  # paused / asleep / queues full
+            self.admission([len(ids) for _, ids in prompts] * params.n)
         streams = [self.llm.generate(ids, params, f"{request_id}-{i}", text,
                                      data_parallel_rank, cache_salt=cache_salt)
                    for i, (text, ids) in enumerate(prompts)]
@@ -370,56 +360,6 @@ class OpenAIServing:
             timeout = self.limits.request_timeout or 0.0
             streams = [with_deadline(s, deadline, timeout) for s in streams]
         return streams
-
-    async def _collect(self, streams: list[AsyncIterator[RequestOutput]],
-                       n: int) -> tuple[list[_Choice], UsageInfo]:
-        choices = [_Choice() for _ in range(len(streams) * n)]
-        usage = UsageInfo()
-        async with aclosing(_merge(streams)) as merged:
-            async for prompt_index, out in merged:
-                if out.finished:
-                    usage.prompt_tokens += len(out.prompt_token_ids)
-                    _add_cached(usage, out)
-                for c in out.outputs:
-                    choice = choices[prompt_index * n + c.index]
-                    choice.text.append(c.text)
-                    choice.num_tokens += len(c.token_ids)
-                    choice.logprobs.extend(_pairs(c))
-                    choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
-                    if out.prompt_logprobs is not None:
-                        choice.prompt_logprobs = out.prompt_logprobs
-        usage.completion_tokens = sum(c.num_tokens for c in choices)
-        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-        return choices, usage
-
-    async def _sse(self, streams: list[AsyncIterator[RequestOutput]], n: int,
-                   chunk: Callable[[int, CompletionOutput], BaseModel],
-                   usage_chunk: Callable[[UsageInfo], BaseModel],
-                   include_usage: bool) -> AsyncIterator[str]:
-        """The SSE lines of a stream: chunks per choice delta, usage, [DONE]."""
-        usage, done = UsageInfo(), set()
-        try:
-            async with aclosing(_merge(streams)) as merged:
-                async for prompt_index, out in merged:
-                    if out.finished:
-                        usage.prompt_tokens += len(out.prompt_token_ids)
-                        _add_cached(usage, out)
-                    for c in out.outputs:
-                        index = prompt_index * n + c.index
-                        usage.completion_tokens += len(c.token_ids)
-                        if index in done or not (c.text or c.finished or c.logprobs):
-                            continue  # nothing new to show (text may be held back)
-                        if c.finished:
-                            done.add(index)
-                        yield _sse(chunk(index, c))
-            if include_usage:
-                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-                yield _sse(usage_chunk(usage))
-        except Exception as e:  # noqa: BLE001 - the status is sent: report in the stream
-            error = to_api_error(e)
-            yield _sse(ErrorResponse(error=ErrorInfo(
-                message=error.message, type=error.type, param=error.param, code=error.code)))
-        yield "data: [DONE]\n\n"
 
     def _completion_logprobs(self, pairs: list[tuple[int, dict[int, Logprob]]],
                              num: int | None, offset: int = 0) -> Logprobs | None:
@@ -469,81 +409,3 @@ class OpenAIServing:
         return ChatLogprobs(content=content)
 
 
-def _add_cached(usage: UsageInfo, out: RequestOutput) -> None:
-    details = usage.prompt_tokens_details or PromptTokensDetails()
-    details.cached_tokens += out.num_cached_tokens
-    usage.prompt_tokens_details = details
-
-
-def _pairs(c: CompletionOutput) -> list[tuple[int, dict[int, Logprob]]]:
-    """(sampled token id, its logprobs entry) for each new token of a delta."""
-    return list(zip(c.token_ids, c.logprobs)) if c.logprobs else []
-
-
-def _sse(chunk: BaseModel) -> str:
-    return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
-
-
-_DONE = object()
-
-
-async def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
-    """Interleave several streams as (stream index, item); closes them all on exit."""
-    if len(streams) == 1:
-        async with aclosing(streams[0]) as stream:  # type: ignore[type-var]
-            async for item in stream:
-                yield 0, item
-        return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-
-    async def pump(index: int, stream: AsyncIterator[Any]) -> None:
-        try:
-            async with aclosing(stream):  # type: ignore[type-var]
-                async for item in stream:
-                    queue.put_nowait((index, item))
-            queue.put_nowait((index, _DONE))
-        except Exception as e:  # noqa: BLE001 - re-raised by the consumer
-            queue.put_nowait((index, e))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
-            if item is _DONE:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()  # each stream's own cleanup aborts its request
-
-
-def to_api_error(exc: BaseException) -> APIError:
-    """Any exception -> the OpenAI error it is answered with."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, ValidationError):
-        err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        named = not loc or err["msg"].startswith(str(err["loc"][0]))
-        message = err["msg"] if named else f"{loc}: {err['msg']}"
-        return APIError(400, message, param=str(err["loc"][0]) if err["loc"] else None)
-    if isinstance(exc, RequestError):
-        return APIError(400, str(exc), param=exc.param, code=exc.code)
-    if isinstance(exc, ValueError):
-        name = str(exc).split(" ", 1)[0]
-        return APIError(400, str(exc), param=name if name in _PARAM_FIELDS else None)
-    if isinstance(exc, EngineUnavailableError):  # no rank serves it now; the server lives
-        return APIError(503, str(exc), type="server_error", code="engine_unavailable")
-    if isinstance(exc, EngineDeadError):
-        return APIError(503, str(exc), type="server_error", code="engine_dead")
-    status = getattr(exc, "status_code", None)
-    if isinstance(status, int) and 400 <= status < 600:  # Starlette HTTPException
-        detail = getattr(exc, "detail", None) or str(exc)
-        return APIError(status, str(detail), type="invalid_request_error" if status < 500
-                        else "server_error")
-    logger.error("internal error", exc_info=exc)
-    return APIError(500, f"internal server error: {type(exc).__name__}", type="server_error")

@@ -15,6 +15,7 @@ from typing import Any
 
 from dpserve.outputs import CompletionOutput
 from dpserve.sampling_params import SamplingParams
+from dpserve.server.errors import to_api_error
 from dpserve.server.protocol import (
     ChatCompletionChunk,
     ChatMessage,
@@ -26,6 +27,7 @@ from dpserve.server.protocol import (
     FunctionCall,
     ToolCall,
 )
+from dpserve.server.streams import collect, sse, sse_lines
 from dpserve.server.tools import ToolPlan, loads_or_text, new_call_id, parse_tool_calls
 
 
@@ -62,16 +64,12 @@ def tool_message(text: str, finish_reason: str | None, plan: ToolPlan | None,
         for c in calls]), ("tool_calls" if finish_reason == "stop" else finish_reason)
 
 
-def _sse(chunk: Any) -> str:
-    return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
-
-
 async def chat_tool_stream(serving: Any, request_id: str, streams: list[AsyncIterator[Any]],
                            params: SamplingParams, include_usage: bool,
                            plan: ToolPlan) -> AsyncIterator[str]:
     """The SSE lines of a chat stream whose choices may be tool calls."""
     def chunk(index: int, delta: DeltaMessage, finish: str | None = None) -> str:
-        return _sse(ChatCompletionChunk(id=request_id, model=serving.model_name, choices=[
+        return sse(ChatCompletionChunk(id=request_id, model=serving.model_name, choices=[
             ChatStreamChoice(index=index, delta=delta, finish_reason=finish)]))
 
     for i in range(len(streams) * params.n):  # OpenAI sends the role first
@@ -82,7 +80,7 @@ async def chat_tool_stream(serving: Any, request_id: str, streams: list[AsyncIte
             yield line
         return
     try:
-        choices, usage = await serving._collect(streams, params.n)
+        choices, usage = await collect(streams, params.n)
     except Exception as e:  # noqa: BLE001 - the status is sent: report in the stream
         yield _error_line(e)
         yield "data: [DONE]\n\n"
@@ -99,16 +97,14 @@ async def chat_tool_stream(serving: Any, request_id: str, streams: list[AsyncIte
                 index=k, type=None, function=FunctionCall(arguments=call.function.arguments))]))
         yield chunk(i, DeltaMessage(), finish)
     if include_usage:
-        yield _sse(ChatCompletionChunk(id=request_id, model=serving.model_name, choices=[],
+        yield sse(ChatCompletionChunk(id=request_id, model=serving.model_name, choices=[],
                                        usage=usage))
     yield "data: [DONE]\n\n"
 
 
 def _error_line(e: Exception) -> str:
-    from dpserve.server.serving import to_api_error
-
     error = to_api_error(e)
-    return _sse(ErrorResponse(error=ErrorInfo(message=error.message, type=error.type,
+    return sse(ErrorResponse(error=ErrorInfo(message=error.message, type=error.type,
                                               param=error.param, code=error.code)))
 
 
@@ -132,5 +128,5 @@ async def _named_stream(serving: Any, request_id: str, streams: list[AsyncIterat
         return ChatCompletionChunk(id=request_id, model=serving.model_name, choices=[],
                                    usage=usage)
 
-    async for line in serving._sse(streams, params.n, chunk, usage_chunk, include_usage):
+    async for line in sse_lines(streams, params.n, chunk, usage_chunk, include_usage):
         yield line

@@ -2,8 +2,11 @@
 
 It has the async interface of the socket client (`AsyncEngineClient`):
 `add_request`, `abort_requests`, `call_utility`, `get_output`, `dead`,
-`shutdown`, so `AsyncLLM` and the server run on either. It is how the server
-runs without extra processes, and what front-end tests use.
+`shutdown`, and implements the same `ClusterView` (`dpserve.frontend.cluster`)
+with one engine's answers: rank 0 serving, no DP coordinator, nothing ever
+moved, no run-time scaling; pause / sleep need an engine process (ValueError:
+a 400). So `AsyncLLM` and the server run on either; front-end and HTTP tests
+use it to serve without extra processes.
 
 Threads: the engine thread owns the `EngineCore` (nothing else touches it
 once the thread runs). The asyncio loop that first calls an async method
@@ -12,7 +15,7 @@ engine) and `loop.call_soon_threadsafe` (engine -> loop). If a step raises,
 the client is dead: pending utility calls and `get_output` raise
 `EngineDeadError`, and so does every later call.
 
-Not here: several engines (data parallel), sockets, processes.
+Not here: several engines (data parallel), sockets, processes, pause / sleep.
 """
 
 from __future__ import annotations
@@ -25,15 +28,29 @@ import threading
 import time
 from typing import Any
 
+import msgspec
+
 from dpserve.config import EngineConfig
 from dpserve.engine.core import UTILITY_METHODS, EngineCore
-from dpserve.frontend.errors import EngineDeadError
-from dpserve.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError
+from dpserve.frontend.migration import MovedCounts
+from dpserve.frontend.rank_table import RankView
+from dpserve.protocol import (
+    ControlState,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    RankState,
+    ScaleStatus,
+)
 
 logger = logging.getLogger(__name__)
 
 _SHUTDOWN = object()  # input-queue sentinel
 _DEAD = object()  # output-queue sentinel
+# What an engine process answers itself, not its EngineCore: one engine has no DP state.
+_PROCESS_UTILITIES = {"get_dp_state": lambda: None}
 
 
 class InprocEngineClient:
@@ -47,6 +64,8 @@ class InprocEngineClient:
         self.max_model_len: int = self.core.scheduler.max_model_len
         self.num_kv_blocks: int = self.core.num_kv_blocks
         self.dead = False
+        self.current_wave = 0  # no DP waves
+        self.autoscale_decisions: list[int] | None = None
         self._death: EngineDeadError | None = None
         self._closed = False
         self._inputs: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -68,10 +87,16 @@ class InprocEngineClient:
         if request_ids and not self.dead and not self._closed:
             self._inputs.put(("abort", list(request_ids)))
 
-    async def call_utility(self, method: str, *args: Any) -> Any:
+    async def call_utility(self, method: str, *args: Any, engine: int | None = None,
+                           timeout: float = 30.0, result_type: Any = None) -> Any:
         """Run `EngineCore.<method>(*args)` between two steps (a method of
-        `UTILITY_METHODS`, as in an engine process); returns its result."""
+        `UTILITY_METHODS`, as in an engine process); returns its result.
+        `engine`: None or 0 (the one engine); TimeoutError after `timeout` s."""
         loop = self._ready()
+        if engine not in (None, 0):
+            raise ValueError(f"no engine of rank {engine} (engines: [0])")
+        if method in _PROCESS_UTILITIES:
+            return _PROCESS_UTILITIES[method]()
         if method not in UTILITY_METHODS:
             raise ValueError(f"the engine has no utility method {method!r}")
         call_id = next(self._call_ids)
@@ -79,9 +104,20 @@ class InprocEngineClient:
         self._calls[call_id] = future
         self._inputs.put(("utility", call_id, method, args))
         try:
-            return await future
+            result = await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"engine 0 did not answer {method}() within "
+                               f"{timeout:.0f} s") from None
         finally:
             self._calls.pop(call_id, None)
+        if result_type is None or isinstance(result, result_type):
+            return result
+        return msgspec.convert(result, result_type)
+
+    async def call_utility_all(self, method: str, *args: Any, timeout: float = 30.0,
+                               result_type: Any = None) -> dict[int, Any]:
+        return {0: await self.call_utility(method, *args, timeout=timeout,
+                                           result_type=result_type)}
 
     async def get_output(self) -> EngineCoreOutputs:
         """The next message from the engine; raises EngineDeadError once it died."""
@@ -103,6 +139,57 @@ class InprocEngineClient:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 logger.warning("engine thread did not stop within %.0f s", timeout)
+
+    # ---- ClusterView: one engine's answers ------------------------------------------
+
+    @property
+    def cluster(self) -> InprocEngineClient:
+        return self  # it is its own ClusterView
+
+    @property
+    def dead_reason(self) -> str | None:
+        return str(self._death) if self._death is not None else None
+
+    @property
+    def data_parallel_size(self) -> int:
+        return 1
+
+    @property
+    def has_coordinator(self) -> bool:
+        return False
+
+    @property
+    def elastic(self) -> bool:
+        return False
+
+    @property
+    def control(self) -> ControlState:
+        return ControlState()  # never paused nor asleep: pause / sleep need a process
+
+    @property
+    def moved(self) -> MovedCounts:
+        return MovedCounts()  # one engine: nowhere to move a request
+
+    def ranks(self) -> list[RankView]:
+        return [RankView(0, RankState.SERVING)]
+
+    def queued(self) -> list[tuple[int, int]]:
+        return []  # no queue figures: admission never answers 429
+
+    def request_state_sizes(self) -> dict[str, int]:
+        return {}  # the engine's own sizes come from its `request_state_sizes` utility
+
+    async def change_control(self, op: str, arg: str | int | None = None,
+                             timeout: float = 600.0) -> ControlState:
+        raise ValueError(f"{op} needs an engine process (dpserve serve); the in-process "
+                         f"engine has no pause / sleep")
+
+    async def request_scale(self, num_engines: int, timeout: float) -> ScaleStatus:
+        raise EngineUnavailableError("this server cannot change its engine count")
+
+    async def control_rank(self, rank: int, action: str) -> None:
+        raise ValueError("per-rank controls go through the DP coordinator, and this "
+                         "server has none (--data-parallel-size 1)")
 
     def _bind(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.get_running_loop()

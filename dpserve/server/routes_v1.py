@@ -1,0 +1,140 @@
+"""The OpenAI routes: /v1/completions, /v1/chat/completions, /v1/models[/{id}].
+
+Scope: `v1_router(serving, ...)`, thin routes over `OpenAIServing`: parse the
+body strictly, run the serving call unless the client leaves first (then it is
+cancelled, which aborts its requests in the engine), answer JSON or an SSE
+stream. While the server drains (`AsyncLLM.draining`, set on SIGTERM) every
+route answers 503 with `Retry-After` and code "server_draining"; requests
+already in flight go on. The `X-data-parallel-rank: k` header pins a request
+to engine k (a bad value is a 400).
+
+Not here: the serving logic (`dpserve.server.serving`), /tokenize and
+/detokenize (`dpserve.server.extras`), the error handler (`dpserve.server.app`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Sequence
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.types import Send
+
+from dpserve.frontend.async_llm import AsyncLLM
+from dpserve.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from dpserve.server.serving import OpenAIServing
+
+DP_RANK_HEADER = "X-data-parallel-rank"
+DRAIN_RETRY_AFTER_S = 5  # the Retry-After of a 503 while draining
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def v1_router(async_llm: AsyncLLM, serving: OpenAIServing, names: Sequence[str]
+              ) -> APIRouter:
+    """The /v1 routes over `serving`; `names`: the model names /v1/models lists."""
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_drain_check(async_llm))])
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        body = await _parse(request, CompletionRequest)
+        return await _respond(request, serving.create_completion(
+            body, _dp_rank(request), api_key_id=request.state.api_key_id))
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await _parse(request, ChatCompletionRequest)
+        return await _respond(request, serving.create_chat_completion(
+            body, _dp_rank(request), api_key_id=request.state.api_key_id))
+
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=async_llm.config.model.path,
+                         max_model_len=async_llm.max_model_len)
+
+    @v1.get("/models")
+    async def models() -> ModelList:
+        return ModelList(data=[card(name) for name in names])
+
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        serving.check_model(model_id)
+        return card(model_id)
+
+    return v1
+
+
+def draining_error() -> APIError:
+    """The 503 of every /v1 route and /health while the server drains."""
+    return APIError(503, "the server is shutting down and takes no new requests; retry "
+                    "later or on another replica", type="server_error", code="server_draining",
+                    headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)})
+
+
+def _drain_check(async_llm: AsyncLLM) -> Any:
+    async def check() -> None:
+        if async_llm.draining:
+            raise draining_error()
+
+    return check
+
+
+def _dp_rank(request: Request) -> int | None:
+    """The engine a request pins with `X-data-parallel-rank` (None: any engine)."""
+    value = request.headers.get(DP_RANK_HEADER)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise APIError(400, f"{DP_RANK_HEADER} must be an integer engine rank, got "
+                       f"{value!r}", param=DP_RANK_HEADER) from None
+
+
+async def _parse(request: Request, model: type[_M]) -> _M:
+    """Read the body (capped by `BodyLimit`: 413) and validate it strictly."""
+    return model.model_validate_json(await request.body(), strict=True)
+
+
+async def _respond(request: Request, work: Awaitable[Any]) -> Response:
+    """Await the serving call unless the client leaves first (then it is cancelled,
+    which aborts its requests); wrap the result as JSON or an SSE stream."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done():  # the client left: wait for the cancellation to run
+        await asyncio.wait({task})
+        return Response(status_code=499)  # nobody reads it
+    result = task.result()
+    if isinstance(result, BaseModel):
+        return Response(result.model_dump_json(), media_type="application/json")
+    return _SSEResponse(result, media_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache"})
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _SSEResponse(StreamingResponse):
+    """A stream that always closes its generator, so the requests behind it are
+    aborted when the client disconnects (not when it is garbage-collected)."""
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
