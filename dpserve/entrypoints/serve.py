@@ -63,7 +63,7 @@ from dpserve.launch.headless import run_headless_host
 from dpserve.launch.host import launch_engines
 from dpserve.launch.process import start_engine_forkserver, stop_engine_forkserver
 from dpserve.logging_utils import name_process, scrub_argv
-from dpserve.server.auth import AuthOptions, add_auth_args, check_admin_exposure
+from dpserve.server.auth import add_auth_args, check_admin_exposure
 from dpserve.server.extras import HTTPOptions, add_http_args
 from dpserve.server.limits import RequestLimits, add_limit_args
 from dpserve.server.log_options import LogOptions, add_log_args
@@ -133,8 +133,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                             groups={"request limits": limits})
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    RequestLimits.from_args(args)  # ConfigError naming the option
+def _check_args(args: argparse.Namespace) -> APIServerOptions | None:
+    """Every option's ConfigError (naming it) before anything loads; the API
+    servers' options, None with --headless (no HTTP there)."""
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     if args.engine_ready_timeout <= 0:
@@ -150,13 +151,17 @@ def _check_args(args: argparse.Namespace) -> None:
         value = getattr(args, option, None)
         if value is not None and value < 1:
             raise ConfigError(f"--{option.replace('_', '-')} must be at least 1, got {value}")
-    LogOptions.from_args(args)  # their ConfigErrors before anything loads
-    HTTPOptions.from_args(args)
-    if not args.headless:
-        check_admin_exposure(args, AuthOptions.from_args(args))
     if args.api_server_count < 1:
         raise ConfigError(f"--api-server-count must be at least 1, got "
                           f"{args.api_server_count}")
+    if args.headless:
+        RequestLimits.from_args(args)
+        LogOptions.from_args(args)
+        HTTPOptions.from_args(args)
+        return None
+    options = APIServerOptions.from_args(args)  # HTTP, log, auth and limit options
+    check_admin_exposure(args, options.auth)
+    return options
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -185,12 +190,11 @@ def run_serve(args: argparse.Namespace) -> int:
     scrub_argv()
     name_process("Headless" if args.headless else
                  "APIServer_0" if args.api_server_count == 1 else "Launcher")
-    _check_args(args)
-    if args.headless:
+    options = _check_args(args)
+    if options is None:
         return run_headless(args)
     engine_args = EngineArgs.from_cli(args)
     engine_args.check_options()  # a bad option fails before anything starts
-    options = APIServerOptions.from_args(args)
     sock = _bind(args.host, args.port)  # before loading anything: fail fast, hold the port
     try:
         error = _launch_and_serve(args, engine_args, options, sock)

@@ -281,7 +281,8 @@ def _launch_ray(launch: EngineLaunch, config: EngineConfig, num_clients: int,
                 ready_timeout: float) -> None:
     """Every rank a Ray actor; front-ends and coordinator here, tcp twins for the actors."""
     from dpserve.launch.engines import EngineStartupError
-    from dpserve.launch.ray_backend import RayEngineManager, RayPlacementError
+    from dpserve.launch.ray_backend import RayEngineManager
+    from dpserve.launch.ray_placement import RayPlacementError
 
     p = config.parallel
     size = p.data_parallel_size

@@ -24,7 +24,7 @@ A failed start stops the new engines and shrinks the tables back (FAILED);
 every result goes back as `ScaleResult`. Every wait is bounded.
 
 Not here: validation of the size and the one-at-a-time rule (the
-coordinator's `dpserve.launch.autoscale.ScaleBook`), HTTP (`dpserve.server.scale`).
+coordinator's `dpserve.launch.coordinator.autoscale.ScaleBook`), HTTP (`dpserve.server.scale`).
 """
 
 from __future__ import annotations
