@@ -111,7 +111,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class AutoscaleConfig:
-    """`--data-parallel-autoscale MIN:MAX` and its targets (`launch/coordinator/autoscale.py`)."""
+    """`--data-parallel-autoscale MIN:MAX` and its targets (`dpserve.launch.autoscale`)."""
 
     min_size: int
     max_size: int
