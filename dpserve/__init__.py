@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 from dpserve.outputs import CompletionOutput, Logprob, RequestOutput
 from dpserve.sampling_params import SamplingParams
+from dpserve.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
            "__version__"]
 

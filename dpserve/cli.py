@@ -86,7 +86,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dpserve import __version__
+    from dpserve.version import __version__
 
     if sys.version_info < MIN_PYTHON:
         print(f"dpserve: error: Python {'.'.join(map(str, MIN_PYTHON))} or newer is needed "

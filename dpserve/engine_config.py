@@ -72,7 +72,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class AutoscaleConfig:
-    """`--data-parallel-autoscale MIN:MAX` and its targets (`dpserve.launch.autoscale`)."""
+    """`--data-parallel-autoscale MIN:MAX` and its targets (launch/coordinator/autoscale.py)."""
 
     min_size: int
     max_size: int

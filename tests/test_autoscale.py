@@ -4,7 +4,7 @@ time (`ScaleBook`) and the autoscaler's windows, hysteresis and cooldown."""
 from __future__ import annotations
 
 from dpserve.config import AutoscaleConfig
-from dpserve.launch.autoscale import ScaleBook
+from dpserve.launch.coordinator.autoscale import ScaleBook
 from dpserve.protocol import RankState, RankStatus, ScalePhase, ScaleRequest, ScaleResult
 
 SERVING = RankStatus(RankState.SERVING)

@@ -22,7 +22,7 @@ import zmq
 from helpers import FakeFrontend, ScriptedEngines, assert_silent, recv_frames
 
 from dpserve.launch.addresses import AddressAllocator
-from dpserve.launch.coordinator import _LoadTable
+from dpserve.launch.coordinator.tables import LoadTable
 from dpserve.protocol import (
     COORDINATOR_READY,
     CoordinatorUpdate,
@@ -84,7 +84,7 @@ def test_startup_times_out_without_engines(make_coordinator):
 
 
 def test_load_table_publishes_last_complete_step_first():
-    table = _LoadTable(2)
+    table = LoadTable(2)
     table.apply(0, wave=0, step=1, counts=[1, 0])
     table.apply(1, wave=0, step=1, counts=[2, 0])
     table.apply(0, wave=0, step=2, counts=[5, 5])  # step 2 begins: step 1 is complete

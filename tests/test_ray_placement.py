@@ -1,4 +1,4 @@
-"""The Ray backend's placement planner (`dpserve.launch.ray_backend.plan_placement`) on
+"""The Ray backend's placement planner (`dpserve.launch.ray_placement.plan_placement`) on
 made-up nodes, and the options the manager refuses before it connects to Ray.
 Pure logic in milliseconds: needs no Ray installed (`import ray` happens only
 when a manager connects)."""
@@ -11,8 +11,8 @@ import pytest
 
 from dpserve.config import EngineArgs, EngineConfig
 from dpserve.launch.addresses import AddressAllocator, ZmqAddresses
-from dpserve.launch.ray_backend import (
-    RayEngineManager,
+from dpserve.launch.ray_backend import RayEngineManager
+from dpserve.launch.ray_placement import (
     RayNode,
     RayPlacementError,
     check_pack_strategy,

@@ -2,12 +2,13 @@
 
 Scope: `serve_http` (one API server: AsyncEngineClient -> AsyncLLM ->
 FastAPI app -> uvicorn on a socket the launcher bound), the process target
-`run_api_server` for `--api-server-count M > 1`, and `APIServerProcManager`,
-the launcher's side of those processes (spawn, start-up handshake, stop).
+`run_api_server` for `--api-server-count M > 1` and its end of the pipe to
+the launcher (`_LauncherLink`).
 
-Not here: binding the listening socket, engines, the coordinator and the
-watch loop over every process (`dpserve.entrypoints.serve`), the HTTP routes
-(`dpserve.server.app`).
+Not here: binding the listening socket (`dpserve.entrypoints.serve`), the
+launcher's side of the API-server processes and the watch over every process
+(`dpserve.launch.api_servers`, `dpserve.launch.api_server_watch`), the pipe's
+messages (`dpserve.launch.api_server_pipe`), the HTTP routes (`dpserve.server.app`).
 
 Processes and sockets with M API servers (i < M):
 
@@ -69,7 +70,11 @@ import uvicorn
 
 from dpserve.config import EngineConfig
 from dpserve.frontend.errors import EngineDeadError
-from dpserve.launch.api_servers import API_SERVER_READY_TIMEOUT_S, ControlMessage
+from dpserve.launch.api_server_pipe import (
+    API_SERVER_READY_TIMEOUT_S,
+    APIServerSpec,
+    ControlMessage,
+)
 from dpserve.launch.process import start_parent_watcher
 from dpserve.logging_utils import name_process
 from dpserve.server.auth import AuthOptions
@@ -127,20 +132,6 @@ class APIServerOptions:
                    max_num_queued_tokens=getattr(args, "max_num_queued_tokens", None),
                    tool_call_parser=getattr(args, "tool_call_parser", None)
                    if getattr(args, "enable_auto_tool_choice", False) else None)
-
-
-@dataclass(frozen=True)
-class APIServerSpec:
-    """What API server `index` needs to reach the engines (picklable, plain values)."""
-
-    index: int  # its client index: engines route its outputs by it
-    # What this API server binds: ZmqAddresses.input_binds(index) / output_binds(index)
-    # (ipc for this host's engines, plus tcp twins when engines run elsewhere).
-    input_address: str | tuple[str, ...]
-    output_address: str | tuple[str, ...]
-    engine_ranks: tuple[int, ...]
-    max_model_len: int  # the engines' limit (min over their READY)
-    coordinator_address: str | None  # the DP coordinator's front XPUB (None: no coordinator)
 
 
 class DrainingServer(uvicorn.Server):

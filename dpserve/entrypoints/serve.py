@@ -44,36 +44,34 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
-import shutil
 import signal
 import socket
 import sys
-import tempfile
-import time
-from collections.abc import Sequence
-from multiprocessing import connection
-from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
-from dpserve.config import ConfigError, EngineArgs, EngineConfig, ParallelConfig
+from dpserve.config import ConfigError, EngineArgs, EngineConfig
+from dpserve.entrypoints.api_server import (
+    APIServerOptions,
+    APIServerSpec,
+    run_api_server,
+    serve_http,
+)
+from dpserve.launch.api_server_watch import run_api_servers
+from dpserve.launch.api_servers import APIServerStartupError
+from dpserve.launch.engines import EngineStartupError
+from dpserve.launch.headless import run_headless_host
+from dpserve.launch.host import launch_engines
+from dpserve.launch.process import start_engine_forkserver, stop_engine_forkserver
 from dpserve.logging_utils import name_process, scrub_argv
-from dpserve.security import warn_plain_tcp
-from dpserve.server.auth import add_auth_args
-from dpserve.server.extras import add_http_args
+from dpserve.server.auth import add_auth_args, check_admin_exposure
+from dpserve.server.extras import HTTPOptions, add_http_args
 from dpserve.server.limits import RequestLimits, add_limit_args
-from dpserve.server.log_options import add_log_args
+from dpserve.server.log_options import LogOptions, add_log_args
 
 if TYPE_CHECKING:
-    from dpserve.entrypoints.api_server import APIServerOptions, APIServerSpec
-    from dpserve.launch.api_servers import APIServerProcManager
-    from dpserve.launch.engines import EngineProcManager
     from dpserve.launch.host import EngineLaunch
-    from dpserve.launch.supervisor import RestartBudget
 
 logger = logging.getLogger("dpserve.serve")
-
-DRAIN_MARGIN_S = 15.0  # beyond --shutdown-timeout: aborts, closing connections, exits
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -135,8 +133,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                             groups={"request limits": limits})
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    RequestLimits.from_args(args)  # ConfigError naming the option
+def _check_args(args: argparse.Namespace) -> APIServerOptions | None:
+    """Every option's ConfigError (naming it) before anything loads; the API
+    servers' options, None with --headless (no HTTP there)."""
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     if args.engine_ready_timeout <= 0:
@@ -152,17 +151,17 @@ def _check_args(args: argparse.Namespace) -> None:
         value = getattr(args, option, None)
         if value is not None and value < 1:
             raise ConfigError(f"--{option.replace('_', '-')} must be at least 1, got {value}")
-    from dpserve.server.auth import AuthOptions, check_admin_exposure
-    from dpserve.server.extras import HTTPOptions
-    from dpserve.server.log_options import LogOptions
-
-    LogOptions.from_args(args)  # their ConfigErrors before anything loads
-    HTTPOptions.from_args(args)
-    if not args.headless:
-        check_admin_exposure(args, AuthOptions.from_args(args))
     if args.api_server_count < 1:
         raise ConfigError(f"--api-server-count must be at least 1, got "
                           f"{args.api_server_count}")
+    if args.headless:
+        RequestLimits.from_args(args)
+        LogOptions.from_args(args)
+        HTTPOptions.from_args(args)
+        return None
+    options = APIServerOptions.from_args(args)  # HTTP, log, auth and limit options
+    check_admin_exposure(args, options.auth)
+    return options
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -185,24 +184,32 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Run the server until SIGTERM/Ctrl-C or a dpserve process dies (1)."""
-    from dpserve.entrypoints.api_server import APIServerOptions, APIServerSpec
-    from dpserve.launch.api_servers import APIServerStartupError
-    from dpserve.launch.engines import EngineStartupError
-    from dpserve.launch.host import launch_engines
-
+    """Run the server until SIGTERM/Ctrl-C or a dpserve process dies (1):
+    check the options -> bind -> launch the engines -> serve -> stop."""
     # First of all: the title replaces the command line (secrets leave `ps`).
     scrub_argv()
     name_process("Headless" if args.headless else
                  "APIServer_0" if args.api_server_count == 1 else "Launcher")
-    _check_args(args)
-    if args.headless:
+    options = _check_args(args)
+    if options is None:
         return run_headless(args)
     engine_args = EngineArgs.from_cli(args)
     engine_args.check_options()  # a bad option fails before anything starts
     sock = _bind(args.host, args.port)  # before loading anything: fail fast, hold the port
-    from dpserve.launch.process import start_engine_forkserver, stop_engine_forkserver
+    try:
+        error = _launch_and_serve(args, engine_args, options, sock)
+    finally:
+        sock.close()
+    if isinstance(error, int):
+        return error
+    print(f"dpserve: error: {error}", file=sys.stderr)  # last, after the children's logs
+    return 1
 
+
+def _launch_and_serve(args: argparse.Namespace, engine_args: EngineArgs,
+                      options: APIServerOptions, sock: socket.socket) -> int | str:
+    """Launch the engines, serve until the end: the exit code, or the one-line error
+    when something failed to start. Everything started is stopped on return."""
     if args.data_parallel_backend != "ray":
         start_engine_forkserver()  # imports torch while the config resolves
     num_api_servers = args.api_server_count
@@ -218,111 +225,42 @@ def run_serve(args: argparse.Namespace) -> int:
 
             preload_tokenizer(config.model.tokenizer)
         launch = launch_engines(config, num_api_servers, ready_timeout=args.engine_ready_timeout)
-        specs = [APIServerSpec(i, launch.input_binds(i), launch.output_binds(i), launch.ranks,
-                               launch.max_model_len, launch.coordinator_address)
-                 for i in range(num_api_servers)]
-        options = APIServerOptions.from_args(args)
-        if num_api_servers == 1:
-            return _serve_in_process(options, config, specs[0], sock, launch)
-        return _run_api_servers(options, config, specs, sock, launch)
+        return _serve(options, config, sock, launch, num_api_servers)
     except EngineStartupError as e:
-        error = f"engine failed to start: {e}"
+        return f"engine failed to start: {e}"
     except APIServerStartupError as e:
-        error = f"API server failed to start: {e}"
+        return f"API server failed to start: {e}"
     finally:
         if launch is not None:
             launch.close()
         else:  # failed before the engines (the model, say): the forkserver goes too
             stop_engine_forkserver()
-        sock.close()
-    print(f"dpserve: error: {error}", file=sys.stderr)  # last, after the children's logs
-    return 1
+
+
+def _serve(options: APIServerOptions, config: EngineConfig, sock: socket.socket,
+           launch: EngineLaunch, num_api_servers: int) -> int:
+    """Serve over the engines `launch` started: in this process (M == 1), or through
+    M API-server processes (`dpserve.launch.api_server_watch`)."""
+    specs = [APIServerSpec(i, launch.input_binds(i), launch.output_binds(i), launch.ranks,
+                           launch.max_model_len, launch.coordinator_address)
+             for i in range(num_api_servers)]
+    if num_api_servers == 1:
+        return _serve_in_process(options, config, specs[0], sock, launch)
+    return run_api_servers(run_api_server, dict(options=options, config=config), config,
+                           specs, sock, launch, on_serving=lambda: _log_serving(
+                               options, config, specs[0], sock, num_api_servers))
 
 
 def run_headless(args: argparse.Namespace) -> int:
-    """`--headless`: this host's engines for a head elsewhere; no API server.
-
-    Exits when its engines exit (they stop when the head goes away): 0 if
-    they all stopped cleanly, 1 otherwise. SIGTERM/SIGINT drain the engines
-    (each gets SIGTERM, finishes its requests for up to --shutdown-timeout s),
-    then the same exit codes; a second signal stops at once (128 + the signal).
-    """
-    from dpserve.launch.addresses import url_host
-    from dpserve.launch.engines import EngineProcManager
-
+    """`--headless`: this host's engines for a head elsewhere; no API server
+    (`dpserve.launch.headless`)."""
     config = EngineArgs.from_cli(args).create_config()
-    p = config.parallel
-    if p.local_lb:
-        raise ConfigError("--headless hosts run engines for a head's balancer; they take no "
-                          "--data-parallel-rank or --data-parallel-hybrid-lb")
-    if p.data_parallel_start_rank == 0:
-        raise ConfigError("--headless needs --data-parallel-start-rank > 0 (rank 0 runs on "
-                          "the head)")
-    head = f"tcp://{url_host(p.data_parallel_address)}:{p.data_parallel_rpc_port}"
-    warn_plain_tcp(p.data_parallel_address, p.data_parallel_secret)
-    logger.info("headless: engines %s for the head at %s", p.local_ranks, head)
-    stop = _StopSignal()
-    manager = EngineProcManager(config, head, num_engines=p.data_parallel_size_local,
-                                start_rank=p.data_parallel_start_rank, local=False,
-                                handshake_timeout=args.engine_ready_timeout)
-    try:
-        failed = _supervise_headless(stop, manager, p)
-        if stop.signum is not None:
-            logger.info("signal %d: draining the engines (up to %g s)", stop.signum,
-                        config.shutdown_timeout)
-            for proc in manager.processes:
-                if proc.is_alive():
-                    proc.terminate()  # an engine drains on its first SIGTERM
-            code = _wait_drained(stop, manager.processes, [], config.shutdown_timeout)[0]
-            return 1 if code == 0 and any(manager.finished_procs().values()) else code
-        if failed:
-            print(f"dpserve: error: {'; '.join(failed)} (see its log above)", file=sys.stderr)
-            return 1
-        logger.info("headless: every engine stopped (the head went away)")
-        return 0
-    finally:
-        manager.close()
-        stop.restore()
-
-
-
-def _supervise_headless(stop: _StopSignal, manager: EngineProcManager,
-                        p: ParallelConfig) -> list[str]:
-    """Watch this host's engines until a signal or until none runs: an engine that
-    exits cleanly (its head went away) stays down; one that fails is restarted
-    under policy restart (it handshakes with the head again, which then routes to
-    it; --max-engine-restarts per rank in the supervisor's window); under isolate
-    it stays down; under stop the host stops. Returns the failures that ended it."""
-    from dpserve.launch.supervisor import RestartBudget
-
-    budget = RestartBudget(p.max_engine_restarts)
-    incarnations = dict.fromkeys(manager.ranks, 0)
-    failed: list[str] = []
-    while stop.signum is None:
-        live = [proc for proc in manager.processes if proc.exitcode is None]
-        if not live:
-            return failed
-        for proc in _watch(stop, live):
-            rank = manager.ranks[manager.processes.index(proc)]
-            what = f"{proc.name} exited with code {proc.exitcode}"
-            if proc.exitcode == 0:
-                continue
-            if p.engine_failure_policy == "restart" and budget.take(rank):
-                incarnations[rank] += 1
-                logger.warning("%s; restarting it (incarnation %d)", what, incarnations[rank])
-                manager.respawn(rank, incarnations[rank])
-                continue
-            failed.append(what)
-            if p.engine_failure_policy == "stop":
-                return failed
-            logger.error("rank %d is out: %s", rank, what)
-    return failed
+    return run_headless_host(config, args.engine_ready_timeout)
 
 
 def _serve_in_process(options: APIServerOptions, config: EngineConfig,
                       spec: APIServerSpec, sock: socket.socket, launch: EngineLaunch) -> int:
     """M == 1: API server 0 runs here; engine deaths follow the failure policy."""
-    from dpserve.entrypoints.api_server import serve_http
 
     async def on_ready(client, server) -> None:
         launch.supervise(config, on_status=client.set_rank_status, on_fatal=client.mark_dead,
@@ -330,186 +268,6 @@ def _serve_in_process(options: APIServerOptions, config: EngineConfig,
         _log_serving(options, config, spec, sock, 1)
 
     return asyncio.run(serve_http(options, config, spec, sock, on_ready))
-
-
-def _run_api_servers(options: APIServerOptions, config: EngineConfig,
-                     specs: list[APIServerSpec], sock: socket.socket,
-                     launch: EngineLaunch) -> int:
-    """M > 1: start the API-server processes, then watch every process.
-
-    Returns 0 after a drain (SIGTERM/SIGINT), 128 + the signal after a second one,
-    1 when any process died.
-    """
-    from dpserve.launch.api_servers import APIServerProcManager
-    from dpserve.launch.supervisor import RestartBudget
-
-    metrics_dir = tempfile.mkdtemp(prefix="dpserve-metrics-")
-    api: APIServerProcManager | None = None
-    stop: _StopSignal | None = None
-    try:
-        api = APIServerProcManager(options, config, specs, sock, metrics_dir)
-        api.wait_for_startup(also_watch=launch.processes)
-        stop = _StopSignal()
-        launch.supervise(config, on_status=api.broadcast_rank_status,
-                         on_fatal=stop.engine_died, stopping=lambda: stop.signum is not None)
-        api.start_serving()
-        _log_serving(options, config, specs[0], sock, len(specs))
-        budget = RestartBudget(config.parallel.max_engine_restarts)  # per API server
-        while True:
-            exited = _watch(stop, api.processes, api)
-            if stop.signum is not None:
-                logger.info("signal %d: draining the API servers (up to %g s)", stop.signum,
-                            config.shutdown_timeout)
-                api.request_drain()
-                code, why = _wait_drained(stop, api.processes, launch.processes,
-                                          config.shutdown_timeout, api)
-                if code != 0:
-                    api.stop_after_death(why)  # fail what is left, then stop them
-                return code
-            reason = stop.death or "; ".join(
-                f"process {p.name} (pid {p.pid}) exited with code {p.exitcode}"
-                for p in exited)
-            if stop.death is not None or not _restart_api_servers(api, exited, config,
-                                                                    budget):
-                logger.error("%s; stopping the server", reason)
-                api.stop_after_death(reason)
-                return 1
-    finally:
-        if api is not None:
-            api.close()  # API servers first: they drain while the engines still run
-        if stop is not None:
-            stop.restore()
-        shutil.rmtree(metrics_dir, ignore_errors=True)
-
-
-def _restart_api_servers(api: APIServerProcManager, exited: list[BaseProcess],
-                         config: EngineConfig, budget: RestartBudget) -> bool:
-    """Restart API servers that died (the others serve on meanwhile); False when the
-    policy is stop, the restart limit is reached, or one does not start."""
-    from dpserve.launch.api_servers import APIServerStartupError
-
-    p = config.parallel
-    for proc in exited:
-        what = f"{proc.name} (pid {proc.pid}) exited with code {proc.exitcode}"
-        index = api.processes.index(proc)
-        if p.engine_failure_policy == "stop" or not budget.take(index):
-            return False
-        logger.warning("%s; restarting it (the other API servers serve on)", what)
-        try:
-            api.restart(proc)
-        except APIServerStartupError as e:
-            logger.error("%s could not be restarted: %s", proc.name, e)
-            return False
-    return True
-
-
-class _StopSignal:
-    """The launcher's SIGTERM/SIGINT while serving: remember it, wake `_watch`."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None  # the latest
-        self.count = 0  # signals so far
-        self.death: str | None = None  # set by engine_died
-        self.fd, self._write_fd = os.pipe()
-        os.set_blocking(self.fd, False)
-        os.set_blocking(self._write_fd, False)
-        self._old_wakeup_fd = signal.set_wakeup_fd(self._write_fd)
-        self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
-
-    def _handle(self, signum: int, frame: object) -> None:
-        self.signum = signum  # the wakeup fd wakes the loop
-        self.count += 1
-
-    def engine_died(self, reason: str) -> None:
-        """The supervisor stops the server (policy stop, or engines lost): wake `_watch`."""
-        self.death = reason
-        try:
-            os.write(self._write_fd, b"!")
-        except OSError:
-            pass
-
-    def drain(self) -> None:
-        try:
-            os.read(self.fd, 512)
-        except BlockingIOError:
-            pass
-
-    def restore(self) -> None:
-        for s, handler in self._old.items():
-            signal.signal(s, handler)
-        signal.set_wakeup_fd(self._old_wakeup_fd)
-        os.close(self.fd)
-        os.close(self._write_fd)
-
-
-def _watch(stop: _StopSignal, procs: Sequence[BaseProcess],
-           api: APIServerProcManager | None = None) -> list[BaseProcess]:
-    """Block until a stop signal or an engine death reported to `stop` ([]), or until
-    any of `procs` exits (those that did). `api`: an API server that drained on a
-    signal of its own is let go (`release_drained`)."""
-    by_sentinel = {p.sentinel: p for p in procs}
-    while stop.signum is None and stop.death is None:
-        reports = api.drain_fds if api is not None else []
-        ready = connection.wait([*by_sentinel, stop.fd, *reports], timeout=5.0)
-        if stop.fd in ready:
-            stop.drain()
-        if api is not None and stop.signum is None and stop.death is None:
-            api.release_drained()
-        exited = [by_sentinel[s] for s in ready if s in by_sentinel]
-        if exited and stop.signum is None:
-            for proc in exited:
-                proc.join(timeout=1.0)  # reap: exitcode becomes known
-            return exited
-    return []
-
-
-def _wait_drained(stop: _StopSignal, draining: Sequence[BaseProcess],
-                  watched: Sequence[BaseProcess], timeout: float,
-                  api: APIServerProcManager | None = None) -> tuple[int, str]:
-    """After the first signal: wait until every `draining` process has exited
-    (`api`: the API servers' manager, whose DRAINED reports it passes on).
-
-    Returns (exit code, why): 0 when they did; 1 when they still run after
-    `timeout` + DRAIN_MARGIN_S, or a process in `watched` (engines) fails or
-    a Ray actor dies first; 128 + the signal on a second signal.
-    """
-    deadline = time.monotonic() + timeout + DRAIN_MARGIN_S
-    watched_by = {p.sentinel: p for p in watched}
-    while True:
-        alive = [p for p in draining if p.exitcode is None]
-        if not alive:
-            logger.info("drained: %s", ", ".join(f"{p.name} exited with code {p.exitcode}"
-                                                  for p in draining))
-            return 0, "drained"
-        if stop.count > 1:
-            logger.warning("second signal (%d): stopping at once", stop.signum)
-            return 128 + (stop.signum or signal.SIGTERM), "stopped by a second signal"
-        # Exit code 0: an engine stopped by the same signal (sent to the process group).
-        dead = [p for p in watched if p.exitcode]
-        if dead or stop.death is not None:
-            why = stop.death or ", ".join(f"process {p.name} (pid {p.pid}) exited with code "
-                                          f"{p.exitcode}" for p in dead)
-            logger.error("%s while draining", why)
-            return 1, why
-        left = deadline - time.monotonic()
-        if left <= 0:
-            why = (f"{', '.join(p.name for p in alive)} still running "
-                   f"{timeout + DRAIN_MARGIN_S:.0f} s after the signal")
-            logger.error("%s; stopping them", why)
-            return 1, why
-        reports = api.drain_fds if api is not None else []
-        ready = connection.wait([*(p.sentinel for p in alive), *watched_by, stop.fd,
-                                 *reports], timeout=min(left, 1.0))
-        if stop.fd in ready:
-            stop.drain()
-        if api is not None:
-            api.release_drained()
-        for proc in alive:
-            if proc.sentinel in ready:
-                proc.join(timeout=1.0)  # reap: exitcode becomes known
-        for s in ready:
-            if s in watched_by:
-                watched_by[s].join(timeout=1.0)
 
 
 def _log_serving(options: APIServerOptions, config: EngineConfig, spec: APIServerSpec,

@@ -1,10 +1,12 @@
 """The launcher's side of `--api-server-count M > 1`: spawning and stopping API servers.
 
-`APIServerProcManager` spawns `APIServer_<i>` (target
+`APIServerProcManager` spawns `APIServer_<i>` (the process target it is given:
 `dpserve.entrypoints.api_server.run_api_server`), all serving on one
 listening socket the launcher bound, runs the start-up handshake over a pipe
-per process (`ControlMessage`s; see `dpserve.entrypoints.api_server`) and
-tears them down.
+per process (`ControlMessage`s, `dpserve.launch.api_server_pipe`; drawn in
+`dpserve.entrypoints.api_server`) and tears them down.
+
+Not here: watching them while they serve (`dpserve.launch.api_server_watch`).
 """
 
 from __future__ import annotations
@@ -13,53 +15,47 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing import connection
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any
 
-from dpserve.config import EngineConfig
+from dpserve.launch.api_server_pipe import (
+    API_SERVER_READY_TIMEOUT_S,
+    APIServerSpec,
+    ControlMessage,
+)
 from dpserve.launch.process import ProcessGroup
 from dpserve.protocol import RankStatus
 
 if TYPE_CHECKING:
     import socket
 
-    from dpserve.entrypoints.api_server import APIServerOptions, APIServerSpec
-
 logger = logging.getLogger(__name__)
 
-API_SERVER_READY_TIMEOUT_S = 120.0  # build + handshake, either side
+# The process target: target(spec=, conn=, sock=, parent_pid=, metrics_dir=, **shared).
+APIServerTarget = Callable[..., None]
 
 
 class APIServerStartupError(RuntimeError):
     """An API server process failed, died or timed out while starting."""
 
 
-@dataclass(frozen=True)
-class ControlMessage:
-    """Launcher <-> API server process, over its pipe (see `dpserve.entrypoints.api_server`)."""
-
-    kind: Literal["ready", "failed", "serve", "stopping", "drain", "drained", "close", "rank"]
-    detail: str = ""  # failed / stopping: why
-    rank: int = -1  # rank: whose status
-    status: RankStatus | None = None  # rank: the launcher's first-hand news of it
-
-
 class APIServerProcManager:
     """Spawns `APIServer_<i>` for each spec, all serving on `sock`, and tears them down.
 
+    Each runs `target(spec=, conn=, sock=, parent_pid=, metrics_dir=, **shared)`:
+    `shared` are the arguments every API server gets alike (options, config).
     Cleanup is tied to a `ProcessGroup`: `close()`, garbage collection and
     interpreter exit all run `shutdown(processes)` once, then close the pipes.
     """
 
-    def __init__(self, options: APIServerOptions, config: EngineConfig,
-                 specs: Sequence[APIServerSpec], sock: socket.socket,
-                 metrics_dir: str) -> None:
+    def __init__(self, target: APIServerTarget, specs: Sequence[APIServerSpec],
+                 sock: socket.socket, metrics_dir: str, shared: Mapping[str, Any]) -> None:
         self._specs = list(specs)
-        self._common = dict(options=options, config=config, sock=sock,
-                            parent_pid=os.getpid(), metrics_dir=metrics_dir)
+        self._target = target
+        self._common = dict(shared, sock=sock, parent_pid=os.getpid(),
+                            metrics_dir=metrics_dir)
         self._conns: list[connection.Connection] = []  # [M] the launcher's pipe ends
         self._drained = [False] * len(specs)  # [M] said DRAINED (or exited)
         self._draining = False  # request_drain was called
@@ -69,7 +65,7 @@ class APIServerProcManager:
             parent_end, child_end = self._group.context.Pipe()
             self._conns.append(parent_end)
             try:
-                self._group.spawn(_target(), f"APIServer_{spec.index}", spec=spec,
+                self._group.spawn(self._target, f"APIServer_{spec.index}", spec=spec,
                                   conn=child_end, **self._common)
             finally:
                 child_end.close()  # theirs now: a child's death closes its pipe
@@ -100,7 +96,7 @@ class APIServerProcManager:
         self._conns[i] = parent_end
         self._drained[i] = False
         try:
-            new = self._group.replace(proc, _target(), spec=self._specs[i], conn=child_end,
+            new = self._group.replace(proc, self._target, spec=self._specs[i], conn=child_end,
                                       **self._common)
         finally:
             child_end.close()
@@ -197,12 +193,6 @@ class APIServerProcManager:
     def close(self) -> None:
         """terminate -> join -> kill the tree, for every API server (idempotent)."""
         self._group.close()
-
-
-def _target():
-    from dpserve.entrypoints.api_server import run_api_server
-
-    return run_api_server
 
 
 def _close_all(conns: list[connection.Connection]) -> None:

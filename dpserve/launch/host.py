@@ -4,7 +4,6 @@ Scope: `launch_engines(config, num_clients)` runs the start-up of one host
 in every launch mode (DESIGN "Launch modes") and returns an `EngineLaunch`
 that holds what it started: the engine processes (or Ray actors), the DP
 coordinator, the rendezvous, the addresses the front-ends bind.
-`run_headless` is `dpserve serve --headless`: engines only, for a head.
 
     one host (default)   N local engines; coordinator when N > 1; ipc:// only
     head + headless      the head runs ranks [0, L) and binds tcp:// twins of
@@ -17,8 +16,9 @@ coordinator, the rendezvous, the addresses the front-ends bind.
     ray                  every rank is a Ray actor (`dpserve.launch.ray_backend`); all
                          data-plane addresses are tcp:// on --data-parallel-address
 
-Not here: the API servers (`dpserve.entrypoints.api_server`), the HTTP
-socket and the watch loop (`dpserve.entrypoints.serve`).
+Not here: the API servers (`dpserve.entrypoints.api_server`,
+`dpserve.launch.api_server_watch`), the HTTP socket (`dpserve.entrypoints.serve`),
+a `--headless` host (`dpserve.launch.headless`).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from dpserve.config import ConfigError, EngineConfig
 from dpserve.launch.addresses import AddressAllocator, ZmqAddresses, url_host
 from dpserve.launch.engines import EngineProcManager, RejoinServer
 from dpserve.launch.rendezvous import RendezvousServer, ask_rendezvous
+from dpserve.launch.scaler import Scaler
 from dpserve.launch.supervisor import OnStatus, Supervisor
 from dpserve.protocol import (
     EngineInitMetadata,
@@ -46,7 +47,6 @@ from dpserve.security import warn_plain_tcp
 
 if TYPE_CHECKING:
     from dpserve.launch.coordinator import DPCoordinator
-    from dpserve.launch.scaler import Scaler
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +99,6 @@ class EngineLaunch:
         if self.manager is not None or self.coordinator is not None:
             self.supervisor = Supervisor(self, config, on_status, on_fatal, stopping)
         if config.parallel.elastic and self.coordinator_address is not None:
-            from dpserve.launch.scaler import Scaler
-
             self.scaler = Scaler(self, config)
 
     def add_engines(self, ranks: list[int]) -> None:
@@ -283,7 +281,8 @@ def _launch_ray(launch: EngineLaunch, config: EngineConfig, num_clients: int,
                 ready_timeout: float) -> None:
     """Every rank a Ray actor; front-ends and coordinator here, tcp twins for the actors."""
     from dpserve.launch.engines import EngineStartupError
-    from dpserve.launch.ray_backend import RayEngineManager, RayPlacementError
+    from dpserve.launch.ray_backend import RayEngineManager
+    from dpserve.launch.ray_placement import RayPlacementError
 
     p = config.parallel
     size = p.data_parallel_size

@@ -1,9 +1,9 @@
 """The Ray backend: data-parallel engines as Ray actors, one placement group per rank.
 
 Scope: connecting to Ray (join a cluster, or start a local instance),
-planning where each DP rank runs (`plan_placement`, pure), one STRICT_PACK
-placement group per rank pinned to its node, the engine actors
-(`EngineCoreActor`: an `EngineCoreProc` without the socket handshake),
+one STRICT_PACK placement group per rank pinned to the node the planner
+(`dpserve.launch.ray_placement`) chose, the engine actors
+(`dpserve.launch.ray_actor.EngineCoreActor`),
 waiting for them to start (bounded, with a liveness check), watching their
 run refs, restarting a rank's actor, and tearing everything down
 (`dpserve.launch.ray_teardown`). `RayEngineManager` plays the role of
@@ -42,36 +42,11 @@ Launch order (the launcher's side):
        here, the local instance's processes and their descendants) that
        still runs is killed.
 
-Resources per rank (one placement group, STRICT_PACK = one node):
-    CPU engines:  [{"CPU": threads_per_engine or 1}]; the actor takes it all.
-    CUDA engines: [{"GPU": 1}] per device of the engine, then {"CPU": threads
-                  or 1}; the actor takes the GPU bundle (Ray then sets
-                  CUDA_VISIBLE_DEVICES for it), the CPU bundle reserves the
-                  engine's host threads on the same node.
-
-Pack strategies (nodes are ordered: the DP master's node first, then the
-others by IP and node id; rank 0 always runs on the master node, where the
-launcher and coordinator run, the coordinator hosting the lockstep group's
-store at the DP master address; a node's room is how many ranks its free
-resources hold):
-    fill    nodes in order, each filled to its room before the next one.
-    strict  every node used runs the same number of ranks, contiguous
-            (`ranks_per_node`, default: the master node's room; the last
-            node may run fewer); a node with less room than that is skipped.
-            Each node then runs a fixed rank range, as per-node front-ends need.
-    span    one rank per node, nodes in order: DP=N needs N nodes.
-Planning uses the nodes' free resources; when the ranks fit only counting
-resources in use now (another job's, or a view not yet updated), the plan
-counts everything and Ray gets `placement_timeout` seconds to place it. A
-rank that does not fit even then fails at once, before any placement group
-is made; a placement group not placed in time fails the start too. Both
-messages say what a rank needs, what is missing and what each node has.
+Where each rank runs (resources per rank, pack strategies): `dpserve.launch.ray_placement`.
 """
-
 from __future__ import annotations
 
 import logging
-import math
 import os
 import re
 import signal
@@ -81,12 +56,23 @@ import uuid
 import weakref
 from collections.abc import Callable, Collection, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 from dpserve.config import EngineConfig
 from dpserve.launch.engines import EngineStartupError
+from dpserve.launch.ray_actor import EngineCoreActor
+from dpserve.launch.ray_placement import (
+    NODE_ID_LABEL,
+    RayNode,
+    RayPlacementError,
+    check_pack_strategy,
+    cluster_nodes,
+    engine_bundles,
+    master_node,
+    plan_placement,
+    rank_needs,
+)
 from dpserve.launch.ray_teardown import (
     RAY_CALL_S,
     RayState,
@@ -97,194 +83,15 @@ from dpserve.launch.ray_teardown import (
     teardown,
     within,
 )
-from dpserve.logging_utils import name_process
 from dpserve.protocol import EngineInitMetadata, HandshakeReady
 from dpserve.security import check_ray_secret, is_loopback
 
 logger = logging.getLogger(__name__)
 
-PACK_STRATEGIES = ("strict", "fill", "span")
-NODE_ID_LABEL = "ray.io/node-id"  # Ray's built-in node label (bundle label selectors)
-_EPS = 1e-6  # Ray resources are fixed-point floats
 _POLL_S = 0.5
 _PROGRESS_LOG_S = 10.0
 _MAX_ERROR_CHARS = 500
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its error messages
-
-
-class RayPlacementError(RuntimeError):
-    """A DP rank cannot be placed on the Ray cluster (the message says what is missing)."""
-
-
-def check_pack_strategy(strategy: str) -> str:
-    if strategy not in PACK_STRATEGIES:
-        raise ValueError(f"data_parallel_pack_strategy must be one of "
-                         f"{', '.join(PACK_STRATEGIES)}, got {strategy!r}")
-    return strategy
-
-
-# ---- planning (pure) -------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RayNode:
-    """One alive Ray node as the planner sees it."""
-
-    node_id: str  # hex
-    ip: str
-    total: dict[str, float]  # resource -> amount the node has
-    available: dict[str, float]  # resource -> amount free now
-
-    def describe(self, need: dict[str, float], left: dict[str, float],
-                 master: bool = False) -> str:
-        """`node 1a2b3c4d (10.0.0.5, DP master): CPU 0 of 8` (what is left of each need)."""
-        have = ", ".join(f"{k} {left.get(k, 0.0):g} of {self.total[k]:g}" if k in self.total
-                         else f"no {k}" for k in need)
-        return f"node {self.node_id[:8]} ({self.ip}{', DP master' if master else ''}): {have}"
-
-
-def engine_bundles(config: EngineConfig) -> list[dict[str, float]]:
-    """The placement-group bundles of one DP rank (module docstring)."""
-    cpus = float(config.parallel.threads_per_engine or 1)
-    if config.device == "cuda":
-        return [{"GPU": 1.0}, {"CPU": cpus}]  # one device per engine (no tensor parallel)
-    return [{"CPU": cpus}]
-
-
-def rank_needs(bundles: Sequence[dict[str, float]]) -> dict[str, float]:
-    """What one rank needs on one node: its bundles added up."""
-    need: dict[str, float] = {}
-    for bundle in bundles:
-        for key, amount in bundle.items():
-            need[key] = need.get(key, 0.0) + amount
-    return need
-
-
-def room(free: dict[str, float], need: dict[str, float]) -> int:
-    """How many ranks needing `need` fit in `free`."""
-    counts = [math.floor(free.get(k, 0.0) / v + _EPS) for k, v in need.items() if v > 0]
-    return max(0, min(counts)) if counts else 0
-
-
-def plan_placement(nodes: Sequence[RayNode], master_id: str, need: dict[str, float],
-                   num_ranks: int, strategy: str, *, ranks_per_node: int | None = None,
-                   use_total: bool = False) -> list[RayNode]:
-    """The node of each rank 0..num_ranks-1 (module docstring: pack strategies).
-
-    Plans on the nodes' free resources (`use_total`: on all they have).
-    Raises RayPlacementError naming the first rank that does not fit, what it
-    needs and what every node has left.
-    """
-    check_pack_strategy(strategy)
-    master = next((n for n in nodes if n.node_id == master_id), None)
-    if master is None:
-        raise RayPlacementError(f"the DP master node {master_id[:8]} is not an alive Ray node")
-    order = [master, *sorted((n for n in nodes if n is not master),
-                             key=lambda n: (n.ip, n.node_id))]
-    free = {n.node_id: dict(n.total if use_total else n.available) for n in order}
-    per_node = {"fill": None, "span": 1, "strict": ranks_per_node}[strategy]
-    if strategy == "strict" and per_node is None:
-        per_node = min(room(free[master.node_id], need), num_ranks) or 1
-    plan: list[RayNode] = []
-    for node in order:
-        left = num_ranks - len(plan)
-        fits = room(free[node.node_id], need)
-        if per_node is None:  # fill: as many as fit
-            take = min(fits, left)
-        else:  # strict/span: its whole share, or none
-            share = min(per_node, left)
-            take = share if fits >= share else 0
-        if node is master and take == 0:
-            break  # rank 0 runs on the master node, or nowhere
-        for _ in range(take):
-            plan.append(node)
-            for key, amount in need.items():
-                free[node.node_id][key] = free[node.node_id].get(key, 0.0) - amount
-    if len(plan) < num_ranks:
-        raise RayPlacementError(_unplaceable(len(plan), order, free, need, strategy, per_node,
-                                             use_total))
-    return plan
-
-
-def _unplaceable(rank: int, order: list[RayNode], left: dict[str, dict[str, float]],
-                 need: dict[str, float], strategy: str, per_node: int | None,
-                 use_total: bool) -> str:
-    rule = {"fill": "", "span": ", one rank per node",
-            "strict": f", {per_node} rank(s) per node"}[strategy]
-    where = "on the DP master node (where the launcher runs)" if rank == 0 else "on one node"
-    missing = ", ".join(sorted({k for n in order for k, v in need.items()
-                                if left[n.node_id].get(k, 0.0) + _EPS < v}))
-    if not missing:  # strict/span: room enough, but not for a whole share on a new node
-        missing = f"another node (the cluster has {len(order)})"
-    counted = "counting everything the cluster has" if use_total else "free now"
-    after = f"after ranks 0-{rank - 1}" if rank else "before any rank"
-    nodes = "; ".join(n.describe(need, left[n.node_id], i == 0) for i, n in enumerate(order))
-    return (f"cannot place DP rank {rank} (pack strategy {strategy!r}{rule}): it needs "
-            f"{need} {where}; missing: {missing}. Left per "
-            f"node {after} ({counted}): {nodes}")
-
-
-# ---- the engine actor ----------------------------------------------------------------
-
-
-class EngineCoreActor:
-    """One DP engine inside a Ray actor: an `EngineCoreProc` built from given
-    init metadata (no socket handshake: the addresses are known in advance).
-
-    Construction starts the engine (model, KV cache, coordinator link,
-    front-end registration); `ready()` then answers what READY would carry;
-    `run()` serves until the actor is killed, SIGTERM (Ray: SystemExit), a
-    remote engine losing its front-ends, or a fatal error, which is announced
-    with ENGINE_CORE_DEAD on every output socket and re-raised (the run ref fails).
-    """
-
-    def __init__(self, config: EngineConfig, rank: int, init: EngineInitMetadata,
-                 local: bool, incarnation: int = 0) -> None:
-        from dpserve.engine.process import EngineCoreProc
-
-        _name_actor_process(rank)
-        self.rank = rank
-        self.proc = EngineCoreProc(config, rank, None, local=local, init=init,
-                                   incarnation=incarnation)
-
-    def __repr__(self) -> str:  # Ray prefixes the actor's log lines with this
-        return f"EngineCore_{self.rank}"
-
-    def ready(self) -> dict[str, Any]:
-        """The READY data as plain values, plus where the engine runs."""
-        import ray
-
-        r = self.proc.ready
-        return dict(local=r.local, num_kv_blocks=r.num_kv_blocks, max_model_len=r.max_model_len,
-                    node_id=ray.get_runtime_context().get_node_id(), pid=os.getpid())
-
-    def run(self) -> None:
-        """The busy loop (what `run_engine_core` does in a process)."""
-        _name_actor_process(self.rank)  # Ray retitles the process for each task
-        try:
-            self.proc.run_busy_loop()
-        except (SystemExit, KeyboardInterrupt):
-            logger.info("engine %d shutting down", self.rank)
-            raise
-        except BaseException:
-            logger.exception("engine %d hit a fatal error", self.rank)
-            self.proc.send_engine_dead()
-            raise
-        finally:
-            self.proc.shutdown()
-
-
-def _name_actor_process(rank: int) -> None:
-    """`dpserve::EngineCore_<rank>` in ps, and in every log line. A Ray worker's
-    title belongs to Ray's own setproctitle (the setproctitle package cannot
-    change it there), which restores its title after each task."""
-    name_process(f"EngineCore_{rank}")
-    try:
-        from ray import _raylet
-
-        _raylet.setproctitle(f"dpserve::EngineCore_{rank}")
-    except (ImportError, AttributeError):  # not in a Ray worker, or Ray moved it
-        pass
 
 
 # ---- the manager ---------------------------------------------------------------------
@@ -362,8 +169,8 @@ class RayEngineManager:
         from ray.util.placement_group import placement_group
 
         ranks = self.ranks if ranks is None else ranks
-        nodes = _cluster_nodes()
-        master = _master_node(nodes, self.node_ip, ray.get_runtime_context().get_node_id())
+        nodes = cluster_nodes()
+        master = master_node(nodes, self.node_ip, ray.get_runtime_context().get_node_id())
         self.master_node_id = master.node_id
         need = rank_needs(self.bundles)
         args = (nodes, master.node_id, need, len(ranks), self.pack_strategy)
@@ -390,7 +197,7 @@ class RayEngineManager:
                     ", ".join(f"{r}->{self.node_of[r].node_id[:8]}" for r in ranks))
 
     def _not_placed(self, ranks: list[int], need: dict[str, float], timeout: float) -> str:
-        free = {n.node_id: n.available for n in _cluster_nodes()}
+        free = {n.node_id: n.available for n in cluster_nodes()}
         nodes = "; ".join(f"rank {r} -> " + self.node_of[r].describe(
             need, free.get(self.node_of[r].node_id, {}),
             self.node_of[r].node_id == self.master_node_id) for r in ranks)
@@ -701,32 +508,6 @@ def _keep_ray_on_loopback() -> None:
     from ray._private import ray_constants
 
     ray_constants.ENABLE_RAY_CLUSTER = False
-
-
-def _cluster_nodes() -> list[RayNode]:
-    import ray
-
-    try:  # not public API; without it, plan on the totals (resources in use are waited for)
-        from ray._private.state import available_resources_per_node
-
-        free = available_resources_per_node()
-    except (ImportError, AttributeError) as e:
-        logger.warning("cannot read the nodes' free resources (%s); using their totals", e)
-        free = {n["NodeID"]: n["Resources"] for n in ray.nodes()}
-    return [RayNode(n["NodeID"], n["NodeManagerAddress"], dict(n["Resources"]),
-                    dict(free.get(n["NodeID"], {})))
-            for n in ray.nodes() if n.get("Alive")]
-
-
-def _master_node(nodes: list[RayNode], ip: str, own_node_id: str) -> RayNode:
-    """The node whose IP is the DP master address; this process's own if several."""
-    matches = [n for n in nodes if n.ip == ip]
-    if not matches:
-        raise RayPlacementError(
-            f"no Ray node has the DP master address {ip} (nodes: "
-            f"{', '.join(sorted({n.ip for n in nodes}))}); run the launcher on a node of "
-            f"the cluster and pass that node's IP as the DP master address")
-    return next((n for n in matches if n.node_id == own_node_id), matches[0])
 
 
 def _check_tcp(init: EngineInitMetadata) -> None:

@@ -24,7 +24,7 @@ A failed start stops the new engines and shrinks the tables back (FAILED);
 every result goes back as `ScaleResult`. Every wait is bounded.
 
 Not here: validation of the size and the one-at-a-time rule (the
-coordinator's `dpserve.launch.autoscale.ScaleBook`), HTTP (`dpserve.server.scale`).
+coordinator's `dpserve.launch.coordinator.autoscale.ScaleBook`), HTTP (`dpserve.server.scale`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 import zmq
@@ -52,7 +52,6 @@ from dpserve.security import secure
 
 if TYPE_CHECKING:
     from dpserve.config import EngineConfig
-    from dpserve.launch.host import EngineLaunch
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +65,25 @@ class ScaleError(RuntimeError):
     """A change of the engine count failed (the message says why)."""
 
 
+class ScalableHost(Protocol):
+    """What the Scaler needs of the host's launch (`dpserve.launch.host.EngineLaunch`)."""
+
+    coordinator_address: str | None  # the coordinator's front XPUB
+    ranks: tuple[int, ...]  # the engines this host's front-ends send to
+
+    def add_engines(self, ranks: list[int]) -> None:
+        """Start engines for new `ranks`, READY when this returns (raises otherwise)."""
+        ...
+
+    def remove_engine(self, rank: int, timeout: float) -> None:
+        """Stop `rank`'s engine (it holds no requests any more)."""
+        ...
+
+
 class Scaler:
     """See the module docstring. `close()` stops the thread (idempotent)."""
 
-    def __init__(self, launch: EngineLaunch, config: EngineConfig) -> None:
+    def __init__(self, launch: ScalableHost, config: EngineConfig) -> None:
         assert launch.coordinator_address is not None
         self.launch = launch
         self.lockstep = config.parallel.data_parallel_lockstep

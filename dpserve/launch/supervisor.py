@@ -34,17 +34,17 @@ front-ends move requests off ranks that stop serving.
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
 from collections.abc import Callable, Collection
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import zmq
 
+from dpserve.launch.policy import RESTART_WINDOW_S, FailureAction, RestartBudget, decide
 from dpserve.launch.process import wait_for_any_exit
 from dpserve.protocol import (
     CoordinatorUpdate,
@@ -58,39 +58,16 @@ from dpserve.security import secure
 
 if TYPE_CHECKING:
     from dpserve.config import EngineConfig
-    from dpserve.launch.host import EngineLaunch
+    from dpserve.launch.coordinator import DPCoordinator
 
 logger = logging.getLogger(__name__)
 
-RESTART_WINDOW_S = 600.0
 _FIRST_BACKOFF_S = 0.5
 _MAX_BACKOFF_S = 30.0
 _POLL_S = 0.5
 _GROUP_SIGNAL_GRACE_S = 1.0  # a child's clean exit waits this long for our own drain
 
 OnStatus = Callable[[int, RankStatus], None]
-
-
-class RestartBudget:
-    """At most `max_restarts` restarts per rank within `RESTART_WINDOW_S`."""
-
-    def __init__(self, max_restarts: int) -> None:
-        self.max_restarts = max_restarts
-        self.times: dict[int, collections.deque[float]] = collections.defaultdict(
-            collections.deque)  # rank -> when it was restarted, within the window
-
-    def left(self, rank: int) -> bool:
-        now, times = time.monotonic(), self.times[rank]
-        while times and now - times[0] > RESTART_WINDOW_S:
-            times.popleft()
-        return len(times) < self.max_restarts
-
-    def take(self, rank: int) -> bool:
-        """Count one restart of `rank` if the budget has one; whether it had."""
-        if not self.left(rank):
-            return False
-        self.times[rank].append(time.monotonic())
-        return True
 
 
 class SupervisedEngines(Protocol):
@@ -112,10 +89,23 @@ class SupervisedEngines(Protocol):
         ...
 
 
+class SupervisedHost(Protocol):
+    """What the Supervisor needs of the host's launch (`dpserve.launch.host.EngineLaunch`):
+    its engines, its coordinator (if it runs one), and a restart of one rank."""
+
+    manager: Any  # SupervisedEngines, or None when this host runs no engines
+    coordinator: DPCoordinator | None
+    coordinator_address: str | None  # the coordinator's front XPUB
+
+    def restart_engine(self, rank: int, incarnation: int) -> None:
+        """A new engine for this host's `rank`, READY when this returns."""
+        ...
+
+
 class Supervisor:
     """See the module docstring. `close()` stops watching (idempotent)."""
 
-    def __init__(self, launch: EngineLaunch, config: EngineConfig, on_status: OnStatus,
+    def __init__(self, launch: SupervisedHost, config: EngineConfig, on_status: OnStatus,
                  on_fatal: Callable[[str], None],
                  stopping: Callable[[], bool] = lambda: False) -> None:
         p = config.parallel
@@ -146,7 +136,7 @@ class Supervisor:
     def reset_rank(self, rank: int) -> None:
         """A new rank (scaling up), perhaps one that ran before: a fresh record."""
         self.incarnation.pop(rank, None)
-        self.budget.times.pop(rank, None)
+        self.budget.forget(rank)
         self._out.discard(rank)
 
     # ---- watching --------------------------------------------------------------
@@ -291,13 +281,14 @@ class Supervisor:
 
     def _engine_died(self, rank: int, what: str, events: zmq.Socket | None) -> None:
         incarnation = self.incarnation.get(rank, 0)
-        if self.policy == "stop":
+        decision = decide(self.policy, self.budget, rank, can_isolate=True)
+        if decision.action is FailureAction.STOP:
             self._fatal(what)
             return
-        if self.policy == "isolate" or not self._may_restart(rank):
-            why = (what if self.policy == "isolate" else
-                   f"{what}; restarted {self.max_restarts} times within "
-                   f"{RESTART_WINDOW_S / 60:.0f} minutes (--max-engine-restarts): it stays out")
+        if decision.action is FailureAction.ISOLATE:
+            why = (f"{what}; restarted {self.max_restarts} times within "
+                   f"{RESTART_WINDOW_S / 60:.0f} minutes (--max-engine-restarts): it stays out"
+                   if decision.budget_spent else what)
             logger.error("rank %d is out: %s", rank, why)
             self._out.add(rank)
             self._announce(rank, RankStatus(RankState.DEAD, incarnation, why), events)
@@ -308,17 +299,14 @@ class Supervisor:
         threading.Thread(target=self._restart, args=(rank, incarnation + 1, events),
                          name=f"restart-rank-{rank}", daemon=True).start()
 
-    def _may_restart(self, rank: int) -> bool:
-        return self.budget.left(rank)
-
     def _restart(self, rank: int, incarnation: int, events: zmq.Socket | None,
                  requested: bool = False) -> None:
-        """Start `rank`'s new engine (after a backoff, taken from the budget, unless an
-        operator asked) and announce it serving; a failed start is one more death."""
-        if not requested:
+        """Start `rank`'s new engine (after a backoff that doubles with each restart in
+        the budget's window, unless an operator asked) and announce it serving; a
+        failed start is one more death."""
+        if not requested:  # `decide` took this restart from the budget already
             backoff = min(_MAX_BACKOFF_S,
-                          _FIRST_BACKOFF_S * 2 ** len(self.budget.times[rank]))
-            self.budget.take(rank)
+                          _FIRST_BACKOFF_S * 2 ** max(0, self.budget.used(rank) - 1))
             if self._stop.wait(backoff):
                 return
         self.incarnation[rank] = incarnation
@@ -337,7 +325,8 @@ class Supervisor:
         self._announce(rank, RankStatus(RankState.SERVING, incarnation), events)
 
     def _coordinator_died(self, what: str) -> None:
-        if self.policy == "stop":
+        # No budget: its sockets keep their addresses, a new one takes over at once.
+        if decide(self.policy, None, -1, can_isolate=False).action is FailureAction.STOP:
             self._fatal(what)
             return
         logger.warning("%s; restarting the DP coordinator (front-ends balance on their own "

@@ -39,7 +39,6 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dpserve import __version__
 from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.errors import EngineDeadError
 from dpserve.server.admin import admin_router
@@ -55,6 +54,7 @@ from dpserve.server.protocol import APIError, ErrorInfo, ErrorResponse
 from dpserve.server.routes_ops import MovedListener, ops_router
 from dpserve.server.routes_v1 import DP_RANK_HEADER, v1_router
 from dpserve.server.serving import OpenAIServing
+from dpserve.version import __version__
 
 __all__ = ["DEFAULT_MAX_REQUEST_BODY_BYTES", "DP_RANK_HEADER", "build_app"]
 

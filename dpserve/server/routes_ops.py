@@ -27,13 +27,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from dpserve import __version__
 from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.cluster import ClusterView
 from dpserve.frontend.errors import EngineDeadError
 from dpserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from dpserve.server.protocol import APIError
 from dpserve.server.routes_v1 import draining_error
+from dpserve.version import __version__
 
 _DEBUG_TIMEOUT_S = 10.0  # a /debug route's utility calls
 

@@ -16,7 +16,7 @@ only as `Content-Type: application/json` (415); the body is capped like every
 body (`--max-request-body-bytes`, 413).
 
 Not here: carrying the change out (`dpserve.launch`), the coordinator's one-at-a-
-time rule (`dpserve.launch.autoscale.ScaleBook`).
+time rule (`dpserve.launch.coordinator.autoscale.ScaleBook`).
 """
 
 from __future__ import annotations

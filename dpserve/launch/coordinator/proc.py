@@ -1,4 +1,4 @@
-"""The DP coordinator: one process between the DP engines and the front-ends.
+"""The DP coordinator process: its sockets and its loop (`DPCoordinatorProc`).
 
 Scope:
 * Load: keeps each engine's `[waiting, running]` counts (from `EngineReport`)
@@ -12,7 +12,7 @@ Scope:
 * Scale: a front-end's `ScaleRequest` (or the autoscaler, `--data-parallel-
   autoscale`) becomes a `ScaleStatus` that the launcher (`dpserve.launch.scaler`)
   carries out; `ScaleEngines` from it resizes the tables (new ranks STARTING),
-  its `ScaleResult` ends the change (`dpserve.launch.autoscale.ScaleBook`).
+  its `ScaleResult` ends the change (`dpserve.launch.coordinator.autoscale.ScaleBook`).
 * Pause / sleep (`ControlChange` from a front-end): keeps the `ControlState`
   (rules in `dpserve.control`), broadcasts it to every engine as CONTROL (and
   to an engine that subscribes late, after READY), records the seq each
@@ -23,16 +23,19 @@ Scope:
   runs the rank restarts it). Per-rank figures for /engines (`RankInfoTable`:
   KV usage, tokens/s, pid, host from heartbeats) are published with the
   counts, at most every `INFO_PUBLISH_S` when only they changed.
+  The load and health tables are in `dpserve.launch.coordinator.tables`.
 * Lockstep DP group (`dp_store` given): hosts the engines' rendezvous store
   (`dpserve.engine.dp_store.DPStoreServer`: ZMQ, CURVE with the secret; here, so
-  that any rank may die) and decides each group generation (`_DPGroup`): the
+  that any rank may die) and decides each group generation (`DPGroup`): the
   serving ranks that have sent a heartbeat (so are loaded and stepping), sent
-  as REGROUP_DP `_SETTLE_GROUP_S` after that set changes (start-up, a rank
+  as REGROUP_DP `SETTLE_GROUP_S` after that set changes (start-up, a rank
   dead, isolated, back), and `REFORM_DELAY_S` after an engine reports a
-  failed collective of the current generation.
+  failed collective of the current generation
+  (`dpserve.launch.coordinator.dp_group`).
 
-Not here: load-balancing decisions (front-ends), the all-reduce that decides
-when a wave ends (engines), starting engines (`dpserve.launch.engines`).
+Not here: the launcher's handle on the process (`dpserve.launch.coordinator.handle`),
+load-balancing decisions (front-ends), the all-reduce that decides when a wave
+ends (engines), starting engines (`dpserve.launch.engines`).
 
 Sockets (all bound here; the wire format is in `dpserve.protocol`):
     front_publish_address   XPUB  -> CoordinatorUpdate to front-ends (XSUB),
@@ -54,7 +57,6 @@ import os
 import signal
 import sys
 import time
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import msgspec
@@ -62,9 +64,10 @@ import zmq
 
 from dpserve.config import AutoscaleConfig
 from dpserve.control import next_state
-from dpserve.launch.addresses import AddressAllocator
-from dpserve.launch.autoscale import ScaleBook
-from dpserve.launch.process import ProcessGroup, start_parent_watcher
+from dpserve.launch.coordinator.autoscale import ScaleBook
+from dpserve.launch.coordinator.dp_group import DPGroup
+from dpserve.launch.coordinator.tables import HealthTable, LoadTable
+from dpserve.launch.process import start_parent_watcher
 from dpserve.logging_utils import name_process
 from dpserve.protocol import (
     COORDINATOR_READY,
@@ -75,9 +78,6 @@ from dpserve.protocol import (
     EngineReport,
     RankControl,
     RankEvent,
-    RankState,
-    RankStatus,
-    RegroupDP,
     RequestType,
     RestartRank,
     ScaleEngines,
@@ -89,279 +89,12 @@ from dpserve.protocol import (
 from dpserve.rank_info import INFO_PUBLISH_S, RankInfoTable
 from dpserve.security import secure
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("dpserve.launch.coordinator")
 
 _MAX_SLEEP_S = 1.0  # the longest a start-up wait sleeps
 _HEALTH_CHECK_S = 0.25  # the loop looks at heartbeats at least this often
 _SETTLE_S = 0.05  # after a quiet spell, wait this long for the other engines' reports
 _SUBSCRIBE = 1  # first byte of an XPUB subscription frame (0 = unsubscribe)
-# After a failed collective with no membership change yet, wait this long for the
-# launcher's news (a dead rank) before forming the group again with the same ranks.
-REFORM_DELAY_S = 1.0
-_SETTLE_GROUP_S = 0.25  # membership news within this long forms one generation
-
-
-class DPCoordinator:
-    """Runs the coordinator process `DPCoordinator`; see the module docstring.
-
-    Addresses are allocated per instance from `allocator` (its own ipc one
-    when None; pass `AddressAllocator(local_only=False, host=...)` for tcp).
-    With `remote_host`, each socket also binds a tcp:// address on that host
-    (the `remote_*` attributes) for engines and front-ends on other hosts.
-    `publish_counts=False` (external LB) publishes wave news only.
-    `close()`, garbage collection and interpreter exit stop the process once.
-    """
-
-    def __init__(self, num_engines: int, allocator: AddressAllocator | None = None, *,
-                 remote_host: str | None = None, publish_counts: bool = True,
-                 secret: str | None = None, stats_interval_s: float = 0.1,
-                 idle_publish_s: float = 5.0, startup_timeout_s: float = 600.0,
-                 heartbeat_timeout_s: float = 3.0, stall_timeout_s: float = 30.0,
-                 dp_store: tuple[str, int] | None = None, size_max: int | None = None,
-                 autoscale: AutoscaleConfig | None = None) -> None:
-        if num_engines < 1:
-            raise ValueError(f"num_engines must be >= 1, got {num_engines}")
-        owned = allocator is None
-        allocator = allocator or AddressAllocator(local_only=True)
-        self.num_engines = num_engines
-        self.front_publish_address = allocator.new_address("coord-front")
-        self.engine_report_address = allocator.new_address("coord-report")
-        self.engine_publish_address = allocator.new_address("coord-engines")
-        tcp = AddressAllocator(local_only=False, host=remote_host) if remote_host else None
-        self.remote_front_publish_address = tcp.new_address("") if tcp else None
-        self.remote_engine_report_address = tcp.new_address("") if tcp else None
-        self.remote_engine_publish_address = tcp.new_address("") if tcp else None
-        self._settings = dict(publish_counts=publish_counts, secret=secret,
-                              stats_interval_s=stats_interval_s,
-                              idle_publish_s=idle_publish_s,
-                              startup_timeout_s=startup_timeout_s,
-                              heartbeat_timeout_s=heartbeat_timeout_s,
-                              stall_timeout_s=stall_timeout_s, dp_store=dp_store,
-                              size_max=size_max, autoscale=autoscale)
-        self.proc: BaseProcess | None = None
-        self._group = ProcessGroup(self, on_close=allocator.cleanup if owned else None)
-
-    def start(self) -> None:
-        """Spawn the coordinator process (returns at once; it binds its sockets)."""
-        if self.proc is not None:
-            raise RuntimeError("DPCoordinator already started")
-        self.proc = self._group.spawn(run_coordinator, "DPCoordinator", **self._kwargs())
-
-    def _kwargs(self) -> dict[str, Any]:
-        return dict(num_engines=self.num_engines, parent_pid=os.getpid(),
-                    front_publish_address=_both(self.front_publish_address,
-                                                self.remote_front_publish_address),
-                    engine_report_address=_both(self.engine_report_address,
-                                                self.remote_engine_report_address),
-                    engine_publish_address=_both(self.engine_publish_address,
-                                                 self.remote_engine_publish_address),
-                    **self._settings)
-
-    def restart(self) -> None:
-        """A new coordinator process on the same addresses (the old one has exited).
-
-        Engines and front-ends reconnect by themselves; it sends READY once every
-        engine has subscribed again, and learns loads and health from their reports."""
-        assert self.proc is not None
-        self.proc.join(timeout=1.0)
-        self.proc = self._group.replace(self.proc, run_coordinator, **self._kwargs())
-
-    def close(self) -> None:
-        """Stop the process (terminate -> join -> kill) and remove owned ipc files."""
-        self._group.close()
-
-    def __enter__(self) -> DPCoordinator:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _both(local: str, remote: str | None) -> list[str]:
-    return [local] if remote is None else [local, remote]
-
-
-class _LoadTable:
-    """Per-engine `[waiting, running]` counts, ordered by (wave, step).
-
-    Invariant: an engine's counts only move forward in (wave, step); a report
-    older than the one already applied for that engine is dropped, so a stale
-    snapshot never overwrites a newer one. When a report opens a newer global
-    step while changes are unpublished, the counts are frozen as `snapshot`
-    (the last complete step), which is published before the mixed state.
-    """
-
-    def __init__(self, num_engines: int) -> None:
-        self.counts = [[0, 0] for _ in range(num_engines)]  # [num_engines][waiting, running]
-        self.tokens = [0] * num_engines  # [num_engines] prompt tokens waiting (admission)
-        self._seen = [(-1, -1)] * num_engines  # engine -> (wave, step) of its counts
-        self._latest = (-1, -1)  # newest (wave, step) from any engine
-        self.snapshot: list[list[int]] | None = None
-        self.changed_at: float | None = None  # when the first unpublished change came
-
-    def __len__(self) -> int:
-        return len(self.counts)
-
-    def apply(self, index: int, wave: int, step: int, counts: list[int],
-              waiting_tokens: int = 0) -> bool:
-        """Record one engine's counts; False when the report was stale."""
-        if (wave, step) < self._seen[index]:
-            logger.warning("dropping stale counts from engine %d: (wave, step) %s < %s",
-                           index, (wave, step), self._seen[index])
-            return False
-        if (wave, step) > self._latest:
-            if self.changed_at is not None:
-                self.snapshot = [list(c) for c in self.counts]
-            self._latest = (wave, step)
-        self._seen[index] = (wave, step)
-        self.counts[index] = [int(counts[0]), int(counts[1])]
-        self.tokens[index] = int(waiting_tokens)
-        if self.changed_at is None:
-            self.changed_at = time.monotonic()
-        return True
-
-    def resize(self, num_engines: int) -> None:
-        del self.counts[num_engines:], self._seen[num_engines:]
-        grow = num_engines - len(self.counts)
-        self.tokens = (self.tokens + [0] * num_engines)[:num_engines]
-        self.counts += [[0, 0] for _ in range(grow)]
-        self._seen += [(-1, -1)] * grow
-        self.snapshot = None
-
-    def take(self) -> list[list[int]]:
-        """The counts to publish now: the frozen snapshot first, else the current ones."""
-        if self.snapshot is not None:
-            taken, self.snapshot = self.snapshot, None
-            return taken
-        self.changed_at = None
-        return [list(c) for c in self.counts]
-
-
-class _HealthTable:
-    """Each rank's `RankStatus`, from heartbeats and the launchers' `RankEvent`s.
-
-    A rank with no heartbeat for `heartbeat_timeout_s` (a frozen or stopped
-    process), or with work but no finished step for `stall_timeout_s` (a hung
-    forward or collective), turns UNHEALTHY; when both resume it is SERVING
-    again. Timeouts apply from a rank's first heartbeat on (engines start them
-    once READY). Invariant: news of an older incarnation than the one known is
-    dropped, so a dead process can never speak for its replacement.
-    """
-
-    def __init__(self, num_engines: int, heartbeat_timeout_s: float,
-                 stall_timeout_s: float) -> None:
-        self.status = [RankStatus() for _ in range(num_engines)]
-        self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.stall_timeout_s = stall_timeout_s
-        self._last_beat: list[float | None] = [None] * num_engines
-        self._step: list[tuple[int, float, bool]] = [(-1, 0.0, False)] * num_engines
-
-    def resize(self, num_engines: int) -> None:
-        """Ranks past `num_engines` go; new ones are STARTING until they beat."""
-        grow = num_engines - len(self.status)
-        del self.status[num_engines:], self._last_beat[num_engines:], self._step[num_engines:]
-        self.status += [RankStatus(RankState.STARTING, reason="scaling up")
-                        for _ in range(grow)]
-        self._last_beat += [None] * grow
-        self._step += [(-1, 0.0, False)] * grow
-
-    def on_heartbeat(self, report: EngineReport, now: float) -> bool:
-        """Record a heartbeat; True when the rank's status changed."""
-        rank, known = report.engine_index, self.status[report.engine_index]
-        if report.incarnation < known.incarnation:
-            return False  # a process this rank has already replaced
-        self._last_beat[rank] = now
-        step, since, _ = self._step[rank]
-        if report.step != step or report.incarnation != known.incarnation:
-            since = now
-        self._step[rank] = (report.step, since, report.has_work)
-        state = RankState.DRAINING if report.draining else RankState.SERVING
-        if known.state in (state, RankState.DRAINING) and \
-                report.incarnation == known.incarnation:
-            return False  # (a draining process never serves again)
-        if known.state is RankState.DEAD and report.incarnation == known.incarnation:
-            return False  # only a new process brings a dead rank back
-        self.status[rank] = RankStatus(state, report.incarnation,
-                                       "got SIGTERM: finishes what it holds" if report.draining
-                                       else "")
-        return True
-
-    def heard(self) -> list[bool]:
-        """Per rank: a heartbeat of its current process has arrived."""
-        return [beat is not None for beat in self._last_beat]
-
-    def on_event(self, rank: int, status: RankStatus) -> bool:
-        """A launcher's first-hand news; True when the rank's status changed."""
-        if status.incarnation < self.status[rank].incarnation or status == self.status[rank]:
-            return False
-        if status.incarnation > self.status[rank].incarnation:
-            self._last_beat[rank] = None  # a new process: timeouts from its first beat
-        self.status[rank] = status
-        return True
-
-    def check(self, now: float) -> list[int]:
-        """Mark serving ranks that stopped beating or stepping UNHEALTHY; the changed ranks."""
-        changed = []
-        for rank, status in enumerate(self.status):
-            beat = self._last_beat[rank]
-            if status.state is not RankState.SERVING or beat is None:
-                continue
-            _, since, has_work = self._step[rank]
-            if now - beat > self.heartbeat_timeout_s:
-                reason = f"no heartbeat for {now - beat:.1f} s"
-            elif has_work and now - since > self.stall_timeout_s:
-                reason = f"has work but finished no step for {now - since:.1f} s"
-            else:
-                continue
-            self.status[rank] = RankStatus(RankState.UNHEALTHY, status.incarnation, reason)
-            logger.warning("rank %d unhealthy: %s", rank, reason)
-            changed.append(rank)
-        return changed
-
-
-class _DPGroup:
-    """Lockstep: which ranks form the engines' DP group, generation by generation.
-
-    Members are the ranks that serve (or drain) and have been heard (a heartbeat:
-    loaded and in their busy loop): a dead, restarting or unhealthy rank is left
-    out until it serves again. Invariant: generations only move
-    forward, one per REGROUP_DP; a failure report of an older generation is
-    dropped (that group is already gone).
-    """
-
-    def __init__(self) -> None:
-        self.generation = 0  # 0: none formed yet
-        self.members: list[int] = []
-        self._due: float | None = None  # when to form the next generation
-
-    @staticmethod
-    def wanted(status: list[RankStatus], heard: list[bool]) -> list[int]:
-        return [rank for rank, s in enumerate(status)
-                if heard[rank] and s.state in (RankState.SERVING, RankState.DRAINING)]
-
-    def on_failed(self, generation: int, now: float) -> None:
-        """A member's collective of `generation` failed: form the group again soon."""
-        if generation == self.generation and self.generation > 0:
-            if self._due is None:
-                self._due = now + REFORM_DELAY_S
-
-    def next(self, status: list[RankStatus], heard: list[bool],
-             now: float) -> RegroupDP | None:
-        """The generation to announce now, if one is due."""
-        members = self.wanted(status, heard)
-        if members != self.members and self._due is None:
-            self._due = now + _SETTLE_GROUP_S
-        if self._due is None or now < self._due:
-            return None
-        self._due = None
-        self.generation += 1
-        self.members = members
-        return RegroupDP(self.generation, members, len(status))
-
-    @property
-    def leader(self) -> int:
-        """The rank that speaks for the group (reports wave completion)."""
-        return self.members[0] if self.members else 0
 
 
 class DPCoordinatorProc:
@@ -376,11 +109,11 @@ class DPCoordinatorProc:
                  stall_timeout_s: float = 30.0,
                  dp_store: tuple[str, int] | None = None, size_max: int | None = None,
                  autoscale: AutoscaleConfig | None = None) -> None:
-        self.loads = _LoadTable(num_engines)
+        self.loads = LoadTable(num_engines)
         self.scaling = ScaleBook(size_max, autoscale)  # run-time changes of the engine count
-        self.health = _HealthTable(num_engines, heartbeat_timeout_s, stall_timeout_s)
+        self.health = HealthTable(num_engines, heartbeat_timeout_s, stall_timeout_s)
         self.info = RankInfoTable(num_engines)  # what /engines shows besides counts
-        self.group = _DPGroup() if dp_store is not None else None  # lockstep only
+        self.group = DPGroup() if dp_store is not None else None  # lockstep only
         self._store = _host_store(*dp_store, secret) if dp_store is not None else None
         self.wave = 0  # the current request wave
         self.running = False  # engines are in a running wave (else paused)
@@ -687,7 +420,7 @@ class DPCoordinatorProc:
         logger.debug("START_DP_WAVE wave=%d exclude=%s", wave, exclude)
 
     def _regroup(self) -> None:
-        """Lockstep: broadcast REGROUP_DP when `_DPGroup` says a generation is due."""
+        """Lockstep: broadcast REGROUP_DP when `DPGroup` says a generation is due."""
         if self.group is None:
             return
         message = self.group.next(self.health.status, self.health.heard(), time.monotonic())

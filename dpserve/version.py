@@ -1,0 +1,3 @@
+"""The package version (a leaf module, so any layer may name it)."""
+
+__version__ = "0.1.0"
