@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
 PROMPT ?= In one sentence, what is data-parallel LLM serving?
 
-.PHONY: setup test test-fast lint format serve generate bench clean
+.PHONY: setup test test-fast lint serve generate bench clean
 
 setup: $(STAMP)
 
@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml
 # start once), then the `alone` tests one at a time: Ray clusters, whose two engines
 # progress too unevenly beside another test for their "every stream under way"
 # checks, and the drains, whose 503 checks race a stream that keeps a server draining.
-test: setup
+test: setup lint
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not alone" --durations=20; a=$$?; \
 	$(PY) -m pytest -q -m alone --durations=5; b=$$?; \
 	test $$a -eq 0 -a $$b -eq 0
@@ -41,11 +41,11 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not procs and not slow"
 
+# ruff's linter (pyproject.toml [tool.ruff]) is part of `make test`; ruff's formatter is
+# not used: it would rewrite half the lines into another style, and the code follows
+# STYLE.md's layout by hand (hanging indents, aligned continuation lines).
 lint: setup
 	$(VENV)/bin/ruff check dpserve tests bench
-
-format: setup
-	$(VENV)/bin/ruff format dpserve tests bench
 
 serve: setup
 	$(VENV)/bin/dpserve serve --host 127.0.0.1 --port 8000 --data-parallel-size 2
