@@ -332,6 +332,36 @@ def metric_sum(url: str, name: str) -> float:
                                                       text, re.M))
 
 
+# A fault test proves its premise from the engine side, and fails loudly when it did
+# not hold: the API server can stream far behind the engines, so "every client stream
+# has begun" does not mean the faulted rank still holds any of them.
+MIGRATIONS = "dpserve:request_migrations_total"
+
+
+def held_by(url: str, rank: int) -> int:
+    """Requests rank `rank`'s engine holds now (its routing map, asked of the engine
+    itself through /debug/request_state)."""
+    state = httpx.get(url + "/debug/request_state", timeout=15).json()
+    return state["engines"][str(rank)]["client_of"]
+
+
+def premise_held(url: str, rank: int, fault: str) -> int:
+    """Assert rank `rank` holds requests right before `fault` hits it; how many."""
+    held = held_by(url, rank)
+    assert held > 0, (f"premise did not hold: rank {rank} held no request when the {fault} "
+                      "came (its engine had finished them), so the test would prove nothing")
+    return held
+
+
+def premise_moved(url: str, before: float, what: str) -> float:
+    """Assert `dpserve:request_migrations_total` rose past `before` (a request moved
+    mid-stream to another rank, as `what` claims); the count now."""
+    now = metric_sum(url, MIGRATIONS)
+    assert now > before, (f"premise did not hold: {what}, but no request moved "
+                          f"({MIGRATIONS} stayed at {before:g})")
+    return now
+
+
 async def stream_completion(client: httpx.AsyncClient, url: str, model: str, prompt: str,
                   chunks: list[int], index: int, rank: int | None = None,
                   max_tokens: int = FAULT_TOKENS) -> str:

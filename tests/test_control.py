@@ -19,8 +19,7 @@ import time
 import httpx
 import openai
 import pytest
-
-from tests.helpers import descendants, metric, proc_named, serve_all, wait_until
+from helpers import descendants, metric, proc_named, serve_all, wait_until
 
 pytestmark = pytest.mark.procs
 

@@ -22,6 +22,7 @@ from helpers import (
     finished_by_engine,
     metric_sum,
     output,
+    premise_held,
     process_names,
     serve,
     serve_all,
@@ -53,11 +54,17 @@ def _engines(proc: subprocess.Popen) -> set[str]:
     return {n for n in process_names(descendants(proc.pid)) if n.startswith("EngineCore_")}
 
 
-def _streams_while(url: str, model: str, action) -> tuple[list[str], list]:
-    """16 greedy streams; `action()` once every one has begun; (texts, [its result])."""
+def _streams_while(url: str, model: str, action, held_by_rank: int,
+                   what: str) -> tuple[list[str], list]:
+    """16 greedy streams; once every one has begun and rank `held_by_rank` holds some
+    of them (asked of its engine: the premise), `action()`; (texts, [its result])."""
     result: list = []
-    texts = asyncio.run(streams_with_fault(url, model, lambda: result.append(action()),
-                                           prompts=PROMPTS))
+
+    def act() -> None:
+        premise_held(url, held_by_rank, what)
+        result.append(action())
+
+    texts = asyncio.run(streams_with_fault(url, model, act, prompts=PROMPTS))
     return texts, result
 
 
@@ -87,7 +94,7 @@ def test_scale_1_2_1_under_streams(scale_servers, tiny_llama, api_servers):
     with stopping(scale_servers[api_servers]) as (proc, url):
         assert _engines(proc) == {"EngineCore_0"}
         # Up, while 16 streams run on rank 0: none is cut.
-        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 2))
+        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 2), 0, "scale-up")
         assert resp.status_code == 200, resp.text
         assert resp.json() == {"message": "Scaled to 2 data parallel engines",
                                "old_data_parallel_size": 1, "new_data_parallel_size": 2}
@@ -111,7 +118,7 @@ def test_scale_1_2_1_under_streams(scale_servers, tiny_llama, api_servers):
         assert len(by_server) == api_servers and all(v > 0 for v in by_server.values())
 
         # Down, while 16 streams run on both ranks: rank 1 drains, nothing is cut or moved.
-        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 1))
+        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 1), 1, "scale-down")
         assert resp.status_code == 200, resp.text
         assert resp.json()["new_data_parallel_size"] == 1
         assert texts == expected
@@ -219,13 +226,13 @@ def test_lockstep_scale_up_and_down(tiny_llama):
     expected = expected_greedy(model, PROMPTS)
     with serve(model, *ARGS, "--data-parallel-size", "2", "--data-parallel-size-max", "3",
                "--data-parallel-lockstep") as (proc, url):
-        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 3))
+        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 3), 0, "scale-up")
         assert resp.status_code == 200, resp.text
         assert texts == expected
         # Rank 2 steps only inside a DP group: serving it proves the group took it in.
         assert asyncio.run(complete_n(url, model, 4, rank=2)) == [200] * 4
         assert "ranks [0, 1, 2]" in output(proc)
-        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 2))
+        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 2), 2, "scale-down")
         assert resp.status_code == 200, resp.text
         assert texts == expected
         wait_until(lambda: _engines(proc) == {"EngineCore_0", "EngineCore_1"}, 30,
@@ -241,9 +248,9 @@ def test_autoscale_up_under_a_burst_and_down_when_idle(tiny_llama):
     model = str(tiny_llama)
     expected = expected_greedy(model, PROMPTS)
     with serve(model, *ARGS, "--data-parallel-autoscale", "1:2", "--max-num-seqs", "2",
-               "--autoscale-up-queue", "1", "--autoscale-up-window", "0.5",
+               "--autoscale-up-queue", "1", "--autoscale-up-window", "2",
                "--autoscale-down-load", "0.5", "--autoscale-down-window", "2",
-               "--autoscale-cooldown", "1") as (proc, url):
+               "--autoscale-cooldown", "2") as (proc, url):
         def size() -> int:
             return httpx.get(url + "/health", timeout=5).json()["data_parallel_size"]
 
@@ -277,7 +284,7 @@ def test_ray_scale_up_and_down(tiny_llama):
     expected = expected_greedy(model, PROMPTS)
     with serve(model, *ARGS, "--data-parallel-backend", "ray", "--data-parallel-size-max",
                "2", timeout=180) as (proc, url):
-        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 2))
+        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 2), 0, "scale-up")
         assert resp.status_code == 200, resp.text
         assert texts == expected
         # (Ray titles the actor's process once its run() task starts: wait for it.)
@@ -285,7 +292,7 @@ def test_ray_scale_up_and_down(tiny_llama):
         before = finished_by_engine(url).get(1, 0)
         assert asyncio.run(complete_n(url, model, 4, rank=1)) == [200] * 4
         assert finished_by_engine(url)[1] - before == 4
-        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 1))
+        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 1), 1, "scale-down")
         assert resp.status_code == 200, resp.text
         assert texts == expected
         assert metric_sum(url, "dpserve:request_migrations_total") == 0

@@ -172,6 +172,7 @@ def test_serve_int8_with_openai_client(tiny_llama):
         assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
 
 
+@pytest.mark.procs
 def test_unknown_quantization_is_a_clear_error(tiny_llama):
     with pytest.raises(ConfigError, match="quantization must be int8"):
         EngineArgs(model=str(tiny_llama), quantization="int4").create_config()

@@ -18,9 +18,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from helpers import metric_sum, serve_all, stopping
 from pydantic import BaseModel, Field
-
-from tests.helpers import metric_sum, serve_all, stopping
 
 pytestmark = pytest.mark.procs
 
