@@ -14,7 +14,7 @@ naming the test, what it started or opened, and the marker to add.
 
 Before any test (`warm_up`), what a process would start lazily, once per process,
 starts outside them, so which test starts it does not depend on the order or on a
-cold cache: `platform.uname()` runs `uname -p` (the openai client asks for the
+cold cache: `platform.processor()` runs `uname -p` (the openai client asks for the
 platform), and dpserve's CPU kernels are built (`cc`) into their cache, or found there.
 
 Not here: the markers themselves (pyproject.toml) and which tests carry them.
@@ -59,7 +59,7 @@ def _describe(event: str, args: tuple) -> str:
 
 def warm_up() -> None:
     """Start, outside any test, what dpserve and its clients start once per process."""
-    platform.uname()  # cached: `uname -p` runs here, not in the first openai client's test
+    platform.processor()  # cached: `uname -p` runs here, not in the first openai client's test
     from dpserve.model import cpu_kernels
 
     cpu_kernels.available()  # cached: `cc` runs here on a cold cache, not in an engine's test

@@ -114,6 +114,25 @@ def _rejected(url: str, model: str, key: str = "unused") -> openai.APIStatusErro
     return info.value
 
 
+def _dp_steps(url: str) -> dict[str, int]:
+    """Each engine's step count (a round trip through every engine's loop)."""
+    engines = httpx.get(url + "/debug/dp_state", timeout=30).json()["engines"]
+    return {rank: state["dp"]["steps"] for rank, state in engines.items()}
+
+
+def _settled_count(url: str, stream: _Stream) -> tuple[int, dict[str, int]]:
+    """The stream's chunk count and the engines' step counts once both hold over 5
+    round trips through every engine (outputs made before a pause have arrived)."""
+    deadline = time.monotonic() + 60
+    count, steps, held = len(stream.times), _dp_steps(url), 0
+    while held < 5:
+        assert time.monotonic() < deadline, "the stream never settled while paused"
+        now = (len(stream.times), _dp_steps(url))
+        held = held + 1 if now == (count, steps) else 0
+        count, steps = now
+    return count, steps
+
+
 def test_pause_keep_leaves_a_gap_and_resume_finishes(dp_server):
     _, url, model = dp_server
     stream = _Stream(url, model, max_tokens=600)
@@ -121,18 +140,24 @@ def test_pause_keep_leaves_a_gap_and_resume_finishes(dp_server):
     stream.started()
     try:
         assert _post(url, "/pause", mode="keep")["pause_mode"] == "keep"
-        time.sleep(0.3)  # outputs made before the pause may still be on their way
-        frozen = len(stream.times)
-        time.sleep(1.5)
+        # Outputs made before the pause may still be on their way: settled once the
+        # client's count holds over 5 round trips through every engine.
+        frozen, steps = _settled_count(url, stream)
+        frozen_at = time.monotonic()
+        # Paused, each engine answers calls (its loop runs) but takes no step: over 20
+        # more round trips its step count holds and no token reaches the client.
+        for _ in range(20):
+            assert _dp_steps(url) == steps, "an engine stepped while paused (keep)"
         assert len(stream.times) == frozen, "tokens arrived while paused (keep)"
         assert stream.is_alive()
+        resumed_at = time.monotonic()
     finally:
         _post(url, "/resume")
     stream.join(120)
     assert stream.error is None, stream.error
     assert (stream.finish, stream.tokens) == ("length", 600)
     gaps = [b - a for a, b in zip(stream.times, stream.times[1:])]
-    assert max(gaps) >= 1.5
+    assert max(gaps) >= resumed_at - frozen_at  # the pause left its gap in the stream
 
 
 def test_pause_abort_ends_requests_in_flight(dp_server):
@@ -264,6 +289,13 @@ def test_overload_gets_429_with_retry_after_then_normal_service(one_server):
     assert _greedy(url, model, KEY)
 
 
+def _dp_waves(url: str) -> dict[str, tuple[int, bool]]:
+    """Each engine's (wave, running) (a round trip through every engine's loop)."""
+    engines = httpx.get(url + "/debug/dp_state", timeout=30).json()["engines"]
+    return {rank: (state["dp"]["wave"], state["dp"]["running"])
+            for rank, state in engines.items()}
+
+
 def test_paused_requests_get_503_and_start_no_wave(lockstep_server):
     _, url, model = lockstep_server
     first = metric(url, "dpserve:dp_wave")
@@ -272,10 +304,15 @@ def test_paused_requests_get_503_and_start_no_wave(lockstep_server):
     try:
         _post(url, "/pause", mode="abort")
         wave = metric(url, "dpserve:dp_wave")
+        waves = _dp_waves(url)
         for _ in range(5):
             error = _rejected(url, model)
             assert error.status_code == 503 and error.code == "server_paused"
-        time.sleep(1.0)  # a wave would start (and, with nothing to run, end) by now
+        # No wave starts: over 20 round trips through every engine's loop (a wave the
+        # rejected requests had started would run there), no engine runs one or moves
+        # on from the wave it was in, and neither does the front-end's count.
+        for _ in range(20):
+            assert _dp_waves(url) == waves, "a wave started while paused"
         assert metric(url, "dpserve:dp_wave") == wave
     finally:
         _post(url, "/resume")
