@@ -182,9 +182,16 @@ def test_pause_abort_ends_requests_in_flight(dp_server):
     assert _greedy(url, model)
 
 
+def _held(url: str) -> int:
+    """Requests the engines hold now, all together (asked of each engine)."""
+    engines = httpx.get(url + "/debug/request_state", timeout=30).json()["engines"]
+    return sum(state["client_of"] for state in engines.values())
+
+
 def test_pause_wait_answers_after_requests_finish(dp_server):
     _, url, model = dp_server
-    stream = _Stream(url, model, max_tokens=400)
+    # Long (the tiny model's context is 1,024): the pause must find it in flight.
+    stream = _Stream(url, model, max_tokens=1000)
     stream.start()
     stream.started()
     answer: dict = {}
@@ -192,15 +199,19 @@ def test_pause_wait_answers_after_requests_finish(dp_server):
     try:
         pauser.start()
         wait_until(lambda: httpx.get(url + "/is_paused").json()["is_paused"], 30, "paused")
-        if stream.is_alive():  # (it may finish first on a fast machine)
-            assert _rejected(url, model).code == "server_paused"
+        rejected = _rejected(url, model)
+        # The premise: the pause was still waiting on the stream, which an engine held.
+        held = _held(url)
+        assert held > 0, ("premise did not hold: no engine held the stream after the "
+                          "rejection, so the pause was no longer waiting on it")
+        assert rejected.code == "server_paused"
         pauser.join(120)
         assert answer["is_paused"]
         # Answered once the engines hold no request: the stream ends in full, not aborted
         # (its last chunks may still be on their way to the client).
         stream.join(60)
         assert stream.error is None, stream.error
-        assert (stream.finish, stream.tokens) == ("length", 400)
+        assert (stream.finish, stream.tokens) == ("length", 1000)
     finally:
         pauser.join(120)
         _post(url, "/resume")

@@ -25,6 +25,8 @@ from helpers import (
     expected_greedy,
     offline_greedy_texts,
     output,
+    premise_held,
+    premise_moved,
     proc_named,
     serve,
     serve_all,
@@ -167,9 +169,15 @@ def test_a_rank_killed_under_expert_parallel_loses_nothing(killed_ep_server, tin
     expected = expected_greedy(model, FAULT_PROMPTS)
     with stopping(killed_ep_server) as (proc, url):
         victim = proc_named(descendants(proc.pid), "EngineCore_1")
-        got = asyncio.run(streams_with_fault(url, model, lambda: victim.send_signal(
-            signal.SIGKILL), FAULT_PROMPTS))
+
+        def kill_while_it_runs_streams() -> None:
+            premise_held(url, 1, "SIGKILL")
+            victim.send_signal(signal.SIGKILL)
+
+        got = asyncio.run(streams_with_fault(url, model, kill_while_it_runs_streams,
+                                             FAULT_PROMPTS))
         assert got == expected
+        premise_moved(url, 0, "rank 1 was killed holding streams")
         log = output(proc)
         assert "expert-parallel step failed" in log  # rank 0 was mid-forward: dropped
         assert "engine 0 hit a fatal error" not in log
