@@ -348,6 +348,7 @@ def held_by(url: str, rank: int) -> int:
 def premise_held(url: str, rank: int, fault: str) -> int:
     """Assert rank `rank` holds requests right before `fault` hits it; how many."""
     held = held_by(url, rank)
+    print(f"premise: rank {rank} held {held} requests when the {fault} came")
     assert held > 0, (f"premise did not hold: rank {rank} held no request when the {fault} "
                       "came (its engine had finished them), so the test would prove nothing")
     return held
@@ -384,14 +385,18 @@ async def stream_completion(client: httpx.AsyncClient, url: str, model: str, pro
 
 async def streams_with_fault(url: str, model: str, fault, prompts=FAULT_PROMPTS,
                              max_tokens: int = FAULT_TOKENS) -> list[str]:
-    """Stream every prompt at once; call `fault()` once every stream has begun."""
+    """Stream every prompt at once; call `fault()` once every stream has begun (its
+    first chunk came: each request has a token, so the fault finds them mid-stream).
+    Not later: the API server can stream far behind the engines, merging tokens into
+    few chunks, so a count of chunks says little of how far the engines are; a fault
+    test checks from the engine side that the fault hit work (`premise_held`)."""
     chunks = [0] * len(prompts)
     async with httpx.AsyncClient(timeout=120) as client:
         tasks = [asyncio.create_task(stream_completion(client, url, model, p, chunks, i,
                                                              max_tokens=max_tokens))
                  for i, p in enumerate(prompts)]
         deadline = time.monotonic() + 60
-        while min(chunks) < 3:  # every stream is under way
+        while min(chunks) < 1:  # every stream is under way
             assert time.monotonic() < deadline, chunks
             ended = [t for t in tasks if t.done()]
             assert not ended, (f"a stream ended before the fault (chunks {chunks}): "

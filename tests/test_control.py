@@ -114,23 +114,28 @@ def _rejected(url: str, model: str, key: str = "unused") -> openai.APIStatusErro
     return info.value
 
 
-def _dp_steps(url: str) -> dict[str, int]:
-    """Each engine's step count (a round trip through every engine's loop)."""
-    engines = httpx.get(url + "/debug/dp_state", timeout=30).json()["engines"]
-    return {rank: state["dp"]["steps"] for rank, state in engines.items()}
+def _round_trip(url: str) -> None:
+    """A call through every engine's busy loop (each answers it between steps)."""
+    assert httpx.get(url + "/debug/request_state", timeout=30).status_code == 200
 
 
-def _settled_count(url: str, stream: _Stream) -> tuple[int, dict[str, int]]:
-    """The stream's chunk count and the engines' step counts once both hold over 5
+def _generated(url: str) -> float:
+    """Tokens the API servers have had from the engines (counted as outputs come)."""
+    return metric(url, "dpserve:generation_tokens_total")
+
+
+def _settled_count(url: str, stream: _Stream) -> tuple[int, float]:
+    """The stream's chunk count and the tokens the engines sent, once both hold over 5
     round trips through every engine (outputs made before a pause have arrived)."""
     deadline = time.monotonic() + 60
-    count, steps, held = len(stream.times), _dp_steps(url), 0
+    seen, held = (len(stream.times), _generated(url)), 0
     while held < 5:
-        assert time.monotonic() < deadline, "the stream never settled while paused"
-        now = (len(stream.times), _dp_steps(url))
-        held = held + 1 if now == (count, steps) else 0
-        count, steps = now
-    return count, steps
+        assert time.monotonic() < deadline, f"the stream never settled while paused: {seen}"
+        _round_trip(url)
+        now = (len(stream.times), _generated(url))
+        held = held + 1 if now == seen else 0
+        seen = now
+    return seen
 
 
 def test_pause_keep_leaves_a_gap_and_resume_finishes(dp_server):
@@ -142,12 +147,13 @@ def test_pause_keep_leaves_a_gap_and_resume_finishes(dp_server):
         assert _post(url, "/pause", mode="keep")["pause_mode"] == "keep"
         # Outputs made before the pause may still be on their way: settled once the
         # client's count holds over 5 round trips through every engine.
-        frozen, steps = _settled_count(url, stream)
+        frozen, generated = _settled_count(url, stream)
         frozen_at = time.monotonic()
-        # Paused, each engine answers calls (its loop runs) but takes no step: over 20
-        # more round trips its step count holds and no token reaches the client.
+        # Paused, each engine answers calls (its loop runs) but makes no token: over 20
+        # more round trips no engine sends one and none reaches the client.
         for _ in range(20):
-            assert _dp_steps(url) == steps, "an engine stepped while paused (keep)"
+            _round_trip(url)
+        assert _generated(url) == generated, "an engine made tokens while paused (keep)"
         assert len(stream.times) == frozen, "tokens arrived while paused (keep)"
         assert stream.is_alive()
         resumed_at = time.monotonic()

@@ -247,7 +247,7 @@ def test_lockstep_scale_up_and_down(tiny_llama):
 def test_autoscale_up_under_a_burst_and_down_when_idle(tiny_llama):
     model = str(tiny_llama)
     expected = expected_greedy(model, PROMPTS)
-    with serve(model, *ARGS, "--data-parallel-autoscale", "1:2", "--max-num-seqs", "2",
+    with serve(model, *ARGS, "--data-parallel-autoscale", "1:2", "--max-num-seqs", "1",
                "--autoscale-up-queue", "1", "--autoscale-up-window", "2",
                "--autoscale-down-load", "0.5", "--autoscale-down-window", "2",
                "--autoscale-cooldown", "2") as (proc, url):
@@ -255,7 +255,8 @@ def test_autoscale_up_under_a_burst_and_down_when_idle(tiny_llama):
             return httpx.get(url + "/health", timeout=5).json()["data_parallel_size"]
 
         assert size() == 1
-        # A burst: 14 of the 16 streams wait on rank 0 (2 run at a time).
+        # A burst: 15 of the 16 streams wait on rank 0 (one runs at a time), for far
+        # longer than the 2 s up window.
         async def burst() -> list[str]:
             chunks = [0] * len(PROMPTS)
             async with httpx.AsyncClient(timeout=300) as client:
