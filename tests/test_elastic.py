@@ -16,6 +16,7 @@ import httpx
 import pytest
 from helpers import (
     FAULT_PROMPTS,
+    FAULT_SEQS,
     complete_n,
     descendants,
     expected_greedy,
@@ -56,15 +57,16 @@ def _engines(proc: subprocess.Popen) -> set[str]:
 
 def _streams_while(url: str, model: str, action, held_by_rank: int,
                    what: str) -> tuple[list[str], list]:
-    """16 greedy streams; once every one has begun and rank `held_by_rank` holds some
-    of them (asked of its engine: the premise), `action()`; (texts, [its result])."""
+    """16 greedy streams; once rank `held_by_rank` runs some of them (asked of its
+    engine) and still holds some (the premise), `action()`; (texts, [its result])."""
     result: list = []
 
     def act() -> None:
         premise_held(url, held_by_rank, what)
         result.append(action())
 
-    texts = asyncio.run(streams_with_fault(url, model, act, prompts=PROMPTS))
+    texts = asyncio.run(streams_with_fault(url, model, act, prompts=PROMPTS,
+                                           on_rank=held_by_rank))
     return texts, result
 
 
@@ -72,7 +74,7 @@ def _streams_while(url: str, model: str, action, held_by_rank: int,
 # still has a server of its own, stopped when it ends (`stopping`).
 @pytest.fixture(scope="module")
 def scale_servers(tiny_llama):
-    with serve_all(*([str(tiny_llama), *ARGS, "--data-parallel-size-max", "2",
+    with serve_all(*([str(tiny_llama), *ARGS, *FAULT_SEQS, "--data-parallel-size-max", "2",
                       "--api-server-count", str(n)] for n in (1, 2))) as servers:
         yield dict(zip((1, 2), servers))
 
@@ -224,8 +226,8 @@ def test_without_the_flag_or_the_max(tiny_llama):
 def test_lockstep_scale_up_and_down(tiny_llama):
     model = str(tiny_llama)
     expected = expected_greedy(model, PROMPTS)
-    with serve(model, *ARGS, "--data-parallel-size", "2", "--data-parallel-size-max", "3",
-               "--data-parallel-lockstep") as (proc, url):
+    with serve(model, *ARGS, *FAULT_SEQS, "--data-parallel-size", "2",
+               "--data-parallel-size-max", "3", "--data-parallel-lockstep") as (proc, url):
         texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 3), 0, "scale-up")
         assert resp.status_code == 200, resp.text
         assert texts == expected
@@ -283,8 +285,8 @@ def test_ray_scale_up_and_down(tiny_llama):
     pytest.importorskip("ray")
     model = str(tiny_llama)
     expected = expected_greedy(model, PROMPTS)
-    with serve(model, *ARGS, "--data-parallel-backend", "ray", "--data-parallel-size-max",
-               "2", timeout=180) as (proc, url):
+    with serve(model, *ARGS, *FAULT_SEQS, "--data-parallel-backend", "ray",
+               "--data-parallel-size-max", "2", timeout=180) as (proc, url):
         texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 2), 0, "scale-up")
         assert resp.status_code == 200, resp.text
         assert texts == expected

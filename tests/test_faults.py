@@ -16,6 +16,7 @@ import httpx
 import pytest
 from helpers import (
     FAULT_PROMPTS,
+    FAULT_SEQS,
     all_gone,
     complete_n,
     descendants,
@@ -46,7 +47,8 @@ DP_ARGS = ("--data-parallel-size", "2", "--threads-per-engine", "1", "--max-mode
 @pytest.fixture(scope="module")
 def sigkill_servers(tiny_llama):
     model = str(tiny_llama)
-    with serve_all(*([model, *DP_ARGS, "--api-server-count", str(n)] for n in (1, 2))) as (
+    with serve_all(*([model, *DP_ARGS, *FAULT_SEQS, "--api-server-count", str(n)]
+                     for n in (1, 2))) as (
             servers):
         yield dict(zip((1, 2), servers))
 
@@ -54,7 +56,7 @@ def sigkill_servers(tiny_llama):
 @pytest.fixture(scope="module")
 def plain_servers(tiny_llama):
     """For the SIGSTOP and the killed-coordinator tests."""
-    with serve_all(*[[str(tiny_llama), *DP_ARGS]] * 2) as servers:
+    with serve_all(*[[str(tiny_llama), *DP_ARGS, *FAULT_SEQS]] * 2) as servers:
         yield dict(zip(("sigstop", "coordinator"), servers))
 
 
@@ -94,7 +96,7 @@ def test_sigkill_one_engine_every_stream_completes_and_it_comes_back(sigkill_ser
 
         try:
             got = asyncio.run(streams_with_fault(url, model, kill_while_it_runs_streams,
-                                                 max_tokens=KILL_TOKENS))
+                                                 max_tokens=KILL_TOKENS, on_rank=1))
         except Exception:
             print("server log:", "\n".join(line for line in output(proc).splitlines()
                                             if "ERROR" in line or "WARN" in line)[-4000:])
@@ -128,7 +130,7 @@ def test_sigstop_one_engine_is_unhealthy_then_rejoins(plain_servers, tiny_llama)
             stopped_at.append(time.monotonic())
 
         try:
-            got = asyncio.run(streams_with_fault(url, model, stop, prompts))
+            got = asyncio.run(streams_with_fault(url, model, stop, prompts, on_rank=1))
             assert got == expected  # moved off the frozen rank, nothing doubled
             premise_moved(url, 0, "rank 1 was frozen holding streams")
             entry = wait_rank(url, 1, lambda e: e["state"] == "unhealthy", timeout=30)

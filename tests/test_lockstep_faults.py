@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 from helpers import (
+    FAULT_SEQS,
     complete_n,
     descendants,
     expected_greedy,
@@ -65,7 +66,8 @@ def servers(tiny_llama):
     """One server per policy, started at once (their start-ups overlap); each test
     uses (and stops) its own."""
     policies = ("restart", "isolate")
-    with serve_all(*([str(tiny_llama), *LOCKSTEP_ARGS, "--engine-failure-policy", policy]
+    with serve_all(*([str(tiny_llama), *LOCKSTEP_ARGS, *FAULT_SEQS, "--engine-failure-policy",
+                      policy]
                      for policy in policies)) as started:
         yield dict(zip(policies, started))
 
@@ -81,7 +83,8 @@ def _kill_rank1_under_streams(url: str, proc, model: str) -> str:
         premise_held(url, 1, "SIGKILL")
         victim.send_signal(signal.SIGKILL)
 
-    got = asyncio.run(streams_with_fault(url, model, kill_while_it_runs_streams, FAULT_PROMPTS))
+    got = asyncio.run(streams_with_fault(url, model, kill_while_it_runs_streams, FAULT_PROMPTS,
+                                         on_rank=1))
     assert got == expected  # no hang; migrated streams equal an undisturbed run
     premise_moved(url, 0, "rank 1 was killed holding streams")
     log = output(proc)

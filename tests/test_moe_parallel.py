@@ -21,6 +21,7 @@ import openai
 import pytest
 from drain_checks import check_drain
 from helpers import (
+    FAULT_SEQS,
     descendants,
     expected_greedy,
     offline_greedy_texts,
@@ -115,7 +116,7 @@ def served_pair(tiny_mixtral):
 def killed_ep_server(tiny_mixtral):
     """Expert parallel, for a SIGKILLed rank (restarted)."""
     with serve(str(tiny_mixtral), "--data-parallel-size", "2", "--enable-expert-parallel",
-               "--threads-per-engine", "1", "--max-model-len", "256",
+               "--threads-per-engine", "1", "--max-model-len", "256", *FAULT_SEQS,
                "--engine-failure-policy", "restart") as server:
         yield server
 
@@ -175,7 +176,7 @@ def test_a_rank_killed_under_expert_parallel_loses_nothing(killed_ep_server, tin
             victim.send_signal(signal.SIGKILL)
 
         got = asyncio.run(streams_with_fault(url, model, kill_while_it_runs_streams,
-                                             FAULT_PROMPTS))
+                                             FAULT_PROMPTS, on_rank=1))
         assert got == expected
         premise_moved(url, 0, "rank 1 was killed holding streams")
         log = output(proc)

@@ -401,7 +401,8 @@ def test_dead_engine_actor_is_restarted_and_nothing_remains(tiny_llama, fault):
                 victim.send_signal(signal.SIGKILL)
 
             kill = sigkill if fault == "SIGKILL" else (lambda: None)
-            got = asyncio.run(streams_with_fault(url, model, kill, prompts))
+            got = asyncio.run(streams_with_fault(url, model, kill, prompts,
+                                                 on_rank=1 if fault == "SIGKILL" else None))
             assert got == expected  # migrated streams equal an undisturbed greedy run
             premise_moved(url, 0, f"rank 1's {fault} came while it held streams")
             watcher.join(180)
