@@ -2,15 +2,19 @@
 `procs` nor `slow`) fails when it starts a process or opens the default 135M model.
 
 Scope: the pytest plugin `FastGuard` (registered by conftest.py, in every run, so
-`make test` keeps the markers honest too). A Python audit hook sees every process
-start (`subprocess.Popen`, `os.fork`, `os.posix_spawn`, `os.exec*`, `os.spawn*`,
-`os.system`; multiprocessing's fork start goes through `os.fork`), a patch of
-`multiprocessing`'s `BaseProcess.start` sees its spawn and forkserver starts (they
-call `_posixsubprocess` directly, with no audit event), and the audit hook's "open"
-event sees any file of the default model opened: its GGUF file (dpserve.model.loader's
-`DEFAULT_GGUF`) or its converted directory (named after the GGUF file's stem). The
-start or the open is refused (the hook raises) and the test fails with a message
-naming the test, what it started or opened, and the marker to add.
+`make test` keeps the markers honest too). While such a test's setup, call or
+teardown runs, the entry points of a process start are wrapped: `subprocess.Popen`'s
+`_execute_child` (subprocess.run, asyncio's subprocesses, os.popen), `os.fork`,
+`os.forkpty`, `os.posix_spawn[p]`, `os.system`, `os.execv[e]` (the other exec and
+spawn functions go through these), multiprocessing's `BaseProcess.start` and
+`util.spawnv_passfds` (its spawn and forkserver starts call `_posixsubprocess`
+directly); and so is `open` (builtins and io), for any file of the default model: its
+GGUF file (dpserve.model.loader's `DEFAULT_GGUF`) or its converted directory (named
+after the GGUF file's stem). The start or the open is refused (raises) and the test
+fails with a message naming the test, what it started or opened, and the marker to
+add. Outside those phases nothing is wrapped. (Patches, not a `sys.addaudithook`:
+a hook runs Python code on every audited event of every thread, for the whole run,
+and cannot be removed.)
 
 Before any test (`warm_up`), what a process would start lazily, once per process,
 starts outside them, so which test starts it does not depend on the order or on a
@@ -22,21 +26,30 @@ Not here: the markers themselves (pyproject.toml) and which tests carry them.
 
 from __future__ import annotations
 
+import builtins
+import io
 import multiprocessing.process
+import multiprocessing.util
 import os
 import platform
-import sys
-from collections.abc import Generator
+import subprocess
+from collections.abc import Callable, Generator
 from pathlib import Path
+from typing import Any, NoReturn
 
 import pytest
 
 from dpserve.model.loader import DEFAULT_GGUF
 
 FAST_EXCLUDED = ("procs", "slow")  # make test-fast runs `-m "not procs and not slow"`
-PROCESS_EVENTS = frozenset({"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn",
-                            "os.spawn", "os.exec", "os.system"})
 DEFAULT_MODEL_STEM = Path(DEFAULT_GGUF).stem  # "SmolLM2-135M-Instruct.Q4_1"
+# (module or class, attribute) of every process start the guard wraps.
+PROCESS_STARTS = [(subprocess.Popen, "_execute_child"),
+                  (multiprocessing.process.BaseProcess, "start"),
+                  (multiprocessing.util, "spawnv_passfds"),
+                  *((os, name) for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp",
+                                            "system", "execv", "execve") if hasattr(os, name))]
+OPENS = [(builtins, "open"), (io, "open")]
 
 
 class FastGuardError(RuntimeError):
@@ -48,15 +61,6 @@ def is_fast(item: pytest.Item) -> bool:
     return not any(item.get_closest_marker(name) for name in FAST_EXCLUDED)
 
 
-def _describe(event: str, args: tuple) -> str:
-    if event == "subprocess.Popen":  # (executable, args, cwd, env)
-        argv = args[1] if isinstance(args[1], (list, tuple)) else [args[1]]
-        return f"started a process ({event}: {' '.join(map(str, argv))[:200]})"
-    if event in ("os.exec", "os.posix_spawn", "os.spawn", "os.system"):
-        return f"started a process ({event}: {str(args)[:200]})"
-    return f"forked the test process ({event})"
-
-
 def warm_up() -> None:
     """Start, outside any test, what dpserve and its clients start once per process."""
     platform.processor()  # cached: `uname -p` runs here, not in the first openai client's test
@@ -65,37 +69,38 @@ def warm_up() -> None:
     cpu_kernels.available()  # cached: `cc` runs here on a cold cache, not in an engine's test
 
 
+def _describe(name: str, args: tuple) -> str:
+    if name == "_execute_child":  # (self, args, executable, ...)
+        argv = args[1] if isinstance(args[1], (list, tuple)) else [args[1]]
+        return f"started a process (subprocess: {' '.join(map(str, argv))[:200]})"
+    if name == "start":  # (self,): a multiprocessing process
+        target = getattr(args[0], "_target", None)
+        return (f"started a multiprocessing process ({args[0].name}, target "
+                f"{getattr(target, '__qualname__', target)})")
+    if name in ("fork", "forkpty"):
+        return f"forked the test process (os.{name})"
+    return f"started a process ({name}: {str(args)[:200]})"
+
+
+def _model_path(file: object) -> str | None:
+    """`file` as a path when it names a file of the default model."""
+    if isinstance(file, (str, bytes, os.PathLike)):
+        path = os.fsdecode(os.fspath(file))
+        if DEFAULT_MODEL_STEM in path:
+            return path
+    return None
+
+
 class FastGuard:
-    """The plugin: tracks the test-fast item whose setup, call or teardown runs."""
+    """The plugin: wraps the process starts and `open` while a test-fast item's setup,
+    call or teardown runs, and fails the item when it used them."""
 
     def __init__(self) -> None:
         warm_up()
         self.item: pytest.Item | None = None
         self.found: list[str] = []
-        self._start = multiprocessing.process.BaseProcess.start
-        sys.addaudithook(self._audit)  # for the whole run: audit hooks cannot be removed
-        guard = self
 
-        def start(process: multiprocessing.process.BaseProcess) -> None:
-            if guard.item is not None:
-                target = getattr(process, "_target", None)
-                guard._refuse(f"started a multiprocessing process ({process.name}, "
-                              f"target {getattr(target, '__qualname__', target)})", "procs")
-            guard._start(process)
-
-        multiprocessing.process.BaseProcess.start = start  # type: ignore[method-assign]
-
-    def _audit(self, event: str, args: tuple) -> None:
-        if self.item is None:
-            return
-        if event in PROCESS_EVENTS:
-            self._refuse(_describe(event, args), "procs")
-        elif event == "open" and isinstance(args[0], (str, bytes)):
-            path = os.fsdecode(args[0])
-            if DEFAULT_MODEL_STEM in path:
-                self._refuse(f"opened the default 135M model ({path})", "slow")
-
-    def _refuse(self, what: str, marker: str) -> None:
+    def _refuse(self, what: str, marker: str) -> NoReturn:
         nodeid = self.item.nodeid if self.item is not None else "?"
         message = (f"{nodeid}: a test-fast test (marked neither procs nor slow) {what}. "
                    "`make test-fast` starts no process and loads no default model: mark the "
@@ -104,11 +109,37 @@ class FastGuard:
         self.found.append(message)
         raise FastGuardError(message)
 
+    def _process_start(self, name: str, original: Callable) -> Callable:
+        def start(*args: Any, **kwargs: Any) -> NoReturn:
+            self._refuse(_describe(name, args), "procs")
+
+        start.__wrapped__ = original  # type: ignore[attr-defined]
+        return start
+
+    def _open(self, original: Callable) -> Callable:
+        def guarded_open(file: Any, *args: Any, **kwargs: Any) -> Any:
+            path = _model_path(file)
+            if path is not None:
+                self._refuse(f"opened the default 135M model ({path})", "slow")
+            return original(file, *args, **kwargs)
+
+        guarded_open.__wrapped__ = original  # type: ignore[attr-defined]
+        return guarded_open
+
     def _phase(self, item: pytest.Item) -> Generator[None, object, object]:
-        self.item, self.found = (item if is_fast(item) else None), []
+        if not is_fast(item):
+            return (yield)
+        self.item, self.found = item, []
+        saved = [(owner, name, getattr(owner, name)) for owner, name in PROCESS_STARTS + OPENS]
+        for owner, name, original in saved:
+            wrap = self._open(original) if (owner, name) in OPENS else \
+                self._process_start(name, original)
+            setattr(owner, name, wrap)
         try:
             return (yield)
         finally:
+            for owner, name, original in saved:
+                setattr(owner, name, original)
             self.item = None
             if self.found:
                 pytest.fail("\n".join(dict.fromkeys(self.found)), pytrace=False)

@@ -391,13 +391,14 @@ async def streams_with_fault(url: str, model: str, fault, prompts=FAULT_PROMPTS,
                              max_tokens: int = FAULT_TOKENS,
                              on_rank: int | None = None) -> list[str]:
     """Stream every prompt at once; call `fault()` once every stream has begun (its
-    first chunk came). With `on_rank`, once rank `on_rank`'s engine runs requests over
-    two of its steps in a row (asked of the engine: its requests have tokens, so the
-    fault finds them mid-stream there), whatever the client has seen: the API server
+    first chunk came). With `on_rank`, at once when rank `on_rank`'s engine has run
+    requests over two of its steps in a row (asked of the engine: its requests have
+    tokens, so the fault finds them mid-stream there; the premise, printed, and a
+    loud failure when it never came), whatever the client has seen: the API server
     can stream far behind the engines (on a loaded machine the engines had finished
     every stream before its first chunks came), and one rank can finish its share
-    before another's streams have begun. A fault test still checks from the engine side
-    that the fault hit work (`premise_held`)."""
+    before another's streams have begun. Without `on_rank` a fault test checks the
+    premise itself (`premise_held`)."""
     chunks = [0] * len(prompts)
     async with httpx.AsyncClient(timeout=120) as client:
         tasks = [asyncio.create_task(stream_completion(client, url, model, p, chunks, i,
@@ -415,7 +416,10 @@ async def streams_with_fault(url: str, model: str, fault, prompts=FAULT_PROMPTS,
             if on_rank is not None:
                 running = await asyncio.to_thread(running_on, url, on_rank)
                 runs = runs + 1 if running else 0
+                continue  # at once: no sleep between the last poll and the fault
             await asyncio.sleep(0.02)
+        if on_rank is not None:
+            print(f"premise: rank {on_rank} ran {running} requests right before the fault")
         await asyncio.to_thread(fault)
         return await asyncio.gather(*tasks)
 

@@ -23,7 +23,6 @@ from helpers import (
     finished_by_engine,
     metric_sum,
     output,
-    premise_held,
     process_names,
     serve,
     serve_all,
@@ -57,16 +56,12 @@ def _engines(proc: subprocess.Popen) -> set[str]:
 
 def _streams_while(url: str, model: str, action, held_by_rank: int,
                    what: str) -> tuple[list[str], list]:
-    """16 greedy streams; once rank `held_by_rank` runs some of them (asked of its
-    engine) and still holds some (the premise), `action()`; (texts, [its result])."""
+    """16 greedy streams; `action()` (the `what`) at once when rank `held_by_rank` runs
+    some of them (asked of its engine: the premise); (texts, [its result])."""
     result: list = []
-
-    def act() -> None:
-        premise_held(url, held_by_rank, what)
-        result.append(action())
-
-    texts = asyncio.run(streams_with_fault(url, model, act, prompts=PROMPTS,
-                                           on_rank=held_by_rank))
+    print(f"{what}: on rank {held_by_rank}'s streams")
+    texts = asyncio.run(streams_with_fault(url, model, lambda: result.append(action()),
+                                           prompts=PROMPTS, on_rank=held_by_rank))
     return texts, result
 
 

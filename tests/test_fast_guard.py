@@ -1,9 +1,13 @@
 """The test-fast guard (fast_guard.py) in a pytest run of its own (in this process,
 through pytester): a test marked neither procs nor slow that starts a process (a
 subprocess, a multiprocessing process, a fork) or opens the default model fails,
-naming itself, what it did and the marker to add; a marked test may."""
+naming itself, what it did and the marker to add; a marked test may; after the run
+nothing is left wrapped."""
 
 from __future__ import annotations
+
+import io
+import subprocess
 
 import pytest
 
@@ -69,12 +73,14 @@ def test_guard_fails_unmarked_tests_that_start_processes(pytester: pytest.Pytest
     result = pytester.runpytest_inprocess("-p", "no:randomly", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2, failed=4, errors=1)
     text = result.stdout.str()
-    what = {"test_popen": "started a process (subprocess.Popen: true)",
+    what = {"test_popen": "started a process (subprocess: true)",
             "test_multiprocessing_spawn": "started a multiprocessing process",
             "test_fork": "forked the test process (os.fork)",
-            "test_fixture_starts_one": "started a process (subprocess.Popen: true)"}
+            "test_fixture_starts_one": "started a process (subprocess: true)"}
     for test, did in what.items():
         assert f"test_inner.py::{test}: a test-fast test (marked neither procs nor slow) " \
                f"{did}" in text, text
     assert "opened the default 135M model" in text and "`@pytest.mark.slow`" in text, text
     assert text.count("mark the test `@pytest.mark.procs`") >= 4, text
+    assert not hasattr(subprocess.Popen._execute_child, "__wrapped__")  # all restored
+    assert open is io.open and not hasattr(open, "__wrapped__")

@@ -91,7 +91,6 @@ def test_sigkill_one_engine_every_stream_completes_and_it_comes_back(sigkill_ser
         victim = proc_named(descendants(proc.pid), "EngineCore_1")
 
         def kill_while_it_runs_streams() -> None:
-            premise_held(url, 1, "SIGKILL")  # the migration check below needs it
             victim.send_signal(signal.SIGKILL)
 
         try:
@@ -125,7 +124,6 @@ def test_sigstop_one_engine_is_unhealthy_then_rejoins(plain_servers, tiny_llama)
         stopped_at: list[float] = []
 
         def stop() -> None:
-            premise_held(url, 1, "SIGSTOP")
             victim.send_signal(signal.SIGSTOP)
             stopped_at.append(time.monotonic())
 

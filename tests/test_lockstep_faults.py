@@ -20,7 +20,6 @@ from helpers import (
     descendants,
     expected_greedy,
     output,
-    premise_held,
     premise_moved,
     proc_named,
     rank_health,
@@ -80,7 +79,6 @@ def _kill_rank1_under_streams(url: str, proc, model: str) -> str:
     victim = proc_named(descendants(proc.pid), "EngineCore_1")
 
     def kill_while_it_runs_streams() -> None:
-        premise_held(url, 1, "SIGKILL")
         victim.send_signal(signal.SIGKILL)
 
     got = asyncio.run(streams_with_fault(url, model, kill_while_it_runs_streams, FAULT_PROMPTS,

@@ -26,7 +26,6 @@ from helpers import (
     expected_greedy,
     offline_greedy_texts,
     output,
-    premise_held,
     premise_moved,
     proc_named,
     serve,
@@ -172,7 +171,6 @@ def test_a_rank_killed_under_expert_parallel_loses_nothing(killed_ep_server, tin
         victim = proc_named(descendants(proc.pid), "EngineCore_1")
 
         def kill_while_it_runs_streams() -> None:
-            premise_held(url, 1, "SIGKILL")
             victim.send_signal(signal.SIGKILL)
 
         got = asyncio.run(streams_with_fault(url, model, kill_while_it_runs_streams,

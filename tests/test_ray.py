@@ -363,7 +363,6 @@ def test_dead_engine_actor_is_restarted_and_nothing_remains(tiny_llama, fault):
         finished_by_engine,
         metric_sum,
         output,
-        premise_held,
         premise_moved,
         rank_health,
         serve,
@@ -396,11 +395,8 @@ def test_dead_engine_actor_is_restarted_and_nothing_remains(tiny_llama, fault):
         watcher = threading.Thread(target=watch_rank_1, daemon=True)
         watcher.start()
         try:
-            def sigkill() -> None:
-                premise_held(url, 1, "SIGKILL")
-                victim.send_signal(signal.SIGKILL)
-
-            kill = sigkill if fault == "SIGKILL" else (lambda: None)
+            kill = (lambda: victim.send_signal(signal.SIGKILL)) if fault == "SIGKILL" \
+                else (lambda: None)
             got = asyncio.run(streams_with_fault(url, model, kill, prompts,
                                                  on_rank=1 if fault == "SIGKILL" else None))
             assert got == expected  # migrated streams equal an undisturbed greedy run
