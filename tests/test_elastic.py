@@ -243,7 +243,10 @@ def test_lockstep_scale_up_and_down(tiny_llama):
 
 def test_autoscale_up_under_a_burst_and_down_when_idle(tiny_llama):
     model = str(tiny_llama)
-    expected = expected_greedy(model, PROMPTS)
+    # 32 streams of 240 tokens one at a time: the queue outlasts the 2 s up window many
+    # times over (16 of 128 tokens, two at a time, drained within about 2 s here).
+    prompts, tokens = FAULT_PROMPTS, 240
+    expected = expected_greedy(model, prompts, max_tokens=tokens)
     with serve(model, *ARGS, "--data-parallel-autoscale", "1:2", "--max-num-seqs", "1",
                "--autoscale-up-queue", "1", "--autoscale-up-window", "2",
                "--autoscale-down-load", "0.5", "--autoscale-down-window", "2",
@@ -252,13 +255,13 @@ def test_autoscale_up_under_a_burst_and_down_when_idle(tiny_llama):
             return httpx.get(url + "/health", timeout=5).json()["data_parallel_size"]
 
         assert size() == 1
-        # A burst: 15 of the 16 streams wait on rank 0 (one runs at a time), for far
-        # longer than the 2 s up window.
+        # A burst: 31 of the 32 streams wait on rank 0 (one runs at a time).
         async def burst() -> list[str]:
-            chunks = [0] * len(PROMPTS)
+            chunks = [0] * len(prompts)
             async with httpx.AsyncClient(timeout=300) as client:
-                streams = asyncio.gather(*(stream_completion(client, url, model, p, chunks, i)
-                                           for i, p in enumerate(PROMPTS)))
+                streams = asyncio.gather(*(stream_completion(client, url, model, p, chunks, i,
+                                                             max_tokens=tokens)
+                                           for i, p in enumerate(prompts)))
                 await asyncio.to_thread(wait_until, lambda: size() == 2, 120,
                                         "the autoscaler to add a rank")
                 return await streams
