@@ -37,7 +37,9 @@ test: setup lint
 	test $$a -eq 0 -a $$b -eq 0
 
 # Only tests that start no process and take no long model runs (markers in
-# pyproject.toml): the state machines and pure logic, well under a minute.
+# pyproject.toml): the state machines and pure logic, well under a minute. The
+# guard in tests/fast_guard.py fails any of them that starts a process or opens
+# the default 135M model, naming the marker to add.
 test-fast: setup
 	$(PY) -m pytest -q -m "not procs and not slow"
 

@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random checkpoints built once per test session, and a
-real DP coordinator process with a ZMQ context for its scripted peers."""
+real DP coordinator process with a ZMQ context for its scripted peers; the
+test-fast guard (fast_guard.py), registered for every run."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import zmq
+from fast_guard import FastGuard
 
 # Keep converted models of the test run out of the user's cache only when asked;
 # by default reuse the user cache so the default model is converted once.
@@ -20,6 +22,10 @@ os.environ.setdefault("DPSERVE_ENFORCE_EAGER", "1")
 # suite compares greedy tokens with transformers' float32 and must not depend on the
 # machine it runs on; test_cpu_dtype checks the bfloat16 choice itself.
 os.environ.setdefault("DPSERVE_CPU_BF16", "0")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(FastGuard(), "fast_guard")
 
 
 @pytest.fixture(scope="session")

@@ -303,6 +303,10 @@ def dp_args(size: int, rpc_port: int, *extra: str) -> list[str]:
 
 FAULT_PROMPTS = [f"Once upon a time {i}" for i in range(32)]
 FAULT_TOKENS = 128
+# For a server whose rank a fault hits mid-stream: 4 sequences at a time, so each rank
+# holds its share of the fault streams (running and waiting) for several of the API
+# server's round trips to it (`streams_with_fault(on_rank=)`), not for one or two.
+FAULT_SEQS = ("--max-num-seqs", "4")
 
 
 def proc_named(children: list[psutil.Process], name: str) -> psutil.Process:
@@ -332,6 +336,37 @@ def metric_sum(url: str, name: str) -> float:
                                                       text, re.M))
 
 
+# A fault test proves its premise from the engine side, and fails loudly when it did
+# not hold: the API server can stream far behind the engines, so "every client stream
+# has begun" does not mean the faulted rank still holds any of them.
+MIGRATIONS = "dpserve:request_migrations_total"
+
+
+def held_by(url: str, rank: int) -> int:
+    """Requests rank `rank`'s engine holds now (its routing map, asked of the engine
+    itself through /debug/request_state)."""
+    state = httpx.get(url + "/debug/request_state", timeout=15).json()
+    return state["engines"][str(rank)]["client_of"]
+
+
+def premise_held(url: str, rank: int, fault: str) -> int:
+    """Assert rank `rank` holds requests right before `fault` hits it; how many."""
+    held = held_by(url, rank)
+    print(f"premise: rank {rank} held {held} requests when the {fault} came")
+    assert held > 0, (f"premise did not hold: rank {rank} held no request when the {fault} "
+                      "came (its engine had finished them), so the test would prove nothing")
+    return held
+
+
+def premise_moved(url: str, before: float, what: str) -> float:
+    """Assert `dpserve:request_migrations_total` rose past `before` (a request moved
+    mid-stream to another rank, as `what` claims); the count now."""
+    now = metric_sum(url, MIGRATIONS)
+    assert now > before, (f"premise did not hold: {what}, but no request moved "
+                          f"({MIGRATIONS} stayed at {before:g})")
+    return now
+
+
 async def stream_completion(client: httpx.AsyncClient, url: str, model: str, prompt: str,
                   chunks: list[int], index: int, rank: int | None = None,
                   max_tokens: int = FAULT_TOKENS) -> str:
@@ -353,22 +388,46 @@ async def stream_completion(client: httpx.AsyncClient, url: str, model: str, pro
 
 
 async def streams_with_fault(url: str, model: str, fault, prompts=FAULT_PROMPTS,
-                             max_tokens: int = FAULT_TOKENS) -> list[str]:
-    """Stream every prompt at once; call `fault()` once every stream has begun."""
+                             max_tokens: int = FAULT_TOKENS,
+                             on_rank: int | None = None) -> list[str]:
+    """Stream every prompt at once; call `fault()` once every stream has begun (its
+    first chunk came). With `on_rank`, at once when rank `on_rank`'s engine has run
+    requests over two of its steps in a row (asked of the engine: its requests have
+    tokens, so the fault finds them mid-stream there; the premise, printed, and a
+    loud failure when it never came), whatever the client has seen: the API server
+    can stream far behind the engines (on a loaded machine the engines had finished
+    every stream before its first chunks came), and one rank can finish its share
+    before another's streams have begun. Without `on_rank` a fault test checks the
+    premise itself (`premise_held`)."""
     chunks = [0] * len(prompts)
     async with httpx.AsyncClient(timeout=120) as client:
         tasks = [asyncio.create_task(stream_completion(client, url, model, p, chunks, i,
                                                              max_tokens=max_tokens))
                  for i, p in enumerate(prompts)]
-        deadline = time.monotonic() + 60
-        while min(chunks) < 3:  # every stream is under way
-            assert time.monotonic() < deadline, chunks
+        deadline, runs = time.monotonic() + 60, 0
+        while on_rank is None and min(chunks) < 1 or on_rank is not None and runs < 2:
+            assert time.monotonic() < deadline, (
+                f"premise did not hold: no moment for the fault in 60 s (chunks {chunks}, "
+                f"rank {on_rank} running over {runs} steps in a row)")
+            failed = [t for t in tasks if t.done() and t.exception() is not None]
+            assert not failed, f"a stream failed before the fault: {failed[0].exception()!r}"
             ended = [t for t in tasks if t.done()]
-            assert not ended, (f"a stream ended before the fault (chunks {chunks}): "
-                               f"{ended[0].exception()!r}")
+            assert on_rank is not None or not ended, f"a stream ended before the fault: {chunks}"
+            if on_rank is not None:
+                running = await asyncio.to_thread(running_on, url, on_rank)
+                runs = runs + 1 if running else 0
+                continue  # at once: no sleep between the last poll and the fault
             await asyncio.sleep(0.02)
+        if on_rank is not None:
+            print(f"premise: rank {on_rank} ran {running} requests right before the fault")
         await asyncio.to_thread(fault)
         return await asyncio.gather(*tasks)
+
+
+def running_on(url: str, rank: int) -> int:
+    """Requests rank `rank`'s engine runs now (its scheduler, asked of the engine)."""
+    state = httpx.get(url + "/debug/request_state", timeout=15).json()
+    return state["engines"][str(rank)]["running"]
 
 
 async def complete_n(url: str, model: str, n: int, rank: int | None = None) -> list[int]:

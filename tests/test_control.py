@@ -19,8 +19,7 @@ import time
 import httpx
 import openai
 import pytest
-
-from tests.helpers import descendants, metric, proc_named, serve_all, wait_until
+from helpers import descendants, metric, proc_named, serve_all, wait_until
 
 pytestmark = pytest.mark.procs
 
@@ -115,6 +114,30 @@ def _rejected(url: str, model: str, key: str = "unused") -> openai.APIStatusErro
     return info.value
 
 
+def _round_trip(url: str) -> None:
+    """A call through every engine's busy loop (each answers it between steps)."""
+    assert httpx.get(url + "/debug/request_state", timeout=30).status_code == 200
+
+
+def _generated(url: str) -> float:
+    """Tokens the API servers have had from the engines (counted as outputs come)."""
+    return metric(url, "dpserve:generation_tokens_total")
+
+
+def _settled_count(url: str, stream: _Stream) -> tuple[int, float]:
+    """The stream's chunk count and the tokens the engines sent, once both hold over 5
+    round trips through every engine (outputs made before a pause have arrived)."""
+    deadline = time.monotonic() + 60
+    seen, held = (len(stream.times), _generated(url)), 0
+    while held < 5:
+        assert time.monotonic() < deadline, f"the stream never settled while paused: {seen}"
+        _round_trip(url)
+        now = (len(stream.times), _generated(url))
+        held = held + 1 if now == seen else 0
+        seen = now
+    return seen
+
+
 def test_pause_keep_leaves_a_gap_and_resume_finishes(dp_server):
     _, url, model = dp_server
     stream = _Stream(url, model, max_tokens=600)
@@ -122,18 +145,25 @@ def test_pause_keep_leaves_a_gap_and_resume_finishes(dp_server):
     stream.started()
     try:
         assert _post(url, "/pause", mode="keep")["pause_mode"] == "keep"
-        time.sleep(0.3)  # outputs made before the pause may still be on their way
-        frozen = len(stream.times)
-        time.sleep(1.5)
+        # Outputs made before the pause may still be on their way: settled once the
+        # client's count holds over 5 round trips through every engine.
+        frozen, generated = _settled_count(url, stream)
+        frozen_at = time.monotonic()
+        # Paused, each engine answers calls (its loop runs) but makes no token: over 20
+        # more round trips no engine sends one and none reaches the client.
+        for _ in range(20):
+            _round_trip(url)
+        assert _generated(url) == generated, "an engine made tokens while paused (keep)"
         assert len(stream.times) == frozen, "tokens arrived while paused (keep)"
         assert stream.is_alive()
+        resumed_at = time.monotonic()
     finally:
         _post(url, "/resume")
     stream.join(120)
     assert stream.error is None, stream.error
     assert (stream.finish, stream.tokens) == ("length", 600)
     gaps = [b - a for a, b in zip(stream.times, stream.times[1:])]
-    assert max(gaps) >= 1.5
+    assert max(gaps) >= resumed_at - frozen_at  # the pause left its gap in the stream
 
 
 def test_pause_abort_ends_requests_in_flight(dp_server):
@@ -158,9 +188,16 @@ def test_pause_abort_ends_requests_in_flight(dp_server):
     assert _greedy(url, model)
 
 
+def _held(url: str) -> int:
+    """Requests the engines hold now, all together (asked of each engine)."""
+    engines = httpx.get(url + "/debug/request_state", timeout=30).json()["engines"]
+    return sum(state["client_of"] for state in engines.values())
+
+
 def test_pause_wait_answers_after_requests_finish(dp_server):
     _, url, model = dp_server
-    stream = _Stream(url, model, max_tokens=400)
+    # Long (the tiny model's context is 1,024): the pause must find it in flight.
+    stream = _Stream(url, model, max_tokens=1000)
     stream.start()
     stream.started()
     answer: dict = {}
@@ -168,15 +205,19 @@ def test_pause_wait_answers_after_requests_finish(dp_server):
     try:
         pauser.start()
         wait_until(lambda: httpx.get(url + "/is_paused").json()["is_paused"], 30, "paused")
-        if stream.is_alive():  # (it may finish first on a fast machine)
-            assert _rejected(url, model).code == "server_paused"
+        rejected = _rejected(url, model)
+        # The premise: the pause was still waiting on the stream, which an engine held.
+        held = _held(url)
+        assert held > 0, ("premise did not hold: no engine held the stream after the "
+                          "rejection, so the pause was no longer waiting on it")
+        assert rejected.code == "server_paused"
         pauser.join(120)
         assert answer["is_paused"]
         # Answered once the engines hold no request: the stream ends in full, not aborted
         # (its last chunks may still be on their way to the client).
         stream.join(60)
         assert stream.error is None, stream.error
-        assert (stream.finish, stream.tokens) == ("length", 400)
+        assert (stream.finish, stream.tokens) == ("length", 1000)
     finally:
         pauser.join(120)
         _post(url, "/resume")
@@ -265,6 +306,13 @@ def test_overload_gets_429_with_retry_after_then_normal_service(one_server):
     assert _greedy(url, model, KEY)
 
 
+def _dp_waves(url: str) -> dict[str, tuple[int, bool]]:
+    """Each engine's (wave, running) (a round trip through every engine's loop)."""
+    engines = httpx.get(url + "/debug/dp_state", timeout=30).json()["engines"]
+    return {rank: (state["dp"]["wave"], state["dp"]["running"])
+            for rank, state in engines.items()}
+
+
 def test_paused_requests_get_503_and_start_no_wave(lockstep_server):
     _, url, model = lockstep_server
     first = metric(url, "dpserve:dp_wave")
@@ -273,10 +321,15 @@ def test_paused_requests_get_503_and_start_no_wave(lockstep_server):
     try:
         _post(url, "/pause", mode="abort")
         wave = metric(url, "dpserve:dp_wave")
+        waves = _dp_waves(url)
         for _ in range(5):
             error = _rejected(url, model)
             assert error.status_code == 503 and error.code == "server_paused"
-        time.sleep(1.0)  # a wave would start (and, with nothing to run, end) by now
+        # No wave starts: over 20 round trips through every engine's loop (a wave the
+        # rejected requests had started would run there), no engine runs one or moves
+        # on from the wave it was in, and neither does the front-end's count.
+        for _ in range(20):
+            assert _dp_waves(url) == waves, "a wave started while paused"
         assert metric(url, "dpserve:dp_wave") == wave
     finally:
         _post(url, "/resume")

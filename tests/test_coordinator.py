@@ -77,9 +77,9 @@ def test_tcp_addresses_and_exit_codes(make_coordinator, ctx):
 
 
 def test_startup_times_out_without_engines(make_coordinator):
-    coord = make_coordinator(2, startup_timeout_s=0.3)
+    coord = make_coordinator(2, startup_timeout_s=2.0)
     assert coord.proc is not None
-    coord.proc.join(timeout=5)
+    coord.proc.join(timeout=30)
     assert coord.proc.exitcode == 1
 
 
@@ -128,9 +128,13 @@ def test_request_for_finished_wave_restarts_engines(running2):
         assert engines.recv_start_wave(engine) == StartDPWave(1, exclude_engine_index=1)
     update = frontend.wait_for(lambda u: u.counts is None)
     assert (update.wave, update.running) == (1, True)
-    # Already running: another engine's start_wave for this wave is a no-op.
+    # Already running: another engine's start_wave for this wave is a no-op. A marker
+    # after it on the same socket: wave 1 ends, and engine 1's request for wave 2 wakes
+    # every engine; the next thing engine 0 hears is that, not a start of wave 1.
     engines.report(engine_index=0, start_wave=1)
-    assert_silent(engines.subs[0], 0.3)
+    engines.report(engine_index=0, wave_complete=1)
+    engines.report(engine_index=1, start_wave=2)
+    assert engines.recv_start_wave(0) == StartDPWave(2, exclude_engine_index=1)
 
 
 def test_frontend_wakes_paused_engines(running2):
@@ -142,9 +146,16 @@ def test_frontend_wakes_paused_engines(running2):
     assert engines.recv_start_wave(0) == StartDPWave(1, exclude_engine_index=None)
     update = frontend.wait_for(lambda u: u.counts is None)
     assert (update.wave, update.running) == (1, True)
-    # Already running: a second wake-up sends nothing.
+    # Already running: a second wake-up sends nothing. A cordon after it on the same
+    # socket is published once the coordinator has handled both; then wave 1 ends and
+    # engine 1's request for wave 2 wakes every engine: the next thing engine 0 hears
+    # is that, not a start of wave 1.
     frontend.send(WakeEngines(wave=1, engine_index=1))
-    assert_silent(engines.subs[0], 0.3)
+    frontend.sock.send(msgspec.msgpack.encode(RankControl(1, "cordon")))
+    frontend.wait_for(lambda u: u.engines is not None and u.engines[1].cordoned)
+    engines.report(engine_index=0, wave_complete=1)
+    engines.report(engine_index=1, start_wave=2)
+    assert engines.recv_start_wave(0) == StartDPWave(2, exclude_engine_index=1)
 
 
 def test_stale_counts_do_not_overwrite_newer(running2):
@@ -259,7 +270,7 @@ def _state(update: CoordinatorUpdate, rank: int) -> RankState | None:
 
 
 def test_silent_rank_turns_unhealthy_and_recovers(make_coordinator, ctx):
-    coord = make_coordinator(2, heartbeat_timeout_s=0.5, stall_timeout_s=60)
+    coord = make_coordinator(2, heartbeat_timeout_s=2.0, stall_timeout_s=60)
     engines = ScriptedEngines(ctx, coord, 2)
     engines.wait_ready()
     frontend = FakeFrontend(ctx, coord)
@@ -267,7 +278,7 @@ def test_silent_rank_turns_unhealthy_and_recovers(make_coordinator, ctx):
     _beat(engines, 0, step=1)
     _beat(engines, 1, step=1)
     # Rank 1 keeps beating, rank 0 goes silent: only rank 0 turns unhealthy.
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     update = None
     while update is None or _state(update, 0) is not RankState.UNHEALTHY:
         assert time.monotonic() < deadline, update
@@ -282,12 +293,12 @@ def test_silent_rank_turns_unhealthy_and_recovers(make_coordinator, ctx):
 
 
 def test_rank_with_work_but_no_step_is_stalled(make_coordinator, ctx):
-    coord = make_coordinator(1, heartbeat_timeout_s=60, stall_timeout_s=0.5)
+    coord = make_coordinator(1, heartbeat_timeout_s=60, stall_timeout_s=2.0)
     engines = ScriptedEngines(ctx, coord, 1)
     engines.wait_ready()
     frontend = FakeFrontend(ctx, coord)
     frontend.recv()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     update = None
     while update is None or _state(update, 0) is not RankState.UNHEALTHY:
         assert time.monotonic() < deadline, update
@@ -350,13 +361,16 @@ def test_operators_cordon_restart_and_rank_figures(running2):
     frontend.sock.send(msgspec.msgpack.encode(RankControl(0, "restart")))
     update = frontend.wait_for(lambda u: u.restart is not None)
     assert update.restart == RestartRank(0, 0)
-    # Heartbeats: 100 tokens a beat -> a rate > 0, KV usage, pid and host as sent.
-    for i in range(3):
-        engines.report(engine_index=1, heartbeat=True, step=i, generated_tokens=100 * i,
-                       kv_cache_usage=0.25, pid=4242, host="h1")
-        time.sleep(0.3)
+    # Heartbeats: 100 tokens over beats sent 2 s apart (the pace of the input, no event
+    # to wait on) -> a rate > 0 that is no more than 100 tokens / 1 s (it would take the
+    # coordinator hearing them under 1 s apart), KV usage, pid and host as sent.
+    # TokenRate's arithmetic itself: test_rank_info.
+    beat = dict(engine_index=1, heartbeat=True, kv_cache_usage=0.25, pid=4242, host="h1")
+    engines.report(step=0, generated_tokens=0, **beat)
+    time.sleep(2.0)
+    engines.report(step=1, generated_tokens=100, **beat)
     update = frontend.wait_for(lambda u: u.engines is not None and u.engines[1].pid == 4242
                                and u.engines[1].tokens_per_s > 0)
     info = update.engines[1]
-    assert (info.kv_cache_usage, info.host) == (0.25, "h1") and info.tokens_per_s > 100
+    assert (info.kv_cache_usage, info.host) == (0.25, "h1") and 0 < info.tokens_per_s <= 100
     assert update.engines[0].pid is None  # rank 0 sent no heartbeat

@@ -54,6 +54,7 @@ def _greedy(dtype: str) -> list[list[int]]:
                 for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
+@pytest.mark.slow  # the default model, twice
 def test_bfloat16_engine_tracks_float32_on_the_default_model():
     """bfloat16 rounds every activation, so greedy paths may part after a while;
     the first tokens of plain factual prompts must still be float32's."""

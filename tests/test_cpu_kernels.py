@@ -135,6 +135,7 @@ def test_rotary_kv_refuses_a_slot_outside_the_cache():
     assert not cache.any()  # nothing written
 
 
+@pytest.mark.procs  # runs the C compiler
 def test_build_is_cached_by_source(tmp_path, monkeypatch):
     monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path))
     first = cpu_kernels.build()
@@ -144,6 +145,7 @@ def test_build_is_cached_by_source(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left
 
 
+@pytest.mark.procs  # runs the C compiler
 def test_build_without_compiler_names_it(tmp_path, monkeypatch):
     monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path))
     with pytest.raises(RuntimeError, match="no-such-cc"):
@@ -156,6 +158,7 @@ def test_build_without_compiler_names_it(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("*.so"))
 
 
+@pytest.mark.procs  # a fresh Python process
 def test_engine_uses_kernels_and_agrees_with_torch_kernels(tiny_llama):
     """A real engine keeps the plain weights, builds decode steps for the attention
     kernel, and its greedy tokens equal those of an engine with the kernels off
@@ -186,6 +189,7 @@ def test_engine_uses_kernels_and_agrees_with_torch_kernels(tiny_llama):
     assert [list(t) for t in with_kernel] == without
 
 
+@pytest.mark.procs  # a fresh Python process
 def test_engine_serves_when_kernel_cannot_build(tiny_llama, tmp_path):
     """No usable compiler: one warning, and the engine generates with torch's kernels."""
     script = (
@@ -275,6 +279,8 @@ def test_attention_shapes_past_the_kernel_fall_back_to_sdpa(monkeypatch):
     torch.testing.assert_close(got, ref)
 
 
+@pytest.mark.procs
+@pytest.mark.slow  # a nested pytest, its kernels compiled afresh
 def test_kernels_built_without_avx512_pass_the_same_checks(tmp_path):
     """DPSERVE_KERNEL_MARCH=x86-64-v3 (AVX2; armv8-a on ARM): the library holds no
     512-bit instruction (16-float vectors become pairs of 256-bit ones, int8 falls

@@ -75,12 +75,9 @@ def test_each_engine_is_bound_to_a_core_of_its_own(dp_server):
     allowed = sorted(os.sched_getaffinity(0))
     engines = {p.name(): p.cpu_affinity() for p in children
                if p.name().startswith("dpserve::EngineCore_")}
-    assert sorted(engines) == ["dpserve::EngineCore_0", "dpserve::EngineCore_1"]
-    if len(allowed) != 2:
-        assert all(cores == allowed for cores in engines.values())
-        return
-    assert engines == {"dpserve::EngineCore_0": [allowed[0]],
-                       "dpserve::EngineCore_1": [allowed[1]]}
+    two_cores = len(allowed) == 2
+    assert engines == {f"dpserve::EngineCore_{r}": [allowed[r]] if two_cores else allowed
+                       for r in (0, 1)}
 
 
 def test_greedy_results_equal_one_offline_engine(dp_server):
@@ -160,7 +157,7 @@ def test_client_places_by_the_coordinators_counts():
 
             async def publish(counts: list[list[int]]) -> None:
                 await front.send(msgspec.msgpack.encode(CoordinatorUpdate(counts, 0, False)))
-                for _ in range(100):
+                for _ in range(1000):  # 10 s
                     await asyncio.sleep(0.01)
                     if all([[e.waiting, e.running] for e in c.engines.values()] == counts
                            for c in clients):

@@ -185,12 +185,14 @@ REMOTE = ("--data-parallel-size", "2", "--data-parallel-size-local", "1")
     # a short secret
     (("--data-parallel-secret", "short but not 32"), ("--data-parallel-secret", "32")),
 ])
+@pytest.mark.procs
 def test_exposed_or_weak_data_plane_is_refused_in_one_line(tmp_path, args, names):
     line = _serve_fails(tmp_path, *args)
     assert all(n in line for n in names), line
     assert "short but not 32" not in line  # the secret itself is never echoed
 
 
+@pytest.mark.procs
 def test_short_secret_from_the_environment_is_refused(tmp_path):
     line = _serve_fails(tmp_path, env={"DPSERVE_DP_SECRET": "tiny"})
     assert "--data-parallel-secret" in line and "32" in line, line
@@ -212,6 +214,7 @@ def test_a_secret_reaches_ray_actors_only_where_ray_authenticates(monkeypatch, c
     check_ray_secret("10.1.2.3", secret, insecure=False)
 
 
+@pytest.mark.procs
 def test_secret_file_must_be_private_and_long(tmp_path):
     path = tmp_path / "dp.secret"
     path.write_text(SECRET + "\n")
@@ -265,6 +268,7 @@ def _engines_in_group(url: str) -> dict | None:
     return engines if in_group else None
 
 
+@pytest.mark.procs
 def test_lockstep_server_binds_loopback_only_and_shows_no_secret(tiny_llama):
     """DP=2 lockstep on loopback with --api-key K and --data-parallel-secret S: it
     answers; once the engines' gloo group has formed, no process of its tree listens

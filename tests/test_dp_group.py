@@ -25,7 +25,7 @@ from dpserve.protocol import (
     RequestType,
 )
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.procs]  # a real DP coordinator process
 
 
 def recv_regroup(engines: ScriptedEngines, engine: int = 0) -> RegroupDP:

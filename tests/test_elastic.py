@@ -16,6 +16,7 @@ import httpx
 import pytest
 from helpers import (
     FAULT_PROMPTS,
+    FAULT_SEQS,
     complete_n,
     descendants,
     expected_greedy,
@@ -53,11 +54,14 @@ def _engines(proc: subprocess.Popen) -> set[str]:
     return {n for n in process_names(descendants(proc.pid)) if n.startswith("EngineCore_")}
 
 
-def _streams_while(url: str, model: str, action) -> tuple[list[str], list]:
-    """16 greedy streams; `action()` once every one has begun; (texts, [its result])."""
+def _streams_while(url: str, model: str, action, held_by_rank: int,
+                   what: str) -> tuple[list[str], list]:
+    """16 greedy streams; `action()` (the `what`) at once when rank `held_by_rank` runs
+    some of them (asked of its engine: the premise); (texts, [its result])."""
     result: list = []
+    print(f"{what}: on rank {held_by_rank}'s streams")
     texts = asyncio.run(streams_with_fault(url, model, lambda: result.append(action()),
-                                           prompts=PROMPTS))
+                                           prompts=PROMPTS, on_rank=held_by_rank))
     return texts, result
 
 
@@ -65,7 +69,7 @@ def _streams_while(url: str, model: str, action) -> tuple[list[str], list]:
 # still has a server of its own, stopped when it ends (`stopping`).
 @pytest.fixture(scope="module")
 def scale_servers(tiny_llama):
-    with serve_all(*([str(tiny_llama), *ARGS, "--data-parallel-size-max", "2",
+    with serve_all(*([str(tiny_llama), *ARGS, *FAULT_SEQS, "--data-parallel-size-max", "2",
                       "--api-server-count", str(n)] for n in (1, 2))) as servers:
         yield dict(zip((1, 2), servers))
 
@@ -87,7 +91,7 @@ def test_scale_1_2_1_under_streams(scale_servers, tiny_llama, api_servers):
     with stopping(scale_servers[api_servers]) as (proc, url):
         assert _engines(proc) == {"EngineCore_0"}
         # Up, while 16 streams run on rank 0: none is cut.
-        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 2))
+        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 2), 0, "scale-up")
         assert resp.status_code == 200, resp.text
         assert resp.json() == {"message": "Scaled to 2 data parallel engines",
                                "old_data_parallel_size": 1, "new_data_parallel_size": 2}
@@ -111,7 +115,7 @@ def test_scale_1_2_1_under_streams(scale_servers, tiny_llama, api_servers):
         assert len(by_server) == api_servers and all(v > 0 for v in by_server.values())
 
         # Down, while 16 streams run on both ranks: rank 1 drains, nothing is cut or moved.
-        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 1))
+        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 1), 1, "scale-down")
         assert resp.status_code == 200, resp.text
         assert resp.json()["new_data_parallel_size"] == 1
         assert texts == expected
@@ -217,15 +221,15 @@ def test_without_the_flag_or_the_max(tiny_llama):
 def test_lockstep_scale_up_and_down(tiny_llama):
     model = str(tiny_llama)
     expected = expected_greedy(model, PROMPTS)
-    with serve(model, *ARGS, "--data-parallel-size", "2", "--data-parallel-size-max", "3",
-               "--data-parallel-lockstep") as (proc, url):
-        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 3))
+    with serve(model, *ARGS, *FAULT_SEQS, "--data-parallel-size", "2",
+               "--data-parallel-size-max", "3", "--data-parallel-lockstep") as (proc, url):
+        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 3), 0, "scale-up")
         assert resp.status_code == 200, resp.text
         assert texts == expected
         # Rank 2 steps only inside a DP group: serving it proves the group took it in.
         assert asyncio.run(complete_n(url, model, 4, rank=2)) == [200] * 4
         assert "ranks [0, 1, 2]" in output(proc)
-        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 2))
+        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 2), 2, "scale-down")
         assert resp.status_code == 200, resp.text
         assert texts == expected
         wait_until(lambda: _engines(proc) == {"EngineCore_0", "EngineCore_1"}, 30,
@@ -239,21 +243,25 @@ def test_lockstep_scale_up_and_down(tiny_llama):
 
 def test_autoscale_up_under_a_burst_and_down_when_idle(tiny_llama):
     model = str(tiny_llama)
-    expected = expected_greedy(model, PROMPTS)
-    with serve(model, *ARGS, "--data-parallel-autoscale", "1:2", "--max-num-seqs", "2",
-               "--autoscale-up-queue", "1", "--autoscale-up-window", "0.5",
+    # 32 streams of 240 tokens one at a time: the queue outlasts the 2 s up window many
+    # times over (16 of 128 tokens, two at a time, drained within about 2 s here).
+    prompts, tokens = FAULT_PROMPTS, 240
+    expected = expected_greedy(model, prompts, max_tokens=tokens)
+    with serve(model, *ARGS, "--data-parallel-autoscale", "1:2", "--max-num-seqs", "1",
+               "--autoscale-up-queue", "1", "--autoscale-up-window", "2",
                "--autoscale-down-load", "0.5", "--autoscale-down-window", "2",
-               "--autoscale-cooldown", "1") as (proc, url):
+               "--autoscale-cooldown", "2") as (proc, url):
         def size() -> int:
             return httpx.get(url + "/health", timeout=5).json()["data_parallel_size"]
 
         assert size() == 1
-        # A burst: 14 of the 16 streams wait on rank 0 (2 run at a time).
+        # A burst: 31 of the 32 streams wait on rank 0 (one runs at a time).
         async def burst() -> list[str]:
-            chunks = [0] * len(PROMPTS)
+            chunks = [0] * len(prompts)
             async with httpx.AsyncClient(timeout=300) as client:
-                streams = asyncio.gather(*(stream_completion(client, url, model, p, chunks, i)
-                                           for i, p in enumerate(PROMPTS)))
+                streams = asyncio.gather(*(stream_completion(client, url, model, p, chunks, i,
+                                                             max_tokens=tokens)
+                                           for i, p in enumerate(prompts)))
                 await asyncio.to_thread(wait_until, lambda: size() == 2, 120,
                                         "the autoscaler to add a rank")
                 return await streams
@@ -275,9 +283,9 @@ def test_ray_scale_up_and_down(tiny_llama):
     pytest.importorskip("ray")
     model = str(tiny_llama)
     expected = expected_greedy(model, PROMPTS)
-    with serve(model, *ARGS, "--data-parallel-backend", "ray", "--data-parallel-size-max",
-               "2", timeout=180) as (proc, url):
-        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 2))
+    with serve(model, *ARGS, *FAULT_SEQS, "--data-parallel-backend", "ray",
+               "--data-parallel-size-max", "2", timeout=180) as (proc, url):
+        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 2), 0, "scale-up")
         assert resp.status_code == 200, resp.text
         assert texts == expected
         # (Ray titles the actor's process once its run() task starts: wait for it.)
@@ -285,7 +293,7 @@ def test_ray_scale_up_and_down(tiny_llama):
         before = finished_by_engine(url).get(1, 0)
         assert asyncio.run(complete_n(url, model, 4, rank=1)) == [200] * 4
         assert finished_by_engine(url)[1] - before == 4
-        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 1))
+        texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 1), 1, "scale-down")
         assert resp.status_code == 200, resp.text
         assert texts == expected
         assert metric_sum(url, "dpserve:request_migrations_total") == 0

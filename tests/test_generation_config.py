@@ -8,10 +8,10 @@ import shutil
 
 import httpx
 import pytest
+from helpers import output, serve
 
 from dpserve import LLM, SamplingParams
 from dpserve.config import ConfigError, EngineArgs
-from tests.helpers import output, serve
 
 PROMPT = {"prompt_token_ids": [5, 6, 7, 8]}
 
@@ -55,6 +55,7 @@ def test_bad_generation_config_is_a_config_error(greedy_model, tmp_path) -> None
         EngineArgs(model=str(greedy_model), generation_config=str(bad)).create_config()
 
 
+@pytest.mark.procs
 def test_server_applies_and_logs_defaults(greedy_model) -> None:
     with serve(str(greedy_model), "--served-model-name", "tiny") as (proc, url):
         body = {"model": "tiny", "prompt": PROMPT["prompt_token_ids"]}

@@ -17,8 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
-from tests.helpers import free_port, serve, stop
+from helpers import free_port, serve, stop
 
 pytestmark = pytest.mark.procs
 

@@ -21,6 +21,8 @@ import pytest
 
 from dpserve.model import cpu_kernels
 
+pytestmark = pytest.mark.procs  # the C compiler, and a fresh process for each probe
+
 _PROBE = (
     "import json\n"
     "from dpserve.model import cpu_kernels\n"

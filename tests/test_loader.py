@@ -267,6 +267,7 @@ def test_a_converted_model_not_ours_alone_is_not_reused(fake, gguf_file, cache, 
 
 
 @pytest.mark.parametrize("unsafe", ["world-writable", "owned by nobody"])
+@pytest.mark.procs  # a fresh Python process
 def test_an_unsafe_model_cache_is_not_used(gguf_file, cache, tmp_path, unsafe):
     """A model cache others can write into (or another user's): the converted model
     found there is not used; a fresh process converts into a private temporary

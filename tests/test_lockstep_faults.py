@@ -15,16 +15,19 @@ import time
 import httpx
 import pytest
 from helpers import (
+    FAULT_SEQS,
     complete_n,
     descendants,
     expected_greedy,
     output,
+    premise_moved,
     proc_named,
     rank_health,
     serve_all,
     stopping,
     streams_with_fault,
     wait_rank,
+    wait_until,
 )
 
 from dpserve import SamplingParams
@@ -37,6 +40,8 @@ LOCKSTEP_ARGS = ("--data-parallel-size", "2", "--data-parallel-lockstep",
                  "--data-parallel-sync-interval", "4", "--threads-per-engine", "1",
                  "--max-model-len", "256")
 FAULT_PROMPTS = [f"Once upon a time {i}" for i in range(12)]
+
+pytestmark = [pytest.mark.procs, pytest.mark.slow]
 
 
 def _dp_wave(url: str) -> float:
@@ -60,35 +65,49 @@ def servers(tiny_llama):
     """One server per policy, started at once (their start-ups overlap); each test
     uses (and stops) its own."""
     policies = ("restart", "isolate")
-    with serve_all(*([str(tiny_llama), *LOCKSTEP_ARGS, "--engine-failure-policy", policy]
+    with serve_all(*([str(tiny_llama), *LOCKSTEP_ARGS, *FAULT_SEQS, "--engine-failure-policy",
+                      policy]
                      for policy in policies)) as started:
         yield dict(zip(policies, started))
 
 
-@pytest.mark.parametrize("policy", ["restart", "isolate"])
-def test_sigkill_one_rank_streams_complete_and_the_group_forms_again(servers, tiny_llama,
-                                                                     policy):
-    model = str(tiny_llama)
+def _kill_rank1_under_streams(url: str, proc, model: str) -> str:
+    """SIGKILL rank 1 while it holds streams: every stream ends as an undisturbed run
+    does, moved to rank 0; the coordinator forms a group of the survivor and rank 0
+    joins it. -> the server's log."""
     expected = expected_greedy(model, FAULT_PROMPTS)
-    with stopping(servers[policy]) as (proc, url):
-        victim = proc_named(descendants(proc.pid), "EngineCore_1")
-        got = asyncio.run(streams_with_fault(url, model, lambda: victim.send_signal(
-            signal.SIGKILL), FAULT_PROMPTS))
-        assert got == expected  # no hang; migrated streams equal an undisturbed run
-        log = output(proc)
-        alone = re.search(r"\] DP group generation (\d+): ranks \[0\]$", log, re.M)
-        assert alone, log[-3000:]  # the coordinator formed a group of the survivor ...
-        assert f"engine 0: joined DP group generation {alone.group(1)} (" in log  # ... it joined
-        if policy == "isolate":
-            wait_rank(url, 1, lambda e: e["state"] == "dead", timeout=30)
-            assert rank_health(url).status_code == 200
-            _waves_go_on(url, model, [0])
-            return
+    victim = proc_named(descendants(proc.pid), "EngineCore_1")
+
+    def kill_while_it_runs_streams() -> None:
+        victim.send_signal(signal.SIGKILL)
+
+    got = asyncio.run(streams_with_fault(url, model, kill_while_it_runs_streams, FAULT_PROMPTS,
+                                         on_rank=1))
+    assert got == expected  # no hang; migrated streams equal an undisturbed run
+    premise_moved(url, 0, "rank 1 was killed holding streams")
+    log = output(proc)
+    alone = re.search(r"\] DP group generation (\d+): ranks \[0\]$", log, re.M)
+    assert alone, log[-3000:]  # the coordinator formed a group of the survivor ...
+    assert f"engine 0: joined DP group generation {alone.group(1)} (" in log  # ... it joined
+    return log
+
+
+def test_sigkill_one_rank_isolated_waves_go_on_without_it(servers, tiny_llama):
+    model = str(tiny_llama)
+    with stopping(servers["isolate"]) as (proc, url):
+        _kill_rank1_under_streams(url, proc, model)
+        wait_rank(url, 1, lambda e: e["state"] == "dead", timeout=30)
+        assert rank_health(url).status_code == 200
+        _waves_go_on(url, model, [0])
+
+
+def test_sigkill_one_rank_restarted_the_group_forms_again(servers, tiny_llama):
+    model = str(tiny_llama)
+    with stopping(servers["restart"]) as (proc, url):
+        _kill_rank1_under_streams(url, proc, model)
         wait_rank(url, 1, lambda e: e["state"] == "serving" and e["incarnation"] == 1)
-        deadline = time.monotonic() + 60
-        while not re.search(r"engine 1: joined DP group generation \d+", output(proc)):
-            assert time.monotonic() < deadline, output(proc)[-3000:]
-            time.sleep(0.2)
+        wait_until(lambda: re.search(r"engine 1: joined DP group generation \d+", output(proc)),
+                   60, "the restarted rank 1 to join a DP group")
         _waves_go_on(url, model, [0, 1])
 
 
@@ -114,9 +133,15 @@ async def _kill_rank0_and_regroup(model: str) -> tuple[list[dict], int, int]:
             assert time.monotonic() < deadline, first
             await asyncio.sleep(0.1)
         params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+
+        async def kill_rank0_while_it_runs_requests() -> None:
+            held = (await client.call_utility_all("request_state_sizes"))[0]["client_of"]
+            assert held > 0, ("premise did not hold: rank 0 held no request when the "
+                              "SIGKILL came (its engine had finished them)")
+            os.kill(launch.manager.processes[0].pid, signal.SIGKILL)
+
         await _run(client, [EngineCoreRequest(f"r{i}", [1 + i, 2, 3], params)
-                            for i in range(6)],
-                   on_tokens=lambda: os.kill(launch.manager.processes[0].pid, signal.SIGKILL))
+                            for i in range(6)], on_tokens=kill_rank0_while_it_runs_requests)
         deadline = time.monotonic() + 90
         while True:  # the restarted rank 0 and rank 1 in one new generation
             states = await client.call_utility_all("get_dp_state")
@@ -144,7 +169,7 @@ async def _kill_rank0_and_regroup(model: str) -> tuple[list[dict], int, int]:
 
 async def _run(client: AsyncEngineClient, requests: list[EngineCoreRequest],
                on_tokens=None) -> None:
-    """Send `requests`; call `on_tokens()` once each has a token; all finish whole."""
+    """Send `requests`; await `on_tokens()` once each has two tokens; all finish whole."""
     for request in requests:
         await client.add_request(request)
     tokens = {r.request_id: 0 for r in requests}
@@ -157,7 +182,7 @@ async def _run(client: AsyncEngineClient, requests: list[EngineCoreRequest],
             if out.finished:
                 finished[out.request_id] = out.finish_reason
         if on_tokens is not None and min(tokens.values()) >= 2:
-            on_tokens()
+            await on_tokens()
             on_tokens = None
     assert set(finished.values()) == {FinishReason.LENGTH}, finished
     assert all(tokens[r.request_id] == r.sampling_params.max_tokens for r in requests), tokens

@@ -19,12 +19,16 @@ import time
 import httpx
 import openai
 import pytest
+from drain_checks import check_drain
 from helpers import (
+    FAULT_SEQS,
     descendants,
     expected_greedy,
     offline_greedy_texts,
     output,
+    premise_moved,
     proc_named,
+    serve,
     serve_all,
     stopping,
     streams_with_fault,
@@ -108,17 +112,12 @@ def served_pair(tiny_mixtral):
 
 
 @pytest.fixture(scope="module")
-def disturbed_pair(tiny_mixtral):
-    """Expert parallel, for a SIGKILLed rank and for a SIGTERM to the process group
-    (each server leads a process group of its own, as a shell's foreground job)."""
-    model = str(tiny_mixtral)
-    with serve_all([model, "--data-parallel-size", "2", "--enable-expert-parallel",
-                    "--threads-per-engine", "1", "--max-model-len", "256",
-                    "--engine-failure-policy", "restart"],
-                   [model, "--shutdown-timeout", "120", "--data-parallel-size", "2",
-                    "--enable-expert-parallel", "--threads-per-engine", "1"],
-                   new_session=True) as servers:
-        yield dict(zip(("sigkill", "sigterm"), servers))
+def killed_ep_server(tiny_mixtral):
+    """Expert parallel, for a SIGKILLed rank (restarted)."""
+    with serve(str(tiny_mixtral), "--data-parallel-size", "2", "--enable-expert-parallel",
+               "--threads-per-engine", "1", "--max-model-len", "256", *FAULT_SEQS,
+               "--engine-failure-policy", "restart") as server:
+        yield server
 
 
 def test_served_with_expert_parallel_through_the_openai_client(served_pair, tiny_mixtral):
@@ -161,18 +160,23 @@ def test_moe_without_expert_parallel_runs_lockstep_by_itself(served_pair, tiny_m
         assert [engines[r]["experts"]["experts"] for r in "01"] == [[0, 8], [0, 8]]
 
 
-def test_a_rank_killed_under_expert_parallel_loses_nothing(disturbed_pair, tiny_mixtral):
+def test_a_rank_killed_under_expert_parallel_loses_nothing(killed_ep_server, tiny_mixtral):
     """SIGKILL rank 1 mid-stream: rank 0's collective fails at once, it drops that step
     (its requests recompute later) and holds every request, its own and those moved
     from rank 1, until rank 1's new process is back in the group; every stream then
     ends as an undisturbed run does."""
     model = str(tiny_mixtral)
     expected = expected_greedy(model, FAULT_PROMPTS)
-    with stopping(disturbed_pair["sigkill"]) as (proc, url):
+    with stopping(killed_ep_server) as (proc, url):
         victim = proc_named(descendants(proc.pid), "EngineCore_1")
-        got = asyncio.run(streams_with_fault(url, model, lambda: victim.send_signal(
-            signal.SIGKILL), FAULT_PROMPTS))
+
+        def kill_while_it_runs_streams() -> None:
+            victim.send_signal(signal.SIGKILL)
+
+        got = asyncio.run(streams_with_fault(url, model, kill_while_it_runs_streams,
+                                             FAULT_PROMPTS, on_rank=1))
         assert got == expected
+        premise_moved(url, 0, "rank 1 was killed holding streams")
         log = output(proc)
         assert "expert-parallel step failed" in log  # rank 0 was mid-forward: dropped
         assert "engine 0 hit a fatal error" not in log
@@ -182,12 +186,14 @@ def test_a_rank_killed_under_expert_parallel_loses_nothing(disturbed_pair, tiny_
         assert engines["1"]["dp"]["regroups"] >= 1 and engines["0"]["dp"]["regroups"] >= 2
 
 
-def test_sigterm_to_the_process_group_drains_under_expert_parallel(disturbed_pair,
-                                                                    tiny_mixtral):
+@pytest.mark.alone  # the drain's 503 checks race its long stream (as test_drain's)
+def test_sigterm_to_the_process_group_drains_under_expert_parallel(tiny_mixtral):
     """As systemd stops a service: every process gets SIGTERM at once. A rank without
     requests of its own must not leave while the others' requests need its experts:
     under expert parallelism it stays in the running wave (dummy batches) and leaves
-    when the wave ends; every stream finishes whole, exit code 0."""
-    from test_drain import _check_drain
-
-    _check_drain(disturbed_pair["sigterm"], str(tiny_mixtral), group_signal=signal.SIGTERM)
+    when the wave ends; every stream finishes whole, exit code 0. The server leads a
+    process group of its own, as a shell's foreground job."""
+    with serve(str(tiny_mixtral), "--shutdown-timeout", "120", "--data-parallel-size", "2",
+               "--enable-expert-parallel", "--threads-per-engine", "1",
+               new_session=True) as server:
+        check_drain(server, str(tiny_mixtral), group_signal=signal.SIGTERM)

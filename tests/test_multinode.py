@@ -28,6 +28,8 @@ from helpers import (
     finished_by_engine,
     free_port,
     offline_greedy_texts,
+    premise_held,
+    premise_moved,
     read_log,
     serve,
     start_background,
@@ -93,6 +95,7 @@ def test_headless_host_restarts_a_killed_engine(tiny_llama):
                                 if line.startswith("data: {"):
                                     text.append(json.loads(line[6:])["choices"][0]["text"])
                                     if len(text) == 5 and prompt == prompts[0]:
+                                        premise_held(url, 1, "SIGKILL")
                                         victim.send_signal(signal.SIGKILL)
                         return "".join(text)
 
@@ -100,6 +103,7 @@ def test_headless_host_restarts_a_killed_engine(tiny_llama):
 
             assert asyncio.run(streams()) == expected
             assert not victim.is_running()
+            premise_moved(url, 0, "rank 1 was killed holding streams")
 
             def rank1() -> dict:
                 return httpx.get(url + "/health", params={"rank": 1}, timeout=5).json()[

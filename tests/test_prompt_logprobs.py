@@ -8,9 +8,9 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
+from helpers import serve
 
 from dpserve import LLM, SamplingParams
-from tests.helpers import serve
 
 PROMPT_IDS = list(range(3, 43))  # 40 tokens: several 16-token prefill chunks
 K = 3
@@ -77,6 +77,7 @@ def http_entries(entries: list) -> list:
             for e in entries]
 
 
+@pytest.mark.procs
 def test_server_completions_and_chat(tiny_llama) -> None:
     ref = hf_logprobs(tiny_llama, PROMPT_IDS)
     with serve(str(tiny_llama), "--dtype", "float32", "--max-num-batched-tokens", "16",

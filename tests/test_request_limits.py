@@ -19,6 +19,7 @@ import time
 import httpx
 import openai
 import pytest
+from helpers import serve_all, stopping, wait_until
 
 from dpserve.engine.kv_cache import KVCacheManager, hash_block, root_hash
 from dpserve.engine.request import Request
@@ -27,7 +28,6 @@ from dpserve.sampling_params import SamplingParams
 from dpserve.server.limits import request_salt
 from dpserve.structured.manager import StructuredOutputManager
 from dpserve.structured.spec import StructuredOutputs
-from tests.helpers import serve_all, stopping, wait_until
 
 
 def slow_schema(num_properties: int) -> dict:
@@ -176,6 +176,7 @@ def _refused(url: str, path: str, body: dict | bytes, field: str, *words: str) -
     return error
 
 
+@pytest.mark.procs
 def test_huge_stop_token_ids_and_logit_bias_are_refused_at_once(server) -> None:
     url, model = server
     ids = ",".join(["1"] * 1_900_000)  # 3.8 MB, under the 4 MiB body limit
@@ -191,6 +192,7 @@ def test_huge_stop_token_ids_and_logit_bias_are_refused_at_once(server) -> None:
     assert elapsed < 10  # generous: parsing only, no engine step
 
 
+@pytest.mark.procs
 def test_every_cap_names_its_limit(server) -> None:
     url, model = server
     chat = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
@@ -252,6 +254,7 @@ def _mean_gap(times: list[float], start: float = 0.0, end: float = float("inf"))
     return sum(gaps) / len(gaps)
 
 
+@pytest.mark.procs
 def test_pathological_schema_beside_a_live_stream(server) -> None:
     """The bad request gets its 400 within about the deadline (its compile alone takes
     over 30 s), and the live stream writes its idle text. Its pace during the attack
@@ -297,6 +300,7 @@ def test_pathological_schema_beside_a_live_stream(server) -> None:
     assert r.status_code == 400 and "--structured-outputs-compile-timeout" in r.text
 
 
+@pytest.mark.procs
 def test_saturated_compile_pool_answers_every_request_in_bounded_time(server) -> None:
     """Four different pathological schemas at once on the one compile worker: each gets
     a 400 (its compile timed out) or a 503 (no worker freed up within twice the
@@ -343,6 +347,7 @@ def _cached(client: openai.OpenAI, model: str, prompt: str, salt: str | None) ->
     return out.usage.prompt_tokens_details.cached_tokens
 
 
+@pytest.mark.procs
 def test_cache_salt_separates_prefix_cache(server) -> None:
     url, model = server
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
@@ -354,6 +359,7 @@ def test_cache_salt_separates_prefix_cache(server) -> None:
     assert _cached(client, model, prompt, None) > 0  # unsalted as before
 
 
+@pytest.mark.procs
 def test_salt_per_key_keeps_tenants_apart(servers) -> None:
     """--prefix-cache-salt-per-key: a key's requests hit only its own cached prefixes,
     and no cache_salt a client sends reaches another key's."""
@@ -368,6 +374,7 @@ def test_salt_per_key_keeps_tenants_apart(servers) -> None:
     assert _cached(alice, model, prompt, None) > 0  # her own prefix: a hit
 
 
+@pytest.mark.procs
 def test_request_timeout_aborts_in_the_engine(servers) -> None:
     proc, url = servers["timeout"]
     with stopping((proc, url)):

@@ -8,8 +8,7 @@ import re
 
 import httpx
 import pytest
-
-from tests.helpers import output, serve_all, wait_until
+from helpers import output, serve_all, wait_until
 
 pytestmark = pytest.mark.procs
 

@@ -9,8 +9,7 @@ import re
 
 import httpx
 import pytest
-
-from tests.helpers import metric_sum, output, serve_all, wait_until
+from helpers import metric_sum, output, serve_all, wait_until
 
 pytestmark = pytest.mark.procs
 

@@ -104,6 +104,7 @@ def _parses(text: str) -> bool:
         return False
 
 
+@pytest.mark.slow  # 8 x 150 tokens with preemptions (7-19 s here)
 def test_preemption_keeps_the_matcher(tiny_llama) -> None:
     """A KV cache of 12 blocks (192 tokens) for 8 requests of ~100 tokens: requests are
     preempted and recomputed; every output still validates."""
@@ -173,6 +174,7 @@ def test_json_strings_are_valid_utf8_and_json(tiny_llama) -> None:
             jsonschema.validate(json.loads(text), schema)
 
 
+@pytest.mark.slow  # 6 x 200 tokens, 16-token chunks (5-7 s here)
 def test_chunked_prefill_and_prefix_cache(tiny_llama) -> None:
     """Prompts of ~100 tokens prefilled in chunks of 16 tokens, the same prompt twice
     (the second from the prefix cache): the grammar starts at the first sampled token."""

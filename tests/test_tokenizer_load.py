@@ -33,7 +33,8 @@ def _same_tokenizer(path: str) -> None:
         assert getattr(ours, attr) == getattr(auto, attr), attr
 
 
-@pytest.mark.parametrize("model", ["tiny_llama", "default"])
+@pytest.mark.parametrize("model", ["tiny_llama",
+                                   pytest.param("default", marks=pytest.mark.slow)])
 def test_the_short_cut_loads_what_auto_tokenizer_loads(model, request):
     path = str(resolve_model(None) if model == "default" else request.getfixturevalue(model))
     assert _plain_llama_backend(path)
