@@ -75,13 +75,17 @@ def scale_servers(tiny_llama):
 
 
 @pytest.fixture(scope="module")
-def answer_servers(tiny_llama):
-    """For the 400 / 409 test, and the `dpserve scale` test (with an API key)."""
+def answer_servers(tiny_llama, tmp_path_factory):
+    """For the 400 / 409 test (its rank 1 holds its start until the test's file exists:
+    a change stays in progress for as long as the test needs), and the `dpserve scale`
+    test (with an API key)."""
     model = str(tiny_llama)
+    release = tmp_path_factory.mktemp("hold") / "release-rank-1"
     with serve_all([model, *ARGS, "--data-parallel-size-max", "2"],
                    [model, *ARGS, "--api-key", "sesame-123", "--data-parallel-size-max",
-                    "2"]) as servers:
-        yield dict(zip(("plain", "key"), servers))
+                    "2"],
+                   env=[{"DPSERVE_FAULT_HOLD_START": f"1:{release}"}, {}]) as servers:
+        yield {**dict(zip(("plain", "key"), servers)), "release": release}
 
 
 @pytest.mark.parametrize("api_servers", [1, 2])
@@ -147,7 +151,8 @@ def test_bad_sizes_400_and_a_second_change_409(answer_servers):
                           headers={"Content-Type": "application/json"})
         assert resp.status_code == 400, resp.text
         assert "[1, 2]" in _scale(url, 3).json()["error"]["message"]
-        # A change runs (the new rank is STARTING): a second one gets 409, then it ends.
+        # A change runs (the new rank is STARTING, held there until the file exists): a
+        # second one gets 409, then the first ends once rank 1 may start.
         first: list[httpx.Response] = []
         thread = threading.Thread(target=lambda: first.append(_scale(url, 2)))
         thread.start()
@@ -155,6 +160,7 @@ def test_bad_sizes_400_and_a_second_change_409(answer_servers):
                                httpx.get(url + "/health", timeout=5).json()["ranks"]),
                    60, "rank 1 to start")
         second = _scale(url, 1)
+        answer_servers["release"].touch()
         assert second.status_code == 409, second.text
         assert second.json()["error"]["code"] == "scale_in_progress"
         thread.join(timeout=300)

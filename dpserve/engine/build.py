@@ -26,6 +26,10 @@ logger = logging.getLogger(__name__)
 FAULT_FORWARD_ENV = "DPSERVE_FAULT_FORWARD_AT"
 FAULT_HANG_ENV = "DPSERVE_FAULT_FORWARD_HANG_AT"
 FAULT_RANK_ENV = "DPSERVE_FAULT_RANK"
+# Test-only: "RANK:PATH": that rank's first process waits until PATH exists before it
+# loads its model (at most HOLD_START_LIMIT_S), so a test holds it in STARTING.
+FAULT_HOLD_START_ENV = "DPSERVE_FAULT_HOLD_START"
+HOLD_START_LIMIT_S = 300.0
 
 
 def place_engine(config: EngineConfig, rank: int) -> None:
@@ -82,9 +86,27 @@ def build_engine_core(config: EngineConfig, rank: int, incarnation: int) -> Engi
     test-only forward faults the environment asks for."""
     from dpserve.engine.core import EngineCore
 
+    _maybe_hold_start(rank, incarnation)
     engine_core = EngineCore(config, dp_rank=rank)
     _maybe_inject_forward_fault(engine_core, rank, incarnation)
     return engine_core
+
+
+def _maybe_hold_start(rank: int, incarnation: int) -> None:
+    """TEST-ONLY: with DPSERVE_FAULT_HOLD_START=r:PATH, rank r's first process waits
+    until PATH exists (a test creates it once its check is done), at most
+    HOLD_START_LIMIT_S; restarts and other ranks start at once."""
+    spec = os.environ.get(FAULT_HOLD_START_ENV)
+    if not spec:
+        return
+    held, _, path = spec.partition(":")
+    if int(held) != rank or incarnation > 0:
+        return
+    logger.warning("TEST-ONLY: rank %d holds its start until %s exists (%s)", rank, path,
+                   FAULT_HOLD_START_ENV)
+    deadline = time.monotonic() + HOLD_START_LIMIT_S
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _maybe_inject_forward_fault(engine_core: EngineCore, rank: int, incarnation: int) -> None:
