@@ -15,8 +15,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,34 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def serve_app(app: Any, stop_first: Callable[[], None] | None = None
+              ) -> Iterator[tuple[str, asyncio.AbstractEventLoop]]:
+    """uvicorn serving an ASGI `app` in this process, on a thread with its own event
+    loop, at a free 127.0.0.1 port: (its URL, that loop). On exit `stop_first()` runs
+    (e.g. the engine's shutdown, which ends open streams), then uvicorn stops."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete,
+                              args=(server.serve(sockets=[sock]),), daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started or not thread.is_alive(), 60, "uvicorn to start")
+        assert thread.is_alive(), "uvicorn did not start"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", loop
+    finally:
+        if stop_first is not None:
+            stop_first()
+        server.should_exit = True
+        thread.join(15)
+        loop.close()
+        sock.close()
 
 
 def launch(model: str, *extra: str, env: dict[str, str] | None = None,

@@ -21,7 +21,6 @@ import contextlib
 import hashlib
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -33,7 +32,7 @@ import httpx
 import openai
 import pytest
 from fastapi import Request
-from helpers import free_port, output, serve, wait_until
+from helpers import free_port, output, serve, serve_app
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(300)]
 
@@ -365,8 +364,6 @@ def test_a_huge_tokenize_does_not_stall_other_clients(tiny_llama) -> None:
 @contextlib.contextmanager
 def _in_process(model: Path, **app_kw: object) -> Iterator[str]:
     """uvicorn on a thread serving `build_app` over one in-process engine; its URL."""
-    import uvicorn
-
     from dpserve.config import EngineArgs
     from dpserve.frontend.async_llm import AsyncLLM
     from dpserve.server.app import build_app
@@ -374,24 +371,8 @@ def _in_process(model: Path, **app_kw: object) -> Iterator[str]:
 
     config = EngineArgs(model=str(model), num_kv_blocks=64).create_config()
     llm = AsyncLLM(config, InprocEngineClient(config))
-    app = build_app(llm, "tiny", **app_kw)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete,
-                              args=(server.serve(sockets=[sock]),), daemon=True)
-    thread.start()
-    try:
-        wait_until(lambda: server.started or not thread.is_alive(), 60, "uvicorn to start")
-        assert thread.is_alive(), "uvicorn did not start"
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        llm.shutdown()
-        server.should_exit = True
-        thread.join(15)
-        loop.close()
-        sock.close()
+    with serve_app(build_app(llm, "tiny", **app_kw), stop_first=llm.shutdown) as (url, _):
+        yield url
 
 
 def test_serving_reports_the_tokenize_result_unchanged(server) -> None:

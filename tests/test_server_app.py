@@ -11,8 +11,6 @@ import asyncio
 import contextlib
 import json
 import re
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,7 +19,7 @@ from typing import Any
 import httpx2 as httpx
 import openai
 import pytest
-import uvicorn
+from helpers import serve_app
 
 from dpserve.config import EngineArgs
 from dpserve.frontend.async_llm import AsyncLLM
@@ -59,25 +57,8 @@ def serve(model_path, **app_kw):
     client = InprocEngineClient(config)
     llm = AsyncLLM(config, client)
     app = build_app(llm, MODEL, max_request_body_bytes=BODY_LIMIT, **app_kw)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete,
-                              args=(server.serve(sockets=[sock]),), daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", llm, client, loop)
-    finally:
-        llm.shutdown()
-        server.should_exit = True
-        thread.join(15)
-        loop.close()
-        sock.close()
+    with serve_app(app, stop_first=llm.shutdown) as (url, loop):
+        yield Served(url, llm, client, loop)
 
 
 @pytest.fixture(scope="module")
