@@ -75,8 +75,8 @@ from dpserve.launch.api_server_pipe import (
     APIServerSpec,
     ControlMessage,
 )
-from dpserve.launch.process import start_parent_watcher
 from dpserve.logging_utils import name_process
+from dpserve.parent_watch import start_parent_watcher
 from dpserve.server.auth import AuthOptions
 from dpserve.server.extras import HTTPOptions, uvicorn_kwargs
 from dpserve.server.limits import RequestLimits

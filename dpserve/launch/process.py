@@ -5,8 +5,6 @@
   a process can be replaced in place (a restart).
 * `wait_for_any_exit`, `shutdown` (terminate -> join with a shared deadline ->
   kill the tree), `kill_process_tree`.
-* `start_parent_watcher` (from `dpserve.parent_watch`, which the engine uses too):
-  in a child, exit when the parent dies.
 * `engine_context`: in `dpserve serve`, engines start from a forkserver that has
   imported torch and the engine's modules once (`FORKSERVER_PRELOAD`), instead of
   each spawned engine importing them again (seconds of CPU per engine); offline
@@ -32,8 +30,6 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 import psutil
-
-from dpserve.parent_watch import start_parent_watcher as start_parent_watcher  # re-export
 
 logger = logging.getLogger(__name__)
 

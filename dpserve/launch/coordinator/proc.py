@@ -67,8 +67,8 @@ from dpserve.control import next_state
 from dpserve.launch.coordinator.autoscale import ScaleBook
 from dpserve.launch.coordinator.dp_group import DPGroup
 from dpserve.launch.coordinator.tables import HealthTable, LoadTable
-from dpserve.launch.process import start_parent_watcher
 from dpserve.logging_utils import name_process
+from dpserve.parent_watch import start_parent_watcher
 from dpserve.protocol import (
     COORDINATOR_READY,
     ControlChange,
