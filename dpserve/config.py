@@ -181,7 +181,9 @@ class EngineArgs:
     data_parallel_insecure: bool = _opt(False, "Allow a tcp:// data plane on a "
                                         "non-loopback --data-parallel-address without a "
                                         "secret (a trusted private network only: any "
-                                        "peer that reaches it can act as a DP rank).")
+                                        "peer that reaches it can act as a DP rank); "
+                                        "under Ray off loopback, hand the secret to "
+                                        "actors without RAY_AUTH_MODE=token.")
     ray_address: str | None = _opt(None, "Ray: join this cluster (default: start a local "
                                    "one).")
     engine_heartbeat_timeout: float = _opt(3.0, "Seconds without a heartbeat after which a "
