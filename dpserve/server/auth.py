@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import re
 import secrets
@@ -46,6 +45,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dpserve.errors import ConfigError
 from dpserve.security import is_loopback
+from dpserve.server.errors import send_error
+from dpserve.server.protocol import APIError
 
 API_KEY_ENV = "DPSERVE_API_KEY"
 # Open without a key (exact paths, any method).
@@ -162,7 +163,7 @@ class AuthMiddleware:
             authorization = headers.get(b"authorization", b"").decode("latin-1")
             state["api_key_id"] = self.options.match(authorization)
             if state["api_key_id"] is None and route_path(scope) not in self.open:
-                await _unauthorized(send)
+                await send_error(send, UNAUTHORIZED)
                 return
         await self.app(scope, receive, send)
 
@@ -175,14 +176,8 @@ def route_path(scope: Scope) -> str:
     return path
 
 
-async def _unauthorized(send: Send) -> None:
-    body = json.dumps({"error": {
-        "message": "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
-        "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}).encode()
-    await send({"type": "http.response.start", "status": 401, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-        (b"www-authenticate", b"Bearer")]})
-    await send({"type": "http.response.body", "body": body})
+UNAUTHORIZED = APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
 def add_auth_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

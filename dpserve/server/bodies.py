@@ -22,12 +22,12 @@ Not here: the API key (`dpserve.server.auth`), request-field limits.
 
 from __future__ import annotations
 
-import json
 import math
 
 from fastapi import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from dpserve.server.errors import send_error
 from dpserve.server.protocol import APIError
 
 MAX_WAIT_S = 3600.0  # the largest ?timeout= a control route accepts
@@ -51,7 +51,7 @@ class BodyLimit:
             return
         length = dict(scope["headers"]).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.limit:
-            await _send_error(send, too_large(self.limit))
+            await send_error(send, too_large(self.limit))
             return
         seen = 0
 
@@ -65,14 +65,6 @@ class BodyLimit:
             return message
 
         await self.app(scope, limited, send)
-
-
-async def _send_error(send: Send, error: APIError) -> None:
-    body = json.dumps({"error": {"message": error.message, "type": error.type,
-                                 "param": error.param, "code": error.code}}).encode()
-    await send({"type": "http.response.start", "status": error.status_code, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
 
 
 async def require_json(request: Request) -> None:

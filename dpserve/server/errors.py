@@ -1,4 +1,5 @@
-"""`to_api_error`: any exception -> the OpenAI-shaped error it is answered with.
+"""`to_api_error`: any exception -> the OpenAI-shaped error it is answered with;
+`send_error`: an error answered straight from an ASGI middleware (before any route).
 
 The app's one exception handler and the in-stream error event both use it:
 bad input is a 400 naming its parameter, a rank that cannot take a request a
@@ -10,10 +11,12 @@ Not here: the error body's shape (`dpserve.server.protocol.APIError`).
 
 from __future__ import annotations
 
+import json
 import logging
 
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Send
 
 from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError, RequestError
 from dpserve.sampling_params import SamplingParams
@@ -49,3 +52,14 @@ def to_api_error(exc: BaseException) -> APIError:
                         else "server_error")
     logger.error("internal error", exc_info=exc)
     return APIError(500, f"internal server error: {type(exc).__name__}", type="server_error")
+
+
+async def send_error(send: Send, error: APIError) -> None:
+    """Answer `error` (its OpenAI body, status and extra headers) on an ASGI `send`."""
+    body = json.dumps({"error": {"message": error.message, "type": error.type,
+                                 "param": error.param, "code": error.code}}).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode()),
+               *((k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items())]
+    await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
