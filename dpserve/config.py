@@ -125,6 +125,10 @@ class EngineArgs:
                                               "lockstep engines; at least max_num_seqs).")
     max_num_seqs: int = _opt(256, "Most requests running at once.")
     data_parallel_size: int = _opt(1, "Number of engine replicas.", aliases=("-dp",))
+    tensor_parallel_size: int = _opt(1, "Workers that share each DP rank's model (tensor "
+                                     "parallel): heads, MLP and vocabulary are split "
+                                     "between them; the rank's engine core is worker 0 "
+                                     "and starts the others.", aliases=("-tp",))
     threads_per_engine: int | None = _opt(None, "torch CPU threads per engine (default: "
                                           "torch's choice; with data parallel on CPU, "
                                           "the cores shared out between the engines).")
@@ -348,6 +352,7 @@ class EngineArgs:
         most = size_max(self, autoscale)
         return ParallelConfig(
             data_parallel_size=self.data_parallel_size,
+            tensor_parallel_size=self.tensor_parallel_size,
             threads_per_engine=threads_per_engine(self, device),
             cpu_groups=cpu_groups(self, device),
             data_parallel_lockstep=(self.data_parallel_lockstep or _is_moe(hf_config))
@@ -419,6 +424,7 @@ class EngineArgs:
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
              "must be at least 1")
         need(self.data_parallel_size >= 1, "data_parallel_size", "must be at least 1")
+        need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")
         need(self.threads_per_engine is None or self.threads_per_engine >= 1,
              "threads_per_engine", "must be at least 1")
         need(self.cpu_bind.strip() != "" and (self.data_parallel_backend != "ray" or

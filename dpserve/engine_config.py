@@ -88,6 +88,9 @@ class AutoscaleConfig:
 class ParallelConfig:
     data_parallel_size: int  # engine replicas, on every host together
     threads_per_engine: int | None  # torch CPU threads (None: torch's default)
+    # Workers per DP rank sharing its model (dpserve.model.tensor_parallel); worker 0
+    # is the rank's engine core, which starts the others (dpserve.engine.executor).
+    tensor_parallel_size: int = 1
     # CPU cores of each local engine (this host's i-th engine: cpu_groups[i]); None: unbound.
     cpu_groups: tuple[tuple[int, ...], ...] | None = None
     # Engines step together in request waves (dummy batches, periodic all-reduce):

@@ -13,7 +13,7 @@ import logging
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,12 +33,30 @@ from dpserve.model.layers import (
     silu_and_mul,
 )
 from dpserve.model.quant import can_quantize, per_row_activations, quantize_weight
+from dpserve.model.tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
 
 def _param(*shape: int, dtype: torch.dtype, device: Any) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Target(NamedTuple):
+    """Where a checkpoint tensor goes: rows [start, start + rows) of `param`; under
+    tensor parallelism `src` = (dim, first, length) is the slice of the checkpoint
+    tensor this worker holds (None: all of it). `param` None: the model has no
+    such parameter."""
+
+    param: torch.Tensor | None
+    start: int
+    rows: int
+    src: tuple[int, int, int] | None = None
+
+
+def _one(tp: TensorParallel | None) -> TensorParallel:
+    """A worker's TP place; a model without tensor parallelism is worker 0 of 1."""
+    return tp if tp is not None else TensorParallel(0, 1)
 
 
 @dataclass(frozen=True)
@@ -86,14 +104,24 @@ class ModelDims:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, d: ModelDims, dtype: torch.dtype, device: Any) -> None:
+    """Self-attention over this worker's heads (`tensor_parallel`: all of them
+    without TP); O's partial sums are all-reduced over the TP group."""
+
+    def __init__(self, d: ModelDims, dtype: torch.dtype, device: Any,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = d.heads, d.kv_heads, d.head_dim
-        qkv_out = (d.heads + 2 * d.kv_heads) * d.head_dim
+        self.tp = _one(tp)
+        (self.first_head, self.heads), (self.first_kv_head, self.kv_heads) = \
+            self.tp.head_ranges(d.heads, d.kv_heads)
+        self.head_dim = d.head_dim
+        qkv_out = (self.heads + 2 * self.kv_heads) * d.head_dim
         self.qkv_weight = _param(qkv_out, d.hidden, dtype=dtype, device=device)
         self.qkv_bias = _param(qkv_out, dtype=dtype, device=device) if d.qkv_bias else None
-        self.o_weight = _param(d.hidden, d.heads * d.head_dim, dtype=dtype, device=device)
-        self.o_bias = _param(d.hidden, dtype=dtype, device=device) if d.o_bias else None
+        self.o_weight = _param(d.hidden, self.heads * d.head_dim, dtype=dtype, device=device)
+        # A row-parallel bias is added once: worker 0 holds it.
+        self.o_bias_elsewhere = d.o_bias and self.tp.rank != 0
+        self.o_bias = (_param(d.hidden, dtype=dtype, device=device)
+                       if d.o_bias and not self.o_bias_elsewhere else None)
         self.packed = False  # weights in oneDNN layout (see prepack_weights)
         self.plain: dict[str, torch.Tensor] = {}  # unpacked copies for cpu_kernels
 
@@ -114,17 +142,45 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, :self.heads], qk[:, self.heads:]  # [T, H, d], [T, KV, d]
         v = qkv[:, qk_width:].view(num_tokens, self.kv_heads, self.head_dim)
         attn = paged_attention(q, k, v, kv_cache, meta, kv_written=meta.fused_ops)
-        return linear(attn, self.o_weight, self.o_bias, self.packed, self.plain.get("o_weight"))
+        return self.tp.all_reduce(linear(attn, self.o_weight, self.o_bias, self.packed,
+                                         self.plain.get("o_weight")))
+
+    def weight_targets(self, d: ModelDims) -> dict[str, Target | None]:
+        """HF names (after `self_attn.`) -> where they go: this worker's heads of q, k
+        and v into the merged QKV rows, the matching columns of O."""
+        hd = d.head_dim
+        q_rows, kv_rows = self.heads * hd, self.kv_heads * hd
+        parts: dict[str, Target | None] = {
+            "o_proj.weight": Target(self.o_weight, 0, d.hidden,
+                                    (1, self.first_head * hd, q_rows)),
+            "o_proj.bias": None if self.o_bias_elsewhere else Target(self.o_bias, 0, d.hidden)}
+        sources = {"q": self.first_head * hd, "k": self.first_kv_head * hd,
+                   "v": self.first_kv_head * hd}
+        for kind in ("weight", "bias"):  # fused row ranges: q | k | v
+            fused = self.qkv_weight if kind == "weight" else self.qkv_bias
+            for name, start, n in zip("qkv", (0, q_rows, q_rows + kv_rows),
+                                      (q_rows, kv_rows, kv_rows), strict=True):
+                parts[f"{name}_proj.{kind}"] = Target(fused, start, n, (0, sources[name], n))
+        return parts
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, d: ModelDims, dtype: torch.dtype, device: Any) -> None:
+    """SwiGLU over this worker's slice of the intermediate dimension; down's partial
+    sums are all-reduced over the TP group unless `reduce` is off (a caller that
+    adds them to other partial sums and reduces once: the MoE block's shared expert)."""
+
+    def __init__(self, d: ModelDims, dtype: torch.dtype, device: Any,
+                 tp: TensorParallel | None = None, reduce: bool = True) -> None:
         super().__init__()
-        self.gate_up_weight = _param(2 * d.intermediate, d.hidden, dtype=dtype, device=device)
-        self.gate_up_bias = (_param(2 * d.intermediate, dtype=dtype, device=device)
+        self.tp, self.reduce = _one(tp), reduce
+        self.first, inter = self.tp.split(d.intermediate, "intermediate size")
+        self.gate_up_weight = _param(2 * inter, d.hidden, dtype=dtype, device=device)
+        self.gate_up_bias = (_param(2 * inter, dtype=dtype, device=device)
                              if d.mlp_bias else None)
-        self.down_weight = _param(d.hidden, d.intermediate, dtype=dtype, device=device)
-        self.down_bias = _param(d.hidden, dtype=dtype, device=device) if d.mlp_bias else None
+        self.down_weight = _param(d.hidden, inter, dtype=dtype, device=device)
+        self.down_bias_elsewhere = d.mlp_bias and self.tp.rank != 0  # worker 0 holds it
+        self.down_bias = (_param(d.hidden, dtype=dtype, device=device)
+                          if d.mlp_bias and not self.down_bias_elsewhere else None)
         self.packed = False  # weights in oneDNN layout (see prepack_weights)
         self.plain: dict[str, torch.Tensor] = {}  # unpacked copies for cpu_kernels
 
@@ -133,17 +189,19 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.packed,
                          self.plain.get("gate_up_weight"))  # [T, 2I]
-        return linear(silu_and_mul(gate_up), self.down_weight, self.down_bias,
-                      self.packed, self.plain.get("down_weight"))  # [T, hidden]
+        out = linear(silu_and_mul(gate_up), self.down_weight, self.down_bias,
+                     self.packed, self.plain.get("down_weight"))  # [T, hidden]
+        return self.tp.all_reduce(out) if self.reduce else out
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, d: ModelDims, dtype: torch.dtype, device: Any) -> None:
+    def __init__(self, d: ModelDims, dtype: torch.dtype, device: Any,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.input_norm = RMSNorm(d.hidden, d.eps, dtype, device)
-        self.attn = LlamaAttention(d, dtype, device)
+        self.attn = LlamaAttention(d, dtype, device, tp)
         self.post_attn_norm = RMSNorm(d.hidden, d.eps, dtype, device)
-        self.mlp = LlamaMLP(d, dtype, device)
+        self.mlp = LlamaMLP(d, dtype, device, tp)
 
     def forward(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -157,20 +215,27 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM over a paged KV cache.
 
-    kv_caches: one tensor per layer, [2, num_blocks, block_size, kv_heads, head_dim].
+    kv_caches: one tensor per layer, [2, num_blocks, block_size, kv_heads_here, head_dim].
+    `tp`: this worker's place in its rank's tensor-parallel group (None: the whole
+    model here); `dims` are always the whole model's.
     """
 
     def __init__(self, hf_config: Mapping[str, Any], dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, tp: TensorParallel | None = None) -> None:
         super().__init__()
         d = self.dims = ModelDims.from_config(hf_config)
         self.dtype = dtype
-        self.embed = _param(d.vocab, d.hidden, dtype=dtype, device=device)
+        self.tp = _one(tp)
+        self.kv_heads_here = self.tp.head_ranges(d.heads, d.kv_heads)[1][1]
+        # This worker's vocabulary rows; the last shard's padding rows stay zero.
+        self.vocab_first, self.vocab_rows, shard = self.tp.vocab_range(d.vocab)
+        self.embed = nn.Parameter(torch.zeros(shard, d.hidden, dtype=dtype, device=device),
+                                  requires_grad=False)
         self.layers = nn.ModuleList(self._make_layer(i, hf_config, dtype, device)
                                     for i in range(d.layers))
         self.norm = RMSNorm(d.hidden, d.eps, dtype, device)
-        self.lm_head = self.embed if d.tied else _param(d.vocab, d.hidden, dtype=dtype,
-                                                        device=device)
+        self.lm_head = self.embed if d.tied else nn.Parameter(
+            torch.zeros(shard, d.hidden, dtype=dtype, device=device), requires_grad=False)
         self.rotary = RotaryEmbedding(d.head_dim, d.max_positions,
                                       rope_spec_from_config(hf_config), dtype, device)
         self.packed = False
@@ -179,20 +244,35 @@ class LlamaForCausalLM(nn.Module):
     def _make_layer(self, index: int, hf_config: Mapping[str, Any], dtype: torch.dtype,
                     device: Any) -> nn.Module:
         """Decoder layer `index` (subclasses build other kinds)."""
-        return LlamaDecoderLayer(self.dims, dtype, device)
+        return LlamaDecoderLayer(self.dims, dtype, device, self.tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """input_ids, positions: [T] -> final-normed hidden states [T, hidden]."""
         cos, sin = self.rotary.tables(positions)  # once per step, shared by all layers
-        hidden = F.embedding(input_ids, self.embed)  # [T, hidden], a fresh tensor
+        hidden = self.embed_tokens(input_ids)  # [T, hidden], a fresh tensor
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, attn_meta)
         return self.norm(hidden, attn_meta.fused_ops)
 
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> [T, hidden]. Under TP each worker looks up the ids of its
+        vocabulary slice (zero rows for the others) and the sum is all-reduced."""
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.embed)
+        local = input_ids - self.vocab_first
+        outside = (local < 0) | (local >= self.vocab_rows)
+        hidden = F.embedding(local.masked_fill(outside, 0), self.embed)
+        hidden.masked_fill_(outside[:, None], 0)
+        return self.tp.all_reduce(hidden)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, hidden] -> logits [S, vocab] float32."""
-        return linear(hidden, self.lm_head, None, self.packed, self.lm_head_plain).float()
+        """hidden [S, hidden] -> logits [S, vocab] float32 (under TP: every worker's
+        vocabulary slice, all-gathered; every worker gets them all)."""
+        logits = linear(hidden, self.lm_head, None, self.packed, self.lm_head_plain)
+        if self.tp.size > 1:
+            logits = self.tp.all_gather(logits)[:, :self.dims.vocab]
+        return logits.float()
 
     def prepack_weights(self) -> bool:
         """After loading: move every projection to oneDNN's layout where that is
@@ -304,35 +384,31 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- weights ---------------------------------------------------------
 
-    def _weight_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
-        """HF name -> (parameter, first row, number of rows) it fills."""
+    def _weight_targets(self) -> dict[str, Target | None]:
+        """HF name -> where it goes (`Target`); None: a known weight held elsewhere."""
         d = self.dims
-        q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
-        targets: dict[str, tuple[torch.Tensor, int, int]] = {
-            "model.embed_tokens.weight": (self.embed, 0, d.vocab),
-            "model.norm.weight": (self.norm.weight, 0, d.hidden),
+        vocab = Target(self.embed, 0, self.vocab_rows, (0, self.vocab_first, self.vocab_rows))
+        targets: dict[str, Target | None] = {
+            "model.embed_tokens.weight": vocab,
+            "model.norm.weight": Target(self.norm.weight, 0, d.hidden),
         }
         if not d.tied:
-            targets["lm_head.weight"] = (self.lm_head, 0, d.vocab)
+            targets["lm_head.weight"] = vocab._replace(param=self.lm_head)
         for i, layer in enumerate(self.layers):
-            pre, a = f"model.layers.{i}.", layer.attn
-            parts: dict[str, tuple[torch.Tensor | None, int, int] | None] = {
-                "input_layernorm.weight": (layer.input_norm.weight, 0, d.hidden),
-                "post_attention_layernorm.weight": (layer.post_attn_norm.weight, 0, d.hidden),
-                "self_attn.o_proj.weight": (a.o_weight, 0, d.hidden),
-                "self_attn.o_proj.bias": (a.o_bias, 0, d.hidden),
+            pre = f"model.layers.{i}."
+            parts: dict[str, Target | None] = {
+                "input_layernorm.weight": Target(layer.input_norm.weight, 0, d.hidden),
+                "post_attention_layernorm.weight": Target(layer.post_attn_norm.weight, 0,
+                                                          d.hidden),
             }
-            for kind in ("weight", "bias"):  # fused row ranges: q | k | v
-                fused = a.qkv_weight if kind == "weight" else a.qkv_bias
-                for name, start, n in zip("qkv", (0, q, q + kv), (q, kv, kv), strict=True):
-                    parts[f"self_attn.{name}_proj.{kind}"] = (fused, start, n)
+            parts.update({"self_attn." + k: v
+                          for k, v in layer.attn.weight_targets(d).items()})
             parts.update(self._mlp_targets(i, layer))
             targets.update({pre + k: v for k, v in parts.items()
                             if v is None or v[0] is not None})
         return targets
 
-    def _mlp_targets(self, index: int, layer: nn.Module
-                     ) -> dict[str, tuple[torch.Tensor | None, int, int] | None]:
+    def _mlp_targets(self, index: int, layer: nn.Module) -> dict[str, Target | None]:
         """Layer `index`'s MLP weights (names after `model.layers.N.`); subclasses
         add theirs. A target of None: a known weight this model does not hold."""
         return mlp_targets("mlp.", layer.mlp, self.dims.hidden)
@@ -364,10 +440,18 @@ class LlamaForCausalLM(nn.Module):
 
 
 def copy_weight(name: str, tensor: torch.Tensor,
-                target: tuple[torch.Tensor, int, int]) -> None:
-    """Copy checkpoint tensor `name` into its place, rows [start, start + rows) of the
-    parameter (`_weight_targets`); ValueError on a shape mismatch."""
-    param, start, rows = target
+                target: tuple[torch.Tensor, int, int] | Target) -> None:
+    """Copy checkpoint tensor `name` (its `src` slice, for a `Target` with one) into
+    its place, rows [start, start + rows) of the parameter (`_weight_targets`);
+    ValueError on a shape mismatch."""
+    param, start, rows, *rest = target
+    if rest and rest[0] is not None:
+        dim, first, length = rest[0]
+        if tensor.dim() <= dim or tensor.shape[dim] < first + length:
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, too small "
+                             f"for this tensor-parallel worker's slice [{first}, "
+                             f"{first + length}) of dimension {dim}")
+        tensor = tensor.narrow(dim, first, length)
     dest = param.data[start:start + rows]
     if tuple(tensor.shape) != tuple(dest.shape):
         raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
@@ -408,17 +492,18 @@ def smooth_into_norm(norm: RMSNorm, weight: torch.Tensor, alpha: float = 0.5) ->
     weight.data.mul_(s[None, :])
 
 
-def mlp_targets(prefix: str, mlp: LlamaMLP, hidden: int
-                ) -> dict[str, tuple[torch.Tensor | None, int, int]]:
-    """HF names (after `prefix`) of a SwiGLU MLP -> rows of its fused gate | up matrix."""
-    inter = mlp.down_weight.shape[1]
-    parts: dict[str, tuple[torch.Tensor | None, int, int]] = {
-        "down_proj.weight": (mlp.down_weight, 0, hidden),
-        "down_proj.bias": (mlp.down_bias, 0, hidden)}
+def mlp_targets(prefix: str, mlp: LlamaMLP, hidden: int) -> dict[str, Target | None]:
+    """HF names (after `prefix`) of a SwiGLU MLP -> rows of its fused gate | up matrix
+    (this worker's slice of the intermediate dimension) and down's matching columns."""
+    inter, first = mlp.down_weight.shape[1], mlp.first
+    parts: dict[str, Target | None] = {
+        "down_proj.weight": Target(mlp.down_weight, 0, hidden, (1, first, inter)),
+        "down_proj.bias": None if mlp.down_bias_elsewhere else Target(mlp.down_bias, 0,
+                                                                      hidden)}
     for kind in ("weight", "bias"):
         gu = mlp.gate_up_weight if kind == "weight" else mlp.gate_up_bias
-        parts[f"gate_proj.{kind}"] = (gu, 0, inter)
-        parts[f"up_proj.{kind}"] = (gu, inter, inter)
+        parts[f"gate_proj.{kind}"] = Target(gu, 0, inter, (0, first, inter))
+        parts[f"up_proj.{kind}"] = Target(gu, inter, inter, (0, first, inter))
     return {prefix + k: v for k, v in parts.items()}
 
 

@@ -24,6 +24,7 @@ from torch import nn
 from dpserve.model.expert_parallel import ExpertParallel
 from dpserve.model.layers import linear, silu_and_mul
 from dpserve.model.llama import LlamaMLP, ModelDims
+from dpserve.model.tensor_parallel import TensorParallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,16 +87,26 @@ def _param(*shape: int, dtype: torch.dtype, device: Any) -> nn.Parameter:
 
 class FusedMoE(nn.Module):
     """A sparse MoE block: router (replicated), this rank's experts, optional
-    shared expert with its sigmoid gate (replicated)."""
+    shared expert with its sigmoid gate (replicated).
+
+    Under tensor parallelism (`tp`) every worker holds its slice of each expert's
+    intermediate dimension (and of the shared expert's): the experts' and the
+    shared expert's partial sums are added, then all-reduced once."""
 
     def __init__(self, d: ModelDims, spec: MoESpec, dtype: torch.dtype, device: Any,
-                 ep: ExpertParallel | None = None) -> None:
+                 ep: ExpertParallel | None = None, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.spec, self.ep, self.dtype = spec, ep, dtype
+        self.tp = tp if tp is not None else TensorParallel(0, 1)
+        if ep is not None and self.tp.size > 1:
+            raise ValueError("enable_expert_parallel with tensor_parallel_size > 1 is not "
+                             "supported yet")
         self.first, end = ep.expert_range(spec.num_experts) if ep else (0, spec.num_experts)
-        self.w13 = _param(end - self.first, 2 * spec.intermediate, d.hidden, dtype=dtype,
+        self.inter_first, self.inter = self.tp.split(spec.intermediate,
+                                                     "expert intermediate size")
+        self.w13 = _param(end - self.first, 2 * self.inter, d.hidden, dtype=dtype,
                           device=device)
-        self.w2 = _param(end - self.first, d.hidden, spec.intermediate, dtype=dtype,
+        self.w2 = _param(end - self.first, d.hidden, self.inter, dtype=dtype,
                          device=device)
         self.router = _param(spec.num_experts, d.hidden, dtype=dtype, device=device)
         self.shared: LlamaMLP | None = None
@@ -103,7 +114,7 @@ class FusedMoE(nn.Module):
         if spec.shared_intermediate:
             shared_dims = dataclasses.replace(d, intermediate=spec.shared_intermediate,
                                               mlp_bias=False)
-            self.shared = LlamaMLP(shared_dims, dtype, device)
+            self.shared = LlamaMLP(shared_dims, dtype, device, self.tp, reduce=False)
             self.shared_gate = _param(1, d.hidden, dtype=dtype, device=device)
 
     def resize_experts(self) -> None:
@@ -134,7 +145,7 @@ class FusedMoE(nn.Module):
             assert self.shared_gate is not None
             gate = torch.sigmoid(linear(x, self.shared_gate, None, False))  # [T, 1]
             out = out + gate * self.shared(x)
-        return out
+        return self.tp.all_reduce(out)
 
     def _local_experts(self, x: torch.Tensor, ids: torch.Tensor,
                        weights: torch.Tensor) -> torch.Tensor:

@@ -31,10 +31,12 @@ from dpserve.model.llama import (
     LlamaForCausalLM,
     LlamaMLP,
     ModelDims,
+    Target,
     copy_weight,
     mlp_targets,
 )
 from dpserve.model.moe import FusedMoE, MoESpec
+from dpserve.model.tensor_parallel import TensorParallel
 
 # model_type -> (q/k norm: "" | "head" | "full", MoE block prefix in weight names,
 #                expert weight names (gate, up, down))
@@ -72,16 +74,27 @@ def is_moe_layer(c: Mapping[str, Any], index: int) -> bool:
 
 class QKNormAttention(LlamaAttention):
     """Llama attention with RMSNorm on q and k ("head": per head; "full": over the
-    whole projection) and OLMoE's optional clamp of q, k and v."""
+    whole projection) and OLMoE's optional clamp of q, k and v.
+
+    Under tensor parallelism a "full" norm holds its weight's slice for this
+    worker's heads, and the mean square over the whole projection is the
+    all-reduced sum of every worker's squares (`_full_norm`); a per-head norm is
+    whole on every worker."""
 
     def __init__(self, d: ModelDims, qk_norm: str, clip_qkv: float | None,
-                 dtype: torch.dtype, device: Any) -> None:
-        super().__init__(d, dtype, device)
+                 dtype: torch.dtype, device: Any, tp: TensorParallel | None = None) -> None:
+        super().__init__(d, dtype, device, tp)
         self.per_head = qk_norm == "head"
         q_width, k_width = ((d.head_dim, d.head_dim) if self.per_head
-                            else (d.heads * d.head_dim, d.kv_heads * d.head_dim))
+                            else (self.heads * d.head_dim, self.kv_heads * d.head_dim))
         self.q_norm = RMSNorm(q_width, d.eps, dtype, device)
         self.k_norm = RMSNorm(k_width, d.eps, dtype, device)
+        # The whole projections' widths (a "full" norm's mean is over them).
+        self.full_widths = (d.heads * d.head_dim, d.kv_heads * d.head_dim)
+        if not self.per_head and self.tp.size > 1 and d.kv_heads < self.tp.size:
+            raise ValueError(f"tensor_parallel_size {self.tp.size} must not exceed the "
+                             f"model's {d.kv_heads} KV heads: its k norm spans every KV "
+                             f"head, which would be replicated")
         self.clip = clip_qkv
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -94,6 +107,9 @@ class QKNormAttention(LlamaAttention):
         if self.per_head:
             q = self.q_norm(q.reshape(num_tokens, self.heads, hd))
             k = self.k_norm(k.reshape(num_tokens, self.kv_heads, hd))
+        elif self.tp.size > 1:
+            q = self._full_norm(q, self.q_norm, self.full_widths[0])
+            k = self._full_norm(k, self.k_norm, self.full_widths[1])
         else:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip is not None:
@@ -102,33 +118,55 @@ class QKNormAttention(LlamaAttention):
         k = apply_rotary(k.reshape(num_tokens, self.kv_heads, hd), cos, sin)
         v = v.reshape(num_tokens, self.kv_heads, hd)
         attn = paged_attention(q, k, v, kv_cache, meta)  # [T, H * d]
-        return linear(attn, self.o_weight, self.o_bias, self.packed, self.plain.get("o_weight"))
+        return self.tp.all_reduce(linear(attn, self.o_weight, self.o_bias, self.packed,
+                                         self.plain.get("o_weight")))
+
+    def _full_norm(self, x: torch.Tensor, norm: RMSNorm, width: int) -> torch.Tensor:
+        """RMSNorm of x [T, this worker's slice] over the whole projection's `width`:
+        the squares summed here, all-reduced, then scaled by this slice's weight."""
+        x32 = x.float()
+        mean_square = self.tp.all_reduce(x32.square().sum(dim=-1, keepdim=True)) / width
+        normed = x32 * torch.rsqrt(mean_square + norm.eps)
+        return norm.weight * normed.to(x.dtype)
+
+    def weight_targets(self, d: ModelDims) -> dict[str, Target | None]:
+        parts = super().weight_targets(d)
+        hd = d.head_dim
+        for name, norm, first in (("q", self.q_norm, self.first_head),
+                                  ("k", self.k_norm, self.first_kv_head)):
+            width = norm.weight.shape[0]
+            parts[f"{name}_norm.weight"] = (Target(norm.weight, 0, width) if self.per_head
+                                            else Target(norm.weight, 0, width,
+                                                        (0, first * hd, width)))
+        return parts
 
 
 class MoEForCausalLM(LlamaForCausalLM):
     """Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (see the module docstring).
 
-    `ep`: this rank's expert parallelism (None: every expert is held here).
+    `ep`: this rank's expert parallelism (None: every expert is held here); `tp`:
+    this worker's place in its rank's tensor-parallel group.
     """
 
     def __init__(self, hf_config: Mapping[str, Any], dtype: torch.dtype,
-                 device: torch.device | str, ep: ExpertParallel | None = None) -> None:
+                 device: torch.device | str, ep: ExpertParallel | None = None,
+                 tp: TensorParallel | None = None) -> None:
         kind = hf_config.get("model_type")
         if kind not in _ARCH:
             raise ValueError(f"model_type {kind!r} is not one of {', '.join(_ARCH)}")
         self.qk_norm, self.moe_prefix, self.expert_names = _ARCH[kind]
         self.moe = moe_spec(hf_config)
         self.ep = ep
-        super().__init__(hf_config, dtype, device)
+        super().__init__(hf_config, dtype, device, tp)
 
     def _make_layer(self, index: int, hf_config: Mapping[str, Any], dtype: torch.dtype,
                     device: Any) -> nn.Module:
-        layer = LlamaDecoderLayer(self.dims, dtype, device)
+        layer = LlamaDecoderLayer(self.dims, dtype, device, self.tp)
         if self.qk_norm:
             layer.attn = QKNormAttention(self.dims, self.qk_norm, hf_config.get("clip_qkv"),
-                                         dtype, device)
+                                         dtype, device, self.tp)
         if self.moe is not None and is_moe_layer(hf_config, index):
-            layer.mlp = FusedMoE(self.dims, self.moe, dtype, device, self.ep)
+            layer.mlp = FusedMoE(self.dims, self.moe, dtype, device, self.ep, self.tp)
         return layer
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -180,34 +218,30 @@ class MoEForCausalLM(LlamaForCausalLM):
                     experts=[first, end], expert_bytes=sum(b.expert_bytes() for b in blocks),
                     expert_parallel=self.ep is not None and self.ep.size > 1)
 
-    def _mlp_targets(self, index: int, layer: nn.Module
-                     ) -> dict[str, tuple[torch.Tensor | None, int, int] | None]:
-        parts: dict[str, tuple[torch.Tensor | None, int, int] | None] = {}
-        attn = layer.attn
-        if isinstance(attn, QKNormAttention):
-            parts["self_attn.q_norm.weight"] = (attn.q_norm.weight, 0,
-                                                attn.q_norm.weight.shape[0])
-            parts["self_attn.k_norm.weight"] = (attn.k_norm.weight, 0,
-                                                attn.k_norm.weight.shape[0])
+    def _mlp_targets(self, index: int, layer: nn.Module) -> dict[str, Target | None]:
+        parts: dict[str, Target | None] = {}
         mlp = layer.mlp
         if isinstance(mlp, LlamaMLP):
             parts.update(mlp_targets("mlp.", mlp, self.dims.hidden))
             return parts
         assert isinstance(mlp, FusedMoE) and self.moe is not None
         pre, (gate, up, down) = self.moe_prefix, self.expert_names
-        inter, hidden = self.moe.intermediate, self.dims.hidden
-        parts[f"{pre}gate.weight"] = (mlp.router, 0, self.moe.num_experts)
+        hidden = self.dims.hidden
+        parts[f"{pre}gate.weight"] = Target(mlp.router, 0, self.moe.num_experts)
         first, end = mlp.expert_range
+        # This worker's slice of every expert's intermediate dimension (all of it
+        # without tensor parallelism).
+        i0, inter = mlp.inter_first, mlp.inter
         for e in range(self.moe.num_experts):
             names = [f"{pre}experts.{e}.{n}.weight" for n in (gate, up, down)]
             if not first <= e < end:
                 parts.update(dict.fromkeys(names))  # another rank's expert
                 continue
             local = e - first
-            parts[names[0]] = (mlp.w13[local], 0, inter)
-            parts[names[1]] = (mlp.w13[local], inter, inter)
-            parts[names[2]] = (mlp.w2[local], 0, hidden)
+            parts[names[0]] = Target(mlp.w13[local], 0, inter, (0, i0, inter))
+            parts[names[1]] = Target(mlp.w13[local], inter, inter, (0, i0, inter))
+            parts[names[2]] = Target(mlp.w2[local], 0, hidden, (1, i0, inter))
         if mlp.shared is not None:
             parts.update(mlp_targets(f"{pre}shared_expert.", mlp.shared, hidden))
-            parts[f"{pre}shared_expert_gate.weight"] = (mlp.shared_gate, 0, 1)
+            parts[f"{pre}shared_expert_gate.weight"] = Target(mlp.shared_gate, 0, 1)
         return parts

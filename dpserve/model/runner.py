@@ -33,6 +33,7 @@ from dpserve.model.expert_parallel import ExpertParallel
 from dpserve.model.prompt_logprobs import compute_prompt_logprobs
 from dpserve.model.registry import get_model_class
 from dpserve.model.sampler import Sampler, SamplingMetadata, make_generator
+from dpserve.model.tensor_parallel import TensorParallel
 from dpserve.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -50,9 +51,15 @@ class StepInputs:
 
 
 class ModelRunner:
-    """Executes scheduled steps on one device; see the module docstring."""
+    """Executes scheduled steps on one device; see the module docstring.
 
-    def __init__(self, config: EngineConfig, dp_rank: int = 0) -> None:
+    `tp`: this worker's place in its rank's tensor-parallel group (None: the whole
+    model here). Every worker of a rank runs every step; only worker 0 samples
+    (`execute` returns the others an empty output).
+    """
+
+    def __init__(self, config: EngineConfig, dp_rank: int = 0,
+                 tp: TensorParallel | None = None) -> None:
         if config.parallel.threads_per_engine:
             torch.set_num_threads(config.parallel.threads_per_engine)
         self.config = config
@@ -66,10 +73,12 @@ class ModelRunner:
         self.expert_parallel = (ExpertParallel(dp_rank, size)
                                 if config.parallel.enable_expert_parallel
                                 and (size > 1 or elastic) else None)
+        self.tp = tp if tp is not None else TensorParallel(0, 1)
         self.model = self._load_model()
         self.sleep_level = 0  # 1: KV cache freed; 2: weights too (see set_sleep_level)
         self.vocab_size = self.model.dims.vocab
-        self.kv_elems_per_token = self.model.dims.kv_heads * self.model.dims.head_dim
+        self.kv_heads = self.model.kv_heads_here  # this worker's share of the KV heads
+        self.kv_elems_per_token = self.kv_heads * self.model.dims.head_dim
         self.sampler = Sampler(config.model.seed, self.device)
         self.generators: dict[str, torch.Generator] = {}  # request id -> its seeded generator
         self.kv_caches: list[torch.Tensor] = []
@@ -79,12 +88,17 @@ class ModelRunner:
         """Build the model and read its weights from the checkpoint."""
         from dpserve.model.loader import iter_weights
 
-        extra = {"ep": self.expert_parallel} if self.expert_parallel is not None else {}
+        extra: dict[str, Any] = ({"ep": self.expert_parallel}
+                                 if self.expert_parallel is not None else {})
+        if self.tp.size > 1:
+            extra["tp"] = self.tp
         model = get_model_class(self.config.model.architecture)(
             self.config.model.hf_config, self.dtype, self.device, **extra)
         model.load_weights(iter_weights(Path(self.config.model.path)))
-        logger.info("model %s loaded: %s on %s", self.config.model.architecture,
-                    str(self.dtype).removeprefix("torch."), self.device)
+        logger.info("model %s loaded: %s on %s%s", self.config.model.architecture,
+                    str(self.dtype).removeprefix("torch."), self.device,
+                    f", tensor-parallel worker {self.tp.rank} of {self.tp.size}"
+                    if self.tp.size > 1 else "")
         if self.config.model.quantization == "int8":
             # The LM head runs in bfloat16 where the CPU has it natively, as
             # `--dtype auto` would pick (DPSERVE_CPU_BF16=0: float32).
@@ -159,7 +173,7 @@ class ModelRunner:
         """Bytes of one KV block over all layers."""
         d = self.model.dims
         elem = torch.empty(0, dtype=self.dtype).element_size()
-        return d.layers * 2 * self.block_size * d.kv_heads * d.head_dim * elem
+        return d.layers * 2 * self.block_size * self.kv_heads * d.head_dim * elem
 
     def determine_num_blocks(self) -> int:
         """KV blocks the budget holds, capped at what max_num_seqs full requests need.
@@ -202,7 +216,7 @@ class ModelRunner:
         tokens, seq_len = sched.max_num_batched_tokens, sched.max_model_len
         lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
         query_lens = np.array(lens, dtype=np.int64)
-        caches = [torch.zeros(2, 1, self.block_size, d.kv_heads, d.head_dim, dtype=self.dtype,
+        caches = [torch.zeros(2, 1, self.block_size, self.kv_heads, d.head_dim, dtype=self.dtype,
                               device=self.device) for _ in range(d.layers)]
         table = np.zeros((len(lens), -(-seq_len // self.block_size)), dtype=np.int64)
         meta = build_attention_metadata(query_lens, np.zeros_like(query_lens), table, 0,
@@ -220,7 +234,7 @@ class ModelRunner:
         d = self.model.dims
         self.num_blocks = num_blocks
         self.kv_caches = [
-            torch.zeros(2, num_blocks + 1, self.block_size, d.kv_heads, d.head_dim,
+            torch.zeros(2, num_blocks + 1, self.block_size, self.kv_heads, d.head_dim,
                         dtype=self.dtype, device=self.device)
             for _ in range(d.layers)]
         logger.info("KV cache: %d blocks x %d tokens, %.1f MiB", num_blocks, self.block_size,
@@ -244,6 +258,8 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[],
                                      prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_index))
+        if self.tp.rank != 0:  # worker 0 samples for the group
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         for req in inputs.sampled:
             seed = req.sampling_params.seed
             if seed is not None and req.req_id not in self.generators:
