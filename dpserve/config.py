@@ -40,6 +40,7 @@ from dpserve.placement import (
     PACK_STRATEGIES,
     autoscale_config,
     check_placement,
+    check_tensor_parallel,
     cpu_groups,
     data_plane_secret,
     size_local,
@@ -299,6 +300,7 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             enable_prefix_caching=self.enable_prefix_caching, num_kv_blocks=self.num_kv_blocks)
         parallel = self._parallel_config(device, model.hf_config, model.architecture)
+        check_tensor_parallel(self, model.hf_config, device, parallel.enable_expert_parallel)
         # Lockstep engines pay a collective every step (every MoE layer's, under
         # expert parallelism): fewer, larger steps there (a 2 -> 3 -> 1 rescale
         # under streams took 41 s at 512, 25 s at 2048).

@@ -4,8 +4,10 @@ Which ranks this host runs (`size_local`, `start_rank`), their CPU threads and
 cores (`threads_per_engine`, `cpu_groups`), how far the engine count may change
 at run time (`autoscale_config`, `size_max`), the data-plane secret and the
 exposure check (`data_plane_secret`), and the checks of the multi-host options
-(`check_placement`). `EngineArgs` (dpserve.config) calls them with itself: they
-read the options that `PlacementArgs` lists.
+(`check_placement`), and whether the model splits over each rank's
+tensor-parallel workers (`check_tensor_parallel`). `EngineArgs`
+(dpserve.config) calls them with itself: they read the options that
+`PlacementArgs` lists.
 
 Not here: the other options, the model, the frozen result (`dpserve.config`,
 `dpserve.engine_config`).
@@ -14,12 +16,16 @@ Not here: the other options, the model, the frozen result (`dpserve.config`,
 from __future__ import annotations
 
 import functools
+import logging
 import os
-from typing import Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from dpserve.engine_config import AutoscaleConfig
 from dpserve.errors import ConfigError
 from dpserve.security import SECRET_ENV, check_exposure, check_secret, read_secret_file
+
+logger = logging.getLogger(__name__)
 
 DP_BACKENDS = ("mp", "ray")
 PACK_STRATEGIES = ("strict", "fill", "span")
@@ -29,6 +35,7 @@ class PlacementArgs(Protocol):
     """The options this module reads (fields of `dpserve.config.EngineArgs`)."""
 
     data_parallel_size: int
+    tensor_parallel_size: int
     data_parallel_size_local: int | None
     data_parallel_start_rank: int | None
     data_parallel_rank: int | None
@@ -90,6 +97,54 @@ def check_placement(args: PlacementArgs) -> None:
              "'ray' places every rank itself (no --data-parallel-size-local, "
              "--data-parallel-start-rank, --data-parallel-rank or hybrid LB)")
     data_plane_secret(args)
+
+
+def check_tensor_parallel(args: PlacementArgs, hf_config: Mapping[str, Any], device: str,
+                          expert_parallel: bool) -> None:
+    """Whether the model splits over `tensor_parallel_size` workers, and this host has
+    room for every local rank's workers; a one-line ConfigError naming the option
+    otherwise (before anything starts). A GGUF file is read through the config.json
+    it converts to, so the same rules hold for it."""
+    tp = args.tensor_parallel_size
+    if tp == 1:
+        return
+    heads = int(hf_config.get("num_attention_heads") or 0)
+    kv_heads = int(hf_config.get("num_key_value_heads") or heads)
+
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise ConfigError(f"tensor_parallel_size {tp} {what}")
+
+    need(heads > 0 and heads % tp == 0,
+         f"must divide the model's {heads} attention heads")
+    need(kv_heads % tp == 0 or tp % kv_heads == 0,
+         f"must divide the model's {kv_heads} KV heads, or be a multiple of them "
+         f"(KV heads are then replicated)")
+    if hf_config.get("model_type") == "olmoe":
+        need(kv_heads % tp == 0, f"must divide OLMoE's {kv_heads} KV heads (its k norm "
+             f"spans every KV head)")
+    sizes = {"intermediate_size": hf_config.get("intermediate_size")}
+    if not expert_parallel:  # experts split by their intermediate dimension
+        sizes["moe_intermediate_size"] = hf_config.get("moe_intermediate_size")
+    sizes["shared_expert_intermediate_size"] = hf_config.get(
+        "shared_expert_intermediate_size")
+    for key, value in sizes.items():
+        if value:
+            need(int(value) % tp == 0, f"must divide the model's {key} ({value})")
+    local = size_local(args) * tp  # worker processes on this host
+    if device == "cuda":
+        import torch
+
+        count = torch.cuda.device_count()
+        need(local <= count, f"x data_parallel_size_local {size_local(args)} needs {local} "
+             f"CUDA devices on this host; {count} visible")
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    if local > cores:
+        logger.warning("tensor_parallel_size %d x %d local rank(s) = %d workers on %d CPU "
+                       "core(s): workers share cores (correct, but each step waits for the "
+                       "slowest)", tp, size_local(args), local, cores)
 
 
 def size_local(args: PlacementArgs) -> int:
