@@ -16,7 +16,9 @@ from dpserve.launch.ray_placement import (
     RayNode,
     RayPlacementError,
     check_pack_strategy,
+    engine_bundles,
     plan_placement,
+    rank_needs,
 )
 
 
@@ -116,3 +118,18 @@ def test_init_metadata_must_use_tcp(tiny_llama):
         addrs.cleanup()
     assert _ray_not_started()
 
+
+
+def test_a_tensor_parallel_rank_asks_one_bundle_per_worker_on_one_node(tiny_llama):
+    """DP x TP on Ray: each rank's placement group holds a CPU bundle per TP worker
+    (threads shared out), and the planner places whole ranks: a node with room for
+    fewer workers than a rank has runs none of it."""
+    config = EngineArgs(model=str(tiny_llama), data_parallel_size=2, tensor_parallel_size=2,
+                        threads_per_engine=4, max_model_len=256, num_kv_blocks=64,
+                        data_parallel_backend="ray").create_config()
+    bundles = engine_bundles(config)
+    assert bundles == [{"CPU": 2.0}, {"CPU": 2.0}]
+    need = rank_needs(bundles)
+    assert need == {"CPU": 4.0}
+    plan = plan_placement(NODES, MASTER.node_id, need, 3, "fill")
+    assert [n.node_id[0] for n in plan] == ["m", "b", "b"]  # SMALL (2 CPUs) holds no rank

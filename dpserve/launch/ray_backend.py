@@ -212,7 +212,8 @@ class RayEngineManager:
         cuda = self.config.device == "cuda"  # the actor takes the GPU bundle, else the CPU one
         pg = self._state.placement_groups[self.ranks.index(rank)]
         options: dict[str, Any] = dict(
-            num_cpus=0 if cuda else self.bundles[0]["CPU"], num_gpus=1 if cuda else 0,
+            num_cpus=0 if cuda else self.bundles[0]["CPU"],
+            num_gpus=self.bundles[0]["GPU"] if cuda else 0,
             max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 pg, placement_group_bundle_index=0))
         if self.runtime_env is not None:

@@ -7,12 +7,19 @@ strategy), `master_node` (the node of the DP master address).
 
 Not here: creating placement groups and actors (`dpserve.launch.ray_backend`).
 
-Resources per rank (one placement group, STRICT_PACK = one node):
-    CPU engines:  [{"CPU": threads_per_engine or 1}]; the actor takes it all.
-    CUDA engines: [{"GPU": 1}] per device of the engine, then {"CPU": threads
-                  or 1}; the actor takes the GPU bundle (Ray then sets
-                  CUDA_VISIBLE_DEVICES for it), the CPU bundle reserves the
-                  engine's host threads on the same node.
+Resources per rank (one placement group, STRICT_PACK = one node: a rank's
+tensor-parallel workers are processes its engine actor starts, so they run
+where it runs):
+    CPU engines:  one bundle per TP worker, [{"CPU": threads per worker}] x
+                  tensor_parallel_size (threads_per_engine shared out, at least
+                  1 each); the actor takes the first, the others reserve its
+                  workers' cores on the same node.
+    CUDA engines: [{"GPU": tensor_parallel_size}, {"CPU": threads or 1}]; the
+                  actor takes the GPU bundle, so Ray sets CUDA_VISIBLE_DEVICES
+                  to the rank's devices and its workers (which inherit it) take
+                  one each; the CPU bundle reserves the host threads. (One GPU
+                  bundle for all of them: an actor's resources come from one
+                  bundle, and a worker process cannot claim a bundle of its own.)
 
 Pack strategies (nodes are ordered: the DP master's node first, then the
 others by IP and node id; rank 0 always runs on the master node, where the
@@ -79,10 +86,12 @@ class RayNode:
 
 def engine_bundles(config: EngineConfig) -> list[dict[str, float]]:
     """The placement-group bundles of one DP rank (module docstring)."""
-    cpus = float(config.parallel.threads_per_engine or 1)
+    tp = config.parallel.tensor_parallel_size
+    threads = config.parallel.threads_per_engine
     if config.device == "cuda":
-        return [{"GPU": 1.0}, {"CPU": cpus}]  # one device per engine (no tensor parallel)
-    return [{"CPU": cpus}]
+        return [{"GPU": float(tp)}, {"CPU": float(threads or 1)}]
+    per_worker = float(max(1, (threads or tp) // tp))
+    return [{"CPU": per_worker} for _ in range(tp)]
 
 
 def rank_needs(bundles: Sequence[dict[str, float]]) -> dict[str, float]:
