@@ -10,13 +10,16 @@ rank's real one; every rank's logits must equal a TP=1, no-EP model's on the
 same tokens, every worker of a rank must run the same number of TP
 collectives, and the worker 0s the same number of DP ones (their peers none).
 An elastic re-shard to DP size 1 then spreads the experts over rank 0's two
-workers alone.
+workers alone. A DP rank SIGKILLed mid-forward fails that forward on both of the
+other rank's workers, which then serve on in step.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import queue
+import signal
 import time
 import traceback
 from pathlib import Path
@@ -28,6 +31,7 @@ import torch
 import torch.multiprocessing as mp
 
 from dpserve.config import EngineArgs
+from dpserve.errors import ExpertParallelError, TensorParallelError
 from dpserve.model.runner import ModelRunner
 from dpserve.model.tensor_parallel import TensorParallel
 from dpserve.sampling_params import SamplingParams
@@ -39,6 +43,7 @@ pytestmark = [pytest.mark.procs, pytest.mark.slow]
 TIMEOUT_S = 180.0  # a whole run of the workers
 GROUP_TIMEOUT = datetime.timedelta(seconds=60)  # a collective whose peer never comes
 
+KILL_LEAD = "worker 0 dies at its first reduce-scatter"
 A, B = [5, 17, 99, 3, 42, 7, 8, 200, 33, 1, 250, 9], [11, 12, 13, 14, 15]
 C, D, E = [300, 301, 2, 40, 41, 42, 43], [7] * 9, list(range(100, 110))
 
@@ -73,7 +78,12 @@ def _gloo(store: Path, rank: int, size: int) -> Any:
 
 
 def _step(runner: ModelRunner, action: tuple) -> np.ndarray | None:
-    """One planned action: ("prompt", tokens), ("dummy",) or ("reshard", rank, size)."""
+    """One planned action: ("prompt", tokens), ("dummy",), ("reshard", rank, size), or
+    ("prompt", tokens, KILL_LEAD): worker 0 SIGKILLs itself at its first
+    reduce-scatter (mid-forward, after the layer's gathers), the others just run it."""
+    ep = runner.expert_parallel
+    if action[0] == "prompt" and action[2:] == (KILL_LEAD,) and runner.tp.rank == 0:
+        ep._reduce_scatter = lambda *_: os.kill(os.getpid(), signal.SIGKILL)  # fault
     if action[0] == "prompt":
         return _prompt_logits(runner, action[1])
     if action[0] == "dummy":
@@ -101,12 +111,18 @@ def _worker(path: str, dp_rank: int, dp_size: int, tp_rank: int, tp_size: int,
             dp_group = _gloo(stores / "dp", dp_rank, dp_size)
             ep.group_source = lambda: dp_group
         runner.initialize_kv_cache(32)
-        out: dict[str, Any] = dict(logits=[], experts=[], ep=[], tp=[])
-        for action in plan:
-            out["logits"].append(_step(runner, action))
+        out: dict[str, Any] = dict(logits=[], experts=[], ep=[], tp=[], failed={})
+        for i, action in enumerate(plan):
+            try:
+                out["logits"].append(_step(runner, action))
+            except (ExpertParallelError, TensorParallelError) as e:
+                out["logits"].append(None)
+                out["failed"][i] = type(e).__name__
             out["experts"].append(runner.model.expert_info()["experts"])
             out["ep"].append(ep.collectives)
             out["tp"].append(tp.collectives)
+            if out["failed"].get(i) == "TensorParallelError":
+                break  # the rank is down as a group
         results.put((dp_rank, tp_rank, out))
     except BaseException:
         results.put((dp_rank, tp_rank, {"error": traceback.format_exc()}))
@@ -114,8 +130,9 @@ def _worker(path: str, dp_rank: int, dp_size: int, tp_rank: int, tp_size: int,
 
 
 def _run_workers(path: Path, dp_size: int, tp_size: int, plans: list[list[tuple]],
-                 stores: Path) -> dict[tuple[int, int], dict]:
-    """Every worker's results, keyed (dp_rank, tp_rank); every wait bounded."""
+                 stores: Path, killed: frozenset = frozenset()) -> dict[tuple[int, int], dict]:
+    """Every worker's results, keyed (dp_rank, tp_rank), but those of the workers in
+    `killed` (each must end by SIGKILL); every wait bounded."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = {(d, t): ctx.Process(target=_worker, daemon=True,
@@ -127,11 +144,12 @@ def _run_workers(path: Path, dp_size: int, tp_size: int, plans: list[list[tuple]
         for p in procs.values():
             p.start()
         deadline = time.monotonic() + TIMEOUT_S
-        while len(got) < len(procs):
+        while len(got) < len(procs) - len(killed):
             try:
                 d, t, out = results.get(timeout=1.0)
             except queue.Empty:
-                dead = [k for k, p in procs.items() if k not in got and not p.is_alive()]
+                dead = [k for k, p in procs.items()
+                        if k not in got and k not in killed and not p.is_alive()]
                 assert not dead, f"workers {dead} died without a result"
                 assert time.monotonic() < deadline, f"only {sorted(got)} reported in time"
                 continue
@@ -139,7 +157,8 @@ def _run_workers(path: Path, dp_size: int, tp_size: int, plans: list[list[tuple]
             got[(d, t)] = out
         for key, p in procs.items():
             p.join(timeout=30)
-            assert p.exitcode == 0, f"worker {key} exit code {p.exitcode}"
+            expected = -signal.SIGKILL if key in killed else 0
+            assert p.exitcode == expected, f"worker {key} exit code {p.exitcode}"
     finally:
         for p in procs.values():
             if p.is_alive():
@@ -207,3 +226,25 @@ def test_experts_over_the_two_workers_of_one_rank_equal_one_model(models, tmp_pa
     assert [got[(0, t)]["experts"][0] for t in (0, 1)] == [[0, 4], [4, 8]]
     _check_collectives(got, 1, steps=3)
     assert got[(0, 0)]["ep"] == [0, 0, 0]  # no DP group: the TP sum finishes each layer
+
+
+def test_a_dead_rank_fails_the_forward_on_both_workers_which_stay_in_step(models, tmp_path):
+    """Rank 1's worker 0 is SIGKILLed mid-forward (after a layer's gathers, before its
+    reduce-scatter): both of rank 0's workers raise ExpertParallelError at that
+    forward's end (its peer, outside the DP group, told so by worker 0), and serve
+    on, in step, at DP size 1; rank 1's peer sees its TP group broken."""
+    path = models["qwen3_moe"]
+    plans = [[("prompt", A), ("prompt", C), ("reshard", 0, 1), ("prompt", E)],
+             [("prompt", B), ("prompt", D, KILL_LEAD)]]
+    got = _run_workers(path, 2, 2, plans, tmp_path, killed=frozenset({(1, 0)}))
+    assert [got[(0, t)]["failed"] for t in (0, 1)] == [{1: "ExpertParallelError"}] * 2
+    assert got[(1, 1)]["failed"] == {1: "TensorParallelError"}
+    # Before the fault and after the re-shard, rank 0 equals one model.
+    ref = _reference(path, [A, E])
+    for t in (0, 1):
+        np.testing.assert_allclose(got[(0, t)]["logits"][0], ref[0], rtol=0, atol=1e-4)
+        np.testing.assert_allclose(got[(0, t)]["logits"][3], ref[1], rtol=0, atol=1e-4)
+    assert got[(0, 0)]["tp"] == got[(0, 1)]["tp"]
+    # The failed forward: the count all-gather, then layer 1's two gathers; its
+    # reduce-scatter failed and nothing more went over the DP group.
+    assert got[(0, 0)]["ep"][:2] == [7, 10]

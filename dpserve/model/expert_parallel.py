@@ -27,6 +27,11 @@ small header); each MoE layer then
    the peers return zeros, and `FusedMoE`'s closing TP all-reduce (which
    also sums the shared expert's slices) hands every worker those rows.
 
+After the last layer worker 0 broadcasts to its peers whether its DP
+exchange failed (below), so a forward with a DP group runs 1 + 3L DP
+collectives on worker 0 (L MoE layers) and 2 + 3L TP ones on every worker
+(header, tokens, routing, sums, flag), besides the model's own.
+
 Without a DP group (DP size 1, or the CUDA start-up profile run) nothing is
 gathered: each worker computes its experts for its own tokens and the TP sum
 finishes the layer (exact at DP size 1; at DP size > 1 only the profile run
@@ -38,8 +43,14 @@ nothing to do runs a dummy batch, whose forward goes through the same
 collectives, and every TP worker of a rank runs each of its rank's forwards.
 A failed DP collective (a peer rank died: at once; froze: after the group's
 timeout) raises `ExpertParallelError`; the engine then drops the step
-(`EngineCore.step`) and leaves the DP group. A failed TP collective raises
-`TensorParallelError` (the rank goes down as a group).
+(`EngineCore.step`) and leaves the DP group. Under TP every worker of the rank
+raises it, at the forward's end (`end_forward`): till then worker 0 runs the
+forward's TP collectives on without the DP group (zeros for the other ranks'
+tokens, or, when the count all-gather failed, each worker's own experts, the
+header saying so), then tells its peers it failed, so the rank's workers all
+drop the same step at the same point and stay in step for the next one. A
+failed TP collective raises `TensorParallelError` (the rank goes down as a
+group).
 
 Not here: forming the groups (the engine process and the TP executor), and the
 elastic re-shard's reading of weights (`ModelRunner.reshard_experts`).
@@ -75,6 +86,8 @@ class ExpertParallel:
         self.rank, self.size = rank, size
         self.group_source: Callable[[], Any] = lambda: None  # set by the engine process
         self._counts: list[int] | None = None  # token counts of every rank, this forward
+        self._failure: ExpertParallelError | None = None  # held till end_forward (TP)
+        self._device: torch.device | str = "cpu"  # the model's, for the TP tensors
         self.collectives = 0  # run so far (tests check every rank runs the same number)
 
     @property
@@ -95,21 +108,55 @@ class ExpertParallel:
         """All-gather the token count of every rank (once per forward); under TP,
         worker 0 then broadcasts them to its peers (tensors on `device`, the
         model's: the TP group's)."""
+        self._failure, self._device = None, device
         group = self.group_source() if self.tp.rank == 0 else None
         counts = None
         if group is not None:
             gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(self.dp_size)]
-            self._all_gather(group, gathered, torch.tensor([num_tokens], dtype=torch.int64))
-            counts = [int(c.item()) for c in gathered]
+            try:
+                self._all_gather(group, gathered, torch.tensor([num_tokens],
+                                                               dtype=torch.int64))
+                counts = [int(c.item()) for c in gathered]
+            except ExpertParallelError as e:
+                self._hold(e)
         if self.tp.size > 1:
-            # header [1 + D]: whether worker 0 gathered, then the counts
-            header = torch.zeros(1 + self.dp_size, dtype=torch.int64, device=device)
-            if counts is not None:
-                header[0] = 1
-                header[1:] = torch.tensor(counts, dtype=torch.int64)
-            values = self.tp.broadcast(header).tolist()
-            counts = values[1:] if values[0] else None
+            counts = self._share_counts(counts, device)
         self._counts = counts
+
+    def _share_counts(self, counts: list[int] | None,
+                      device: torch.device | str) -> list[int] | None:
+        """Worker 0's counts to its TP peers: header [1 + D] = (0: no group, 1: the
+        counts follow, 2: the DP exchange failed), then the counts."""
+        header = torch.zeros(1 + self.dp_size, dtype=torch.int64, device=device)
+        if counts is not None:
+            header[0] = 1
+            header[1:] = torch.tensor(counts, dtype=torch.int64)
+        elif self._failure is not None:
+            header[0] = 2
+        values = self.tp.broadcast(header).tolist()
+        if values[0] == 2 and self.tp.rank != 0:
+            self._failure = ExpertParallelError("worker 0's DP exchange failed")
+        return values[1:] if values[0] == 1 else None
+
+    def end_forward(self) -> None:
+        """Raise the DP failure held back through the forward (TP), on every worker
+        of the rank alike: after an exchange, worker 0 tells its peers whether it
+        failed (one more small broadcast), so none of them goes on to the step's
+        later collectives (the LM head's) alone."""
+        if self.tp.size > 1 and self._counts is not None:
+            flag = torch.tensor([int(self._failure is not None)], device=self._device)
+            if self.tp.broadcast(flag).item() and self._failure is None:
+                self._failure = ExpertParallelError("worker 0's DP exchange failed")
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    def _hold(self, e: ExpertParallelError) -> None:
+        """A DP collective failed: raise at once without TP peers, else at the
+        forward's end (the peers wait on this worker's TP collectives)."""
+        if self.tp.size == 1:
+            raise e
+        self._failure = self._failure or e
 
     @property
     def active(self) -> bool:
@@ -126,39 +173,49 @@ class ExpertParallel:
         assert counts is not None, "run() without begin_forward()"
         k = topk_ids.shape[1]
         routing = torch.cat([topk_ids.float(), topk_weights.float()], dim=1)  # [T, 2k]
-        group = None
-        if self.tp.rank == 0:  # 1. every rank's tokens and routing
-            group = self.group_source()
-            assert group is not None, "the DP group went away within a forward"
-            x_all, r_all = self._gather_tokens(group, x, routing, counts)
-        else:
-            x_all = x.new_empty(sum(counts), x.shape[1])
-            r_all = routing.new_empty(sum(counts), 2 * k)
+        lead, gathered = self.tp.rank == 0, None
+        if lead and self._failure is None:  # 1. every rank's tokens and routing
+            try:
+                gathered = self._gather_tokens(x, routing, counts)
+            except ExpertParallelError as e:
+                self._hold(e)
+        # A peer receives them; worker 0 after a DP failure sends zeros (zero weights).
+        x_all, r_all = gathered or (x.new_zeros(sum(counts), x.shape[1]),
+                                    routing.new_zeros(sum(counts), 2 * k))
         self.tp.broadcast(x_all)
         self.tp.broadcast(r_all)
         # 2. this worker's experts for all of them; 3. summed over the rank's workers
         y_all = local_experts(x_all, r_all[:, :k].long(), r_all[:, k:].to(topk_weights.dtype))
         y_all = self.tp.all_reduce(y_all.float())  # [sum(counts), H]
-        if group is None:
+        if not lead or self._failure is not None:
             return torch.zeros_like(x)
-        own = self._reduce_scatter(group, y_all, counts)
+        try:
+            own = self._reduce_scatter(y_all, counts)
+        except ExpertParallelError as e:
+            self._hold(e)
+            return torch.zeros_like(x)
         return own[:x.shape[0]].to(device=x.device, dtype=x.dtype)
 
-    def _gather_tokens(self, group: Any, x: torch.Tensor, routing: torch.Tensor,
+    def _group(self) -> Any:
+        group = self.group_source()
+        if group is None:
+            raise ExpertParallelError("the DP group went away within a forward")
+        return group
+
+    def _gather_tokens(self, x: torch.Tensor, routing: torch.Tensor,
                        counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Every rank's x [n_r, H] and routing [n_r, 2k], concatenated in rank order."""
-        most = max(counts)
+        group, most = self._group(), max(counts)
         xs = self._gather_rows(group, x, most)  # [D, most, H]
         rs = self._gather_rows(group, routing, most)  # [D, most, 2k]
         return (torch.cat([xs[r, :n] for r, n in enumerate(counts)]),
                 torch.cat([rs[r, :n] for r, n in enumerate(counts)]))
 
-    def _reduce_scatter(self, group: Any, y_all: torch.Tensor,
-                        counts: list[int]) -> torch.Tensor:
+    def _reduce_scatter(self, y_all: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Sum y_all [sum(counts), H] over the ranks; this rank's rows [max(counts), H]."""
         import torch.distributed as dist
 
-        most = max(counts)
+        group, most = self._group(), max(counts)
         padded = y_all.new_zeros(self.dp_size, most, y_all.shape[1], dtype=torch.float32)
         start = 0
         for r, n in enumerate(counts):
