@@ -213,6 +213,7 @@ def test_experts_over_two_ranks_of_two_workers_equal_one_model(models, tmp_path)
         [[0, 2], [2, 4], [4, 6], [6, 8]]
     assert [got[(0, t)]["experts"][-1] for t in (0, 1)] == [[0, 4], [4, 8]]
     _check_collectives(got, 2, steps=3)
+    assert got[(0, 0)]["tp"][0] == got[(1, 0)]["tp"][0]  # both ranks' first step: a prompt
     # Three forwards over the DP group: one count all-gather each, and per MoE layer
     # two all-gathers and a reduce-scatter (two layers); none after the re-shard.
     assert got[(0, 0)]["ep"] == [7, 14, 21, 21, 21]
