@@ -391,18 +391,24 @@ class EngineArgs:
         if not experts:
             raise ConfigError(f"enable_expert_parallel needs a mixture-of-experts model; "
                               f"{arch} has no experts")
-        self._need(self.data_parallel_size <= experts, "data_parallel_size",
-                   f"must not exceed the model's {experts} experts with "
-                   f"enable_expert_parallel")
+        # Experts are spread over every worker: DP ranks x TP workers (as vLLM).
+        self._need_workers(self.data_parallel_size, "data_parallel_size", experts)
         if self.engine_failure_policy == "isolate":
             raise ConfigError("engine_failure_policy 'isolate' cannot serve on without a "
                               "rank's experts under enable_expert_parallel; use restart or "
                               "stop")
         # Elastic EP: a change of the DP size re-shards the experts (up to one per rank).
-        self._need(most <= experts, "data_parallel_size_max",
-                   f"must not exceed the model's {experts} experts with "
-                   f"enable_expert_parallel")
+        self._need_workers(most, "data_parallel_size_max", experts)
         return True
+
+    def _need_workers(self, dp: int, name: str, experts: int) -> None:
+        """Expert parallelism: `name` (a DP size) x tensor_parallel_size workers, each
+        holding at least one of the model's `experts`."""
+        tp = self.tensor_parallel_size
+        if dp * tp > experts:
+            raise ConfigError(f"{name} x tensor_parallel_size must not exceed the model's "
+                              f"{experts} experts with enable_expert_parallel, got {dp} x "
+                              f"{tp} = {dp * tp}")
 
     def _need(self, ok: bool, name: str, what: str) -> None:
         if not ok:

@@ -136,9 +136,15 @@ def test_moe_switches_lockstep_on_by_itself(tiny_models, tiny_llama):
 
 @pytest.mark.parametrize("model, kwargs, message", [
     ("llama", dict(data_parallel_size=2), "needs a mixture-of-experts model"),
-    ("mixtral", dict(data_parallel_size=9), "data_parallel_size must not exceed"),
+    ("mixtral", dict(data_parallel_size=9),
+     "data_parallel_size x tensor_parallel_size must not exceed .* 8 experts"),
     ("mixtral", dict(data_parallel_size=2, data_parallel_size_max=9),
-     "data_parallel_size_max must not exceed"),
+     "data_parallel_size_max x tensor_parallel_size must not exceed"),
+    # Experts are spread over every worker (DP ranks x TP workers).
+    ("mixtral", dict(data_parallel_size=3, tensor_parallel_size=4),
+     r"data_parallel_size x tensor_parallel_size must not exceed .*got 3 x 4 = 12"),
+    ("mixtral", dict(data_parallel_size=2, data_parallel_size_max=4, tensor_parallel_size=4),
+     r"data_parallel_size_max x tensor_parallel_size .*got 4 x 4 = 16"),
     ("mixtral", dict(data_parallel_size=2, engine_failure_policy="isolate"), "isolate"),
 ])
 def test_expert_parallel_is_refused_where_it_cannot_work(tiny_models, tiny_llama, model,

@@ -2,8 +2,10 @@
 
 Scope: one MoE MLP block on a step's flattened tokens, device-agnostic torch.
 Expert weights are stacked per expert: w13 [E_local, 2I, H] (gate | up) and
-w2 [E_local, H, I]; E_local is every expert, or this rank's share under
-expert parallelism (`dpserve.model.expert_parallel`).
+w2 [E_local, H, I]; E_local is every expert, or this worker's share under
+expert parallelism (`dpserve.model.expert_parallel`); I is each expert's
+intermediate size, or this worker's slice of it under tensor parallelism
+without expert parallelism.
 
 `fused_experts` sorts the (token, expert) assignments by expert once, then runs
 one gate/up and one down matmul per active expert over its rows (a loop over
@@ -91,19 +93,25 @@ class FusedMoE(nn.Module):
 
     Under tensor parallelism (`tp`) every worker holds its slice of each expert's
     intermediate dimension (and of the shared expert's): the experts' and the
-    shared expert's partial sums are added, then all-reduced once."""
+    shared expert's partial sums are added, then all-reduced once. With expert
+    parallelism too (`ep`, spanning every worker of every rank) a worker holds
+    whole experts instead: its routed share comes from `ExpertParallel.run` (the
+    finished rows on worker 0, zeros on its peers) or, without a DP exchange,
+    from its own experts, and the same closing all-reduce completes it."""
 
     def __init__(self, d: ModelDims, spec: MoESpec, dtype: torch.dtype, device: Any,
                  ep: ExpertParallel | None = None, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.spec, self.ep, self.dtype = spec, ep, dtype
         self.tp = tp if tp is not None else TensorParallel(0, 1)
-        if ep is not None and self.tp.size > 1:
-            raise ValueError("enable_expert_parallel with tensor_parallel_size > 1 is not "
-                             "supported yet")
+        if ep is not None and (ep.tp.rank, ep.tp.size) != (self.tp.rank, self.tp.size):
+            raise ValueError("the expert parallelism and the model are built for different "
+                             "tensor-parallel workers")
         self.first, end = ep.expert_range(spec.num_experts) if ep else (0, spec.num_experts)
-        self.inter_first, self.inter = self.tp.split(spec.intermediate,
-                                                     "expert intermediate size")
+        # Expert parallel: whole experts (the EP index spans the TP workers).
+        self.inter_first, self.inter = ((0, spec.intermediate) if ep is not None else
+                                        self.tp.split(spec.intermediate,
+                                                      "expert intermediate size"))
         self.w13 = _param(end - self.first, 2 * self.inter, d.hidden, dtype=dtype,
                           device=device)
         self.w2 = _param(end - self.first, d.hidden, self.inter, dtype=dtype,

@@ -144,7 +144,7 @@ class QKNormAttention(LlamaAttention):
 class MoEForCausalLM(LlamaForCausalLM):
     """Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (see the module docstring).
 
-    `ep`: this rank's expert parallelism (None: every expert is held here); `tp`:
+    `ep`: this worker's expert parallelism (None: every expert is held here); `tp`:
     this worker's place in its rank's tensor-parallel group.
     """
 
@@ -171,9 +171,12 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        if self.ep is not None:
-            self.ep.begin_forward(input_ids.shape[0])  # every rank's token count, once
-        return super().forward(input_ids, positions, attn_meta, kv_caches)
+        if self.ep is None:
+            return super().forward(input_ids, positions, attn_meta, kv_caches)
+        self.ep.begin_forward(input_ids.shape[0], input_ids.device)  # every rank's counts
+        hidden = super().forward(input_ids, positions, attn_meta, kv_caches)
+        self.ep.end_forward()  # a DP failure held back for the TP peers' sake
+        return hidden
 
     def resize_experts(self) -> set[str]:
         """Elastic expert parallelism: every MoE block makes room for the experts of the

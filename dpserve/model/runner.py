@@ -66,14 +66,16 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.model.dtype)
         self.block_size = config.cache.block_size
-        # Expert parallel: this rank holds its share of the experts; the engine
-        # process hands it the lockstep DP group (`ExpertParallel.group_source`).
-        size = config.parallel.data_parallel_size
+        self.tp = tp if tp is not None else TensorParallel(0, 1)
+        # Expert parallel: this worker holds its share of the experts (EP index
+        # dp_rank * tp + tp_rank of dp_size * tp); the engine process hands worker
+        # 0 the lockstep DP group (`ExpertParallel.group_source`), its TP peers none.
+        size = config.parallel.data_parallel_size * self.tp.size
         elastic = config.parallel.data_parallel_size_max > 1  # the size may change later
-        self.expert_parallel = (ExpertParallel(dp_rank, size)
+        self.expert_parallel = (ExpertParallel(dp_rank * self.tp.size + self.tp.rank, size,
+                                               self.tp)
                                 if config.parallel.enable_expert_parallel
                                 and (size > 1 or elastic) else None)
-        self.tp = tp if tp is not None else TensorParallel(0, 1)
         self.model = self._load_model()
         self.sleep_level = 0  # 1: KV cache freed; 2: weights too (see set_sleep_level)
         self.vocab_size = self.model.dims.vocab
@@ -124,15 +126,16 @@ class ModelRunner:
         return model
 
     def reshard_experts(self, rank: int, size: int) -> None:
-        """Elastic expert parallelism: hold the experts of (rank, size) from now on,
-        read from the checkpoint (only the tensors of the new share)."""
+        """Elastic expert parallelism: hold the experts of DP rank `rank` of `size`
+        (this TP worker's share of them) from now on, read from the checkpoint (only
+        the tensors of the new share). Every TP worker of the rank re-shards."""
         from dpserve.model.loader import iter_weights
 
         ep = self.expert_parallel
         assert ep is not None, "re-sharding experts without expert parallelism"
         start = time.monotonic()
         before = self.model.expert_info()["experts"]
-        ep.rank, ep.size = rank, size
+        ep.set_dp(rank, size)
         names = self.model.resize_experts()
         self.model.load_experts(iter_weights(Path(self.config.model.path), progress=False,
                                              only=names))
