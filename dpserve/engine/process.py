@@ -178,6 +178,9 @@ class EngineCoreProc:
             self.config = dataclasses.replace(self.config, parallel=dataclasses.replace(
                 self.config.parallel, data_parallel_size=init.dp_size))
         self.engine_core = build_engine_core(self.config, self.rank, self.incarnation)
+        # A dead TP worker is fatal, even to an idle busy loop (it waits on this queue).
+        self.engine_core.executor.on_failure = lambda why: self.input_queue.put_nowait(
+            (IO_FAILED, why, -1))
         ep = self.engine_core.runner.expert_parallel
         if ep is not None and self.dp is not None:  # MoE layers use the lockstep DP group
             ep.group_source = self.dp.expert_group
@@ -336,11 +339,12 @@ class EngineCoreProc:
                 self.dp.on_regroup(body)
                 size = self.dp.take_reshard()
                 if size is not None:  # elastic EP: this rank's new share of the experts
-                    self.engine_core.runner.reshard_experts(self.rank, size)
+                    self.engine_core.executor.collective_rpc("reshard_experts", self.rank,
+                                                             size)
         elif request_type is RequestType.CONTROL:
             self._publish(self.control.apply(body))
-        elif request_type == IO_FAILED:
-            raise RuntimeError(f"engine IO thread failed: {body}")
+        elif request_type == IO_FAILED:  # an IO thread or a TP worker died
+            raise RuntimeError(body)
         elif request_type == CLIENT_NEWS:
             self._client_news(client_index, body)
         elif request_type == PEER_LOST:
@@ -465,7 +469,8 @@ class EngineCoreProc:
             loop(*args)
         except Exception as e:
             logger.exception("%s failed", threading.current_thread().name)
-            self.input_queue.put_nowait((IO_FAILED, f"{type(e).__name__}: {e}", -1))
+            self.input_queue.put_nowait((IO_FAILED, f"engine IO thread failed: "
+                                                    f"{type(e).__name__}: {e}", -1))
 
     def _output_loop(self, addresses: list[str]) -> None:
         """Output queue -> sockets, never blocked by one front-end (`OutputSender`)."""
@@ -487,7 +492,9 @@ class EngineCoreProc:
             logger.error("could not flush ENGINE_CORE_DEAD to the front-ends in time")
 
     def shutdown(self) -> None:
-        """Stop the IO threads (bounded waits); queued outputs are sent first."""
+        """Stop the TP workers and the IO threads (bounded waits); queued outputs are
+        sent first."""
+        self.engine_core.shutdown()
         self._stop_io.set()
         self.output_queue.put_nowait(None)
         for thread in (self.input_thread, self.output_thread):

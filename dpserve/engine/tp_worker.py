@@ -1,0 +1,155 @@
+"""A tensor-parallel worker process, and what worker 0 sends it.
+
+Scope: the process target `run_tp_worker` (worker t > 0 of a DP rank: title
+`dpserve::TPWorker_<dp_rank>_<t>`, its device or cores, its `ModelRunner`
+holding shard t, then a loop over the broadcast), the forming of a rank's TP
+group (`form_group`, also called by worker 0), the per-worker config
+(`worker_config`) and the trimmed step a peer gets (`peer_step`).
+
+Messages (worker 0 -> peers, one broadcast each, `shm_broadcast`):
+
+    ("execute", SchedulerOutput)       run the step; no reply (worker 0 samples)
+    ("rpc", method, args, kwargs)      run ModelRunner.<method>; reply on the pipe
+    ("shutdown",)                      leave the loop and exit 0
+
+Replies (peer -> worker 0, its own pipe): ("hello", pid) once attached,
+("ready", device) once its model is loaded, ("ok", result) / ("error", text)
+for each rpc. Any failure is reported, logged with its traceback, and ends
+the process (exit 1): the group's collectives cannot go on without it, and
+worker 0's monitor takes the whole DP rank down.
+
+Not here: starting, watching and stopping the workers (`dpserve.engine.executor`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import sys
+from typing import Any
+
+from dpserve.config import EngineConfig
+from dpserve.engine.shm_broadcast import BroadcastHandle, BroadcastReader
+from dpserve.sampling_params import SamplingParams
+from dpserve.step import ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+GROUP_FORM_TIMEOUT_S = 120.0  # every worker is alive and forming it when this starts
+_NO_PROMPT_LOGPROBS = SamplingParams()  # what a peer reads of most requests' params
+
+
+def worker_config(config: EngineConfig) -> EngineConfig:
+    """The config every worker of a rank runs with: `threads_per_engine // N` torch
+    threads each (at least 1; unset: 1)."""
+    parallel = config.parallel
+    threads = max(1, (parallel.threads_per_engine or 1) // parallel.tensor_parallel_size)
+    return dataclasses.replace(config, parallel=dataclasses.replace(
+        parallel, threads_per_engine=threads))
+
+
+def form_group(store_path: str, tp_rank: int, size: int, device: str,
+               collective_timeout: float) -> Any:
+    """This worker's handle of the rank's TP group: gloo on loopback (a TP group is
+    on one host) or NCCL on CUDA, rendezvous through a FileStore at `store_path`.
+    Collectives time out after `collective_timeout` s."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(store_path, size)
+    store.set_timeout(datetime.timedelta(seconds=GROUP_FORM_TIMEOUT_S))
+    timeout = datetime.timedelta(seconds=collective_timeout)
+    if device == "cuda":
+        nccl = dist.ProcessGroupNCCL.Options()
+        nccl._timeout = timeout
+        return dist.ProcessGroupNCCL(store, tp_rank, size, nccl)
+    gloo = dist.ProcessGroupGloo._Options()
+    gloo._timeout = timeout
+    gloo._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return dist.ProcessGroupGloo(store, tp_rank, size, gloo)
+
+
+def peer_step(so: SchedulerOutput, block_size: int) -> SchedulerOutput:
+    """What a peer needs of a step: each request's window of tokens (the step's, plus
+    the next known one: a prompt-logprobs target), the blocks the step reaches, and
+    of its SamplingParams only prompt_logprobs; no grammar, no finished ids (peers
+    keep no per-request state)."""
+    return SchedulerOutput([_peer_request(s, block_size) for s in so.scheduled],
+                           so.num_decodes, so.total_num_tokens)
+
+
+def _peer_request(s: ScheduledRequest, block_size: int) -> ScheduledRequest:
+    end = s.start + s.num_new_tokens
+    k = s.sampling_params.prompt_logprobs
+    return ScheduledRequest(
+        s.req_id, s.tokens(s.start, end + 1), s.num_prompt_tokens, s.start, s.num_new_tokens,
+        s.block_ids[:-(-end // block_size)], s.sample,
+        _NO_PROMPT_LOGPROBS if k is None else SamplingParams(prompt_logprobs=k), None,
+        needs_prompt_logprobs=s.needs_prompt_logprobs, token_offset=s.start)
+
+
+def run_tp_worker(config: EngineConfig, dp_rank: int, tp_rank: int, store_path: str,
+                  handle: BroadcastHandle, conn: Any, device_index: int | None,
+                  cpus: list[int] | None) -> None:
+    """Process target of worker `tp_rank` > 0: serve the broadcast until shutdown,
+    the engine core's death (parent watch, or the broadcast's writer check) or a
+    failure (reported on `conn`, exit 1)."""
+    from dpserve.logging_utils import name_process
+    from dpserve.parent_watch import start_parent_watcher
+
+    name_process(f"TPWorker_{dp_rank}_{tp_rank}")
+    start_parent_watcher(handle.writer_pid, f"tensor-parallel worker {dp_rank}.{tp_rank}")
+    try:
+        reader = BroadcastReader(handle, tp_rank - 1)
+        conn.send(("hello", os.getpid()))
+        runner = _start_runner(config, dp_rank, tp_rank, store_path, device_index, cpus)
+        conn.send(("ready", str(runner.device)))
+        _serve(reader, runner, conn)
+    except BaseException as e:  # noqa: BLE001 - reported, then this worker ends
+        logger.exception("tensor-parallel worker %d.%d failed", dp_rank, tp_rank)
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        except (OSError, ValueError):  # worker 0 is gone
+            pass
+        sys.stderr.flush()
+        os._exit(1)
+    os._exit(0)  # no interpreter teardown (torch, the model): nothing is left to flush
+
+
+def _start_runner(config: EngineConfig, dp_rank: int, tp_rank: int, store_path: str,
+                  device_index: int | None, cpus: list[int] | None) -> Any:
+    """Place this worker (device or cores), form the group, load shard `tp_rank`."""
+    from dpserve.engine.build import bind_cpus
+    from dpserve.model.runner import ModelRunner
+    from dpserve.model.tensor_parallel import TensorParallel
+
+    what = f"tensor-parallel worker {dp_rank}.{tp_rank}"
+    if device_index is not None:
+        import torch
+
+        torch.cuda.set_device(device_index)
+        logger.info("%s: CUDA device %d", what, device_index)
+    if cpus is not None:
+        bind_cpus(cpus, what)
+    size = config.parallel.tensor_parallel_size
+    group = form_group(store_path, tp_rank, size, config.device,
+                       config.parallel.data_parallel_collective_timeout)
+    return ModelRunner(config, dp_rank, TensorParallel(tp_rank, size, group))
+
+
+def _serve(reader: BroadcastReader, runner: Any, conn: Any) -> None:
+    """1. take the next message; 2. run it; 3. reply to an rpc. Until shutdown."""
+    while True:
+        message = reader.dequeue()  # BroadcastError once worker 0 is gone
+        kind = message[0]
+        if kind == "execute":
+            runner.execute(message[1])
+        elif kind == "rpc":
+            _, method, args, kwargs = message
+            conn.send(("ok", getattr(runner, method)(*args, **kwargs)))
+        elif kind == "shutdown":
+            reader.close()
+            return
+        else:
+            raise ValueError(f"unknown tensor-parallel message {kind!r}")
