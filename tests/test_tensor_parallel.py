@@ -1,0 +1,133 @@
+"""Tensor parallelism end to end, offline: `LLM(path, tensor_parallel_size=N)`
+runs worker 0 in this process and N-1 spawned `TPWorker` processes
+(dpserve/engine/executor.py).
+
+Greedy tokens at TP=2 and TP=3 equal transformers' float32 greedy tokens on
+tiny Llama, Qwen2, Qwen3 and Qwen2-MoE checkpoints (TP=3 with one KV head:
+replicated on every worker), batched, with chunked prefill, a prefix-cache
+hit and preemption; the default model gives the same greedy text at TP=3 as
+at TP=1. The workers live exactly as long as the LLM, and a SIGKILLed worker
+makes the next generate raise an error naming it.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from dpserve import LLM, SamplingParams
+from dpserve.errors import TensorParallelError
+from dpserve.testing.tiny_model import make_tiny_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.procs]
+
+MAX_TOKENS = 10
+SHARED = list(range(40, 80))  # a 40-token prefix shared by the prefix-cache prompts
+PROMPTS = [[5, 17, 99, 3, 42, 7, 8, 200], [11, 12, 13], list(range(100, 140)),
+           [7] * 5 + list(range(200, 230)), [300, 301]]
+PREFIX_PROMPTS = [SHARED + [9, 10], SHARED + [20, 21, 22]]
+# 6 heads; TP=2 splits 6 KV heads, TP=3 replicates a single one.
+KV_HEADS = {2: 6, 3: 1}
+ARCHS = {
+    "llama": {},
+    "qwen2": {},  # q/k/v biases
+    "qwen3": {"head_dim": 16},  # q/k norms
+    "qwen2_moe": {"moe_intermediate_size": 48, "shared_expert_intermediate_size": 96},
+}
+# Small enough that the batch outgrows the KV cache (preemption); 16-token steps
+# chunk every prompt longer than that.
+ENGINE = dict(dtype="float32", max_num_batched_tokens=16, max_num_seqs=4, num_kv_blocks=6,
+              max_model_len=64)
+
+
+def hf_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (up to and with EOS)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    eos = model.config.eos_token_id
+    out = []
+    for prompt in prompts:
+        ids = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
+                             do_sample=False)[0, len(prompt):].tolist()
+        out.append(ids[:ids.index(eos) + 1] if eos in ids else ids)
+    return out
+
+
+def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def worker_pids() -> list[int]:
+    """This process's TP worker children (by their process title)."""
+    return [p.pid for p in psutil.Process().children()
+            if p.cmdline()[:1] and p.cmdline()[0].startswith("dpserve::TPWorker_")]
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_greedy_tokens_equal_transformers(tmp_path, arch, tp):
+    path = make_tiny_model(tmp_path / arch, arch, hidden_size=96, num_attention_heads=6,
+                           num_key_value_heads=KV_HEADS[tp], intermediate_size=96,
+                           **ARCHS[arch])
+    with LLM(str(path), tensor_parallel_size=tp, **ENGINE) as llm:
+        assert len(llm.engine.executor.worker_info()) == tp
+        assert greedy(llm, PROMPTS) == hf_greedy(path, PROMPTS)
+        stats = llm.get_stats()
+        assert stats.num_preemptions > 0  # the batch did not fit: some were recomputed
+        first = greedy(llm, PREFIX_PROMPTS[:1])
+        second = greedy(llm, PREFIX_PROMPTS[1:])
+        assert llm.get_stats().prefix_cache_hits >= stats.prefix_cache_hits + 32
+        assert first + second == hf_greedy(path, PREFIX_PROMPTS)
+
+
+def test_default_model_same_text_at_tp3():
+    chats = [[{"role": "user", "content": c}] for c in
+             ("What is the capital of France?", "Write a haiku about the sea.")]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    texts = {}
+    for tp in (1, 3):  # SmolLM2-135M: 9 heads, 3 KV heads
+        with LLM(dtype="float32", tensor_parallel_size=tp) as llm:
+            texts[tp] = [o.outputs[0].text for o in llm.chat(chats, params, use_tqdm=False)]
+    assert all(texts[1]) and texts[3] == texts[1]
+
+
+def test_workers_live_as_long_as_the_llm(tiny_llama):
+    llm = LLM(str(tiny_llama), tensor_parallel_size=2)
+    info = llm.engine.executor.worker_info()
+    assert [w.tp_rank for w in info] == [0, 1] and info[0].pid == os.getpid()
+    assert worker_pids() == [info[1].pid]
+    assert psutil.Process(info[1].pid).cmdline()[0].startswith("dpserve::TPWorker_0_1")
+    assert info[1].rss_bytes > 0
+    llm.shutdown()
+    assert worker_pids() == [] and not psutil.pid_exists(info[1].pid)
+
+    llm = LLM(str(tiny_llama), tensor_parallel_size=2)  # dropped, not shut down
+    pid = llm.engine.executor.worker_info()[1].pid
+    del llm
+    gc.collect()
+    assert worker_pids() == [] and not psutil.pid_exists(pid)
+
+
+def test_killed_worker_fails_the_next_generate(tiny_llama):
+    llm = LLM(str(tiny_llama), tensor_parallel_size=2)
+    try:
+        assert len(greedy(llm, PROMPTS[:2])) == 2
+        pid = llm.engine.executor.worker_info()[1].pid
+        os.kill(pid, signal.SIGKILL)
+        named = rf"tensor-parallel worker 1 \(pid {pid}\) of DP rank 0 exited \(exit code -9\)"
+        with pytest.raises(TensorParallelError, match=named):
+            greedy(llm, PROMPTS[:2])
+        with pytest.raises(TensorParallelError, match=named):  # and stays failed
+            greedy(llm, PROMPTS[:1])
+    finally:
+        llm.shutdown()
+    assert worker_pids() == []
