@@ -12,9 +12,11 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dpserve.config import EngineConfig
+from dpserve.engine.tp_worker import bind_cpus, worker_cpus, worker_device
 
 if TYPE_CHECKING:
     from dpserve.engine.core import EngineCore
@@ -54,48 +56,6 @@ def _choose_device(config: EngineConfig, rank: int) -> None:
     logger.info("engine %d: CUDA device %d", rank, index)
 
 
-def worker_device(config: EngineConfig, rank: int, tp_rank: int) -> int:
-    """The visible CUDA device of tensor-parallel worker `tp_rank` of DP rank `rank`:
-    local rank r, worker t -> r*N + t (shared, with a warning, when too few)."""
-    import torch
-
-    size = config.parallel.tensor_parallel_size
-    index = (rank - config.parallel.data_parallel_start_rank) * size + tp_rank
-    count = torch.cuda.device_count()
-    if index >= count:
-        logger.warning("engine %d, worker %d: device %d wanted but only %d CUDA device(s) "
-                       "visible; sharing device %d", rank, tp_rank, index, count, index % count)
-    return index % count
-
-
-def worker_cpus(config: EngineConfig, rank: int, tp_rank: int) -> list[int] | None:
-    """The cores of tensor-parallel worker `tp_rank` of DP rank `rank`: its equal
-    slice of the rank's core list (`ParallelConfig.cpu_groups`), None when the rank
-    is not bound. With fewer cores than workers, workers share them round-robin."""
-    groups = config.parallel.cpu_groups
-    local_rank = rank - config.parallel.data_parallel_start_rank
-    if not groups or not 0 <= local_rank < len(groups):
-        return None
-    cores, size = list(groups[local_rank]), config.parallel.tensor_parallel_size
-    if len(cores) < size:
-        return [cores[tp_rank % len(cores)]]
-    per = len(cores) // size
-    return cores[tp_rank * per:(tp_rank + 1) * per]
-
-
-def bind_cpus(cores: list[int], what: str) -> bool:
-    """Keep this process (its torch threads, created after this) on `cores`; False
-    (logged) when they were taken away since the launcher looked."""
-    try:
-        os.sched_setaffinity(0, cores)
-    except OSError as e:
-        logger.warning("%s: could not bind to cores %s (%s); not bound", what,
-                       ",".join(map(str, cores)), e)
-        return False
-    logger.info("%s: bound to CPU core(s) %s", what, ",".join(map(str, cores)))
-    return True
-
-
 def _bind_cpus(config: EngineConfig, rank: int) -> None:
     """CPU: keep this engine on the cores of its local rank (`ParallelConfig.cpu_groups`;
     with tensor parallelism, worker 0's slice of them); a rank added by scaling
@@ -111,13 +71,16 @@ def _bind_cpus(config: EngineConfig, rank: int) -> None:
         torch.set_num_threads(len(cores))
 
 
-def build_engine_core(config: EngineConfig, rank: int, incarnation: int) -> EngineCore:
+def build_engine_core(config: EngineConfig, rank: int, incarnation: int,
+                      on_failure: Callable[[str], None] | None = None) -> EngineCore:
     """The EngineCore of `rank` (its model loaded, its KV cache sized), with the
-    test-only forward faults the environment asks for."""
+    test-only forward faults the environment asks for. `on_failure(reason)`: called
+    (from another thread) when a tensor-parallel worker of the rank dies."""
     from dpserve.engine.core import EngineCore
 
     _maybe_hold_start(rank, incarnation)
     engine_core = EngineCore(config, dp_rank=rank)
+    engine_core.executor.on_failure = on_failure
     _maybe_inject_forward_fault(engine_core, rank, incarnation)
     return engine_core
 

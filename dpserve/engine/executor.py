@@ -55,7 +55,14 @@ from typing import Any
 
 from dpserve.config import EngineConfig
 from dpserve.engine.shm_broadcast import BroadcastError, BroadcastWriter
-from dpserve.engine.tp_worker import form_group, peer_step, run_tp_worker, worker_config
+from dpserve.engine.tp_worker import (
+    form_group,
+    peer_step,
+    run_tp_worker,
+    worker_config,
+    worker_cpus,
+    worker_device,
+)
 from dpserve.errors import TensorParallelError
 from dpserve.protocol import TPWorkerInfo
 
@@ -167,7 +174,6 @@ class MultiprocExecutor:
     def _start(self, config: EngineConfig, dp_rank: int) -> Any:
         """Spawn workers 1..N-1, form the group with them, load shard 0 here, wait
         until each has loaded its own."""
-        from dpserve.engine.build import worker_cpus, worker_device
         from dpserve.model.runner import ModelRunner
         from dpserve.model.tensor_parallel import TensorParallel
 

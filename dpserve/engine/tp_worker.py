@@ -3,8 +3,9 @@
 Scope: the process target `run_tp_worker` (worker t > 0 of a DP rank: title
 `dpserve::TPWorker_<dp_rank>_<t>`, its device or cores, its `ModelRunner`
 holding shard t, then a loop over the broadcast), the forming of a rank's TP
-group (`form_group`, also called by worker 0), the per-worker config
-(`worker_config`) and the trimmed step a peer gets (`peer_step`).
+group (`form_group`, also called by worker 0), where each worker runs
+(`worker_config`: its threads; `worker_device`, `worker_cpus`; worker 0 too,
+through `engine.build`) and the trimmed step a peer gets (`peer_step`).
 
 Messages (worker 0 -> peers, one broadcast each, `shm_broadcast`):
 
@@ -70,6 +71,48 @@ def form_group(store_path: str, tp_rank: int, size: int, device: str,
     return dist.ProcessGroupGloo(store, tp_rank, size, gloo)
 
 
+def worker_device(config: EngineConfig, rank: int, tp_rank: int) -> int:
+    """The visible CUDA device of tensor-parallel worker `tp_rank` of DP rank `rank`:
+    local rank r, worker t -> r*N + t (shared, with a warning, when too few)."""
+    import torch
+
+    size = config.parallel.tensor_parallel_size
+    index = (rank - config.parallel.data_parallel_start_rank) * size + tp_rank
+    count = torch.cuda.device_count()
+    if index >= count:
+        logger.warning("engine %d, worker %d: device %d wanted but only %d CUDA device(s) "
+                       "visible; sharing device %d", rank, tp_rank, index, count, index % count)
+    return index % count
+
+
+def worker_cpus(config: EngineConfig, rank: int, tp_rank: int) -> list[int] | None:
+    """The cores of tensor-parallel worker `tp_rank` of DP rank `rank`: its equal
+    slice of the rank's core list (`ParallelConfig.cpu_groups`), None when the rank
+    is not bound. With fewer cores than workers, workers share them round-robin."""
+    groups = config.parallel.cpu_groups
+    local_rank = rank - config.parallel.data_parallel_start_rank
+    if not groups or not 0 <= local_rank < len(groups):
+        return None
+    cores, size = list(groups[local_rank]), config.parallel.tensor_parallel_size
+    if len(cores) < size:
+        return [cores[tp_rank % len(cores)]]
+    per = len(cores) // size
+    return cores[tp_rank * per:(tp_rank + 1) * per]
+
+
+def bind_cpus(cores: list[int], what: str) -> bool:
+    """Keep this process (its torch threads, created after this) on `cores`; False
+    (logged) when they were taken away since the launcher looked."""
+    try:
+        os.sched_setaffinity(0, cores)
+    except OSError as e:
+        logger.warning("%s: could not bind to cores %s (%s); not bound", what,
+                       ",".join(map(str, cores)), e)
+        return False
+    logger.info("%s: bound to CPU core(s) %s", what, ",".join(map(str, cores)))
+    return True
+
+
 def peer_step(so: SchedulerOutput, block_size: int) -> SchedulerOutput:
     """What a peer needs of a step: each request's window of tokens (the step's, plus
     the next known one: a prompt-logprobs target), the blocks the step reaches, and
@@ -120,7 +163,6 @@ def run_tp_worker(config: EngineConfig, dp_rank: int, tp_rank: int, store_path: 
 def _start_runner(config: EngineConfig, dp_rank: int, tp_rank: int, store_path: str,
                   device_index: int | None, cpus: list[int] | None) -> Any:
     """Place this worker (device or cores), form the group, load shard `tp_rank`."""
-    from dpserve.engine.build import bind_cpus
     from dpserve.model.runner import ModelRunner
     from dpserve.model.tensor_parallel import TensorParallel
 
