@@ -6,8 +6,9 @@ Greedy tokens at TP=2 and TP=3 equal transformers' float32 greedy tokens on
 tiny Llama, Qwen2, Qwen3 and Qwen2-MoE checkpoints (TP=3 with one KV head:
 replicated on every worker), batched, with chunked prefill, a prefix-cache
 hit and preemption; the default model gives the same greedy text at TP=3 as
-at TP=1. The workers live exactly as long as the LLM, and a SIGKILLed worker
-makes the next generate raise an error naming it.
+at TP=1. The workers live exactly as long as the LLM (and exit when its
+process is SIGKILLed), and a SIGKILLed worker makes the next generate raise an
+error naming it.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
+from helpers import wait_until
 
 from dpserve import LLM, SamplingParams
 from dpserve.errors import TensorParallelError
@@ -131,3 +135,34 @@ def test_killed_worker_fails_the_next_generate(tiny_llama):
     finally:
         llm.shutdown()
     assert worker_pids() == []
+
+
+OWNER = """
+import os, sys, time
+from dpserve import LLM
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], tensor_parallel_size=2)
+    with open(sys.argv[2] + ".tmp", "w") as f:
+        f.write(str(llm.engine.executor.worker_info()[1].pid))
+    os.rename(sys.argv[2] + ".tmp", sys.argv[2])
+    time.sleep(600)
+"""
+
+
+def test_workers_exit_when_their_engine_core_is_killed(tiny_llama, tmp_path):
+    script = tmp_path / "owner.py"
+    script.write_text(OWNER)
+    pid_file = tmp_path / "worker.pid"
+    owner = subprocess.Popen([sys.executable, str(script), str(tiny_llama), str(pid_file)])
+    try:
+        wait_until(lambda: pid_file.exists() or owner.poll() is not None, 120,
+                   "the LLM's worker started")
+        worker = psutil.Process(int(pid_file.read_text()))
+        assert worker.ppid() == owner.pid
+        owner.kill()
+        owner.wait(30)
+        _, alive = psutil.wait_procs([worker], timeout=30)  # parent watch: it exits
+        assert not alive
+    finally:
+        owner.kill()
+        owner.wait(30)

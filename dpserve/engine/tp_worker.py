@@ -155,9 +155,20 @@ def run_tp_worker(config: EngineConfig, dp_rank: int, tp_rank: int, store_path: 
             conn.send(("error", f"{type(e).__name__}: {e}"))
         except (OSError, ValueError):  # worker 0 is gone
             pass
-        sys.stderr.flush()
-        os._exit(1)
-    os._exit(0)  # no interpreter teardown (torch, the model): nothing is left to flush
+        _exit(1)
+    _exit(0)
+
+
+def _exit(code: int) -> None:
+    """Leave without the interpreter's teardown (unloading torch and the model takes
+    seconds), after multiprocessing's finalizers: the semaphores this process
+    created (tqdm's lock) are released."""
+    from multiprocessing import util
+
+    util._exit_function()  # type: ignore[attr-defined]
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _start_runner(config: EngineConfig, dp_rank: int, tp_rank: int, store_path: str,
