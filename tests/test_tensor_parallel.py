@@ -111,6 +111,9 @@ def test_workers_live_as_long_as_the_llm(tiny_llama):
     assert worker_pids() == [info[1].pid]
     assert psutil.Process(info[1].pid).cmdline()[0].startswith("dpserve::TPWorker_0_1")
     assert info[1].rss_bytes > 0
+    # Every worker holds its half of the 2 KV heads: a block is half the size.
+    whole = LLM(str(tiny_llama)).engine.runner.block_bytes()
+    assert llm.engine.executor.collective_rpc("block_bytes") == [whole // 2, whole // 2]
     llm.shutdown()
     assert worker_pids() == [] and not psutil.pid_exists(info[1].pid)
 

@@ -219,7 +219,8 @@ class MultiprocExecutor:
         deadline = time.monotonic() + (RPC_TIMEOUT_S if timeout is None else timeout)
         try:
             results = [getattr(self.driver, method)(*args, **kwargs)]
-        except Exception:  # worker 0's own error, as it is (e.g. a budget ValueError)
+        except Exception as e:  # worker 0's own error keeps its type (a budget ValueError)
+            e.add_note(f"(in tensor-parallel worker 0 of DP rank {self.dp_rank})")
             for w in self._workers:  # their replies too, so the pipes stay in step
                 with contextlib.suppress(TensorParallelError):
                     self._reply(w, "ok", deadline, method)
