@@ -169,3 +169,24 @@ def test_workers_exit_when_their_engine_core_is_killed(tiny_llama, tmp_path):
     finally:
         owner.kill()
         owner.wait(30)
+
+
+def test_workers_share_out_the_rank_cores_and_threads(tiny_llama):
+    import dataclasses
+
+    from dpserve.config import EngineArgs
+    from dpserve.engine.tp_worker import worker_config, worker_cpus
+
+    config = EngineArgs(model=str(tiny_llama), tensor_parallel_size=2).create_config()
+
+    def placed(groups, threads):
+        return dataclasses.replace(config, parallel=dataclasses.replace(
+            config.parallel, cpu_groups=groups, threads_per_engine=threads))
+
+    bound = placed(((0, 1, 2, 3), (4, 5, 6, 7)), 4)
+    assert [worker_cpus(bound, rank, t) for rank in (0, 1) for t in (0, 1)] == [
+        [0, 1], [2, 3], [4, 5], [6, 7]]
+    assert worker_cpus(placed(((5,),), 1), 0, 1) == [5]  # fewer cores than workers
+    assert worker_cpus(placed(None, None), 0, 1) is None  # not bound
+    assert worker_config(bound).parallel.threads_per_engine == 2
+    assert worker_config(placed(None, None)).parallel.threads_per_engine == 1
