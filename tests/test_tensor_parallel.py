@@ -108,6 +108,7 @@ def test_workers_live_as_long_as_the_llm(tiny_llama):
     llm = LLM(str(tiny_llama), tensor_parallel_size=2)
     info = llm.engine.executor.worker_info()
     assert [w.tp_rank for w in info] == [0, 1] and info[0].pid == os.getpid()
+    assert [w.device for w in info] == ["cpu", "cpu"]
     assert worker_pids() == [info[1].pid]
     assert psutil.Process(info[1].pid).cmdline()[0].startswith("dpserve::TPWorker_0_1")
     assert info[1].rss_bytes > 0

@@ -56,6 +56,7 @@ from typing import Any
 from dpserve.config import EngineConfig
 from dpserve.engine.shm_broadcast import BroadcastError, BroadcastWriter
 from dpserve.engine.tp_worker import (
+    device_name,
     form_group,
     peer_step,
     run_tp_worker,
@@ -96,7 +97,8 @@ class UniprocExecutor:
         return [getattr(self.driver, method)(*args, **kwargs)]
 
     def worker_info(self) -> list[TPWorkerInfo]:
-        return [TPWorkerInfo(0, os.getpid(), str(self.driver.device), _rss(os.getpid()))]
+        return [TPWorkerInfo(0, os.getpid(), device_name(self.driver.device),
+                             _rss(os.getpid()))]
 
     def shutdown(self) -> None:
         pass
@@ -228,7 +230,8 @@ class MultiprocExecutor:
         return results + [self._reply(w, "ok", deadline, method) for w in self._workers]
 
     def worker_info(self) -> list[TPWorkerInfo]:
-        return [TPWorkerInfo(0, os.getpid(), str(self.driver.device), _rss(os.getpid())),
+        return [TPWorkerInfo(0, os.getpid(), device_name(self.driver.device),
+                             _rss(os.getpid())),
                 *(TPWorkerInfo(w.tp_rank, w.process.pid, w.device, _rss(w.process.pid))
                   for w in self._workers)]
 

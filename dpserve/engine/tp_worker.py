@@ -113,6 +113,15 @@ def bind_cpus(cores: list[int], what: str) -> bool:
     return True
 
 
+def device_name(device: Any) -> str:
+    """"cpu", or "cuda:<index>" of the current device (a runner's device is plain "cuda")."""
+    if device.type != "cuda":
+        return str(device)
+    import torch
+
+    return f"cuda:{torch.cuda.current_device() if device.index is None else device.index}"
+
+
 def peer_step(so: SchedulerOutput, block_size: int) -> SchedulerOutput:
     """What a peer needs of a step: each request's window of tokens (the step's, plus
     the next known one: a prompt-logprobs target), the blocks the step reaches, and
@@ -147,7 +156,7 @@ def run_tp_worker(config: EngineConfig, dp_rank: int, tp_rank: int, store_path: 
         reader = BroadcastReader(handle, tp_rank - 1)
         conn.send(("hello", os.getpid()))
         runner = _start_runner(config, dp_rank, tp_rank, store_path, device_index, cpus)
-        conn.send(("ready", str(runner.device)))
+        conn.send(("ready", device_name(runner.device)))
         _serve(reader, runner, conn)
     except BaseException as e:  # noqa: BLE001 - reported, then this worker ends
         logger.exception("tensor-parallel worker %d.%d failed", dp_rank, tp_rank)
