@@ -191,3 +191,25 @@ def test_workers_share_out_the_rank_cores_and_threads(tiny_llama):
     assert worker_cpus(placed(None, None), 0, 1) is None  # not bound
     assert worker_config(bound).parallel.threads_per_engine == 2
     assert worker_config(placed(None, None)).parallel.threads_per_engine == 1
+
+
+def test_prompt_logprobs_and_seeded_sampling_equal_one_worker(tiny_llama):
+    """What only worker 0 holds (seeded generators, penalties over all outputs) and
+    what peers compute from their token window (prompt logprobs, chunked)."""
+    prompt = {"prompt_token_ids": list(range(100, 140))}
+    params = [SamplingParams(max_tokens=1, prompt_logprobs=3),
+              SamplingParams(temperature=1.0, seed=7, max_tokens=12, frequency_penalty=0.5)]
+    runs = []
+    for tp in (1, 2):
+        with LLM(str(tiny_llama), tensor_parallel_size=tp, dtype="float32",
+                 max_num_batched_tokens=16, max_num_seqs=4) as llm:
+            runs.append(llm.generate([prompt, prompt], params, use_tqdm=False))
+    (logprobs1, seeded1), (logprobs2, seeded2) = runs
+    assert seeded2.outputs[0].token_ids == seeded1.outputs[0].token_ids
+    entries1, entries2 = logprobs1.prompt_logprobs, logprobs2.prompt_logprobs
+    assert len(entries2) == len(entries1) == 40 and entries2[0] is None
+    for e1, e2 in zip(entries1[1:], entries2[1:]):
+        assert set(e2) == set(e1)  # the prompt token and the same top 3
+        for token, lp in e1.items():
+            assert e2[token].logprob == pytest.approx(lp.logprob, abs=1e-4)
+            assert e2[token].rank == lp.rank
