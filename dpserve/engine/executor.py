@@ -27,7 +27,8 @@ ENGINE_CORE_DEAD and exits 1; its restart forms a new group).
 
 Lifecycle: workers are spawned (forking after torch / OpenMP / CUDA start-up
 is unsafe), form the group over a FileStore in a private 0700 directory
-(removed at shutdown), load their shard, then serve the broadcast until a
+(removed once the group is formed, as the broadcast's name is unlinked once
+every worker attached), load their shard, then serve the broadcast until a
 shutdown message, the engine core's death (parent watch) or the broadcast
 writer's death. `shutdown()` asks them to exit, joins with a deadline, then
 kills; daemonic, so multiprocessing's exit hook terminates any left too.
@@ -156,7 +157,10 @@ class MultiprocExecutor:
             os.close(self._wake_r)  # no monitor to close it
             self.shutdown()
             raise
-        self._broadcast.unlink()  # every worker attached: no name left behind
+        # Every worker attached and formed the group: nothing is left behind on disk or
+        # in /dev/shm from here on, even if this process dies hard.
+        self._broadcast.unlink()
+        shutil.rmtree(self._dir, ignore_errors=True)
         threading.Thread(target=_monitor, args=(self._workers, self._health, self._wake_r,
                                                 dp_rank),
                          name=f"TPMonitor_{dp_rank}", daemon=True).start()
