@@ -145,7 +145,10 @@ class EngineArgs:
     data_parallel_collective_timeout: float = _opt(10.0, "In lockstep mode, seconds one "
                                                    "collective (all-reduce, group join) "
                                                    "may wait for the other ranks; past "
-                                                   "it the DP group is formed again.")
+                                                   "it the DP group is formed again. "
+                                                   "Also bounds each tensor-parallel "
+                                                   "collective of a rank's workers; past "
+                                                   "it the rank fails (and restarts).")
     enable_expert_parallel: bool = _opt(False, "Mixture-of-experts models: each of the "
                                         "--data-parallel-size ranks holds its share of "
                                         "the experts (attention stays data parallel); "

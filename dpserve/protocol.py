@@ -298,6 +298,16 @@ class EngineInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ttft_s: float = 0.0  # mean time to first token in the engine over the last 10 s
 
 
+class TPWorkerInfo(msgspec.Struct, array_like=True, gc=False):
+    """One tensor-parallel worker of a DP rank (worker 0: the engine core's own
+    process), as the engine's executor reports it (`worker_info()`)."""
+
+    tp_rank: int
+    pid: int
+    device: str  # "cpu", or "cuda:<index>"
+    rss_bytes: int  # resident memory of its process at the time of the report
+
+
 class RestartRank(msgspec.Struct, array_like=True, gc=False):
     """Coordinator -> launchers: restart `rank`'s process `incarnation` (an operator
     asked; the launcher that runs it does it, the others ignore it)."""

@@ -24,10 +24,14 @@ if TYPE_CHECKING:  # the launcher imports the engine's modules without torch
 class ScheduledRequest:
     """One request's share of a step, as the model runner and the sampler read it.
 
-    The step computes tokens `token_ids[start : start + num_new_tokens]` at
-    positions `start .. start + num_new_tokens - 1`. `token_ids` is the request's
-    own list (prompt, then outputs), not a copy: the runner reads it during the
-    step, and the scheduler appends the sampled token only after the step.
+    The step computes the tokens at positions `start .. start + num_new_tokens - 1`
+    (`tokens(start, start + num_new_tokens)`). On the engine's own runner
+    `token_ids` is the request's own list (prompt, then outputs), not a copy: the
+    runner reads it during the step, and the scheduler appends the sampled token
+    only after the step. A tensor-parallel peer gets a trimmed copy instead
+    (`dpserve.engine.executor`): only the step's window of tokens, `token_ids[0]`
+    being the token at position `token_offset`; the output properties below need
+    the whole list (worker 0, which samples, has it).
     """
 
     req_id: str
@@ -41,10 +45,15 @@ class ScheduledRequest:
     eos_token_id: int | None
     grammar: Any = None  # structured.manager.RequestGrammar of a constrained output
     needs_prompt_logprobs: bool = False  # every prompt position computed gets logprobs
+    token_offset: int = 0  # the position of token_ids[0] (> 0 only in a trimmed copy)
+
+    def tokens(self, first: int, end: int) -> list[int]:
+        """The tokens at positions first .. end - 1 (those known, up to end)."""
+        return self.token_ids[first - self.token_offset:end - self.token_offset]
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return self.token_offset + len(self.token_ids)
 
     @property
     def num_output_tokens(self) -> int:

@@ -12,9 +12,11 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dpserve.config import EngineConfig
+from dpserve.engine.tp_worker import bind_cpus, worker_cpus, worker_device
 
 if TYPE_CHECKING:
     from dpserve.engine.core import EngineCore
@@ -39,7 +41,9 @@ def place_engine(config: EngineConfig, rank: int) -> None:
 
 
 def _choose_device(config: EngineConfig, rank: int) -> None:
-    """CUDA: the engine of local rank r (r-th on this host) uses visible device r.
+    """CUDA: the engine of local rank r (r-th on this host) uses visible device r,
+    or, with N tensor-parallel workers, device r*N (its workers r*N+1 .. r*N+N-1:
+    `worker_device`).
 
     Under Ray each actor sees only its own GPU, so that is device 0.
     """
@@ -47,47 +51,36 @@ def _choose_device(config: EngineConfig, rank: int) -> None:
         return
     import torch
 
-    local_rank = rank - config.parallel.data_parallel_start_rank
-    count = torch.cuda.device_count()
-    if local_rank >= count:
-        logger.warning("engine %d: local rank %d but only %d CUDA device(s) visible; "
-                       "sharing device %d", rank, local_rank, count, local_rank % count)
-    torch.cuda.set_device(local_rank % count)
-    logger.info("engine %d: CUDA device %d", rank, local_rank % count)
+    index = worker_device(config, rank, 0)
+    torch.cuda.set_device(index)
+    logger.info("engine %d: CUDA device %d", rank, index)
 
 
 def _bind_cpus(config: EngineConfig, rank: int) -> None:
-    """CPU: keep this engine (its torch threads, created after this) on the cores of
-    its local rank (`ParallelConfig.cpu_groups`); a rank added by scaling beyond
-    them stays unbound."""
-    groups = config.parallel.cpu_groups
-    if not groups:
+    """CPU: keep this engine on the cores of its local rank (`ParallelConfig.cpu_groups`;
+    with tensor parallelism, worker 0's slice of them); a rank added by scaling
+    beyond them stays unbound."""
+    cores = worker_cpus(config, rank, 0)
+    if cores is None:
+        if config.parallel.cpu_groups:
+            logger.info("engine %d: no core list for its local rank; not bound", rank)
         return
-    local_rank = rank - config.parallel.data_parallel_start_rank
-    if not 0 <= local_rank < len(groups):
-        logger.info("engine %d: no core list for local rank %d; not bound", rank, local_rank)
-        return
-    cores = groups[local_rank]
-    try:
-        os.sched_setaffinity(0, cores)
-    except OSError as e:  # the cores were taken away since the launcher looked
-        logger.warning("engine %d: could not bind to cores %s (%s); not bound", rank,
-                       ",".join(map(str, cores)), e)
-        return
-    if config.parallel.threads_per_engine is None:
+    if bind_cpus(cores, f"engine {rank}") and config.parallel.threads_per_engine is None:
         import torch
 
         torch.set_num_threads(len(cores))
-    logger.info("engine %d: bound to CPU core(s) %s", rank, ",".join(map(str, cores)))
 
 
-def build_engine_core(config: EngineConfig, rank: int, incarnation: int) -> EngineCore:
+def build_engine_core(config: EngineConfig, rank: int, incarnation: int,
+                      on_failure: Callable[[str], None] | None = None) -> EngineCore:
     """The EngineCore of `rank` (its model loaded, its KV cache sized), with the
-    test-only forward faults the environment asks for."""
+    test-only forward faults the environment asks for. `on_failure(reason)`: called
+    (from another thread) when a tensor-parallel worker of the rank dies."""
     from dpserve.engine.core import EngineCore
 
     _maybe_hold_start(rank, incarnation)
     engine_core = EngineCore(config, dp_rank=rank)
+    engine_core.executor.on_failure = on_failure
     _maybe_inject_forward_fault(engine_core, rank, incarnation)
     return engine_core
 
@@ -111,7 +104,7 @@ def _maybe_hold_start(rank: int, incarnation: int) -> None:
 
 def _maybe_inject_forward_fault(engine_core: EngineCore, rank: int, incarnation: int) -> None:
     """TEST-ONLY fault injection, from the environment: the N-th call of
-    `runner.execute` raises RuntimeError (DPSERVE_FAULT_FORWARD_AT=N) or never
+    `executor.execute` raises RuntimeError (DPSERVE_FAULT_FORWARD_AT=N) or never
     returns (DPSERVE_FAULT_FORWARD_HANG_AT=N). With DPSERVE_FAULT_RANK=r only
     rank r's first process is affected (its restarts run clean)."""
     raise_at, hang_at = (int(os.environ.get(name) or 0) for name in
@@ -120,7 +113,7 @@ def _maybe_inject_forward_fault(engine_core: EngineCore, rank: int, incarnation:
     if not (raise_at or hang_at) or (only_rank is not None and
                                      (int(only_rank) != rank or incarnation > 0)):
         return
-    execute = engine_core.runner.execute
+    execute = engine_core.executor.execute
     calls = itertools.count(1)
 
     def execute_with_fault(scheduler_output: Any) -> Any:
@@ -133,6 +126,6 @@ def _maybe_inject_forward_fault(engine_core: EngineCore, rank: int, incarnation:
                 time.sleep(3600)
         return execute(scheduler_output)
 
-    engine_core.runner.execute = execute_with_fault  # type: ignore[method-assign]
+    engine_core.executor.execute = execute_with_fault  # type: ignore[method-assign]
     logger.warning("TEST-ONLY fault injection: forward #%d will %s", raise_at or hang_at,
                    "raise" if raise_at else "hang")

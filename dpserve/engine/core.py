@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from dpserve.config import EngineConfig
+from dpserve.engine.executor import make_executor
 from dpserve.engine.request import Request, RequestStatus
 from dpserve.engine.scheduler import Scheduler
 from dpserve.errors import ExpertParallelError
@@ -35,15 +36,20 @@ UTILITY_METHODS = frozenset({"get_stats", "get_request_counts", "reset_prefix_ca
 
 class EngineCore:
     def __init__(self, config: EngineConfig, dp_rank: int = 0) -> None:
-        from dpserve.model.runner import ModelRunner
-
         start = time.monotonic()
         self.config = config
-        self.runner = ModelRunner(config, dp_rank)  # the rank picks its experts under EP
-        # The block count is a run-time result: it travels as a value, the
-        # config stays as the user resolved it.
-        self.num_kv_blocks = self.runner.determine_num_blocks()
-        self.runner.initialize_kv_cache(self.num_kv_blocks)
+        # The model on one worker, or on the N of tensor parallelism (this process
+        # is worker 0). The rank picks its experts under EP.
+        self.executor = make_executor(config, dp_rank)
+        self.runner = self.executor.driver  # worker 0's: read here, changed via executor
+        try:
+            # The block count is a run-time result: it travels as a value, the
+            # config stays as the user resolved it. Every worker must hold it.
+            self.num_kv_blocks = min(self.executor.collective_rpc("determine_num_blocks"))
+            self.executor.collective_rpc("initialize_kv_cache", self.num_kv_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks)
         self.vocab_size = int(config.model.hf_config["vocab_size"])
         # Requests with structured output wait here until their grammar is compiled.
@@ -122,7 +128,7 @@ class EngineCore:
         runner_output = _EMPTY_OUTPUT
         if not scheduler_output.is_empty:
             try:
-                runner_output = self.runner.execute(scheduler_output)
+                runner_output = self.executor.execute(scheduler_output)
             except ExpertParallelError as e:
                 self.runner.forget_requests(scheduler_output.finished_req_ids)
                 self._drop_failed_step(str(e))
@@ -189,11 +195,15 @@ class EngineCore:
         if self.has_unfinished_requests():
             raise RuntimeError("sleep with requests in flight; abort them first")
         self.scheduler.reset_prefix_cache()
-        self.runner.set_sleep_level(level)
+        self.executor.collective_rpc("set_sleep_level", level)
 
     def wake_up(self) -> None:
         """Restore what `sleep` freed; the KV cache comes back empty."""
-        self.runner.set_sleep_level(0)
+        self.executor.collective_rpc("set_sleep_level", 0)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (idempotent; nothing to do at TP=1)."""
+        self.executor.shutdown()
 
     def get_stats(self) -> SchedulerStats:
         stats = self.scheduler.make_stats()
@@ -202,7 +212,7 @@ class EngineCore:
 
     def execute_dummy_batch(self) -> None:
         try:
-            self.runner.execute_dummy()
+            self.executor.execute_dummy()
         except ExpertParallelError as e:  # nothing to drop: the dummy computes nothing
             logger.warning("expert-parallel dummy batch failed (%s)", str(e).splitlines()[0])
             self.ep_failure = str(e)

@@ -48,6 +48,7 @@ import sys
 import threading
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -177,7 +178,8 @@ class EngineCoreProc:
             # holds its share of the experts for the size now.
             self.config = dataclasses.replace(self.config, parallel=dataclasses.replace(
                 self.config.parallel, data_parallel_size=init.dp_size))
-        self.engine_core = build_engine_core(self.config, self.rank, self.incarnation)
+        self.engine_core = build_engine_core(self.config, self.rank, self.incarnation,
+                                             on_failure=_fatal_input(self.input_queue))
         ep = self.engine_core.runner.expert_parallel
         if ep is not None and self.dp is not None:  # MoE layers use the lockstep DP group
             ep.group_source = self.dp.expert_group
@@ -336,19 +338,18 @@ class EngineCoreProc:
                 self.dp.on_regroup(body)
                 size = self.dp.take_reshard()
                 if size is not None:  # elastic EP: this rank's new share of the experts
-                    self.engine_core.runner.reshard_experts(self.rank, size)
+                    self.engine_core.executor.collective_rpc("reshard_experts", self.rank, size)
         elif request_type is RequestType.CONTROL:
             self._publish(self.control.apply(body))
-        elif request_type == IO_FAILED:
-            raise RuntimeError(f"engine IO thread failed: {body}")
+        elif request_type == IO_FAILED:  # an IO thread or a TP worker died
+            raise RuntimeError(body)
         elif request_type == CLIENT_NEWS:
             self._client_news(client_index, body)
         elif request_type == PEER_LOST:
             logger.warning("engine %d: %s; shutting down", self.rank, body)
             raise SystemExit(0)
         else:
-            logger.warning("ignoring request type %r (not handled by this engine)",
-                           request_type)
+            logger.warning("ignoring request type %r (not handled by this engine)", request_type)
 
     def _add_request(self, request: EngineCoreRequest, source: int) -> None:
         """Queue a request; a bad one finishes at once with ABORT, the engine lives on."""
@@ -450,9 +451,8 @@ class EngineCoreProc:
         coordinator = self.dp.take_publish_socket() if self.dp is not None else None
         reader = InputReader(init.input_addresses, coordinator, self.identity, self.secret,
                              not self.local, self.input_queue, self._stop_io)
-        self.input_thread = threading.Thread(
-            target=self._guarded, args=(reader.run,),
-            name=f"EngineCore_{self.rank}_input", daemon=True)
+        self.input_thread = threading.Thread(target=self._guarded, args=(reader.run,),
+                                             name=f"EngineCore_{self.rank}_input", daemon=True)
         self.output_thread = threading.Thread(
             target=self._guarded, args=(self._output_loop, init.output_addresses),
             name=f"EngineCore_{self.rank}_output", daemon=True)
@@ -465,7 +465,7 @@ class EngineCoreProc:
             loop(*args)
         except Exception as e:
             logger.exception("%s failed", threading.current_thread().name)
-            self.input_queue.put_nowait((IO_FAILED, f"{type(e).__name__}: {e}", -1))
+            self.input_queue.put_nowait((IO_FAILED, f"engine IO thread failed: {e!r}", -1))
 
     def _output_loop(self, addresses: list[str]) -> None:
         """Output queue -> sockets, never blocked by one front-end (`OutputSender`)."""
@@ -487,13 +487,20 @@ class EngineCoreProc:
             logger.error("could not flush ENGINE_CORE_DEAD to the front-ends in time")
 
     def shutdown(self) -> None:
-        """Stop the IO threads (bounded waits); queued outputs are sent first."""
+        """Stop the TP workers, then the IO threads (bounded); queued outputs go first."""
+        self.engine_core.shutdown()
         self._stop_io.set()
         self.output_queue.put_nowait(None)
         for thread in (self.input_thread, self.output_thread):
             thread.join(timeout=2.0)
         if self.dp is not None:
             self.dp.close()
+
+
+def _fatal_input(input_queue: queue.Queue) -> Callable[[str], None]:
+    """A dead TP worker (the executor's monitor thread calls this) is fatal to the
+    busy loop, even an idle one waiting on its input queue."""
+    return lambda reason: input_queue.put_nowait((IO_FAILED, reason, -1))
 
 
 def _no_dummy() -> None:

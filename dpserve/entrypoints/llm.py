@@ -17,7 +17,8 @@ n > 1, logprobs: `OutputProcessor`) and clean-up are one code path.
 Tokenising, chat templates, detokenising and stop strings happen here, in
 the front-end, not in the engine.
 
-Lifecycle (N > 1): `shutdown()`, leaving a `with LLM(...) as llm:` block,
+Lifecycle (N > 1, or tensor_parallel_size > 1: the in-process engine's
+workers): `shutdown()`, leaving a `with LLM(...) as llm:` block,
 garbage collection and interpreter exit all stop every process
 (terminate -> join -> kill); the engines and the coordinator also exit by
 themselves when this process dies. When any of them dies, `generate()`
@@ -94,8 +95,10 @@ class LLM:
         if self.data_parallel_size == 1:
             from dpserve.engine.core import EngineCore
 
-            self.engine = EngineCore(self.config)
-            self._finalizer: weakref.finalize | None = None
+            core = EngineCore(self.config)
+            self.engine = core
+            # Its tensor-parallel workers (if any) stop with the LLM.
+            self._finalizer: weakref.finalize = weakref.finalize(self, core.shutdown)
         else:
             engines = launch_engines(self.config, num_clients=1)
             try:
@@ -105,8 +108,8 @@ class LLM:
                 raise
             self.engine = client
             self._finalizer = weakref.finalize(self, client.shutdown)
-            # Also before multiprocessing's exit hook, which would join the engines forever.
-            atexit.register(self._finalizer)
+        # Also before multiprocessing's exit hook, which would join the engines forever.
+        atexit.register(self._finalizer)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the model's generation_config.json defaults (vLLM's
@@ -174,9 +177,8 @@ class LLM:
 
         Later calls raise RuntimeError.
         """
-        if self._finalizer is not None:
-            self._finalizer()
-            atexit.unregister(self._finalizer)
+        self._finalizer()
+        atexit.unregister(self._finalizer)
         self.engine = None
 
     def __enter__(self) -> LLM:

@@ -33,7 +33,7 @@ def compute_prompt_logprobs(model: Any, hidden: torch.Tensor, so: SchedulerOutpu
         if s.needs_prompt_logprobs and end > s.start:
             k = s.sampling_params.prompt_logprobs or 0
             rows = hidden[offset:offset + end - s.start]
-            targets = torch.tensor(s.token_ids[s.start + 1:end + 1],
+            targets = torch.tensor(s.tokens(s.start + 1, end + 1),
                                    dtype=torch.int64, device=hidden.device)
             out[s.req_id] = (s.start, _token_logprobs(model, rows, targets, k))
         offset += s.num_new_tokens

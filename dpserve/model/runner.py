@@ -286,7 +286,7 @@ class ModelRunner:
         query_lens = np.fromiter((s.num_new_tokens for s in sched), np.int64, num_reqs)
         context_lens = np.fromiter((s.start for s in sched), np.int64, num_reqs)
         token_ids = list(itertools.chain.from_iterable(
-            s.token_ids[s.start:s.start + s.num_new_tokens] for s in sched))
+            s.tokens(s.start, s.start + s.num_new_tokens) for s in sched))
         # Block table: only the blocks this step's tokens reach; padding is masked.
         needed = -(-(context_lens + query_lens) // bs)  # [R]
         table = np.zeros((num_reqs, int(needed.max())), dtype=np.int64)
