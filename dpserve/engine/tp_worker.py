@@ -33,6 +33,7 @@ from typing import Any
 
 from dpserve.config import EngineConfig
 from dpserve.engine.shm_broadcast import BroadcastHandle, BroadcastReader
+from dpserve.errors import ExpertParallelError
 from dpserve.sampling_params import SamplingParams
 from dpserve.step import ScheduledRequest, SchedulerOutput
 
@@ -206,10 +207,16 @@ def _serve(reader: BroadcastReader, runner: Any, conn: Any) -> None:
         message = reader.dequeue()  # BroadcastError once worker 0 is gone
         kind = message[0]
         if kind == "execute":
-            runner.execute(message[1])
+            try:
+                runner.execute(message[1])
+            except ExpertParallelError as e:  # worker 0 raised it on the same forward
+                logger.warning("step dropped: %s", e)
         elif kind == "rpc":
             _, method, args, kwargs = message
-            conn.send(("ok", getattr(runner, method)(*args, **kwargs)))
+            try:
+                conn.send(("ok", getattr(runner, method)(*args, **kwargs)))
+            except ExpertParallelError as e:  # as above (a lockstep dummy batch)
+                conn.send(("error", f"{type(e).__name__}: {e}"))
         elif kind == "shutdown":
             reader.close()
             return

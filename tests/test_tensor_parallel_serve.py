@@ -1,0 +1,112 @@
+"""DP x TP served for real: `dpserve serve -dp 2 -tp 2` on loopback (a tiny Llama).
+
+Four model processes: each rank's engine core is its worker 0 and starts worker
+1 (`dpserve::TPWorker_<rank>_1`). Pinned requests on both ranks give the TP=1
+greedy text; a TP worker SIGKILLed while its rank runs streams takes the whole
+rank down: every stream still finishes with the text of an undisturbed run
+(moved to the other rank), the rank comes back as a group (a new engine core
+with a new worker), and after SIGTERM no process is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import httpx
+import pytest
+from helpers import (
+    FAULT_PROMPTS,
+    FAULT_SEQS,
+    all_gone,
+    descendants,
+    finished_by_engine,
+    output,
+    premise_moved,
+    proc_named,
+    serve,
+    stream_completion,
+    streams_with_fault,
+    wait_rank,
+)
+
+pytestmark = [pytest.mark.procs, pytest.mark.slow, pytest.mark.alone]
+
+TP_ARGS = ("--data-parallel-size", "2", "--tensor-parallel-size", "2", "--dtype", "float32",
+           "--threads-per-engine", "2", "--max-model-len", "256", *FAULT_SEQS)
+PINNED = ["The quick brown fox", "Hello world, how", "def add(x, y):"]
+PINNED_TOKENS = 24
+PROMPTS = FAULT_PROMPTS[:16]
+KILL_TOKENS = 200
+
+
+def tp1_greedy(model: str) -> list[str]:
+    """The pinned prompts' greedy texts from one whole-model engine (float32)."""
+    from dpserve import LLM, SamplingParams
+
+    llm = LLM(model, dtype="float32", threads_per_engine=1, max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=PINNED_TOKENS, ignore_eos=True)
+    return [o.outputs[0].text for o in llm.generate(PINNED, params, use_tqdm=False)]
+
+
+def pinned(url: str, model: str, rank: int) -> list[str]:
+    """The pinned prompts on `rank` (X-data-parallel-rank), greedy."""
+    texts = []
+    for prompt in PINNED:
+        resp = httpx.post(url + "/v1/completions", timeout=120,
+                          headers={"X-data-parallel-rank": str(rank)},
+                          json={"model": model, "prompt": prompt, "temperature": 0,
+                                "max_tokens": PINNED_TOKENS, "ignore_eos": True})
+        assert resp.status_code == 200, resp.text
+        texts.append(resp.json()["choices"][0]["text"])
+    return texts
+
+
+async def streams(url: str, model: str) -> list[str]:
+    """Every prompt streamed at once, nothing done to the server: the oracle."""
+    chunks = [0] * len(PROMPTS)
+    async with httpx.AsyncClient(timeout=120) as client:
+        return await asyncio.gather(*(
+            stream_completion(client, url, model, p, chunks, i, max_tokens=KILL_TOKENS)
+            for i, p in enumerate(PROMPTS)))
+
+
+def group_of(server_pid: int, rank: int) -> tuple:
+    """(engine core, its TP worker 1) of `rank`; the worker is the core's child."""
+    kids = descendants(server_pid)
+    core, worker = proc_named(kids, f"EngineCore_{rank}"), proc_named(kids, f"TPWorker_{rank}_1")
+    assert worker.ppid() == core.pid, "a TP worker is started by its rank's engine core"
+    return core, worker
+
+
+def test_dp2_tp2_serves_both_ranks_and_a_killed_worker_takes_its_rank_down(tiny_llama):
+    model = str(tiny_llama)
+    expected_pinned = tp1_greedy(model)
+    with serve(model, *TP_ARGS, timeout=240) as (proc, url):
+        core0, _ = group_of(proc.pid, 0)
+        core1, worker1 = group_of(proc.pid, 1)
+        before = finished_by_engine(url)
+        for rank in (0, 1):
+            assert pinned(url, model, rank) == expected_pinned, f"rank {rank}"
+        after = finished_by_engine(url)
+        assert [after.get(r, 0) - before.get(r, 0) for r in (0, 1)] == [3, 3]
+
+        undisturbed = asyncio.run(streams(url, model))
+        got = asyncio.run(streams_with_fault(
+            url, model, lambda: worker1.send_signal(signal.SIGKILL), prompts=PROMPTS,
+            max_tokens=KILL_TOKENS, on_rank=1))
+        assert got == undisturbed  # every stream finished, moved off the dead rank
+        premise_moved(url, 0, "rank 1 lost its TP worker holding streams")
+        assert "TPWorker_1_1" in output(proc) or "TP worker 1" in output(proc)
+
+        # The rank comes back as a group: a new engine core with a new worker.
+        wait_rank(url, 1, lambda e: e["state"] == "serving" and e["incarnation"] == 1,
+                  timeout=120)
+        new_core, new_worker = group_of(proc.pid, 1)
+        assert new_core.pid != core1.pid and new_worker.pid != worker1.pid
+        assert not core1.is_running() and not worker1.is_running()
+        assert group_of(proc.pid, 0)[0].pid == core0.pid  # rank 0 was not touched
+        assert pinned(url, model, 1) == expected_pinned
+        everything = descendants(proc.pid)
+    assert proc.returncode == 0, output(proc)[-3000:]
+    assert all_gone(everything, 30), [p.name() for p in everything if p.is_running()]
