@@ -236,6 +236,16 @@ class RankStatus(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     reason: str = ""  # why it is not serving
 
 
+class TPWorkerInfo(msgspec.Struct, array_like=True, gc=False):
+    """One tensor-parallel worker of a DP rank (worker 0: the engine core's own
+    process), as the engine's executor reports it (`worker_info()`)."""
+
+    tp_rank: int
+    pid: int
+    device: str  # "cpu", or "cuda:<index>"
+    rss_bytes: int  # resident memory of its process at the time of the report
+
+
 class EngineReport(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Engine -> coordinator: load and wave news from one engine."""
 
@@ -262,6 +272,7 @@ class EngineReport(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     ttft_s: float = 0.0  # mean time to first token in this engine over the last 10 s
     pid: int | None = None
     host: str = ""
+    tp_workers: list[TPWorkerInfo] = []  # heartbeat: the rank's TP workers (worker 0 first)
 
 
 class StartDPWave(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -296,16 +307,7 @@ class EngineInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     pid: int | None = None
     host: str = ""
     ttft_s: float = 0.0  # mean time to first token in the engine over the last 10 s
-
-
-class TPWorkerInfo(msgspec.Struct, array_like=True, gc=False):
-    """One tensor-parallel worker of a DP rank (worker 0: the engine core's own
-    process), as the engine's executor reports it (`worker_info()`)."""
-
-    tp_rank: int
-    pid: int
-    device: str  # "cpu", or "cuda:<index>"
-    rss_bytes: int  # resident memory of its process at the time of the report
+    tp_workers: list[TPWorkerInfo] = []  # its tensor-parallel workers, at its last heartbeat
 
 
 class RestartRank(msgspec.Struct, array_like=True, gc=False):

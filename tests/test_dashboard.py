@@ -79,6 +79,9 @@ def test_dashboard_tiles_update_live_and_cordon_from_the_page(tiny_llama, browse
                 By.CSS_SELECTOR, f'.tile[data-rank="{rank}"] [data-field="{name}"]').text
 
         assert shown(1, "tps") == "0.0"  # idle
+        pid0 = httpx.get(url + "/engines", timeout=5).json()["engines"][0]["pid"]
+        wait_until(lambda: shown(0, "workers").startswith(f"TP0 pid {pid0} cpu "), 30,
+                   "rank 0's worker (its engine core: pid, device, memory)")
         stop = threading.Event()
         loader = threading.Thread(target=_load, args=(url, model, stop), daemon=True)
         loader.start()

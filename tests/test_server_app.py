@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -452,6 +453,11 @@ def test_engines_view_of_one_engine_and_no_admin_routes_without_the_flag(srv, ht
     [row] = first["engines"]
     assert (row["rank"], row["state"], row["cordoned"], row["restarts"]) == (
         0, "serving", False, 0)
+    # The engine's one worker (TP=1): this process, asked of the engine.
+    [worker] = row["tp_workers"]
+    assert (worker["tp_rank"], worker["pid"], worker["device"]) == (0, os.getpid(), "cpu")
+    assert row["pid"] == os.getpid() and worker["rss_bytes"] > 0
+    assert first["tensor_parallel_size"] == 1
     oai.completions.create(model=MODEL, prompt="Hello world", max_tokens=32, **GREEDY)
     [row] = http.get("/engines").json()["engines"]
     assert row["tokens_per_s"] > 0  # tokens were generated between the two polls

@@ -15,6 +15,7 @@ import signal
 
 import httpx
 import pytest
+from drain_checks import check_drain
 from helpers import (
     FAULT_PROMPTS,
     FAULT_SEQS,
@@ -25,9 +26,11 @@ from helpers import (
     premise_moved,
     proc_named,
     serve,
+    serve_all,
     stream_completion,
     streams_with_fault,
     wait_rank,
+    wait_until,
 )
 
 pytestmark = [pytest.mark.procs, pytest.mark.slow, pytest.mark.alone]
@@ -71,6 +74,13 @@ async def streams(url: str, model: str) -> list[str]:
             for i, p in enumerate(PROMPTS)))
 
 
+def workers_view(url: str) -> dict[int, list[tuple]]:
+    """/engines' TP workers of each rank: (tp_rank, pid, device, has memory)."""
+    rows = httpx.get(url + "/engines", timeout=5).json()["engines"]
+    return {e["rank"]: [(w["tp_rank"], w["pid"], w["device"], w["rss_bytes"] > 0)
+                        for w in e["tp_workers"]] for e in rows}
+
+
 def group_of(server_pid: int, rank: int) -> tuple:
     """(engine core, its TP worker 1) of `rank`; the worker is the core's child."""
     kids = descendants(server_pid)
@@ -85,6 +95,10 @@ def test_dp2_tp2_serves_both_ranks_and_a_killed_worker_takes_its_rank_down(tiny_
     with serve(model, *TP_ARGS, timeout=240) as (proc, url):
         core0, _ = group_of(proc.pid, 0)
         core1, worker1 = group_of(proc.pid, 1)
+        expected_view = {r: [(0, c.pid, "cpu", True), (1, w.pid, "cpu", True)]
+                         for r, (c, w) in enumerate((group_of(proc.pid, 0), (core1, worker1)))}
+        wait_until(lambda: workers_view(url) == expected_view, 30, "/engines shows the workers")
+        assert httpx.get(url + "/engines", timeout=5).json()["tensor_parallel_size"] == 2
         before = finished_by_engine(url)
         for rank in (0, 1):
             assert pinned(url, model, rank) == expected_pinned, f"rank {rank}"
@@ -110,3 +124,27 @@ def test_dp2_tp2_serves_both_ranks_and_a_killed_worker_takes_its_rank_down(tiny_
         everything = descendants(proc.pid)
     assert proc.returncode == 0, output(proc)[-3000:]
     assert all_gone(everything, 30), [p.name() for p in everything if p.is_running()]
+
+
+def test_tp2_scales_up_by_a_group_and_a_group_sigterm_drains_every_stream(tiny_llama):
+    """DP=1 x TP=2: /engines asks the engine for its workers; scaling to DP=2 starts
+    the new rank's group (engine core + worker), which serves; a SIGTERM to the
+    whole process group (as Ctrl-C gives) reaches the TP workers too, which leave
+    it to their engine cores: every stream finishes whole, exit 0, no process left."""
+    model = str(tiny_llama)
+    with serve_all([model, "--tensor-parallel-size", "2", "--threads-per-engine", "2",
+                    "--data-parallel-size-max", "2", "--enable-admin-api",
+                    "--allow-unauthenticated-admin"], new_session=True) as [server]:
+        proc, url = server
+        core, worker = group_of(proc.pid, 0)
+        assert workers_view(url) == {0: [(0, core.pid, "cpu", True),
+                                         (1, worker.pid, "cpu", True)]}
+        resp = httpx.post(url + "/scale_elastic_ep", json={"new_data_parallel_size": 2},
+                          timeout=300)
+        assert resp.status_code == 200, resp.text
+        new_core, new_worker = group_of(proc.pid, 1)
+        wait_until(lambda: workers_view(url).get(1) == [(0, new_core.pid, "cpu", True),
+                                                        (1, new_worker.pid, "cpu", True)],
+                   30, "the new rank's workers in /engines")
+        assert pinned(url, model, 1) == pinned(url, model, 0)
+        check_drain(server, model, group_signal=signal.SIGTERM)

@@ -18,7 +18,13 @@ from dpserve.engine.request import Request, RequestStatus
 from dpserve.engine.scheduler import Scheduler
 from dpserve.errors import ExpertParallelError
 from dpserve.prompt import check_prompt
-from dpserve.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, SchedulerStats
+from dpserve.protocol import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+    TPWorkerInfo,
+)
 from dpserve.step import ModelRunnerOutput
 from dpserve.structured.manager import StructuredOutputManager
 
@@ -31,7 +37,7 @@ _EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 # reset. Not the request path, sleep / wake-up (only through the engine's control, which
 # aborts first) or DP steps.
 UTILITY_METHODS = frozenset({"get_stats", "get_request_counts", "reset_prefix_cache",
-                             "expert_info", "request_state_sizes"})
+                             "expert_info", "request_state_sizes", "tp_worker_info"})
 
 
 class EngineCore:
@@ -216,6 +222,11 @@ class EngineCore:
         except ExpertParallelError as e:  # nothing to drop: the dummy computes nothing
             logger.warning("expert-parallel dummy batch failed (%s)", str(e).splitlines()[0])
             self.ep_failure = str(e)
+
+    def tp_worker_info(self) -> list[TPWorkerInfo]:
+        """Utility: this rank's tensor-parallel workers (worker 0 is this process):
+        pid, device, resident memory."""
+        return self.executor.worker_info()
 
     def expert_info(self) -> dict[str, Any] | None:
         """Utility: the routed experts this engine holds (range, parameter bytes, and

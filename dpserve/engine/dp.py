@@ -58,7 +58,13 @@ import msgspec
 import zmq
 
 from dpserve.engine.scheduler import TTFT_WINDOW_S
-from dpserve.protocol import COORDINATOR_READY, EngineReport, RegroupDP, StartDPWave
+from dpserve.protocol import (
+    COORDINATOR_READY,
+    EngineReport,
+    RegroupDP,
+    StartDPWave,
+    TPWorkerInfo,
+)
 from dpserve.security import secure
 
 logger = logging.getLogger(__name__)
@@ -143,16 +149,18 @@ class DPLink:
                 return
             logger.debug("engine %d: ignoring coordinator message before READY", self.rank)
 
-    def start_heartbeats(self) -> None:
-        """Beat every `HEARTBEAT_S` from a thread with its own socket: `(step, has_work)`.
+    def start_heartbeats(self, tp_workers: Callable[[], list[TPWorkerInfo]] | None = None
+                         ) -> None:
+        """Beat every `HEARTBEAT_S` from a thread with its own socket: `(step, has_work)`,
+        and what /engines shows (`tp_workers()`: the rank's TP workers, their memory).
 
         The coordinator tells a frozen process (no beats) from a hung step
         (beats, work, but the step count stands still).
         """
-        threading.Thread(target=self._beat, name=f"EngineCore_{self.rank}_heartbeat",
-                         daemon=True).start()
+        threading.Thread(target=self._beat, args=(tp_workers,),
+                         name=f"EngineCore_{self.rank}_heartbeat", daemon=True).start()
 
-    def _beat(self) -> None:
+    def _beat(self, tp_workers: Callable[[], list[TPWorkerInfo]] | None) -> None:
         ctx = zmq.Context()  # its own: sockets never cross threads
         sock = secure(ctx.socket(zmq.PUSH), "client", self._secret)
         sock.setsockopt(zmq.LINGER, 0)
@@ -169,7 +177,7 @@ class DPLink:
                                     ttft_s=self.ttft_s if time.monotonic() - self.ttft_at
                                     < TTFT_WINDOW_S else 0.0,
                                     generated_tokens=self.generated_tokens, pid=pid,
-                                    host=host)
+                                    host=host, tp_workers=_workers(tp_workers))
                 try:
                     sock.send(encoder.encode(beat), flags=zmq.NOBLOCK)
                 except zmq.Again:
@@ -397,3 +405,14 @@ class DPLink:
             self._store.close()
             self._store = None
         self._ctx.destroy(linger=0)
+
+
+def _workers(source: Callable[[], list[TPWorkerInfo]] | None) -> list[TPWorkerInfo]:
+    """The TP workers for a heartbeat; none when unknown or unreadable (a worker just
+    died: the engine's monitor reports that, not the heartbeat)."""
+    if source is None:
+        return []
+    try:
+        return source()
+    except Exception:  # noqa: BLE001 - a heartbeat never fails for a view
+        return []

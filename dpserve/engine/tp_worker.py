@@ -28,6 +28,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import signal
 import sys
 from typing import Any
 
@@ -152,6 +153,11 @@ def run_tp_worker(config: EngineConfig, dp_rank: int, tp_rank: int, store_path: 
     from dpserve.parent_watch import start_parent_watcher
 
     name_process(f"TPWorker_{dp_rank}_{tp_rank}")
+    # A signal to the whole process group (Ctrl-C in a terminal, a group SIGTERM)
+    # is the engine core's to act on: it drains, then stops its workers. A worker
+    # that left on its own would take the rank down with every stream in it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     start_parent_watcher(handle.writer_pid, f"tensor-parallel worker {dp_rank}.{tp_rank}")
     try:
         reader = BroadcastReader(handle, tp_rank - 1)

@@ -6,16 +6,21 @@ static files are open: they hold no data), and `engine_rows(...)`, the per-rank
 rows that both /engines and the admin routes (`dpserve.server.admin`) answer
 with:
 
-    {"data_parallel_size": N, "admin": bool, "engines": [{"rank", "state",
-     "cordoned", "waiting", "running", "kv_cache_usage", "tokens_per_s", "wave",
-     "restarts", "incarnation", "host", "pid", "ttft_s"}, ...]}
+    {"data_parallel_size": N, "tensor_parallel_size": T, "admin": bool,
+     "engines": [{"rank", "state", "cordoned", "waiting", "running",
+     "kv_cache_usage", "tokens_per_s", "wave", "restarts", "incarnation", "host",
+     "pid", "ttft_s", "tp_workers": [{"tp_rank", "pid", "device", "rss_bytes"},
+     ...]}, ...]}
 
 Where the figures come from: with a DP coordinator (N > 1) everything is
 what the coordinator last published to every API server (counts from the
 engines' load reports; state; `EngineInfo`: cordon, KV usage, tokens/s over
-the last ~8 s, wave, pid, host from heartbeats), so every API server answers
-alike. Without one (N = 1) the engine is asked for its `SchedulerStats`
-(`get_stats`) and tokens/s is taken between this API server's polls.
+the last ~8 s, wave, pid, host and the rank's tensor-parallel workers from
+heartbeats), so every API server answers alike. Without one (N = 1) the engine
+is asked for its `SchedulerStats` (`get_stats`) and its workers
+(`tp_worker_info`), and tokens/s is taken between this API server's polls.
+`tp_workers` lists worker 0 (the engine core's process) first; empty while a
+rank cannot say (dead, restarting).
 `restarts` is the rank's processes after its first (= `incarnation`).
 
 The dashboard is one HTML page with its script and style sheet, shipped in
@@ -40,7 +45,7 @@ from fastapi.responses import Response
 
 from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.cluster import ClusterView
-from dpserve.protocol import SchedulerStats
+from dpserve.protocol import SchedulerStats, TPWorkerInfo
 from dpserve.rank_info import TokenRate
 from dpserve.server.protocol import APIError
 
@@ -66,8 +71,9 @@ def engines_router(async_llm: AsyncLLM, admin: bool) -> APIRouter:
     @router.get("/engines")
     async def engines() -> dict[str, Any]:
         rows = await engine_rows(async_llm, rates)
-        return {"data_parallel_size": async_llm.cluster.data_parallel_size, "admin": admin,
-                "engines": rows}
+        return {"data_parallel_size": async_llm.cluster.data_parallel_size,
+                "tensor_parallel_size": async_llm.config.parallel.tensor_parallel_size,
+                "admin": admin, "engines": rows}
 
     @router.get("/dashboard")
     async def dashboard() -> Response:
@@ -95,7 +101,7 @@ async def engine_rows(async_llm: AsyncLLM, rates: dict[int, TokenRate] | None = 
         return await _local_rows(cluster, rates if rates is not None else {})
     return [_row(r.rank, r.state.value, r.incarnation, r.waiting, r.running,
                  r.info.kv_cache_usage, r.info.tokens_per_s, r.info.wave, r.info.cordoned,
-                 r.info.host, r.info.pid, r.info.ttft_s)
+                 r.info.host, r.info.pid, r.info.ttft_s, r.info.tp_workers)
             for r in cluster.ranks()]
 
 
@@ -105,6 +111,7 @@ async def _local_rows(cluster: ClusterView, rates: dict[int, TokenRate]
     rows = []
     for view in cluster.ranks():
         stats = await _stats(cluster, view.rank)
+        workers = await _workers(cluster, view.rank) if stats is not None else []
         rate = rates.setdefault(view.rank, TokenRate())
         if stats is not None:
             rate.add(stats.num_generated_tokens)
@@ -112,7 +119,8 @@ async def _local_rows(cluster: ClusterView, rates: dict[int, TokenRate]
                          stats.num_waiting if stats else 0,
                          stats.num_running if stats else 0,
                          stats.kv_cache_usage if stats else 0.0, rate.rate(),
-                         stats.wave if stats else 0, False, "", None))
+                         stats.wave if stats else 0, False, "",
+                         workers[0].pid if workers else None, 0.0, workers))
     return rows
 
 
@@ -125,10 +133,23 @@ async def _stats(cluster: ClusterView, rank: int) -> SchedulerStats | None:
         return None
 
 
+async def _workers(cluster: ClusterView, rank: int) -> list[TPWorkerInfo]:
+    """The engine's tensor-parallel workers now; none when it cannot answer."""
+    try:
+        return await cluster.call_utility("tp_worker_info", engine=rank,
+                                          timeout=_STATS_TIMEOUT_S,
+                                          result_type=list[TPWorkerInfo])
+    except Exception:  # noqa: BLE001 - as _stats
+        return []
+
+
 def _row(rank: int, state: str, incarnation: int, waiting: int, running: int,
          kv_cache_usage: float, tokens_per_s: float, wave: int, cordoned: bool, host: str,
-         pid: int | None, ttft_s: float = 0.0) -> dict[str, Any]:
+         pid: int | None, ttft_s: float = 0.0,
+         tp_workers: list[TPWorkerInfo] | None = None) -> dict[str, Any]:
     return {"rank": rank, "state": state, "cordoned": cordoned, "waiting": waiting,
             "running": running, "kv_cache_usage": kv_cache_usage,
             "tokens_per_s": tokens_per_s, "wave": wave, "restarts": incarnation,
-            "incarnation": incarnation, "host": host, "pid": pid, "ttft_s": ttft_s}
+            "incarnation": incarnation, "host": host, "pid": pid, "ttft_s": ttft_s,
+            "tp_workers": [{"tp_rank": w.tp_rank, "pid": w.pid, "device": w.device,
+                            "rss_bytes": w.rss_bytes} for w in tp_workers or []]}

@@ -110,7 +110,8 @@ class InprocEngineClient:
                                f"{timeout:.0f} s") from None
         finally:
             self._calls.pop(call_id, None)
-        if result_type is None or isinstance(result, result_type):
+        if result_type is None or (isinstance(result_type, type)
+                                   and isinstance(result, result_type)):
             return result
         return msgspec.convert(result, result_type)
 

@@ -52,6 +52,7 @@ function makeTile(rank) {
     '<dt>restarts</dt><dd data-field="restarts"></dd></dl>' +
     '<div class="bar"><div data-bar="kv"></div></div>' +
     '<div class="where" data-field="where"></div>' +
+    '<div class="where" data-field="workers"></div>' +
     '<div class="buttons" hidden>' +
     '<button type="button" data-action="cordon">Cordon</button>' +
     '<button type="button" data-action="uncordon">Uncordon</button>' +
@@ -96,6 +97,10 @@ function render(data) {
     field(tile, "restarts", e.restarts);
     field(tile, "where", (e.host || "?") + (e.pid ? " pid " + e.pid : "") +
           " · incarnation " + e.incarnation);
+    // Its tensor-parallel workers (worker 0 is the engine core): pid, device, memory.
+    field(tile, "workers", (e.tp_workers || []).map((w) => "TP" + w.tp_rank + " pid " +
+          w.pid + " " + w.device + " " + (w.rss_bytes / 1048576).toFixed(0) + " MiB")
+          .join(" · "));
     tile.querySelector("[data-bar=kv]").style.width =
         Math.min(100, 100 * e.kv_cache_usage).toFixed(1) + "%";
     tile.querySelector(".buttons").hidden = !data.admin;
