@@ -67,12 +67,12 @@ def one_size(model: str | None, size: int, args: argparse.Namespace) -> dict:
         tokens = sum(len(o.outputs[0].token_ids) for o in done)
         rates[name] = tokens / (time.monotonic() - start)
     runner = llm.engine.runner  # worker 0's
-    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    weights = runner.weight_bytes
     kv = sum(t.numel() * t.element_size() for t in runner.kv_caches)
     me = psutil.Process()
     workers = [me] + [p for p in me.children(recursive=True) if "TPWorker" in p.name()]
     rss = [p.memory_info().rss for p in workers]
-    llm.close()
+    llm.shutdown()
     return dict(size=size, load_s=load_s, weights=weights, kv=kv, rss=rss, **rates)
 
 
@@ -106,7 +106,8 @@ def main() -> int:
         child = [sys.executable, __file__, *sys.argv[1:], "--child", str(size)]
         if args.random_llama:
             child = [c for c in child if c != "--random-llama"] + ["--model", args.model]
-        out = subprocess.run(child, capture_output=True, text=True, check=True, timeout=1800)
+        out = subprocess.run(child, stdout=subprocess.PIPE, text=True, check=True,
+                             timeout=1800)  # its stderr (logs, errors) passes through
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(f"TP={size}: {results[-1]}", file=sys.stderr, flush=True)
     base = results[0]

@@ -47,13 +47,21 @@ def _wave(url: str) -> float:
     return float(m.group(1))
 
 
-def test_head_and_headless_host(tiny_llama):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_head_and_headless_host(tiny_llama, tp):
+    """With -tp 2 each host runs its rank's whole TP group: the worker is a child of
+    the engine core on that host."""
     model, rpc = str(tiny_llama), free_port()
+    tp_args = ("--tensor-parallel-size", str(tp))
     headless, log = start_background(model, "--headless", "--data-parallel-size-local", "1",
-                           "--data-parallel-start-rank", "1", *dp_args(2, rpc))
+                           "--data-parallel-start-rank", "1", *dp_args(2, rpc), *tp_args)
     try:
-        with serve(model, "--data-parallel-size-local", "1", *dp_args(2, rpc)) as (head, url):
+        with serve(model, "--data-parallel-size-local", "1", *dp_args(2, rpc),
+                   *tp_args) as (head, url):
             children = descendants(head.pid) + descendants(headless.pid)
+            for host, rank in ((head, 0), (headless, 1)):  # each host's own group
+                workers = [p.name() for p in descendants(host.pid) if "TPWorker" in p.name()]
+                assert workers == [f"dpserve::TPWorker_{rank}_{t}" for t in range(1, tp)]
             asyncio.run(complete_all(url, model, [f"p{i}" for i in range(24)],
                                       max_tokens=4))
             served = finished_by_engine(url)

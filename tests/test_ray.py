@@ -519,3 +519,41 @@ async def _sigterm_while_streaming(proc, url: str, model: str, num: int,
             proc.send_signal(signal.SIGTERM)
         await asyncio.wait_for(asyncio.gather(*tasks), 90)
     return streaming, ended_early
+
+
+def test_tensor_parallel_rank_on_ray_restarts_as_a_group(tiny_llama):
+    """`-tp 2` under Ray: the rank's placement group holds a CPU bundle per worker, the
+    engine actor starts its TP worker (its child, on the actor's node) and serves the
+    TP=1 greedy texts; the worker SIGKILLed takes the rank down, the actor is
+    restarted with a new worker (incarnation 1) that serves the same texts; after
+    SIGTERM no process the server started remains."""
+    from helpers import descendants, output, rank_health, serve, wait_until
+    from tp_checks import group_of, pinned, tp1_greedy, workers_view
+
+    model = str(tiny_llama)
+    expected = tp1_greedy(model)
+    with serve(model, "--tensor-parallel-size", "2", "--data-parallel-backend", "ray",
+               "--threads-per-engine", "2", "--max-model-len", "256", "--dtype", "float32",
+               timeout=180) as (proc, url):
+        started = descendants(proc.pid)
+        core, worker = group_of(proc.pid, 0)
+        wait_until(lambda: workers_view(url) == {0: [(0, core.pid, "cpu", True),
+                                                     (1, worker.pid, "cpu", True)]},
+                   30, "/engines shows the rank's two workers")
+        assert pinned(url, model, 0) == expected
+        worker.send_signal(signal.SIGKILL)
+        wait_until(lambda: rank_health(url, 0).json()["ranks"][0]["incarnation"] == 1
+                   and rank_health(url, 0).json()["ranks"][0]["state"] == "serving", 120,
+                   "rank 0 back as a new group")
+        wait_until(lambda: len(_engine_procs(proc.pid, "TPWorker_0_1")) == 1, 60,
+                   "the new actor's worker")
+        [new_worker] = _engine_procs(proc.pid, "TPWorker_0_1")
+        assert new_worker.pid != worker.pid and not worker.is_running()
+        assert pinned(url, model, 0) == expected
+        assert "TP worker" in output(proc) or "tensor-parallel worker 1" in output(proc)
+        started += [p for p in descendants(proc.pid) if p not in started]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(45) is not None
+        left = _all_gone(started, timeout=15)
+        assert not left, f"left after SIGTERM: {left}\n{output(proc)[-3000:]}"
+

@@ -24,7 +24,6 @@ from helpers import (
     finished_by_engine,
     output,
     premise_moved,
-    proc_named,
     serve,
     serve_all,
     stream_completion,
@@ -32,37 +31,14 @@ from helpers import (
     wait_rank,
     wait_until,
 )
+from tp_checks import group_of, pinned, tp1_greedy, workers_view
 
-pytestmark = [pytest.mark.procs, pytest.mark.slow, pytest.mark.alone]
+pytestmark = [pytest.mark.procs, pytest.mark.slow]
 
 TP_ARGS = ("--data-parallel-size", "2", "--tensor-parallel-size", "2", "--dtype", "float32",
            "--threads-per-engine", "2", "--max-model-len", "256", *FAULT_SEQS)
-PINNED = ["The quick brown fox", "Hello world, how", "def add(x, y):"]
-PINNED_TOKENS = 24
 PROMPTS = FAULT_PROMPTS[:16]
 KILL_TOKENS = 200
-
-
-def tp1_greedy(model: str) -> list[str]:
-    """The pinned prompts' greedy texts from one whole-model engine (float32)."""
-    from dpserve import LLM, SamplingParams
-
-    llm = LLM(model, dtype="float32", threads_per_engine=1, max_model_len=256)
-    params = SamplingParams(temperature=0, max_tokens=PINNED_TOKENS, ignore_eos=True)
-    return [o.outputs[0].text for o in llm.generate(PINNED, params, use_tqdm=False)]
-
-
-def pinned(url: str, model: str, rank: int) -> list[str]:
-    """The pinned prompts on `rank` (X-data-parallel-rank), greedy."""
-    texts = []
-    for prompt in PINNED:
-        resp = httpx.post(url + "/v1/completions", timeout=120,
-                          headers={"X-data-parallel-rank": str(rank)},
-                          json={"model": model, "prompt": prompt, "temperature": 0,
-                                "max_tokens": PINNED_TOKENS, "ignore_eos": True})
-        assert resp.status_code == 200, resp.text
-        texts.append(resp.json()["choices"][0]["text"])
-    return texts
 
 
 async def streams(url: str, model: str) -> list[str]:
@@ -72,21 +48,6 @@ async def streams(url: str, model: str) -> list[str]:
         return await asyncio.gather(*(
             stream_completion(client, url, model, p, chunks, i, max_tokens=KILL_TOKENS)
             for i, p in enumerate(PROMPTS)))
-
-
-def workers_view(url: str) -> dict[int, list[tuple]]:
-    """/engines' TP workers of each rank: (tp_rank, pid, device, has memory)."""
-    rows = httpx.get(url + "/engines", timeout=5).json()["engines"]
-    return {e["rank"]: [(w["tp_rank"], w["pid"], w["device"], w["rss_bytes"] > 0)
-                        for w in e["tp_workers"]] for e in rows}
-
-
-def group_of(server_pid: int, rank: int) -> tuple:
-    """(engine core, its TP worker 1) of `rank`; the worker is the core's child."""
-    kids = descendants(server_pid)
-    core, worker = proc_named(kids, f"EngineCore_{rank}"), proc_named(kids, f"TPWorker_{rank}_1")
-    assert worker.ppid() == core.pid, "a TP worker is started by its rank's engine core"
-    return core, worker
 
 
 def test_dp2_tp2_serves_both_ranks_and_a_killed_worker_takes_its_rank_down(tiny_llama):
@@ -126,6 +87,7 @@ def test_dp2_tp2_serves_both_ranks_and_a_killed_worker_takes_its_rank_down(tiny_
     assert all_gone(everything, 30), [p.name() for p in everything if p.is_running()]
 
 
+@pytest.mark.alone  # the drain's 503 checks race its long stream (as test_drain's)
 def test_tp2_scales_up_by_a_group_and_a_group_sigterm_drains_every_stream(tiny_llama):
     """DP=1 x TP=2: /engines asks the engine for its workers; scaling to DP=2 starts
     the new rank's group (engine core + worker), which serves; a SIGTERM to the

@@ -97,6 +97,8 @@ class ModelRunner:
         model = get_model_class(self.config.model.architecture)(
             self.config.model.hf_config, self.dtype, self.device, **extra)
         model.load_weights(iter_weights(Path(self.config.model.path)))
+        # This worker's share of the checkpoint, as loaded (before any packing).
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         logger.info("model %s loaded: %s on %s%s", self.config.model.architecture,
                     str(self.dtype).removeprefix("torch."), self.device,
                     f", tensor-parallel worker {self.tp.rank} of {self.tp.size}"
