@@ -110,3 +110,23 @@ def test_tp2_scales_up_by_a_group_and_a_group_sigterm_drains_every_stream(tiny_l
                    30, "the new rank's workers in /engines")
         assert pinned(url, model, 1) == pinned(url, model, 0)
         check_drain(server, model, group_signal=signal.SIGTERM)
+
+
+def test_dp2_tp2_expert_parallel_in_lockstep_equals_one_engine(tmp_path):
+    """`-dp 2 -tp 2 --enable-expert-parallel` on a tiny Mixtral: 8 experts over 4
+    workers (2 each, whole experts), the ranks in lockstep waves (dummy batches on
+    the idle one): pinned texts on both ranks equal one whole-model engine's."""
+    from dpserve.testing.tiny_model import make_tiny_model
+
+    model = str(make_tiny_model(tmp_path / "mixtral", "mixtral"))
+    expected = tp1_greedy(model)
+    with serve(model, "--data-parallel-size", "2", "--tensor-parallel-size", "2",
+               "--enable-expert-parallel", "--dtype", "float32", "--threads-per-engine", "2",
+               "--max-model-len", "256", timeout=240) as (proc, url):
+        for rank in (1, 0):  # rank 0 last: rank 1's tokens came with rank 0 idle
+            assert pinned(url, model, rank) == expected, f"rank {rank}"
+        engines = httpx.get(url + "/debug/dp_state", timeout=10).json()["engines"]
+        assert all(engines[r]["dp"]["lockstep"] for r in "01")
+        assert engines["0"]["dp"]["dummy_batches"] > 0  # it stepped with rank 1's waves
+        assert [engines[r]["experts"]["experts"] for r in "01"] == [[0, 2], [4, 6]]
+        assert "hit a fatal error" not in output(proc)
