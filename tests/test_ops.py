@@ -27,7 +27,8 @@ pytestmark = [pytest.mark.procs, pytest.mark.slow]
 
 DP_ARGS = ("--data-parallel-size", "2", "--threads-per-engine", "1", "--max-model-len", "256")
 ROW_KEYS = {"rank", "state", "cordoned", "waiting", "running", "kv_cache_usage",
-            "tokens_per_s", "wave", "restarts", "incarnation", "host", "pid", "ttft_s"}
+            "tokens_per_s", "wave", "restarts", "incarnation", "host", "pid", "ttft_s",
+            "tp_workers"}
 
 
 def engines(url: str, headers: dict | None = None) -> dict:
@@ -123,6 +124,9 @@ def test_admin_routes_404_without_the_flag(plain_and_keyed):
         assert [e["rank"] for e in view["engines"]] == [0, 1]
         assert all(set(e) == ROW_KEYS and e["state"] == "serving" for e in view["engines"])
         assert all(e["pid"] == proc_named(descendants(proc.pid), f"EngineCore_{e['rank']}").pid
+                   for e in view["engines"])
+        # TP=1: each rank's one worker is its engine core (the same heartbeat says so).
+        assert all([(w["tp_rank"], w["pid"]) for w in e["tp_workers"]] == [(0, e["pid"])]
                    for e in view["engines"])
 
 
