@@ -44,6 +44,7 @@ _MODULES = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2),
             "o_proj": ("o", 0), "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1),
             "down_proj": ("down", 0)}
 LINEARS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}  # linear -> sub-linears merged in it
+_MLP = re.compile(r"^(model\.layers\.\d+\.mlp)\.")
 _NAME = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])\.weight$")
 
 
@@ -86,8 +87,7 @@ def lora_layout(model: Any) -> dict[str, Place | str]:
                                                  (attn.first_head * hd, q_rows), None, 0)
         mlp = layer.mlp
         if not hasattr(mlp, "lora"):  # not a SwiGLU MLP (llama.LlamaMLP) but MoE
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                layout[pre + "mlp." + name] = "a mixture-of-experts block"
+            layout[pre + "mlp"] = "a mixture-of-experts block"  # whatever is inside it
             continue
         inter = mlp.inter
         for name, sub in (("gate_proj", 0), ("up_proj", 1)):
@@ -118,6 +118,11 @@ def load_adapter(path: str, layout: dict[str, Place | str], max_rank: int,
     from safetensors import safe_open
 
     config = read_adapter_config(path, max_rank)
+    if isinstance(config.target_modules, tuple):  # names PEFT matches as suffixes
+        for target in config.target_modules:
+            if target.rsplit(".", 1)[-1] not in _MODULES:
+                raise ValueError(f"{path}: target module {target!r} is not in the model "
+                                 f"(LoRA serves {', '.join(_MODULES)} of its decoder layers)")
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     try:
         with safe_open(str(Path(path) / WEIGHTS_FILE), framework="pt") as f:
@@ -134,6 +139,8 @@ def load_adapter(path: str, layout: dict[str, Place | str], max_rank: int,
     adapter = Adapter(rank=config.rank)
     for module in sorted(pairs):
         place = layout.get(module)
+        if place is None and (block := _MLP.match(module)):
+            place = layout.get(block.group(1))  # inside an MoE block: why not
         if place is None:
             raise ValueError(f"{path}: target module {module!r} is not in the model (LoRA "
                              f"serves {', '.join(_MODULES)} of its decoder layers)")
