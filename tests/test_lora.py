@@ -198,6 +198,14 @@ def test_bad_adapters_are_refused_in_one_line(models, tmp_path):
     with pytest.raises(ValueError) as e:
         core.add_lora("wrong", str(wrong))
     assert "do not match the base model" in _one_line(e)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    config = json.loads((a / "adapter_config.json").read_text())
+    (broken / "adapter_config.json").write_text(json.dumps({**config, "r": 2}))
+    (broken / "adapter_model.safetensors").write_bytes(b"\x10\x00not safetensors")
+    with pytest.raises(ValueError) as e:
+        core.add_lora("broken", str(broken))
+    assert "adapter_model.safetensors cannot be read" in _one_line(e)
     # Nothing of the failed adds stays, on the engine or its runner.
     assert core.list_loras() == [] and core.runner.lora_adapters == {}
     with pytest.raises(ValueError) as e:

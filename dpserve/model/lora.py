@@ -132,8 +132,11 @@ def load_adapter(path: str, layout: dict[str, Place | str], max_rank: int,
                     raise ValueError(f"{path}: tensor {key!r} is not a LoRA A or B weight "
                                      f"this model can serve")
                 pairs.setdefault(m.group(1), {})[m.group(2)] = f.get_tensor(key)
-    except (OSError, RuntimeError) as e:  # safetensors' errors on a bad file
-        raise ValueError(f"{path}/{WEIGHTS_FILE} cannot be read: {e}") from None
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type, OSError, ...
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{path}/{WEIGHTS_FILE} cannot be read: {first}") from None
     if not pairs:
         raise ValueError(f"{path}: the adapter holds no LoRA weights")
     adapter = Adapter(rank=config.rank)
