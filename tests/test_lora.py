@@ -300,3 +300,52 @@ def test_tensor_parallel_equals_peft(models):
     assert tokens(llm.generate([ids(PROMPT)], GREEDY, use_tqdm=False,
                                lora_request=reqs[0])) == [tokens(out)[0]]
     llm.shutdown()
+
+
+def test_cli_flags_and_sleep_wake(models):
+    import argparse
+
+    from dpserve.config import EngineArgs
+
+    base, a, b = models["llama"]
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    ns = parser.parse_args(["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+                            "--max-cpu-loras", "3", "--lora-modules", f"a={a}", f"b={b}"])
+    args = EngineArgs.from_cli(ns)
+    assert (args.enable_lora, args.max_loras, args.max_lora_rank, args.max_cpu_loras,
+            args.lora_modules) == (True, 2, 8, 3, [f"a={a}", f"b={b}"])
+    # --lora-modules loaded at start; a CPU sleep at level 2 reloads the model (and
+    # empties the slots): the adapters still give their tokens after waking.
+    llm = LLM(str(base), max_loras=2, lora_modules=[f"a={a}", f"b={b}"], **ENGINE)
+    assert [e["name"] for e in llm.engine.list_loras()] == ["a", "b"]
+    refs = [peft_greedy(base, p, PROMPT, MAX_TOKENS) for p in (a, b)]
+    reqs = [LoRARequest("a", 1, str(a)), LoRARequest("b", 2, str(b))]
+    assert tokens(llm.generate([ids(PROMPT)] * 2, GREEDY, use_tqdm=False,
+                               lora_request=reqs)) == refs
+    llm.engine.sleep(2)
+    llm.engine.wake_up()
+    assert not any(e["resident"] for e in llm.engine.list_loras())
+    assert tokens(llm.generate([ids(PROMPT)] * 2, GREEDY, use_tqdm=False,
+                               lora_request=reqs)) == refs
+    llm.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.procs
+def test_engine_processes_load_and_serve_adapters(models):
+    """DP=2: the adapter travels as the request's lora_name and add_lora as a utility
+    call to each engine process; a bad one is refused with the engine's line."""
+    base, a, b = models["llama"]
+    with LLM(str(base), data_parallel_size=2, max_loras=2, **ENGINE) as llm:
+        reqs = [LoRARequest("a", 1, str(a)), None, LoRARequest("b", 2, str(b))] * 2
+        out = llm.generate([ids(PROMPT)] * 6, GREEDY, use_tqdm=False, lora_request=reqs,
+                           data_parallel_rank=[0, 0, 0, 1, 1, 1])
+        refs = [peft_greedy(base, p, PROMPT, MAX_TOKENS) for p in (a, None, b)]
+        assert tokens(out) == refs * 2
+        for rank in (0, 1):
+            listing = llm.engine.call_utility("list_loras", rank=rank)
+            assert [e["name"] for e in listing] == ["a", "b"]
+        with pytest.raises(Exception, match="is not a LoRA adapter directory"):
+            llm.generate([ids(PROMPT)], GREEDY, use_tqdm=False,
+                         lora_request=LoRARequest("x", 3, str(base)))
