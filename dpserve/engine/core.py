@@ -319,7 +319,8 @@ class EngineCore:
         return True
 
     def list_loras(self) -> list[dict[str, Any]]:
-        """Utility: every adapter: name, lora_int_id, path, resident (in a device
+        """Utility: every adapter: name, lora_int_id (this engine's), path, cache_key
+        (the prefix-cache root's key: name + weights sha256), resident (in a device
         slot), on_host, pinned, requests in flight, removing."""
         return self.lora.listing() if self.lora is not None else []
 

@@ -148,6 +148,7 @@ class LoRAManager:
 
     def listing(self) -> list[dict]:
         return [{"name": e.name, "lora_int_id": e.lora_id, "path": e.path,
+                 "cache_key": e.cache_key,
                  "resident": e.slot is not None, "on_host": e.lora_id in self.host,
                  "pinned": e.pinned, "requests": len(e.requests), "removing": e.removing}
                 for e in sorted(self.by_id.values(), key=lambda e: e.lora_id)]
