@@ -35,6 +35,7 @@ from dpserve.engine_config import (
 )
 from dpserve.errors import ConfigError
 from dpserve.generation_config import load_generation_defaults
+from dpserve.model.lora_config import check_lora_options, lora_config
 from dpserve.placement import (
     DP_BACKENDS,
     PACK_STRATEGIES,
@@ -125,6 +126,18 @@ class EngineArgs:
                                               "(default 512 on CPU, 2048 on GPU or with "
                                               "lockstep engines; at least max_num_seqs).")
     max_num_seqs: int = _opt(256, "Most requests running at once.")
+    enable_lora: bool = _opt(False, "Serve LoRA adapters: loaded at start (--lora-modules) "
+                             "or at run time; a request names one (rows of one step may "
+                             "use different adapters).")
+    max_loras: int = _opt(4, "LoRA: adapters resident on the device at once (the most one "
+                          "step can use).")
+    max_lora_rank: int = _opt(16, "LoRA: the highest adapter rank served (the device slots "
+                              "are sized for it).")
+    max_cpu_loras: int | None = _opt(None, "LoRA: adapters kept in host memory, at least "
+                                     "max_loras (default: max_loras).")
+    lora_modules: list[str] | None = _opt(None, "LoRA adapters loaded at start, as name=path "
+                                          "(several: --lora-modules a=/path/a b=/path/b); "
+                                          "needs --enable-lora.", nargs="+")
     data_parallel_size: int = _opt(1, "Number of engine replicas.", aliases=("-dp",))
     tensor_parallel_size: int = _opt(1, "Workers that share each DP rank's model (tensor "
                                      "parallel): heads, MLP and vocabulary are split "
@@ -278,8 +291,9 @@ class EngineArgs:
                 continue
             kind = {"int": int, "float": float, "int | None": int,
                     "float | None": float}.get(str(f.type), str)
+            nargs = {"nargs": f.metadata["nargs"]} if "nargs" in f.metadata else {}
             target.add_argument(*flags, type=kind, default=f.default, help=help_text,
-                                choices=f.metadata.get("choices"))
+                                choices=f.metadata.get("choices"), **nargs)
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -318,7 +332,8 @@ class EngineArgs:
             structured_outputs_compile_timeout=float(self.structured_outputs_compile_timeout))
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             parallel=parallel, device=device,
-                            shutdown_timeout=float(self.shutdown_timeout), limits=limits)
+                            shutdown_timeout=float(self.shutdown_timeout), limits=limits,
+                            lora=lora_config(self))
 
     def _model_config(self, device: str) -> ModelConfig:
         """Resolve the model (directory, GGUF file, default, hub) and check it."""
@@ -461,6 +476,7 @@ class EngineArgs:
         need(self.max_logit_bias >= 0, "max_logit_bias", "must be at least 0")
         need(0 < self.structured_outputs_compile_timeout < float("inf"),
              "structured_outputs_compile_timeout", "must be a positive number of seconds")
+        check_lora_options(self)
         check_placement(self)
         if self.kv_cache_memory is not None:
             parse_memory_size(self.kv_cache_memory, "kv_cache_memory")

@@ -165,6 +165,16 @@ class RequestLimitsConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """--enable-lora and its options (dpserve.engine.lora_manager)."""
+
+    max_loras: int = 4  # adapters resident in device slots at once (one step's most)
+    max_lora_rank: int = 16  # slots are sized for this rank
+    max_cpu_loras: int = 4  # adapters kept in host memory (>= max_loras)
+    modules: tuple[tuple[str, str], ...] = ()  # (name, path) loaded at start
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -174,6 +184,7 @@ class EngineConfig:
     # SIGTERM: requests in flight get this long to finish (server and engines), then abort.
     shutdown_timeout: float = 30.0
     limits: RequestLimitsConfig = RequestLimitsConfig()
+    lora: LoRAConfig | None = None  # None: LoRA adapters off (no --enable-lora)
 
 
 def replace(config: Any, **changes: Any) -> Any:

@@ -71,6 +71,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # Prefix-cache salt: folded into the hash of the first block (kv_cache.root_hash),
     # so requests share cached blocks only with equal salts (None: unsalted).
     cache_salt: str | None = None
+    # The LoRA adapter (its name, as registered with the engine's add_lora) this
+    # request runs with; None: the base model. Unknown names fail add_request.
+    lora_name: str | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):

@@ -46,6 +46,8 @@ class ScheduledRequest:
     grammar: Any = None  # structured.manager.RequestGrammar of a constrained output
     needs_prompt_logprobs: bool = False  # every prompt position computed gets logprobs
     token_offset: int = 0  # the position of token_ids[0] (> 0 only in a trimmed copy)
+    lora_id: int = 0  # the engine's id of the request's LoRA adapter (0: none)
+    lora_slot: int = -1  # the device slot holding that adapter this step (-1: none)
 
     def tokens(self, first: int, end: int) -> list[int]:
         """The tokens at positions first .. end - 1 (those known, up to end)."""
@@ -66,6 +68,14 @@ class ScheduledRequest:
 
 
 @dataclass
+class LoRAPlan:
+    """What every worker does to its LoRA state before a step runs (engine.lora_manager)."""
+
+    loads: list[tuple[int, int, str]] = field(default_factory=list)  # (slot, lora id, path)
+    host_drops: list[int] = field(default_factory=list)  # lora ids whose host copy goes
+
+
+@dataclass
 class SchedulerOutput:
     """What one step runs. Decodes (num_new_tokens == 1) come first."""
 
@@ -74,6 +84,7 @@ class SchedulerOutput:
     total_num_tokens: int  # sum of num_new_tokens
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # freed since the last step
+    lora: LoRAPlan | None = None  # adapters to put into slots first (None: nothing to do)
 
     @property
     def is_empty(self) -> bool:

@@ -14,6 +14,7 @@ from typing import Any
 
 from dpserve.config import EngineConfig
 from dpserve.engine.executor import make_executor
+from dpserve.engine.lora_manager import LoRAManager, adapter_cache_key
 from dpserve.engine.request import Request, RequestStatus
 from dpserve.engine.scheduler import Scheduler
 from dpserve.errors import ExpertParallelError
@@ -37,7 +38,8 @@ _EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 # reset. Not the request path, sleep / wake-up (only through the engine's control, which
 # aborts first) or DP steps.
 UTILITY_METHODS = frozenset({"get_stats", "get_request_counts", "reset_prefix_cache",
-                             "expert_info", "request_state_sizes", "tp_worker_info"})
+                             "expert_info", "request_state_sizes", "tp_worker_info",
+                             "add_lora", "remove_lora", "list_loras", "pin_lora"})
 
 
 class EngineCore:
@@ -56,7 +58,16 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks)
+        # LoRA adapters (--enable-lora): registered, on the host, resident in slots.
+        self.lora = LoRAManager(config.lora) if config.lora is not None else None
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks,
+                                   lora_fits=self.lora.fits if self.lora else None)
+        try:
+            for name, path in config.lora.modules if config.lora else ():
+                self.add_lora(name, path)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.vocab_size = int(config.model.hf_config["vocab_size"])
         # Requests with structured output wait here until their grammar is compiled.
         self.structured = StructuredOutputManager(
@@ -83,11 +94,35 @@ class EngineCore:
             extra += 1
         request.sampling_params.check_limits(limits.max_stop_token_ids + extra,
                                              limits.max_logit_bias)
+        lora_id, lora_key = self._request_lora(request)
         req = Request(
             request.request_id, ids, request.sampling_params,
             eos_token_id=request.eos_token_id, arrival_time=request.arrival_time or None,
-            prior_output_token_ids=prior, cache_salt=request.cache_salt)
-        if request.sampling_params.structured_outputs is None:
+            prior_output_token_ids=prior, cache_salt=request.cache_salt,
+            lora_id=lora_id, lora_cache_key=lora_key)
+        try:
+            self._queue(req)
+        except BaseException:
+            if lora_id:  # the adapter this call acquired
+                self._release_lora([req.request_id])
+            raise
+
+    def _request_lora(self, request: EngineCoreRequest) -> tuple[int, str | None]:
+        """(adapter id, prefix-cache key) of the adapter a request names: (0, None) for
+        none; ValueError for an adapter this engine does not hold."""
+        name = request.lora_name
+        if name is None:
+            return 0, None
+        if self.lora is None:
+            raise ValueError(f"request {request.request_id!r} names LoRA adapter {name!r}, "
+                             f"but LoRA is not enabled (--enable-lora)")
+        if request.request_id in self.lora.request_lora:
+            raise ValueError(f"request {request.request_id!r} is already in the engine")
+        entry = self.lora.acquire(name, request.request_id)
+        return entry.lora_id, entry.cache_key
+
+    def _queue(self, req: Request) -> None:
+        if req.sampling_params.structured_outputs is None:
             self.scheduler.add_request(req)
             return
         if req.request_id in self.scheduler.requests or req.request_id in \
@@ -106,6 +141,7 @@ class EngineCore:
         outputs = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         outputs += [EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ABORT)
                     for r in self.structured.abort(request_ids)]
+        self._release_lora([o.request_id for o in outputs])
         self._forget_if_idle()
         return outputs
 
@@ -128,8 +164,11 @@ class EngineCore:
         failed = self._admit_structured()
         if not self.scheduler.has_unfinished_requests():
             return failed
-        # 1. Schedule: which requests compute how many tokens this step.
+        # 1. Schedule: which requests compute how many tokens this step (and, with
+        #    LoRA, which slot holds each one's adapter).
         scheduler_output = self.scheduler.schedule()
+        if self.lora is not None:
+            self.lora.plan(scheduler_output)
         # 2. Execute: one forward pass over all of them, then sample.
         runner_output = _EMPTY_OUTPUT
         if not scheduler_output.is_empty:
@@ -142,6 +181,8 @@ class EngineCore:
             self.num_forward_passes += 1
         # 3. Update: append tokens, check stops, free finished requests.
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.lora is not None:
+            self._release_lora([o.request_id for o in failed + outputs if o.finished])
         self._forget_if_idle()
         return failed + outputs
 
@@ -160,9 +201,11 @@ class EngineCore:
                 logger.error("%s", e)
                 failed.append((request, str(e)))
         # The reason travels to the client (`error`: its front-end fails the request).
-        return [EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ABORT,
-                                 error=f"request {r.request_id}: {e}")
-                for r, e in failed]  # (logged by the manager)
+        outputs = [EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ABORT,
+                                    error=f"request {r.request_id}: {e}")
+                   for r, e in failed]  # (logged by the manager)
+        self._release_lora([o.request_id for o in outputs])
+        return outputs
 
     def _drop_failed_step(self, reason: str) -> None:
         """An expert-parallel collective failed mid-forward (a peer rank died): nothing
@@ -193,7 +236,8 @@ class EngineCore:
         """Entries in every per-request structure of the scheduler, KV manager and model
         runner (leak checks: all 0, with every KV block free, once idle)."""
         return {**self.scheduler.state_sizes(), "generators": len(self.runner.generators),
-                "grammar_pending": len(self.structured.pending)}
+                "grammar_pending": len(self.structured.pending),
+                "lora_requests": len(self.lora.request_lora) if self.lora else 0}
 
     def sleep(self, level: int) -> None:
         """Free the KV cache (level 1) and the weights (level 2). Every request must
@@ -204,8 +248,11 @@ class EngineCore:
         self.executor.collective_rpc("set_sleep_level", level)
 
     def wake_up(self) -> None:
-        """Restore what `sleep` freed; the KV cache comes back empty."""
+        """Restore what `sleep` freed; the KV cache (and the LoRA slots) come back empty."""
         self.executor.collective_rpc("set_sleep_level", 0)
+        if self.lora is not None:
+            self.lora.forget_slots()
+            self.executor.collective_rpc("clear_lora_slots")
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (idempotent; nothing to do at TP=1)."""
@@ -236,3 +283,62 @@ class EngineCore:
             return None
         ep = self.runner.expert_parallel
         return {**model.expert_info(), "collectives": ep.collectives if ep else 0}
+
+    # ---- LoRA adapters (utility methods) ------------------------------------
+
+    def add_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Utility: load the PEFT adapter in directory `path` (on this server's
+        filesystem) as `name` on every worker: all of them or none (ValueError, one
+        line: not an adapter, rank over max_lora_rank, a module the model lacks, a
+        shape mismatch, a name in use). Returns its `list_loras` entry."""
+        lora = self._lora_on()
+        lora.check_new(name)
+        lora_id = lora.next_id()
+        errors = self.executor.collective_rpc("load_lora", lora_id, str(path))
+        error = next((e for e in errors if e is not None), None)
+        try:
+            if error is not None:
+                raise ValueError(error)
+            key = adapter_cache_key(name, path)
+        except (OSError, ValueError) as e:
+            self.executor.collective_rpc("drop_lora", lora_id)
+            raise ValueError(str(e).splitlines()[0] if str(e) else repr(e)) from None
+        for dropped in lora.register(name, str(path), key):
+            self.executor.collective_rpc("drop_lora", dropped)
+        logger.info("LoRA adapter %r loaded from %s (id %d)", name, path, lora_id)
+        return next(e for e in lora.listing() if e["name"] == name)
+
+    def remove_lora(self, name: str) -> bool:
+        """Utility: refuse new requests for adapter `name` now; it is dropped (slot and
+        host memory freed) once its requests in flight finish. ValueError if unknown."""
+        dropped = self._lora_on().remove(name)
+        if dropped is not None:
+            self.executor.collective_rpc("drop_lora", dropped)
+        logger.info("LoRA adapter %r removed%s", name,
+                    "" if dropped is not None else " (once its requests finish)")
+        return True
+
+    def list_loras(self) -> list[dict[str, Any]]:
+        """Utility: every adapter: name, lora_int_id (this engine's), path, cache_key
+        (the prefix-cache root's key: name + weights sha256), resident (in a device
+        slot), on_host, pinned, requests in flight, removing."""
+        return self.lora.listing() if self.lora is not None else []
+
+    def pin_lora(self, name: str) -> bool:
+        """Utility: keep adapter `name` in its device slot once loaded (never evicted)."""
+        self._lora_on().pin(name)
+        return True
+
+    def _lora_on(self) -> LoRAManager:
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled on this engine (--enable-lora)")
+        return self.lora
+
+    def _release_lora(self, request_ids: list[str]) -> None:
+        """Requests ended: an adapter being removed goes with its last one."""
+        if self.lora is None:
+            return
+        for request_id in request_ids:
+            dropped = self.lora.release(request_id)
+            if dropped is not None:
+                self.executor.collective_rpc("drop_lora", dropped)

@@ -27,12 +27,17 @@ _ROOT_HASH: BlockHash = hashlib.sha256(b"dpserve prefix cache root").digest()
 _BIG_ENDIAN = sys.byteorder == "big"
 
 
-def root_hash(cache_salt: str | None) -> BlockHash:
+def root_hash(cache_salt: str | None, lora_key: str | None = None) -> BlockHash:
     """The parent digest of a request's first block: the unsalted root, or one derived
-    from its salt (vLLM's cache_salt). Every later block covers its parent, so two
-    requests share cached blocks only when their salts are equal; a salted root is
-    the sha256 of a different prefix than the unsalted one's, so neither can equal
-    the other."""
+    from its salt (vLLM's cache_salt) and its LoRA adapter's key (the adapter's name
+    and weights digest, `lora_manager.adapter_cache_key`). Every later block covers
+    its parent, so two requests share cached blocks only when their salts and
+    adapters are equal; a salted or adapted root is the sha256 of a different prefix
+    than the plain one's, so neither can equal the other."""
+    if lora_key is not None:
+        salt = b"\1" + cache_salt.encode() if cache_salt is not None else b"\0"
+        return hashlib.sha256(b"dpserve prefix cache lora\0" + lora_key.encode() + b"\0"
+                              + salt).digest()
     if cache_salt is None:
         return _ROOT_HASH
     return hashlib.sha256(b"dpserve prefix cache salt\0" + cache_salt.encode()).digest()
@@ -279,7 +284,8 @@ class KVCacheManager:
         bs = self.block_size
         tokens = request.all_token_ids
         for i in range(len(hashes), len(tokens) // bs):
-            parent = hashes[-1] if hashes else root_hash(request.cache_salt)
+            parent = (hashes[-1] if hashes
+                      else root_hash(request.cache_salt, request.lora_cache_key))
             hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs]))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

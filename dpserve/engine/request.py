@@ -57,6 +57,8 @@ class Request:
         arrival_time: float | None = None,
         prior_output_token_ids: list[int] | None = None,
         cache_salt: str | None = None,
+        lora_id: int = 0,
+        lora_cache_key: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -83,6 +85,10 @@ class Request:
         # Hashes of this request's full blocks, filled by the KV-cache manager; the first
         # block's parent is the root of its salt (kv_cache.root_hash; None: unsalted).
         self.cache_salt = cache_salt
+        # The LoRA adapter (engine id, 0: none) and its prefix-cache key, folded into
+        # the root too: two adapters never share cached blocks.
+        self.lora_id = lora_id
+        self.lora_cache_key = lora_cache_key
         self.block_hashes: list[bytes] = []  # sha256 digests (kv_cache.hash_block)
         # structured.manager.RequestGrammar when the output is constrained, else None.
         self.grammar: Any = None
@@ -141,7 +147,7 @@ class Request:
         return ScheduledRequest(
             self.request_id, self.all_token_ids, len(self.prompt_token_ids), start,
             num_new_tokens, block_ids, sample, self.sampling_params, self.eos_token_id,
-            self.grammar, self.prompt_logprobs is not None)
+            self.grammar, self.prompt_logprobs is not None, lora_id=self.lora_id)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

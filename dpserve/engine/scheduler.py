@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from dpserve.config import CacheConfig, SchedulerConfig
 from dpserve.engine.kv_cache import KVCacheManager
@@ -67,7 +67,9 @@ class Scheduler:
       run out, the LAST running request is preempted (blocks freed, status
       PREEMPTED, put at the front of the waiting queue; it later recomputes
       prompt + outputs, possibly from the prefix cache). Waiting requests are
-      admitted FCFS only in steps that preempted nothing, under
+      admitted FCFS only in steps that preempted nothing (with LoRA, a request
+      whose adapter does not fit the slots beside the running requests' waits,
+      keeping its place, and those behind it may go), under
       `max_num_seqs`, with their prefill chunked to the budget left.
       `num_computed_tokens` advances here, at schedule time.
     * `update_from_output(out, runner_out)` appends sampled tokens, checks
@@ -83,8 +85,12 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig,
-                 num_blocks: int) -> None:
+                 num_blocks: int,
+                 lora_fits: Callable[[set[int]], bool] | None = None) -> None:
         self.config = config
+        # LoRA: whether a set of adapters fits the device slots at once (the engine's
+        # LoRAManager.fits); None: no adapters.
+        self.lora_fits = lora_fits
         # Invariant: no request grows past what the whole cache holds, so the
         # first running request can always get its blocks (by preempting the
         # others) and nothing waits forever.
@@ -223,8 +229,18 @@ class Scheduler:
 
     def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> None:
         max_seqs = self.config.max_num_seqs
+        # LoRA: a request whose adapter does not fit the slots beside the running
+        # requests' adapters waits (set aside, its place in the queue kept); the
+        # requests behind it may go.
+        loras = {r.lora_id for r in self.running if r.lora_id}
+        set_aside: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < max_seqs:
             request = self.waiting[0]
+            if (request.lora_id and request.lora_id not in loras
+                    and self.lora_fits is not None
+                    and not self.lora_fits(loras | {request.lora_id})):
+                set_aside.append(self.waiting.popleft())
+                continue
             hit_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
             block_ids = self.kv_cache.allocate_slots(request, num_new, hit_blocks)
@@ -241,6 +257,9 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(self._scheduled(request, num_new, block_ids))
             budget -= num_new
+            if request.lora_id:
+                loras.add(request.lora_id)
+        self.waiting.extendleft(reversed(set_aside))
 
     @staticmethod
     def _scheduled(request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:

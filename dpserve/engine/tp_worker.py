@@ -127,10 +127,10 @@ def device_name(device: Any) -> str:
 def peer_step(so: SchedulerOutput, block_size: int) -> SchedulerOutput:
     """What a peer needs of a step: each request's window of tokens (the step's, plus
     the next known one: a prompt-logprobs target), the blocks the step reaches, and
-    of its SamplingParams only prompt_logprobs; no grammar, no finished ids (peers
-    keep no per-request state)."""
+    of its SamplingParams only prompt_logprobs, its LoRA slot (and the step's LoRA
+    plan); no grammar, no finished ids (peers keep no per-request state)."""
     return SchedulerOutput([_peer_request(s, block_size) for s in so.scheduled],
-                           so.num_decodes, so.total_num_tokens)
+                           so.num_decodes, so.total_num_tokens, lora=so.lora)
 
 
 def _peer_request(s: ScheduledRequest, block_size: int) -> ScheduledRequest:
@@ -140,7 +140,8 @@ def _peer_request(s: ScheduledRequest, block_size: int) -> ScheduledRequest:
         s.req_id, s.tokens(s.start, end + 1), s.num_prompt_tokens, s.start, s.num_new_tokens,
         s.block_ids[:-(-end // block_size)], s.sample,
         _NO_PROMPT_LOGPROBS if k is None else SamplingParams(prompt_logprobs=k), None,
-        needs_prompt_logprobs=s.needs_prompt_logprobs, token_offset=s.start)
+        needs_prompt_logprobs=s.needs_prompt_logprobs, token_offset=s.start,
+        lora_slot=s.lora_slot)
 
 
 def run_tp_worker(config: EngineConfig, dp_rank: int, tp_rank: int, store_path: str,

@@ -47,6 +47,7 @@ from dpserve.frontend.sync_client import SyncEngineClient
 from dpserve.frontend.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
 from dpserve.generation_config import log_generation_defaults
 from dpserve.launch.host import launch_engines
+from dpserve.lora_request import LoRARequest
 from dpserve.outputs import RequestOutput
 from dpserve.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from dpserve.sampling_params import SamplingParams
@@ -91,6 +92,9 @@ class LLM:
         self._processor = OutputProcessor(self.tokenizer, self.eos_token_id, extra_eos_ids)
         log_generation_defaults(self.config.model.generation_defaults)
         self._counter = itertools.count()
+        # LoRA adapters loaded into the engines so far: name -> path (--lora-modules too).
+        self._loras: dict[str, str] = dict(self.config.lora.modules if self.config.lora
+                                           else ())
         self.engine: _Engine | None
         if self.data_parallel_size == 1:
             from dpserve.engine.core import EngineCore
@@ -123,23 +127,27 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
                  data_parallel_rank: int | Sequence[int | None] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  ) -> list[RequestOutput]:
         """Generate completions for `prompts`, returned in the same order.
 
         `data_parallel_rank` pins the engine that runs each prompt: one rank
         for all, or one (or None) per prompt. Unpinned prompts go to the
-        least-loaded engine.
+        least-loaded engine. `lora_request`: the LoRA adapter of every prompt, or
+        one (or None: the base model) per prompt (needs `enable_lora=True`); an
+        adapter is loaded into the engines the first time its name is seen.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
         params = self._params_list(sampling_params, len(prompts))
         ranks = self._ranks_list(data_parallel_rank, len(prompts))
+        loras = self._lora_names(lora_request, len(prompts))
         ids: list[str] = []
         with self._cleanup_on_error(ids):
-            for prompt, p, rank in zip(prompts, params, ranks):
+            for prompt, p, rank, lora in zip(prompts, params, ranks, loras):
                 text, token_ids = self._tokenize(prompt)
-                ids.append(self._add(text, token_ids, p, rank))
+                ids.append(self._add(text, token_ids, p, rank, lora))
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
@@ -231,14 +239,41 @@ class LLM:
             return prompt.get("prompt"), ids
         raise ValueError("a prompt must be a string or a dict with 'prompt_token_ids'")
 
+    def _lora_names(self, requests: Any, n: int) -> list[str | None]:
+        """One adapter name (or None) per prompt; adapters not seen before are loaded
+        into every engine (`EngineCore.add_lora`; ValueError when one refuses)."""
+        if requests is None or isinstance(requests, LoRARequest):
+            requests = [requests] * n
+        requests = list(requests)
+        if len(requests) != n:
+            raise ValueError(f"got {n} prompts but {len(requests)} lora_request values")
+        for r in requests:
+            if r is not None and not isinstance(r, LoRARequest):
+                raise ValueError(f"lora_request must be a LoRARequest, got {r!r}")
+            if r is not None and self._loras.get(r.lora_name) != r.lora_path:
+                self._load_lora(r)
+        return [r.lora_name if r is not None else None for r in requests]
+
+    def _load_lora(self, r: LoRARequest) -> None:
+        if r.lora_name in self._loras:
+            raise ValueError(f"LoRA adapter {r.lora_name!r} is loaded from "
+                             f"{self._loras[r.lora_name]}, not {r.lora_path}")
+        engine = self._live_engine()
+        if isinstance(engine, SyncEngineClient):
+            for rank in range(self.data_parallel_size):
+                engine.call_utility("add_lora", r.lora_name, r.lora_path, rank=rank)
+        else:
+            engine.add_lora(r.lora_name, r.lora_path)  # type: ignore[attr-defined]
+        self._loras[r.lora_name] = r.lora_path
+
     def _add(self, text: str | None, token_ids: list[int], params: SamplingParams,
-             data_parallel_rank: int | None = None) -> str:
+             data_parallel_rank: int | None = None, lora_name: str | None = None) -> str:
         """Register one request with the output processor and send it to the engine."""
         engine = self._live_engine()
         request_id = str(next(self._counter))
         engine_requests = self._processor.add_request(
             request_id, text, token_ids, params, arrival_time=time.monotonic(),
-            data_parallel_rank=data_parallel_rank)
+            data_parallel_rank=data_parallel_rank, lora_name=lora_name)
         try:
             for req in engine_requests:
                 engine.add_request(req)

@@ -75,7 +75,8 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, kind: OutputKind = OutputKind.FINAL_ONLY,
                     arrival_time: float = 0.0, data_parallel_rank: int | None = None,
-                    cache_salt: str | None = None) -> list[EngineCoreRequest]:
+                    cache_salt: str | None = None,
+                    lora_name: str | None = None) -> list[EngineCoreRequest]:
         """Register a request; returns the engine requests to send (n of them),
         pinned to engine `data_parallel_rank` when given."""
         if request_id in self._states:
@@ -99,7 +100,8 @@ class OutputProcessor:
                                            logprobs=[] if params.logprobs is not None else None))
             engine_requests.append(EngineCoreRequest(
                 child_id, prompt_token_ids, child_params, self.eos_token_id, arrival_time,
-                data_parallel_rank=data_parallel_rank, cache_salt=cache_salt))
+                data_parallel_rank=data_parallel_rank, cache_salt=cache_salt,
+                lora_name=lora_name))
         state = _RequestState(request_id, prompt, prompt_token_ids, params, kind, completions)
         self._states[request_id] = state
         for c in completions:

@@ -13,7 +13,7 @@ import logging
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,9 @@ from dpserve.model.layers import (
 )
 from dpserve.model.quant import can_quantize, per_row_activations, quantize_weight
 from dpserve.model.tensor_parallel import TensorParallel
+
+if TYPE_CHECKING:
+    from dpserve.model.lora import LoRAHook
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +116,7 @@ class LlamaAttention(nn.Module):
         self.tp = _one(tp)
         (self.first_head, self.heads), (self.first_kv_head, self.kv_heads) = \
             self.tp.head_ranges(d.heads, d.kv_heads)
-        self.head_dim = d.head_dim
+        self.head_dim, self.hidden = d.head_dim, d.hidden
         qkv_out = (self.heads + 2 * self.kv_heads) * d.head_dim
         self.qkv_weight = _param(qkv_out, d.hidden, dtype=dtype, device=device)
         self.qkv_bias = _param(qkv_out, dtype=dtype, device=device) if d.qkv_bias else None
@@ -124,6 +127,7 @@ class LlamaAttention(nn.Module):
                        if d.o_bias and not self.o_bias_elsewhere else None)
         self.packed = False  # weights in oneDNN layout (see prepack_weights)
         self.plain: dict[str, torch.Tensor] = {}  # unpacked copies for cpu_kernels
+        self.lora: LoRAHook | None = None  # set when LoRA is enabled (model.lora)
 
     PACKABLE = ("qkv_weight", "o_weight")  # what prepack_weights may pack
 
@@ -133,6 +137,8 @@ class LlamaAttention(nn.Module):
         num_tokens = x.shape[0]
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed,
                      self.plain.get("qkv_weight"))  # [T, (H + 2KV) * d]
+        if self.lora is not None:
+            self.lora.add("qkv", x, qkv)
         qk_width = (self.heads + self.kv_heads) * self.head_dim
         if meta.fused_ops:  # RoPE, and k and v written to the cache, in one pass
             qk = cpu_kernels.rotary_kv(qkv, self.heads, self.kv_heads, cos, sin,
@@ -142,8 +148,15 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, :self.heads], qk[:, self.heads:]  # [T, H, d], [T, KV, d]
         v = qkv[:, qk_width:].view(num_tokens, self.kv_heads, self.head_dim)
         attn = paged_attention(q, k, v, kv_cache, meta, kv_written=meta.fused_ops)
-        return self.tp.all_reduce(linear(attn, self.o_weight, self.o_bias, self.packed,
-                                         self.plain.get("o_weight")))
+        return self.output(attn)
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        """O over attn [T, H * d] -> [T, hidden], summed over the TP group (a LoRA
+        delta is a partial sum too: added before the all-reduce)."""
+        out = linear(attn, self.o_weight, self.o_bias, self.packed, self.plain.get("o_weight"))
+        if self.lora is not None:
+            self.lora.add("o", attn, out)
+        return self.tp.all_reduce(out)
 
     def weight_targets(self, d: ModelDims) -> dict[str, Target | None]:
         """HF names (after `self_attn.`) -> where they go: this worker's heads of q, k
@@ -174,6 +187,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.tp, self.reduce = _one(tp), reduce
         self.first, inter = self.tp.split(d.intermediate, "intermediate size")
+        self.inter, self.hidden = inter, d.hidden  # this worker's intermediate slice
         self.gate_up_weight = _param(2 * inter, d.hidden, dtype=dtype, device=device)
         self.gate_up_bias = (_param(2 * inter, dtype=dtype, device=device)
                              if d.mlp_bias else None)
@@ -183,14 +197,20 @@ class LlamaMLP(nn.Module):
                           if d.mlp_bias and not self.down_bias_elsewhere else None)
         self.packed = False  # weights in oneDNN layout (see prepack_weights)
         self.plain: dict[str, torch.Tensor] = {}  # unpacked copies for cpu_kernels
+        self.lora: LoRAHook | None = None  # set when LoRA is enabled (model.lora)
 
     PACKABLE = ("gate_up_weight", "down_weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.packed,
                          self.plain.get("gate_up_weight"))  # [T, 2I]
-        out = linear(silu_and_mul(gate_up), self.down_weight, self.down_bias,
-                     self.packed, self.plain.get("down_weight"))  # [T, hidden]
+        if self.lora is not None:
+            self.lora.add("gate_up", x, gate_up)
+        act = silu_and_mul(gate_up)  # [T, I]
+        out = linear(act, self.down_weight, self.down_bias, self.packed,
+                     self.plain.get("down_weight"))  # [T, hidden]
+        if self.lora is not None:
+            self.lora.add("down", act, out)
         return self.tp.all_reduce(out) if self.reduce else out
 
 

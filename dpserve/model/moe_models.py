@@ -102,6 +102,8 @@ class QKNormAttention(LlamaAttention):
         num_tokens, hd = x.shape[0], self.head_dim
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed,
                      self.plain.get("qkv_weight"))  # [T, (H + 2KV) * d]
+        if self.lora is not None:
+            self.lora.add("qkv", x, qkv)
         q_end, k_end = self.heads * hd, (self.heads + self.kv_heads) * hd
         q, k, v = qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:]
         if self.per_head:
@@ -118,8 +120,7 @@ class QKNormAttention(LlamaAttention):
         k = apply_rotary(k.reshape(num_tokens, self.kv_heads, hd), cos, sin)
         v = v.reshape(num_tokens, self.kv_heads, hd)
         attn = paged_attention(q, k, v, kv_cache, meta)  # [T, H * d]
-        return self.tp.all_reduce(linear(attn, self.o_weight, self.o_bias, self.packed,
-                                         self.plain.get("o_weight")))
+        return self.output(attn)
 
     def _full_norm(self, x: torch.Tensor, norm: RMSNorm, width: int) -> torch.Tensor:
         """RMSNorm of x [T, this worker's slice] over the whole projection's `width`:

@@ -30,11 +30,12 @@ from dpserve.cpu_features import auto_cpu_dtype
 from dpserve.model import cpu_kernels
 from dpserve.model.attention import AttentionMetadata, build_attention_metadata, token_positions
 from dpserve.model.expert_parallel import ExpertParallel
+from dpserve.model.lora import Adapter, LoRASlots, load_adapter, lora_layout
 from dpserve.model.prompt_logprobs import compute_prompt_logprobs
 from dpserve.model.registry import get_model_class
 from dpserve.model.sampler import Sampler, SamplingMetadata, make_generator
 from dpserve.model.tensor_parallel import TensorParallel
-from dpserve.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from dpserve.step import LoRAPlan, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,10 @@ class ModelRunner:
                                                self.tp)
                                 if config.parallel.enable_expert_parallel
                                 and (size > 1 or elastic) else None)
+        # LoRA (--enable-lora): adapters on the host (lora id -> this worker's shard),
+        # and the device slots the step's adapters run from (model.lora).
+        self.lora_adapters: dict[int, Adapter] = {}
+        self.lora_slots: LoRASlots | None = None
         self.model = self._load_model()
         self.sleep_level = 0  # 1: KV cache freed; 2: weights too (see set_sleep_level)
         self.vocab_size = self.model.dims.vocab
@@ -97,6 +102,10 @@ class ModelRunner:
         model = get_model_class(self.config.model.architecture)(
             self.config.model.hf_config, self.dtype, self.device, **extra)
         model.load_weights(iter_weights(Path(self.config.model.path)))
+        lora = self.config.lora
+        if lora is not None:  # empty slots, their hooks on the layers' linears
+            self.lora_slots = LoRASlots(model, lora.max_loras, lora.max_lora_rank,
+                                        self.dtype, self.device)
         # This worker's share of the checkpoint, as loaded (before any packing).
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         logger.info("model %s loaded: %s on %s%s", self.config.model.architecture,
@@ -253,6 +262,8 @@ class ModelRunner:
         self.forget_requests(scheduler_output.finished_req_ids)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        if scheduler_output.lora is not None:
+            self._apply_lora_plan(scheduler_output.lora)
         inputs = self.prepare_inputs(scheduler_output)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_meta,
                             self.kv_caches)  # [T, hidden]
@@ -299,6 +310,10 @@ class ModelRunner:
         meta = build_attention_metadata(query_lens, context_lens, table, so.num_decodes, bs,
                                         self.dtype, self.device, self.kv_elems_per_token)
         positions = token_positions(query_lens, context_lens)
+        if self.lora_slots is not None:  # each token's adapter slot (-1: none)
+            slots = np.fromiter((s.lora_slot for s in sched), np.int64, num_reqs)
+            self.lora_slots.begin_step(np.repeat(slots, query_lens) if (slots >= 0).any()
+                                       else None)
         return StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64).to(self.device),
             positions=torch.from_numpy(positions).to(self.device), attn_meta=meta,
@@ -313,7 +328,48 @@ class ModelRunner:
                                         np.full((1, 1), self.num_blocks, dtype=np.int64), 1,
                                         self.block_size, self.dtype, self.device)
         zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if self.lora_slots is not None:
+            self.lora_slots.begin_step(None)
         self.model(zero, zero, meta, self.kv_caches)
+
+    # ---- LoRA adapters (EngineCore drives them: engine.lora_manager) -------
+
+    def load_lora(self, lora_id: int, path: str) -> str | None:
+        """Read and check adapter `path`, keep this worker's shard on the host as
+        `lora_id`. Returns the error (one line) instead of raising: a peer worker that
+        raised would take the rank down."""
+        assert self.lora_slots is not None and self.config.lora is not None
+        try:
+            self.lora_adapters[lora_id] = load_adapter(
+                path, lora_layout(self.model), self.config.lora.max_lora_rank, self.dtype)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def drop_lora(self, lora_id: int) -> None:
+        """Forget adapter `lora_id`'s host copy. Its slot, if any, is left as is: the
+        engine points no row at a removed adapter, and a slot still in use keeps its
+        copy when only the host's is evicted."""
+        self.lora_adapters.pop(lora_id, None)
+
+    def clear_lora_slots(self) -> None:
+        """Empty every slot (wake-up: the engine forgot which adapter each held)."""
+        if self.lora_slots is not None:
+            for t in (*self.lora_slots.a.values(), *self.lora_slots.b.values()):
+                t.zero_()
+
+    def _apply_lora_plan(self, plan: LoRAPlan) -> None:
+        """Put the step's adapters into their slots (from the host copy, or read from
+        their path again when it was evicted), then drop evicted host copies."""
+        assert self.lora_slots is not None and self.config.lora is not None
+        for slot, lora_id, path in plan.loads:
+            adapter = self.lora_adapters.get(lora_id)
+            if adapter is None:  # checked when it was added; the files must still be there
+                adapter = self.lora_adapters[lora_id] = load_adapter(
+                    path, lora_layout(self.model), self.config.lora.max_lora_rank, self.dtype)
+            self.lora_slots.load(slot, adapter)
+        for lora_id in plan.host_drops:
+            self.lora_adapters.pop(lora_id, None)
 
 
 def _release_memory(device: torch.device) -> None:
