@@ -101,7 +101,8 @@ class AsyncEngineClient:
                  coordinator_address: str | None = None,
                  load_balance: str = "least-loaded", lockstep: bool = False,
                  secret: str | None = None, max_migrations: int = 3,
-                 fail_stop: bool = False, elastic: bool = False, block_size: int = 16) -> None:
+                 fail_stop: bool = False, elastic: bool = False, block_size: int = 16,
+                 loras: dict[str, str] | None = None) -> None:
         # ValueError for a bad policy; block_size: the engines' KV block (cache-aware)
         router = Router(load_balance, client_index=client_index, block_size=block_size)
         self._loop = asyncio.get_running_loop()  # raises outside an event loop
@@ -126,7 +127,9 @@ class AsyncEngineClient:
         self._tasks = [self._loop.create_task(self._read_registrations()),
                        self._loop.create_task(self._read_outputs())]
         self.lockstep = lockstep and balanced
-        self.news = CoordinatorNews()  # wave, pause / sleep, rank list, scale answers
+        # wave, pause / sleep, rank list, scale answers; `loras`: the LoRA registry at
+        # start (--lora-modules; None: LoRA off)
+        self.news = CoordinatorNews(loras=dict(loras) if loras is not None else None)
         self._coordinator: CoordinatorLink | None = None
         if coordinator_address is not None:
             self._coordinator = CoordinatorLink(self._ctx, coordinator_address, secret)
@@ -483,7 +486,7 @@ def from_config(config: EngineConfig, input_address: str | Sequence[str],
                       coordinator_address: str | None = None,
                       load_balance: str = "least-loaded") -> AsyncEngineClient:
     """The engine client of one front-end, its policies taken from `config` (lockstep,
-    secret, migrations, failure policy, elastic, KV block size); the one place both
+    secret, migrations, failure policy, elastic, KV block size, LoRA); the one place both
     the API server and the offline LLM build it. Call inside the loop it will use."""
     parallel = config.parallel
     return AsyncEngineClient(input_address, output_address, engine_ranks=engine_ranks,
@@ -494,4 +497,5 @@ def from_config(config: EngineConfig, input_address: str | Sequence[str],
                              secret=parallel.data_parallel_secret,
                              max_migrations=parallel.max_request_migrations,
                              fail_stop=parallel.engine_failure_policy == "stop",
-                             elastic=parallel.elastic, block_size=config.cache.block_size)
+                             elastic=parallel.elastic, block_size=config.cache.block_size,
+                             loras=dict(config.lora.modules) if config.lora else None)

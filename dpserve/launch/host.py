@@ -194,7 +194,9 @@ def _start_coordinator(launch: EngineLaunch, config: EngineConfig, ready_timeout
                                 stall_timeout_s=p.engine_stall_timeout,
                                 dp_store=dp_store if p.data_parallel_lockstep else None,
                                 size_max=p.data_parallel_size_max if p.elastic else None,
-                                autoscale=p.autoscale if p.elastic else None)
+                                autoscale=p.autoscale if p.elastic else None,
+                                # the LoRA registry starts with --lora-modules
+                                loras=dict(config.lora.modules) if config.lora else None)
     launch.coordinator = coordinator
     coordinator.start()
     launch.coordinator_address = coordinator.front_publish_address

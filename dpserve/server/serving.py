@@ -117,7 +117,7 @@ class OpenAIServing:
         `api_key_id` (the auth layer's name of the key used) salts the prefix cache
         with --prefix-cache-salt-per-key."""
         deadline = self._deadline()
-        self._check_model(req.model)
+        lora_name = self._check_model(req.model)
         check_completion(req, self.limits)
         params = self._sampling_params(req, max_tokens=self.defaults.get("max_tokens", 16)
                                        if req.max_tokens is None else req.max_tokens,
@@ -129,7 +129,7 @@ class OpenAIServing:
                    if isinstance(p, str) else (None, list(p)) for p in batch]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = self._start(request_id, prompts, params, data_parallel_rank,
-                              self._salt(req, api_key_id), deadline)
+                              self._salt(req, api_key_id), deadline, lora_name)
         # echo: each choice starts with its prompt's text.
         echo = [(t if t is not None else self.llm.decode(ids)) if req.echo else ""
                 for t, ids in prompts]
@@ -185,7 +185,7 @@ class OpenAIServing:
                                      api_key_id: str | None = None,
                                      ) -> BaseModel | AsyncIterator[str]:
         deadline = self._deadline()
-        self._check_model(req.model)
+        lora_name = self._check_model(req.model)
         check_chat(req, self.limits)
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                       else req.max_tokens)
@@ -210,7 +210,8 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             streams = self._start(request_id, [(None, prompt_ids)], params,
-                                  data_parallel_rank, self._salt(req, api_key_id), deadline)
+                                  data_parallel_rank, self._salt(req, api_key_id), deadline,
+                                  lora_name)
         except RequestError as e:
             raise RequestError(str(e), "messages" if e.param == "prompt" else e.param,
                                e.code) from None
@@ -276,13 +277,18 @@ class OpenAIServing:
 
     # ---- shared --------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
-        self._check_model(model)
+    def check_model(self, model: str | None) -> str | None:
+        return self._check_model(model)
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name and model not in self.model_aliases:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model",
-                           code="model_not_found")
+    def _check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names (None: the base model, by any of its names, or
+        no name); 404 for a name that is neither."""
+        if model is None or model == self.model_name or model in self.model_aliases:
+            return None
+        if model in (self.llm.cluster.loras or ()):
+            return model
+        raise APIError(404, f"The model `{model}` does not exist.", param="model",
+                       code="model_not_found")
 
     def _deadline(self) -> float | None:
         """When a request arriving now must be done by (--request-timeout), loop time."""
@@ -343,15 +349,17 @@ class OpenAIServing:
     def _start(self, request_id: str, prompts: Sequence[tuple[str | None, list[int]]],
                params: SamplingParams, data_parallel_rank: int | None = None,
                cache_salt: str | None = None, deadline: float | None = None,
-               ) -> list[AsyncIterator[RequestOutput]]:
+               lora_name: str | None = None) -> list[AsyncIterator[RequestOutput]]:
         """Validate every prompt, then open one generate() stream per prompt (each ends
-        with a 504 past `deadline`, loop time)."""
+        with a 504 past `deadline`, loop time), with LoRA adapter `lora_name` (None:
+        the base model)."""
         for _, ids in prompts:
             self.llm.validate(ids, params, data_parallel_rank)
         if self.admission is not None:  # paused / asleep / queues full
             self.admission([len(ids) for _, ids in prompts] * params.n)
         streams = [self.llm.generate(ids, params, f"{request_id}-{i}", text,
-                                     data_parallel_rank, cache_salt=cache_salt)
+                                     data_parallel_rank, cache_salt=cache_salt,
+                                     lora_name=lora_name)
                    for i, (text, ids) in enumerate(prompts)]
         if self.log_requests:
             streams = [logged_stream(s, f"{request_id}-{i}", len(ids), params)

@@ -20,7 +20,13 @@ Scope:
 * Operators (`RankControl` from an API server): cordon / uncordon a rank
   (published in `EngineInfo.cordoned`: front-ends send it nothing new), or
   restart it (published once as `CoordinatorUpdate.restart`; the launcher that
-  runs the rank restarts it). Per-rank figures for /engines (`RankInfoTable`:
+  runs the rank restarts it).
+* LoRA adapters (`loras` given: --enable-lora): the DP-wide registry, name ->
+  path, starting with --lora-modules. An API server that loaded an adapter on
+  every live rank (`dpserve.frontend.lora`) sends `LoRAChange` add; one that
+  unloads, `LoRAChange` remove. The registry goes out in every publish, and with
+  READY to each engine (the second frame), so a restarted, added or Ray rank
+  loads what it lacks before it serves. Per-rank figures for /engines (`RankInfoTable`:
   KV usage, tokens/s, pid, host from heartbeats) are published with the
   counts, at most every `INFO_PUBLISH_S` when only they changed.
   The load and health tables are in `dpserve.launch.coordinator.tables`.
@@ -76,6 +82,7 @@ from dpserve.protocol import (
     CoordinatorRequest,
     CoordinatorUpdate,
     EngineReport,
+    LoRAChange,
     RankControl,
     RankEvent,
     RequestType,
@@ -108,7 +115,9 @@ class DPCoordinatorProc:
                  startup_timeout_s: float = 600.0, heartbeat_timeout_s: float = 3.0,
                  stall_timeout_s: float = 30.0,
                  dp_store: tuple[str, int] | None = None, size_max: int | None = None,
-                 autoscale: AutoscaleConfig | None = None) -> None:
+                 autoscale: AutoscaleConfig | None = None,
+                 loras: dict[str, str] | None = None) -> None:
+        self.loras = dict(loras) if loras is not None else None  # LoRA registry (None: off)
         self.loads = LoadTable(num_engines)
         self.scaling = ScaleBook(size_max, autoscale)  # run-time changes of the engine count
         self.health = HealthTable(num_engines, heartbeat_timeout_s, stall_timeout_s)
@@ -178,7 +187,7 @@ class DPCoordinatorProc:
                 frame = self.engines.recv()
                 if frame[:1] == bytes([_SUBSCRIBE]):
                     subscribed += 1
-        self.engines.send(COORDINATOR_READY)
+        self._send_ready()
         logger.info("all %d engines subscribed; sent READY", subscribed)
         return True
 
@@ -226,7 +235,7 @@ class DPCoordinatorProc:
         READY; an unsubscription is an engine going away; anything else is junk."""
         if frame[:1] == bytes([_SUBSCRIBE]):
             logger.info("an engine subscribed after start-up; sending READY")
-            self.engines.send(COORDINATOR_READY)
+            self._send_ready()
             if self.control.seq:  # it starts paused / asleep like the others
                 self._send_control()
         elif frame[:1] != b"\x00":
@@ -273,6 +282,8 @@ class DPCoordinatorProc:
             self._on_control(request)
         elif isinstance(request, RankControl):
             self._on_rank_control(request)
+        elif isinstance(request, LoRAChange):
+            self._on_lora(request)
         else:
             self._on_wake(request)
 
@@ -306,6 +317,23 @@ class DPCoordinatorProc:
         else:
             logger.warning("unknown rank control %r dropped", control.action)
 
+    def _on_lora(self, change: LoRAChange) -> None:
+        """An adapter loaded on every live rank (add) or being unloaded (remove): the
+        registry changes, published at once (also when unchanged: the asker waits)."""
+        if self.loras is None:
+            logger.warning("LoRA change %s %r dropped: LoRA is off", change.op, change.name)
+            return
+        if change.op == "add":
+            self.loras[change.name] = change.path
+        elif change.op == "remove":
+            self.loras.pop(change.name, None)
+        else:
+            logger.warning("unknown LoRA change %r dropped", change.op)
+            return
+        logger.info("LoRA adapter %r %s", change.name,
+                    f"registered ({change.path})" if change.op == "add" else "unregistered")
+        self._publish_counts()
+
     def _on_wake(self, request: WakeEngines) -> None:
         """A front-end sent a request while it thought the engines were paused."""
         if self.running:
@@ -327,6 +355,13 @@ class DPCoordinatorProc:
         logger.info("control state %d: %s %s", self.control.seq, change.op, change.arg)
         self._send_control()
         self._publish_counts()
+
+    def _send_ready(self) -> None:
+        """READY; with LoRA on, the adapter registry as a second frame."""
+        if self.loras is None:
+            self.engines.send(COORDINATOR_READY)
+        else:
+            self.engines.send_multipart([COORDINATOR_READY, msgspec.msgpack.encode(self.loras)])
 
     def _send_control(self) -> None:
         self.engines.send_multipart([RequestType.CONTROL.value,
@@ -446,7 +481,8 @@ class DPCoordinatorProc:
                                    and any(self.loads.tokens) else None,
                                    engines=self.info.take(), restart=restart,
                                    scale=self.scaling.status,
-                                   autoscale_decisions=self.scaling.decisions())
+                                   autoscale_decisions=self.scaling.decisions(),
+                                   loras=self.loras)
         self.front.send(msgspec.msgpack.encode(update))
         self._last_publish = time.monotonic()
 

@@ -1,0 +1,120 @@
+"""LoRA adapters across every rank and API server: the two-phase load and the unload.
+
+Scope: `load_adapter(cluster, name, path)` and `unload_adapter(cluster, name)`,
+what `POST /v1/load_lora_adapter` / `unload_lora_adapter` do, over a
+`ClusterView` (`dpserve.frontend.cluster`), whose `loras` is the DP-wide
+registry (name -> path) as this front-end knows it and whose `change_lora`
+records a change (to the DP coordinator, which publishes it to every API
+server, waiting until this one hears it back; without a coordinator, in this
+front-end's own copy).
+
+A load is two-phase: 1. every serving rank (cordoned ones too) runs
+`EngineCore.add_lora` at once, which validates and loads, all or nothing on that
+rank; 2. if every rank loaded it, the registry gets it (every API server now
+accepts `model: <name>`; a rank that starts later gets it with READY,
+`dpserve.engine.lora_sync`) and a rank that started serving meanwhile is
+given it too; if any rank refused (or died), the ranks that loaded it unload
+it, and `LoRAError` names the first failing rank. An unload leaves the
+registry first (no new request names it on any API server), then every serving
+rank runs `remove_lora` (requests in flight with it finish).
+
+Not here: the HTTP routes and status codes' bodies (`dpserve.server.lora_routes`),
+the engine's adapters (`dpserve.engine.lora_manager`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from dpserve.frontend.engine_sockets import UtilityCallError
+from dpserve.protocol import LoRAChange
+
+logger = logging.getLogger(__name__)
+
+LOAD_TIMEOUT_S = 120.0  # one rank's add_lora (reading and checking the weights)
+
+
+class LoRAError(Exception):
+    """A load or unload refused: `status` 400 (bad adapter, name in use, LoRA off),
+    404 (unknown name) or 503 (a rank could not answer)."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+def registry(cluster: Any) -> dict[str, str]:
+    """The adapters this front-end serves (name -> path); LoRAError 400 when LoRA is off."""
+    loras = cluster.loras
+    if loras is None:
+        raise LoRAError(400, "LoRA adapters are not enabled on this server (--enable-lora)",
+                        "lora_not_enabled")
+    return loras
+
+
+def _serving(cluster: Any) -> list[int]:
+    return [r.rank for r in cluster.ranks() if r.serving]
+
+
+async def _add_on(cluster: Any, ranks: list[int], name: str, path: str
+                  ) -> dict[int, BaseException | None]:
+    """add_lora on each rank at once: rank -> None (loaded) or what it raised."""
+    results = await asyncio.gather(*(cluster.call_utility(
+        "add_lora", name, path, engine=rank, timeout=LOAD_TIMEOUT_S) for rank in ranks),
+        return_exceptions=True)
+    return {rank: r if isinstance(r, BaseException) else None
+            for rank, r in zip(ranks, results)}
+
+
+async def _remove_on(cluster: Any, ranks: list[int], name: str) -> None:
+    """remove_lora on each rank; failures (a rank that died, never held it) are logged."""
+    results = await asyncio.gather(*(cluster.call_utility(
+        "remove_lora", name, engine=rank) for rank in ranks), return_exceptions=True)
+    for rank, r in zip(ranks, results):
+        if isinstance(r, BaseException):
+            logger.warning("LoRA adapter %r not removed from rank %d: %s", name, rank, r)
+
+
+async def load_adapter(cluster: Any, name: str, path: str) -> None:
+    """Load adapter `name` from `path` on every serving rank, or on none (module
+    docstring); LoRAError says why not."""
+    if name in registry(cluster):
+        raise LoRAError(400, f"The lora adapter '{name}' has already been loaded.",
+                        "lora_already_loaded")
+    ranks = _serving(cluster)
+    if not ranks:
+        raise LoRAError(503, "no rank is serving: nothing can load the adapter now",
+                        "engine_unavailable")
+    # 1. Every serving rank validates and loads it.
+    outcome = await _add_on(cluster, ranks, name, path)
+    failed = {rank: e for rank, e in outcome.items() if e is not None}
+    if failed:
+        loaded = [rank for rank, e in outcome.items() if e is None]
+        await _remove_on(cluster, loaded, name)
+        rank, error = min(failed.items())
+        bad_adapter = isinstance(error, (UtilityCallError, ValueError))  # the engine said no
+        raise LoRAError(400 if bad_adapter else 503,
+                        f"LoRA adapter {name!r} not loaded (on no rank): rank {rank}: "
+                        f"{str(error).splitlines()[0] if str(error) else repr(error)}",
+                        "invalid_lora_adapter" if bad_adapter else "engine_unavailable")
+    # 2. Every API server serves it; a rank that began serving meanwhile gets it too.
+    await cluster.change_lora(LoRAChange("add", name, path))
+    late = [rank for rank in _serving(cluster) if rank not in outcome]
+    for rank, error in (await _add_on(cluster, late, name, path)).items():
+        if error is not None and "already loaded" not in str(error):
+            logger.error("LoRA adapter %r not loaded on rank %d (it started serving "
+                         "during the load): %s", name, rank, error)
+    logger.info("LoRA adapter %r loaded from %s on ranks %s", name, path,
+                sorted([*outcome, *late]))
+
+
+async def unload_adapter(cluster: Any, name: str) -> None:
+    """Unload adapter `name` everywhere (module docstring); LoRAError 404 if unknown."""
+    if name not in registry(cluster):
+        raise LoRAError(404, f"The lora adapter '{name}' cannot be found.",
+                        "lora_not_found")
+    await cluster.change_lora(LoRAChange("remove", name))
+    await _remove_on(cluster, _serving(cluster), name)
+    logger.info("LoRA adapter %r unloaded", name)

@@ -1,0 +1,192 @@
+"""LoRA adapters served DP-wide, for real: `dpserve serve` at DP=2 with two API servers
+(`--api-server-count 2`), a tiny Llama, PEFT adapters built as tests/lora_checks.py
+does, the official `openai` client and httpx.
+
+* `model: <adapter>` gives the offline LLM's greedy text with that adapter (and not
+  the base model's); /v1/models lists the adapters with `parent`;
+* an adapter loaded through `POST /v1/load_lora_adapter` serves on both API servers
+  (fresh connections: each API server answers some; the per-API-server counter
+  shows both did);
+* a rank SIGKILLed after the load comes back and serves the adapter (requests pinned
+  to it); a rank added by `POST /scale_elastic_ep` serves it;
+* a bad adapter (not an adapter, rank over --max-lora-rank) -> 400 naming the
+  problem and a rank, and nothing stays loaded anywhere (the same name then loads
+  on every rank, which any rank still holding it would refuse);
+* unload -> 404 on every API server; unloading again -> 404; loading a name in use
+  -> 400 (vLLM's code); the admin routes take JSON only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import httpx
+import openai
+import pytest
+from helpers import descendants, proc_named, serve, wait_until
+from lora_checks import make_adapter
+
+from dpserve import LLM, LoRARequest, SamplingParams
+
+pytestmark = [pytest.mark.procs, pytest.mark.slow]
+
+PROMPT = "Once upon a time"
+MAX_TOKENS = 8
+FRESH = {"Connection": "close"}  # a new connection each: both API servers answer some
+RANK_HEADER = "X-data-parallel-rank"
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama, tmp_path_factory):
+    """name -> adapter directory: a (loaded at start), b (loaded at run time), and a
+    rank-32 one (over --max-lora-rank 16)."""
+    root = tmp_path_factory.mktemp("lora_serve")
+    return {"a": make_adapter(tiny_llama, root / "a", rank=8, seed=1),
+            "b": make_adapter(tiny_llama, root / "b", rank=4, seed=2),
+            "big": make_adapter(tiny_llama, root / "big", rank=32, seed=3),
+            "notadapter": tiny_llama}
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama, adapters):
+    """The offline LLM's greedy text: base model and each adapter."""
+    llm = LLM(str(tiny_llama), dtype="float32", enable_lora=True, num_kv_blocks=64)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        out = {"base": llm.generate([PROMPT], params)[0].outputs[0].text}
+        for i, name in enumerate(("a", "b"), start=1):
+            out[name] = llm.generate([PROMPT], params, lora_request=LoRARequest(
+                name, i, str(adapters[name])))[0].outputs[0].text
+    finally:
+        llm.shutdown()
+    assert len(set(out.values())) == 3, out  # the adapters change the greedy text
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, adapters):
+    with serve(str(tiny_llama), "--dtype", "float32", "--data-parallel-size", "2",
+               "--data-parallel-size-max", "3", "--api-server-count", "2",
+               "--enable-lora", "--max-loras", "2", "--lora-modules",
+               f"a={adapters['a']}", "--enable-admin-api", "--allow-unauthenticated-admin",
+               "--num-kv-blocks", "64", "--load-balance", "cache-aware",
+               timeout=300) as (proc, url):
+        yield proc, url
+
+
+def _complete(url: str, model: str, rank: int | None = None) -> str:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                           default_headers={**FRESH, **({RANK_HEADER: str(rank)}
+                                                        if rank is not None else {})})
+    try:
+        out = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        return out.choices[0].text
+    finally:
+        client.close()
+
+
+def _post(url: str, path: str, body: object) -> httpx.Response:
+    return httpx.post(url + path, json=body, headers=FRESH, timeout=180)
+
+
+def _finished_by_api_server(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("dpserve:api_server_requests_finished"):
+            server = line.split('api_server="')[1].split('"')[0]
+            out[server] = out.get(server, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_adapter_text_equals_offline_and_models_lists_it(server, tiny_llama, adapters,
+                                                          expected):
+    _, url = server
+    base = httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
+    assert _complete(url, base) == expected["base"]
+    assert _complete(url, "a") == expected["a"]
+    cards = {c["id"]: c for c in httpx.get(url + "/v1/models", timeout=5).json()["data"]}
+    assert cards["a"]["parent"] == base and cards["a"]["root"] == str(adapters["a"])
+    assert cards["a"]["object"] == "model" and cards[base]["parent"] is None
+    with pytest.raises(openai.NotFoundError) as e:
+        _complete(url, "nope")
+    assert e.value.body["code"] == "model_not_found"
+
+
+def test_load_through_one_api_server_serves_on_both(server, adapters, expected):
+    _, url = server
+    resp = _post(url, "/v1/load_lora_adapter", {"lora_name": "b",
+                                                 "lora_path": str(adapters["b"])})
+    assert resp.status_code == 200, resp.text
+    before = _finished_by_api_server(url)
+    texts = [_complete(url, "b") for _ in range(12)]
+    assert texts == [expected["b"]] * 12
+    after = _finished_by_api_server(url)
+    assert len(after) == 2 and all(after[s] > before.get(s, 0) for s in after), (before,
+                                                                                after)
+    for _ in range(6):  # every API server lists it
+        ids = [c["id"] for c in httpx.get(url + "/v1/models", headers=FRESH,
+                                          timeout=5).json()["data"]]
+        assert "b" in ids
+    again = _post(url, "/v1/load_lora_adapter", {"lora_name": "b",
+                                                  "lora_path": str(adapters["b"])})
+    assert again.status_code == 400 and "already been loaded" in again.text
+
+
+def test_bad_adapter_is_400_and_loads_nowhere(server, adapters):
+    _, url = server
+    for path, problem in ((adapters["notadapter"], "adapter_config.json"),
+                          (adapters["big"], "max_lora_rank"), ("/no/such/dir", "/no/such")):
+        resp = _post(url, "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": str(path)})
+        assert resp.status_code == 400, resp.text
+        message = resp.json()["error"]["message"]
+        assert problem in message and "rank 0:" in message, message
+        with pytest.raises(openai.NotFoundError):
+            _complete(url, "c")
+    # Nothing was left on any rank: every rank takes the name now (one holding it
+    # would refuse, and the load would be a 400).
+    resp = _post(url, "/v1/load_lora_adapter", {"lora_name": "c",
+                                                 "lora_path": str(adapters["a"])})
+    assert resp.status_code == 200, resp.text
+    assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "c"}).status_code == 200
+    form = httpx.post(url + "/v1/load_lora_adapter", timeout=10,
+                      content=json.dumps({"lora_name": "d", "lora_path": str(adapters["a"])}))
+    assert form.status_code == 415, form.text  # JSON only
+
+
+def test_restarted_rank_serves_the_run_time_adapter(server, expected):
+    proc, url = server
+    victim = proc_named(descendants(proc.pid), "EngineCore_1")
+    os.kill(victim.pid, signal.SIGKILL)
+
+    def serving_again() -> bool:
+        ranks = httpx.get(url + "/health", timeout=5).json()["ranks"]
+        return any(r["rank"] == 1 and r["state"] == "serving" and r["incarnation"] >= 1
+                   for r in ranks)
+
+    wait_until(serving_again, 180, "rank 1 to serve again")
+    assert proc_named(descendants(proc.pid), "EngineCore_1").pid != victim.pid
+    assert _complete(url, "b", rank=1) == expected["b"]
+    assert _complete(url, "a", rank=1) == expected["a"]
+
+
+def test_added_rank_serves_the_adapters(server, expected):
+    _, url = server
+    resp = httpx.post(url + "/scale_elastic_ep", json={"new_data_parallel_size": 3},
+                      timeout=300)
+    assert resp.status_code == 200, resp.text
+    assert _complete(url, "b", rank=2) == expected["b"]
+    assert _complete(url, "a", rank=2) == expected["a"]
+
+
+def test_unload_is_404_on_every_api_server(server):
+    _, url = server
+    assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "b"}).status_code == 200
+    for _ in range(8):
+        with pytest.raises(openai.NotFoundError):
+            _complete(url, "b")
+    again = _post(url, "/v1/unload_lora_adapter", {"lora_name": "b"})
+    assert again.status_code == 404 and again.json()["error"]["code"] == "lora_not_found"
