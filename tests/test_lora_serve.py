@@ -9,6 +9,9 @@ does, the official `openai` client and httpx.
   shows both did);
 * a rank SIGKILLed after the load comes back and serves the adapter (requests pinned
   to it); a rank added by `POST /scale_elastic_ep` serves it;
+* routing (cache-aware) sends an adapter's requests to the rank where it is
+  resident, seen in /engines, `dpserve:lora_adapter_loaded` and the per-engine
+  finished counts;
 * a bad adapter (not an adapter, rank over --max-lora-rank) -> 400 naming the
   problem and a rank, and nothing stays loaded anywhere (the same name then loads
   on every rank, which any rank still holding it would refuse);
@@ -25,7 +28,7 @@ import signal
 import httpx
 import openai
 import pytest
-from helpers import descendants, proc_named, serve, wait_until
+from helpers import descendants, finished_by_engine, metric, proc_named, serve, wait_until
 from lora_checks import make_adapter
 
 from dpserve import LLM, LoRARequest, SamplingParams
@@ -155,6 +158,38 @@ def test_bad_adapter_is_400_and_loads_nowhere(server, adapters):
     form = httpx.post(url + "/v1/load_lora_adapter", timeout=10,
                       content=json.dumps({"lora_name": "d", "lora_path": str(adapters["a"])}))
     assert form.status_code == 415, form.text  # JSON only
+
+
+def _engines(url: str) -> dict[int, dict]:
+    return {row["rank"]: row for row in httpx.get(url + "/engines", headers=FRESH,
+                                                  timeout=5).json()["engines"]}
+
+
+def test_routing_prefers_the_rank_holding_the_adapter(server, adapters, expected):
+    """`b` resident on rank 1 only (one request pinned there; on rank 0 it is only in
+    host memory): unpinned requests for it all go to rank 1, on either API server."""
+    _, url = server
+    resp = _post(url, "/v1/load_lora_adapter", {"lora_name": "r",
+                                                 "lora_path": str(adapters["b"])})
+    assert resp.status_code == 200, resp.text
+    assert _complete(url, "r", rank=1) == expected["b"]
+
+    def resident_on_1_only() -> bool:
+        views = [_engines(url) for _ in range(4)]  # fresh connections: both API servers
+        return all("r" in v[1]["lora"]["resident"] and "r" not in v[0]["lora"]["resident"]
+                   and "r" in v[0]["lora"]["cached"] for v in views)
+
+    wait_until(resident_on_1_only, 30, "rank 1's heartbeat to show r resident")
+    before = finished_by_engine(url)
+    assert [_complete(url, "r") for _ in range(8)] == [expected["b"]] * 8
+    after = finished_by_engine(url)
+    assert after.get(1, 0) - before.get(1, 0) == 8, (before, after)
+    assert after.get(0, 0) == before.get(0, 0), (before, after)
+    metrics = httpx.get(url + "/metrics", timeout=5).text
+    assert 'dpserve:lora_adapter_loaded{adapter="r",rank="1"} 1.0' in metrics
+    assert 'dpserve:lora_adapter_loaded{adapter="r",rank="0"} 0.0' in metrics
+    assert metric(url, "dpserve:lora_adapter_loads_total") >= 2  # a and r, at least
+    assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "r"}).status_code == 200
 
 
 def test_restarted_rank_serves_the_run_time_adapter(server, expected):
