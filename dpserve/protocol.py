@@ -257,6 +257,7 @@ class LoRAReport(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     resident: list[str] = []  # names in a device slot (a request runs at once)
     cached: list[str] = []  # names in host memory, not resident (a slot load away)
     registered: int = 0  # adapters this engine holds (any tier)
+    adapters: dict[str, str] = {}  # name -> path of each (a restarted coordinator's seed)
     max_loras: int = 0  # its device slots
     loads: int = 0  # adapters put into a slot, cumulative
     evictions: int = 0  # adapters taken out of a slot for another, cumulative

@@ -8,7 +8,9 @@ does, the official `openai` client and httpx.
   (fresh connections: each API server answers some; the per-API-server counter
   shows both did);
 * a rank SIGKILLed after the load comes back and serves the adapter (requests pinned
-  to it); a rank added by `POST /scale_elastic_ep` serves it;
+  to it); a rank added by `POST /scale_elastic_ep` serves it; a SIGKILLed DP
+  coordinator's successor keeps the run-time adapters; at DP=1 (no coordinator) a
+  restarted engine gets them from the engine client;
 * routing (cache-aware) sends an adapter's requests to the rank where it is
   resident, seen in /engines, `dpserve:lora_adapter_loaded` and the per-engine
   finished counts;
@@ -160,6 +162,13 @@ def test_bad_adapter_is_400_and_loads_nowhere(server, adapters):
     assert form.status_code == 415, form.text  # JSON only
 
 
+def _serving_again(url: str, rank: int) -> bool:
+    """`rank` serves in a new process (incarnation 1 or more)."""
+    ranks = httpx.get(url + "/health", timeout=5).json()["ranks"]
+    return any(r["rank"] == rank and r["state"] == "serving" and r["incarnation"] >= 1
+               for r in ranks)
+
+
 def _engines(url: str) -> dict[int, dict]:
     return {row["rank"]: row for row in httpx.get(url + "/engines", headers=FRESH,
                                                   timeout=5).json()["engines"]}
@@ -192,17 +201,32 @@ def test_routing_prefers_the_rank_holding_the_adapter(server, adapters, expected
     assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "r"}).status_code == 200
 
 
+def test_a_restarted_coordinator_keeps_the_run_time_adapters(server, adapters, expected):
+    """The coordinator holds the registry; SIGKILLed, its successor learns the run-time
+    adapters from the engines' heartbeats: every API server still serves `k`."""
+    proc, url = server
+    resp = _post(url, "/v1/load_lora_adapter", {"lora_name": "k",
+                                                 "lora_path": str(adapters["b"])})
+    assert resp.status_code == 200, resp.text
+    assert _post(url, "/engines/1/cordon", {}).status_code == 200  # the old one's state
+    old = proc_named(descendants(proc.pid), "DPCoordinator")
+    os.kill(old.pid, signal.SIGKILL)
+
+    def new_coordinator_heard() -> bool:  # its publish (cordon forgotten), after beats
+        rows = [_engines(url) for _ in range(4)]
+        return all(not r[1]["cordoned"] and r[0]["pid"] and r[1]["pid"] for r in rows)
+
+    wait_until(new_coordinator_heard, 60, "the new coordinator's publish")
+    assert proc_named(descendants(proc.pid), "DPCoordinator").pid != old.pid
+    assert [_complete(url, "k") for _ in range(8)] == [expected["b"]] * 8
+    assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "k"}).status_code == 200
+
+
 def test_restarted_rank_serves_the_run_time_adapter(server, expected):
     proc, url = server
     victim = proc_named(descendants(proc.pid), "EngineCore_1")
     os.kill(victim.pid, signal.SIGKILL)
-
-    def serving_again() -> bool:
-        ranks = httpx.get(url + "/health", timeout=5).json()["ranks"]
-        return any(r["rank"] == 1 and r["state"] == "serving" and r["incarnation"] >= 1
-                   for r in ranks)
-
-    wait_until(serving_again, 180, "rank 1 to serve again")
+    wait_until(lambda: _serving_again(url, 1), 180, "rank 1 to serve again")
     assert proc_named(descendants(proc.pid), "EngineCore_1").pid != victim.pid
     assert _complete(url, "b", rank=1) == expected["b"]
     assert _complete(url, "a", rank=1) == expected["a"]
@@ -225,3 +249,21 @@ def test_unload_is_404_on_every_api_server(server):
             _complete(url, "b")
     again = _post(url, "/v1/unload_lora_adapter", {"lora_name": "b"})
     assert again.status_code == 404 and again.json()["error"]["code"] == "lora_not_found"
+
+
+def test_without_a_coordinator_a_restarted_engine_gets_the_adapters(tiny_llama, adapters,
+                                                                   expected):
+    """DP=1, one API server: no coordinator, so no READY carries the registry; the
+    engine client loads it into the restarted engine before a request names one."""
+    with serve(str(tiny_llama), "--dtype", "float32", "--enable-lora", "--num-kv-blocks",
+               "64", "--enable-admin-api", "--allow-unauthenticated-admin") as (proc, url):
+        resp = _post(url, "/v1/load_lora_adapter", {"lora_name": "b",
+                                                     "lora_path": str(adapters["b"])})
+        assert resp.status_code == 200, resp.text
+        assert _complete(url, "b") == expected["b"]
+        assert _engines(url)[0]["lora"]["resident"] == ["b"]
+        victim = proc_named(descendants(proc.pid), "EngineCore_0")
+        os.kill(victim.pid, signal.SIGKILL)
+        wait_until(lambda: _serving_again(url, 0), 120, "engine 0 to serve again")
+        assert proc_named(descendants(proc.pid), "EngineCore_0").pid != victim.pid
+        assert _complete(url, "b") == expected["b"]

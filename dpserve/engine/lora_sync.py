@@ -58,4 +58,6 @@ def lora_report(manager: LoRAManager | None) -> LoRAReport | None:
             cached.append(entry.name)
     return LoRAReport(resident=sorted(resident), cached=sorted(cached),
                       registered=len(manager.by_name), max_loras=manager.config.max_loras,
+                      adapters={e.name: e.path for e in manager.by_name.values()
+                                if not e.removing},
                       loads=manager.loads, evictions=manager.evictions)

@@ -61,6 +61,7 @@ from dpserve.frontend.coordinator_link import CoordinatorLink, CoordinatorNews
 from dpserve.frontend.engine_cluster import EngineClientCluster
 from dpserve.frontend.engine_sockets import EngineSockets, UtilityCallError, UtilityCalls
 from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError
+from dpserve.frontend.lora import LoRAReplay
 from dpserve.frontend.migration import Evacuation, InFlightBook
 from dpserve.frontend.rank_table import EngineState, RankTable, StatusChange
 from dpserve.frontend.routing import Router
@@ -130,6 +131,7 @@ class AsyncEngineClient:
         # wave, pause / sleep, rank list, scale answers; `loras`: the LoRA registry at
         # start (--lora-modules; None: LoRA off)
         self.news = CoordinatorNews(loras=dict(loras) if loras is not None else None)
+        self.lora_replay = LoRAReplay()
         self._coordinator: CoordinatorLink | None = None
         if coordinator_address is not None:
             self._coordinator = CoordinatorLink(self._ctx, coordinator_address, secret)
@@ -194,6 +196,8 @@ class AsyncEngineClient:
         if request.request_id in self.book.flights:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         engine = self._choose_engine(request)
+        await self.lora_replay.ensure(self, engine.rank, engine.status.incarnation,
+                                      request.lora_name)  # N = 1: a restarted rank
         self.book.add(request, engine.rank)
         self.table.assign(engine, len(request.prompt_token_ids))
         try:

@@ -18,6 +18,9 @@ it, and `LoRAError` names the first failing rank. An unload leaves the
 registry first (no new request names it on any API server), then every serving
 rank runs `remove_lora` (requests in flight with it finish).
 
+`LoRAReplay`: without a coordinator, a restarted rank gets the registry from
+the engine client before its first request that names an adapter.
+
 Not here: the HTTP routes and status codes' bodies (`dpserve.server.lora_routes`),
 the engine's adapters (`dpserve.engine.lora_manager`).
 """
@@ -118,3 +121,34 @@ async def unload_adapter(cluster: Any, name: str) -> None:
     await cluster.change_lora(LoRAChange("remove", name))
     await _remove_on(cluster, _serving(cluster), name)
     logger.info("LoRA adapter %r unloaded", name)
+
+
+class LoRAReplay:
+    """Without a DP coordinator (one API server, N = 1) no READY carries the registry:
+    before the first request naming an adapter goes to a restarted rank (incarnation
+    > 0), the engine client loads every registered adapter there (`ensure`); the
+    first process of a rank loaded --lora-modules itself and got every run-time load."""
+
+    def __init__(self) -> None:
+        self._done: dict[int, int] = {}  # rank -> the incarnation replayed to
+        self._locks: dict[int, asyncio.Lock] = {}
+
+    async def ensure(self, client: Any, rank: int, incarnation: int,
+                     lora_name: str | None) -> None:
+        registry = client.news.loras
+        if lora_name is None or client.has_coordinator or not registry or incarnation == 0:
+            return
+        async with self._locks.setdefault(rank, asyncio.Lock()):
+            if self._done.get(rank) == incarnation:
+                return
+            for name, path in dict(registry).items():
+                try:
+                    await client.call_utility("add_lora", name, path, engine=rank,
+                                              timeout=LOAD_TIMEOUT_S)
+                except UtilityCallError as e:
+                    if "already loaded" not in str(e):
+                        logger.error("LoRA adapter %r not loaded on restarted rank %d: %s",
+                                     name, rank, e)
+            self._done[rank] = incarnation
+            logger.info("rank %d (incarnation %d): %d LoRA adapter(s) loaded again", rank,
+                        incarnation, len(registry))

@@ -20,16 +20,17 @@ Scope:
 * Operators (`RankControl` from an API server): cordon / uncordon a rank
   (published in `EngineInfo.cordoned`: front-ends send it nothing new), or
   restart it (published once as `CoordinatorUpdate.restart`; the launcher that
-  runs the rank restarts it).
+  runs the rank restarts it). Per-rank figures for /engines (`RankInfoTable`:
+  KV usage, tokens/s, pid, host from heartbeats) are published with the
+  counts, at most every `INFO_PUBLISH_S` when only they changed.
+  The load and health tables are in `dpserve.launch.coordinator.tables`.
 * LoRA adapters (`loras` given: --enable-lora): the DP-wide registry, name ->
   path, starting with --lora-modules. An API server that loaded an adapter on
   every live rank (`dpserve.frontend.lora`) sends `LoRAChange` add; one that
   unloads, `LoRAChange` remove. The registry goes out in every publish, and with
   READY to each engine (the second frame), so a restarted, added or Ray rank
-  loads what it lacks before it serves. Per-rank figures for /engines (`RankInfoTable`:
-  KV usage, tokens/s, pid, host from heartbeats) are published with the
-  counts, at most every `INFO_PUBLISH_S` when only they changed.
-  The load and health tables are in `dpserve.launch.coordinator.tables`.
+  loads what it lacks before it serves. A restarted coordinator publishes no
+  registry until an engine's heartbeat lists its adapters (paths included).
 * Lockstep DP group (`dp_store` given): hosts the engines' rendezvous store
   (`dpserve.engine.dp_store.DPStoreServer`: ZMQ, CURVE with the secret; here, so
   that any rank may die) and decides each group generation (`DPGroup`): the
@@ -118,6 +119,9 @@ class DPCoordinatorProc:
                  autoscale: AutoscaleConfig | None = None,
                  loras: dict[str, str] | None = None) -> None:
         self.loras = dict(loras) if loras is not None else None  # LoRA registry (None: off)
+        # Published once confirmed: by a change, or by the first engine heartbeat (its
+        # adapters: a restarted coordinator learns what was loaded at run time).
+        self._loras_heard = False
         self.loads = LoadTable(num_engines)
         self.scaling = ScaleBook(size_max, autoscale)  # run-time changes of the engine count
         self.health = HealthTable(num_engines, heartbeat_timeout_s, stall_timeout_s)
@@ -317,6 +321,15 @@ class DPCoordinatorProc:
         else:
             logger.warning("unknown rank control %r dropped", control.action)
 
+    def _seed_loras(self, report: EngineReport) -> None:
+        """The first heartbeat with adapters completes the registry (a restarted
+        coordinator starts with --lora-modules only), which is then published."""
+        if self._loras_heard or self.loras is None or report.lora is None:
+            return
+        self.loras.update(report.lora.adapters)
+        self._loras_heard = True
+        self._publish_counts()
+
     def _on_lora(self, change: LoRAChange) -> None:
         """An adapter loaded on every live rank (add) or being unloaded (remove): the
         registry changes, published at once (also when unchanged: the asker waits)."""
@@ -330,6 +343,7 @@ class DPCoordinatorProc:
         else:
             logger.warning("unknown LoRA change %r dropped", change.op)
             return
+        self._loras_heard = True
         logger.info("LoRA adapter %r %s", change.name,
                     f"registered ({change.path})" if change.op == "add" else "unregistered")
         self._publish_counts()
@@ -402,6 +416,7 @@ class DPCoordinatorProc:
             return
         if report.heartbeat:
             self.info.on_heartbeat(report, time.monotonic())
+            self._seed_loras(report)
             if self.health.on_heartbeat(report, time.monotonic()):
                 logger.info("rank %d serving (incarnation %d)", index, report.incarnation)
                 self._publish_counts()
@@ -482,7 +497,7 @@ class DPCoordinatorProc:
                                    engines=self.info.take(), restart=restart,
                                    scale=self.scaling.status,
                                    autoscale_decisions=self.scaling.decisions(),
-                                   loras=self.loras)
+                                   loras=self.loras if self._loras_heard else None)
         self.front.send(msgspec.msgpack.encode(update))
         self._last_publish = time.monotonic()
 
