@@ -10,7 +10,8 @@ does, the official `openai` client and httpx.
 * a rank SIGKILLed after the load comes back and serves the adapter (requests pinned
   to it); a rank added by `POST /scale_elastic_ep` serves it; a SIGKILLed DP
   coordinator's successor keeps the run-time adapters; at DP=1 (no coordinator) a
-  restarted engine gets them from the engine client;
+  restarted engine gets them from the engine client; at DP=1 with two API servers
+  LoRA starts a coordinator, so both see a load;
 * routing (cache-aware) sends an adapter's requests to the rank where it is
   resident, seen in /engines, `dpserve:lora_adapter_loaded` and the per-engine
   finished counts;
@@ -267,3 +268,24 @@ def test_without_a_coordinator_a_restarted_engine_gets_the_adapters(tiny_llama, 
         wait_until(lambda: _serving_again(url, 0), 120, "engine 0 to serve again")
         assert proc_named(descendants(proc.pid), "EngineCore_0").pid != victim.pid
         assert _complete(url, "b") == expected["b"]
+
+
+def test_one_engine_two_api_servers_share_the_registry(tiny_llama, adapters, expected):
+    """DP=1 with `--api-server-count 2`: LoRA starts a coordinator to hold the registry,
+    so an adapter loaded through one API server serves on the other."""
+    with serve(str(tiny_llama), "--dtype", "float32", "--enable-lora", "--num-kv-blocks",
+               "64", "--api-server-count", "2", "--enable-admin-api",
+               "--allow-unauthenticated-admin") as (proc, url):
+        assert proc_named(descendants(proc.pid), "DPCoordinator")
+        resp = _post(url, "/v1/load_lora_adapter", {"lora_name": "b",
+                                                     "lora_path": str(adapters["b"])})
+        assert resp.status_code == 200, resp.text
+        before = _finished_by_api_server(url)
+        assert [_complete(url, "b") for _ in range(12)] == [expected["b"]] * 12
+        after = _finished_by_api_server(url)
+        assert len(after) == 2 and all(after[s] > before.get(s, 0) for s in after), (
+            before, after)
+        assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "b"}).status_code == 200
+        for _ in range(6):
+            with pytest.raises(openai.NotFoundError):
+                _complete(url, "b")
