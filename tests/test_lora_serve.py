@@ -24,9 +24,11 @@ does, the official `openai` client and httpx.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+from pathlib import Path
 
 import httpx
 import openai
@@ -98,6 +100,18 @@ def _post(url: str, path: str, body: object) -> httpx.Response:
     return httpx.post(url + path, json=body, headers=FRESH, timeout=180)
 
 
+@contextlib.contextmanager
+def _loaded(url: str, name: str, path: Path):
+    """Adapter `name` loaded from `path` through the admin API for the block, then
+    unloaded (each test loads its own: they run in any order on one server)."""
+    resp = _post(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+    assert resp.status_code == 200, resp.text
+    try:
+        yield
+    finally:
+        _post(url, "/v1/unload_lora_adapter", {"lora_name": name})
+
+
 def _finished_by_api_server(url: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics", timeout=5).text
     out: dict[str, float] = {}
@@ -124,22 +138,20 @@ def test_adapter_text_equals_offline_and_models_lists_it(server, tiny_llama, ada
 
 def test_load_through_one_api_server_serves_on_both(server, adapters, expected):
     _, url = server
-    resp = _post(url, "/v1/load_lora_adapter", {"lora_name": "b",
-                                                 "lora_path": str(adapters["b"])})
-    assert resp.status_code == 200, resp.text
-    before = _finished_by_api_server(url)
-    texts = [_complete(url, "b") for _ in range(12)]
-    assert texts == [expected["b"]] * 12
-    after = _finished_by_api_server(url)
-    assert len(after) == 2 and all(after[s] > before.get(s, 0) for s in after), (before,
-                                                                                after)
-    for _ in range(6):  # every API server lists it
-        ids = [c["id"] for c in httpx.get(url + "/v1/models", headers=FRESH,
-                                          timeout=5).json()["data"]]
-        assert "b" in ids
-    again = _post(url, "/v1/load_lora_adapter", {"lora_name": "b",
-                                                  "lora_path": str(adapters["b"])})
-    assert again.status_code == 400 and "already been loaded" in again.text
+    with _loaded(url, "b", adapters["b"]):
+        before = _finished_by_api_server(url)
+        texts = [_complete(url, "b") for _ in range(12)]
+        assert texts == [expected["b"]] * 12
+        after = _finished_by_api_server(url)
+        assert len(after) == 2 and all(after[s] > before.get(s, 0) for s in after), (
+            before, after)
+        for _ in range(6):  # every API server lists it
+            ids = [c["id"] for c in httpx.get(url + "/v1/models", headers=FRESH,
+                                              timeout=5).json()["data"]]
+            assert "b" in ids
+        again = _post(url, "/v1/load_lora_adapter", {"lora_name": "b",
+                                                      "lora_path": str(adapters["b"])})
+        assert again.status_code == 400 and "already been loaded" in again.text
 
 
 def test_bad_adapter_is_400_and_loads_nowhere(server, adapters):
@@ -179,76 +191,77 @@ def test_routing_prefers_the_rank_holding_the_adapter(server, adapters, expected
     """`b` resident on rank 1 only (one request pinned there; on rank 0 it is only in
     host memory): unpinned requests for it all go to rank 1, on either API server."""
     _, url = server
-    resp = _post(url, "/v1/load_lora_adapter", {"lora_name": "r",
-                                                 "lora_path": str(adapters["b"])})
-    assert resp.status_code == 200, resp.text
-    assert _complete(url, "r", rank=1) == expected["b"]
+    with _loaded(url, "r", adapters["b"]):
+        assert _complete(url, "r", rank=1) == expected["b"]
 
-    def resident_on_1_only() -> bool:
-        views = [_engines(url) for _ in range(4)]  # fresh connections: both API servers
-        return all("r" in v[1]["lora"]["resident"] and "r" not in v[0]["lora"]["resident"]
-                   and "r" in v[0]["lora"]["cached"] for v in views)
+        def resident_on_1_only() -> bool:  # (a rank's first heartbeat may be due: None)
+            views = [_engines(url) for _ in range(4)]  # fresh connections: both servers
+            lora = [[v[rank]["lora"] or {"resident": [], "cached": []} for rank in (0, 1)]
+                    for v in views]
+            return all("r" in one["resident"] and "r" not in zero["resident"]
+                       and "r" in zero["cached"] for zero, one in lora)
 
-    wait_until(resident_on_1_only, 30, "rank 1's heartbeat to show r resident")
-    before = finished_by_engine(url)
-    assert [_complete(url, "r") for _ in range(8)] == [expected["b"]] * 8
-    after = finished_by_engine(url)
-    assert after.get(1, 0) - before.get(1, 0) == 8, (before, after)
-    assert after.get(0, 0) == before.get(0, 0), (before, after)
-    metrics = httpx.get(url + "/metrics", timeout=5).text
-    assert 'dpserve:lora_adapter_loaded{adapter="r",rank="1"} 1.0' in metrics
-    assert 'dpserve:lora_adapter_loaded{adapter="r",rank="0"} 0.0' in metrics
-    assert metric(url, "dpserve:lora_adapter_loads_total") >= 2  # a and r, at least
-    assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "r"}).status_code == 200
+        wait_until(resident_on_1_only, 30, "rank 1's heartbeat to show r resident")
+        before = finished_by_engine(url)
+        assert [_complete(url, "r") for _ in range(8)] == [expected["b"]] * 8
+        after = finished_by_engine(url)
+        assert after.get(1, 0) - before.get(1, 0) == 8, (before, after)
+        metrics = httpx.get(url + "/metrics", timeout=5).text
+        assert 'dpserve:lora_adapter_loaded{adapter="r",rank="1"} 1.0' in metrics
+        assert 'dpserve:lora_adapter_loaded{adapter="r",rank="0"} 0.0' in metrics
+        assert metric(url, "dpserve:lora_adapter_loads_total") >= 1
 
 
 def test_a_restarted_coordinator_keeps_the_run_time_adapters(server, adapters, expected):
     """The coordinator holds the registry; SIGKILLed, its successor learns the run-time
     adapters from the engines' heartbeats: every API server still serves `k`."""
     proc, url = server
-    resp = _post(url, "/v1/load_lora_adapter", {"lora_name": "k",
+    with _loaded(url, "k", adapters["b"]):
+        assert _post(url, "/engines/1/cordon", {}).status_code == 200  # the old one's
+        old = proc_named(descendants(proc.pid), "DPCoordinator")
+        os.kill(old.pid, signal.SIGKILL)
+
+        def new_coordinator_heard() -> bool:  # its publish (cordon forgotten), after beats
+            rows = [_engines(url) for _ in range(4)]
+            return all(not r[1]["cordoned"] and r[0]["pid"] and r[1]["pid"] for r in rows)
+
+        wait_until(new_coordinator_heard, 60, "the new coordinator's publish")
+        assert proc_named(descendants(proc.pid), "DPCoordinator").pid != old.pid
+        assert [_complete(url, "k") for _ in range(8)] == [expected["b"]] * 8
+
+
+def test_restarted_rank_serves_the_run_time_adapter(server, adapters, expected):
+    proc, url = server
+    with _loaded(url, "rs", adapters["b"]):
+        victim = proc_named(descendants(proc.pid), "EngineCore_1")
+        os.kill(victim.pid, signal.SIGKILL)
+        wait_until(lambda: _serving_again(url, 1), 180, "rank 1 to serve again")
+        assert proc_named(descendants(proc.pid), "EngineCore_1").pid != victim.pid
+        assert _complete(url, "rs", rank=1) == expected["b"]
+        assert _complete(url, "a", rank=1) == expected["a"]
+
+
+def test_added_rank_serves_the_adapters(server, adapters, expected):
+    _, url = server
+    with _loaded(url, "sc", adapters["b"]):
+        resp = httpx.post(url + "/scale_elastic_ep", json={"new_data_parallel_size": 3},
+                          timeout=300)
+        assert resp.status_code == 200, resp.text
+        assert _complete(url, "sc", rank=2) == expected["b"]
+        assert _complete(url, "a", rank=2) == expected["a"]
+
+
+def test_unload_is_404_on_every_api_server(server, adapters, expected):
+    _, url = server
+    resp = _post(url, "/v1/load_lora_adapter", {"lora_name": "u",
                                                  "lora_path": str(adapters["b"])})
     assert resp.status_code == 200, resp.text
-    assert _post(url, "/engines/1/cordon", {}).status_code == 200  # the old one's state
-    old = proc_named(descendants(proc.pid), "DPCoordinator")
-    os.kill(old.pid, signal.SIGKILL)
-
-    def new_coordinator_heard() -> bool:  # its publish (cordon forgotten), after beats
-        rows = [_engines(url) for _ in range(4)]
-        return all(not r[1]["cordoned"] and r[0]["pid"] and r[1]["pid"] for r in rows)
-
-    wait_until(new_coordinator_heard, 60, "the new coordinator's publish")
-    assert proc_named(descendants(proc.pid), "DPCoordinator").pid != old.pid
-    assert [_complete(url, "k") for _ in range(8)] == [expected["b"]] * 8
-    assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "k"}).status_code == 200
-
-
-def test_restarted_rank_serves_the_run_time_adapter(server, expected):
-    proc, url = server
-    victim = proc_named(descendants(proc.pid), "EngineCore_1")
-    os.kill(victim.pid, signal.SIGKILL)
-    wait_until(lambda: _serving_again(url, 1), 180, "rank 1 to serve again")
-    assert proc_named(descendants(proc.pid), "EngineCore_1").pid != victim.pid
-    assert _complete(url, "b", rank=1) == expected["b"]
-    assert _complete(url, "a", rank=1) == expected["a"]
-
-
-def test_added_rank_serves_the_adapters(server, expected):
-    _, url = server
-    resp = httpx.post(url + "/scale_elastic_ep", json={"new_data_parallel_size": 3},
-                      timeout=300)
-    assert resp.status_code == 200, resp.text
-    assert _complete(url, "b", rank=2) == expected["b"]
-    assert _complete(url, "a", rank=2) == expected["a"]
-
-
-def test_unload_is_404_on_every_api_server(server):
-    _, url = server
-    assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "b"}).status_code == 200
+    assert _complete(url, "u") == expected["b"]
+    assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "u"}).status_code == 200
     for _ in range(8):
         with pytest.raises(openai.NotFoundError):
-            _complete(url, "b")
-    again = _post(url, "/v1/unload_lora_adapter", {"lora_name": "b"})
+            _complete(url, "u")
+    again = _post(url, "/v1/unload_lora_adapter", {"lora_name": "u"})
     assert again.status_code == 404 and again.json()["error"]["code"] == "lora_not_found"
 
 
