@@ -134,6 +134,24 @@ def test_adapter_text_equals_offline_and_models_lists_it(server, tiny_llama, ada
     with pytest.raises(openai.NotFoundError) as e:
         _complete(url, "nope")
     assert e.value.body["code"] == "model_not_found"
+    # Responses name the adapter (vLLM's), chat and streams too; the chat text is the
+    # adapter's, not the base model's.
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    try:
+        messages = [{"role": "user", "content": PROMPT}]
+        chats = {name: client.chat.completions.create(
+            model=name, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+            for name in (base, "a")}
+        assert chats["a"].model == "a" and chats[base].model == base
+        assert chats["a"].choices[0].message.content != chats[base].choices[0].message.content
+        stream = client.completions.create(model="a", prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                           temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        chunks = list(stream)
+        assert {c.model for c in chunks} == {"a"}
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected["a"]
+    finally:
+        client.close()
 
 
 def test_load_through_one_api_server_serves_on_both(server, adapters, expected):
