@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -193,10 +194,15 @@ def test_bad_adapter_is_400_and_loads_nowhere(server, adapters):
     assert form.status_code == 415, form.text  # JSON only
 
 
-def _serving_again(url: str, rank: int) -> bool:
-    """`rank` serves in a new process (incarnation 1 or more)."""
+def _incarnation(url: str, rank: int) -> int:
+    return next(r["incarnation"] for r in httpx.get(url + "/health", timeout=5).json()["ranks"]
+                if r["rank"] == rank)
+
+
+def _serving_again(url: str, rank: int, old: int) -> bool:
+    """`rank` serves in a process newer than incarnation `old`."""
     ranks = httpx.get(url + "/health", timeout=5).json()["ranks"]
-    return any(r["rank"] == rank and r["state"] == "serving" and r["incarnation"] >= 1
+    return any(r["rank"] == rank and r["state"] == "serving" and r["incarnation"] > old
                for r in ranks)
 
 
@@ -251,12 +257,38 @@ def test_a_restarted_coordinator_keeps_the_run_time_adapters(server, adapters, e
 def test_restarted_rank_serves_the_run_time_adapter(server, adapters, expected):
     proc, url = server
     with _loaded(url, "rs", adapters["b"]):
-        victim = proc_named(descendants(proc.pid), "EngineCore_1")
+        victim, old = proc_named(descendants(proc.pid), "EngineCore_1"), _incarnation(url, 1)
         os.kill(victim.pid, signal.SIGKILL)
-        wait_until(lambda: _serving_again(url, 1), 180, "rank 1 to serve again")
+        wait_until(lambda: _serving_again(url, 1, old), 180, "rank 1 to serve again")
         assert proc_named(descendants(proc.pid), "EngineCore_1").pid != victim.pid
         assert _complete(url, "rs", rank=1) == expected["b"]
         assert _complete(url, "a", rank=1) == expected["a"]
+
+
+def test_a_rank_that_missed_an_adapter_gets_it_back(server, adapters, expected, tmp_path):
+    """Rank 1 restarts while the adapter's files are away: its replay fails and it
+    serves without it (its heartbeat lists only `a`); once the files are back, API
+    server 0's reconciliation (heartbeats lack it) loads it there."""
+    proc, url = server
+    moving = shutil.copytree(adapters["b"], tmp_path / "moving")
+    with _loaded(url, "mv", moving):
+        victim, old = proc_named(descendants(proc.pid), "EngineCore_1"), _incarnation(url, 1)
+        os.kill(victim.pid, signal.SIGKILL)
+        hidden = moving.rename(tmp_path / "hidden")
+        wait_until(lambda: _serving_again(url, 1, old), 180, "rank 1 to serve again")
+
+        new_pid = proc_named(descendants(proc.pid), "EngineCore_1").pid
+
+        def lora_of_1() -> dict | None:
+            return _engines(url)[1]["lora"]
+
+        wait_until(lambda: _engines(url)[1]["pid"] == new_pid and lora_of_1(), 30,
+                   "the new rank 1's first heartbeat")
+        assert lora_of_1()["cached"] == ["a"]  # replayed, but not mv
+        hidden.rename(moving)
+        wait_until(lambda: "mv" in (lora_of_1() or {}).get("cached", []) +
+                   (lora_of_1() or {}).get("resident", []), 60, "rank 1 to get mv back")
+        assert _complete(url, "mv", rank=1) == expected["b"]
 
 
 def test_added_rank_serves_the_adapters(server, adapters, expected):
@@ -296,7 +328,7 @@ def test_without_a_coordinator_a_restarted_engine_gets_the_adapters(tiny_llama, 
         assert _engines(url)[0]["lora"]["resident"] == ["b"]
         victim = proc_named(descendants(proc.pid), "EngineCore_0")
         os.kill(victim.pid, signal.SIGKILL)
-        wait_until(lambda: _serving_again(url, 0), 120, "engine 0 to serve again")
+        wait_until(lambda: _serving_again(url, 0, 0), 120, "engine 0 to serve again")
         assert proc_named(descendants(proc.pid), "EngineCore_0").pid != victim.pid
         assert _complete(url, "b") == expected["b"]
 

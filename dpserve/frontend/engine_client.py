@@ -401,6 +401,7 @@ class AsyncEngineClient:
             self.news.note(update)
             for change in self.table.apply_update(update):
                 self._apply(change)
+            self.lora_replay.reconcile(self)  # ranks that missed an adapter
 
     def _dispatch(self, outputs: EngineCoreOutputs) -> None:
         engine = self.engines.get(outputs.engine_index)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from dpserve.frontend.engine_sockets import UtilityCallError
@@ -124,14 +125,62 @@ async def unload_adapter(cluster: Any, name: str) -> None:
 
 
 class LoRAReplay:
-    """Without a DP coordinator (one API server, N = 1) no READY carries the registry:
-    before the first request naming an adapter goes to a restarted rank (incarnation
-    > 0), the engine client loads every registered adapter there (`ensure`); the
-    first process of a rank loaded --lora-modules itself and got every run-time load."""
+    """Ranks that missed the registry get it from the engine client.
+
+    `ensure`: without a DP coordinator (one API server, N = 1) no READY carries the
+    registry: before the first request naming an adapter goes to a restarted rank
+    (incarnation > 0), every registered adapter is loaded there; the first process
+    of a rank loaded --lora-modules itself and got every run-time load.
+
+    `reconcile` (with a coordinator; API server 0 only, after each update): a
+    serving rank whose heartbeat (`EngineInfo.lora.adapters`) lacks an adapter
+    registered for `SETTLE_S` gets `add_lora`, retried every `RETRY_S` while it
+    fails. It closes the window where a rank got READY (and the registry) just
+    before a load was committed, and heals a replay that failed (files back).
+    """
+
+    SETTLE_S = 3.0  # heartbeats show a new adapter within this
+    RETRY_S = 5.0
 
     def __init__(self) -> None:
         self._done: dict[int, int] = {}  # rank -> the incarnation replayed to
         self._locks: dict[int, asyncio.Lock] = {}
+        self._seen: dict[str, float] = {}  # registered name -> when first seen here
+        self._next_try: dict[tuple[int, int, str], float] = {}  # (rank, incarnation, name)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def reconcile(self, client: Any) -> None:
+        """See the class docstring; called on the event loop after each update."""
+        registry = client.news.loras
+        if not registry or client.client_index != 0 or not client.has_coordinator:
+            return
+        now = time.monotonic()
+        self._seen = {name: self._seen.get(name, now) for name in registry}
+        for engine in client.table.engines.values():
+            report = engine.info.lora
+            if not engine.serving or report is None:
+                continue
+            for name in registry.keys() - report.adapters.keys():
+                key = (engine.rank, engine.status.incarnation, name)
+                if now - self._seen[name] < self.SETTLE_S or \
+                        self._next_try.get(key, 0.0) > now:
+                    continue
+                self._next_try[key] = now + self.RETRY_S
+                task = asyncio.get_running_loop().create_task(
+                    self._heal(client, engine.rank, name, registry[name]))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    async def _heal(client: Any, rank: int, name: str, path: str) -> None:
+        try:
+            await client.call_utility("add_lora", name, path, engine=rank,
+                                      timeout=LOAD_TIMEOUT_S)
+            logger.warning("LoRA adapter %r was missing on rank %d: loaded", name, rank)
+        except Exception as e:  # noqa: BLE001 - retried after RETRY_S; logged
+            if "already loaded" not in str(e):
+                logger.error("LoRA adapter %r missing on rank %d, not loaded: %s", name,
+                             rank, e)
 
     async def ensure(self, client: Any, rank: int, incarnation: int,
                      lora_name: str | None) -> None:
