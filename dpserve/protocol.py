@@ -195,7 +195,9 @@ class HandshakeReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 #     lockstep: [RequestType.REGROUP_DP.value, RegroupDP] at start-up and after
 #     every membership change or failed collective.
 #     COORDINATOR_READY again whenever an engine subscribes later (a restarted
-#     engine waits for it; running engines ignore it).
+#     engine waits for it; running engines ignore it). With LoRA on, READY has a
+#     second frame, the adapter registry (msgpack name -> path): an engine loads
+#     what it lacks before it serves.
 # Engine report socket (engine PUSH -> coordinator PULL): EngineReport (load and
 #     wave news from the busy loop; heartbeats from a thread, every second).
 # Front publish socket (coordinator XPUB <-> front-end XSUB, subscribed to b""):
@@ -249,6 +251,18 @@ class TPWorkerInfo(msgspec.Struct, array_like=True, gc=False):
     rss_bytes: int  # resident memory of its process at the time of the report
 
 
+class LoRAReport(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """An engine's LoRA adapters (--enable-lora), in its heartbeat and in /engines."""
+
+    resident: list[str] = []  # names in a device slot (a request runs at once)
+    cached: list[str] = []  # names in host memory, not resident (a slot load away)
+    registered: int = 0  # adapters this engine holds (any tier)
+    adapters: dict[str, str] = {}  # name -> path of each (a restarted coordinator's seed)
+    max_loras: int = 0  # its device slots
+    loads: int = 0  # adapters put into a slot, cumulative
+    evictions: int = 0  # adapters taken out of a slot for another, cumulative
+
+
 class EngineReport(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Engine -> coordinator: load and wave news from one engine."""
 
@@ -276,6 +290,7 @@ class EngineReport(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     pid: int | None = None
     host: str = ""
     tp_workers: list[TPWorkerInfo] = []  # heartbeat: the rank's TP workers (worker 0 first)
+    lora: LoRAReport | None = None  # heartbeat: its LoRA adapters (None: LoRA off)
 
 
 class StartDPWave(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -311,6 +326,7 @@ class EngineInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     host: str = ""
     ttft_s: float = 0.0  # mean time to first token in the engine over the last 10 s
     tp_workers: list[TPWorkerInfo] = []  # its tensor-parallel workers, at its last heartbeat
+    lora: LoRAReport | None = None  # its LoRA adapters, at its last heartbeat
 
 
 class RestartRank(msgspec.Struct, array_like=True, gc=False):
@@ -335,6 +351,8 @@ class CoordinatorUpdate(msgspec.Struct, array_like=True, gc=False):
     restart: RestartRank | None = None  # for the launchers (supervisors) only
     scale: ScaleStatus | None = None  # the latest change of the engine count (or answer)
     autoscale_decisions: list[int] | None = None  # [up, down] the autoscaler made, in total
+    # The DP-wide LoRA adapter registry, name -> path (None: LoRA off); in every publish.
+    loras: dict[str, str] | None = None
 
 
 class WakeEngines(msgspec.Struct, tag="wake", array_like=True, gc=False):
@@ -409,8 +427,18 @@ class RankControl(msgspec.Struct, tag="rank_control", array_like=True, gc=False)
     action: str
 
 
+class LoRAChange(msgspec.Struct, tag="lora", array_like=True, gc=False):
+    """API server -> coordinator: adapter `name` is now loaded on every live rank from
+    `path` (op "add"), or is being unloaded (op "remove"): the registry changes and is
+    published (`CoordinatorUpdate.loras`); ranks that start later load it before READY."""
+
+    op: str
+    name: str
+    path: str = ""
+
+
 CoordinatorRequest = (WakeEngines | ScaleEngines | RankEvent | ScaleRequest | ScaleResult
-                      | ControlChange | RankControl)
+                      | ControlChange | RankControl | LoRAChange)
 
 
 # ---- rendezvous (external / hybrid load balancing) ------------------------------

@@ -5,7 +5,7 @@ PrefixTracker's hash chain against the engine's own prefix cache, and its LRU.""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -20,7 +20,14 @@ from dpserve.frontend.routing import (
     kv_capacity_blocks,
 )
 from dpserve.launch.addresses import AddressAllocator
-from dpserve.protocol import EngineCoreRequest, RankState, RankStatus, SchedulerStats
+from dpserve.protocol import (
+    EngineCoreRequest,
+    EngineInfo,
+    LoRAReport,
+    RankState,
+    RankStatus,
+    SchedulerStats,
+)
 
 BS = 4  # block size of these tests
 
@@ -35,6 +42,7 @@ class FakeEngineState:
     running: int = 0
     sent_since_publish: int = 0
     stats: SchedulerStats | None = None
+    info: EngineInfo = field(default_factory=EngineInfo)
 
 
 def request(tokens: list[int]) -> EngineCoreRequest:
@@ -205,3 +213,66 @@ def test_new_prefixes_tie_break_from_the_clients_own_index():
     firsts = [Router("cache-aware", client_index=i, block_size=BS).choose(
         live, request(prompt(1, 0)), balanced=True).rank for i in range(4)]
     assert firsts == [0, 1, 2, 0]
+
+
+def lora_request(name: str | None, tokens: list[int] | None = None) -> EngineCoreRequest:
+    return EngineCoreRequest("r", tokens or [1, 2, 3], SamplingParams(), lora_name=name)
+
+
+def with_lora(engine: FakeEngineState, resident=(), cached=(), max_loras=2
+              ) -> FakeEngineState:
+    engine.info = EngineInfo(lora=LoRAReport(resident=list(resident), cached=list(cached),
+                                             max_loras=max_loras))
+    return engine
+
+
+def test_adapter_aware_prefers_resident_then_cached_then_a_free_slot():
+    live = engines(3, waiting=0, running=2)
+    with_lora(live[0], resident=["p", "q"])  # full, without x
+    with_lora(live[1], cached=["x"], resident=["p", "q"])  # x one slot load away
+    with_lora(live[2], resident=["y"])  # a free slot
+    assert Router("cache-aware").choose(live, lora_request("x"), balanced=True).rank == 1
+    with_lora(live[2], resident=["x"])
+    assert Router("cache-aware").choose(live, lora_request("x"), balanced=True).rank == 2
+    # No rank holds z: the one with a free slot, not one that must evict.
+    with_lora(live[2], resident=["y"])
+    assert Router("cache-aware").choose(live, lora_request("z"), balanced=True).rank == 2
+
+
+def test_adapter_aware_hot_rank_yields_and_count_only_ignores_adapters():
+    live = engines(2)
+    with_lora(live[1], resident=["x"])
+    live[0].running, live[1].running, live[1].waiting = 0, 4, 20  # rank 1 is hot
+    assert Router("cache-aware").choose(live, lora_request("x"), balanced=True).rank == 0
+    live[1].waiting = 0  # 4 running against 0: not hot, warm wins
+    assert Router("cache-aware").choose(live, lora_request("x"), balanced=True).rank == 1
+    assert Router("least-loaded").choose(live, lora_request("x"), balanced=True).rank == 0
+
+
+def test_adapter_aware_follows_its_own_sends_between_heartbeats():
+    """No reports yet: a burst of one adapter stays on the rank its first request got,
+    and a second adapter goes to the other rank (a record per rank, per adapter)."""
+    router = Router("cache-aware", block_size=BS)
+    live = engines(2)
+    first = router.choose(live, lora_request("x"), balanced=False)
+    first.num_requests += 1
+    other = router.choose(live, lora_request("y"), balanced=False)
+    other.num_requests += 1
+    assert other.rank != first.rank
+    for _ in range(3):
+        chosen = router.choose(live, lora_request("x"), balanced=False)
+        chosen.num_requests += 1
+        assert chosen.rank == first.rank
+    assert router.adapter_warm == 3
+    router.forget(first.rank)
+    assert router.adapters.tier(first, "x") == 1  # FREE_SLOT: nothing known there now
+
+
+def test_prefix_record_is_keyed_by_adapter():
+    router = Router("cache-aware", block_size=BS)
+    live = engines(2)
+    tokens = prompt(1, 0)
+    a = router.choose(live, lora_request(None, tokens), balanced=False)
+    assert router.tracker.matched_blocks(a.rank, router.tracker.hashes(tokens)) == 6
+    chain_x = router.tracker.hashes(tokens, "\x00lora:x")
+    assert router.tracker.matched_blocks(a.rank, chain_x) == 0

@@ -61,6 +61,7 @@ from dpserve.engine.scheduler import TTFT_WINDOW_S
 from dpserve.protocol import (
     COORDINATOR_READY,
     EngineReport,
+    LoRAReport,
     RegroupDP,
     StartDPWave,
     TPWorkerInfo,
@@ -95,6 +96,7 @@ class DPLink:
         self.generated_tokens = 0  # ... and the output tokens sampled so far
         self.ttft_s = 0.0  # ... and the recent mean time to first token (at `ttft_at`;
         self.ttft_at = 0.0  # an engine idle for a whole window reports 0)
+        self.lora: LoRAReport | None = None  # ... and its LoRA adapters (LoRA on)
         self._report_address = report_address
         self._secret = secret
         self._beats = threading.Event()  # set: heartbeats stop
@@ -134,8 +136,9 @@ class DPLink:
 
     # ---- start-up ----------------------------------------------------------------
 
-    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
-        """Block until the coordinator says READY; TimeoutError after `timeout` s."""
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> dict[str, str]:
+        """Block until the coordinator says READY; TimeoutError after `timeout` s.
+        Returns the LoRA adapter registry READY carries (name -> path; {}: none)."""
         assert self._publish is not None
         deadline = time.monotonic() + timeout
         while True:
@@ -144,9 +147,10 @@ class DPLink:
                 raise TimeoutError(f"engine {self.rank}: no COORDINATOR_READY from the DP "
                                    f"coordinator within {timeout:.0f} s")
             frames = self._publish.recv_multipart()
-            if frames == [COORDINATOR_READY]:
+            if frames[0] == COORDINATOR_READY:
                 logger.info("engine %d: DP coordinator ready", self.rank)
-                return
+                return msgspec.msgpack.decode(frames[1], type=dict[str, str]) \
+                    if len(frames) > 1 else {}
             logger.debug("engine %d: ignoring coordinator message before READY", self.rank)
 
     def start_heartbeats(self, tp_workers: Callable[[], list[TPWorkerInfo]] | None = None
@@ -177,7 +181,8 @@ class DPLink:
                                     ttft_s=self.ttft_s if time.monotonic() - self.ttft_at
                                     < TTFT_WINDOW_S else 0.0,
                                     generated_tokens=self.generated_tokens, pid=pid,
-                                    host=host, tp_workers=_workers(tp_workers))
+                                    host=host, tp_workers=_workers(tp_workers),
+                                    lora=self.lora)
                 try:
                     sock.send(encoder.encode(beat), flags=zmq.NOBLOCK)
                 except zmq.Again:

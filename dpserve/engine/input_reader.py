@@ -103,7 +103,7 @@ class InputReader:
         """One message -> the input queue (a bad one is logged and dropped)."""
         frames = sock.recv_multipart()
         if sock is self.coordinator:
-            if frames == [COORDINATOR_READY]:  # for an engine that joined later
+            if frames[0] == COORDINATOR_READY:  # for an engine that joined later
                 return
             item = decode_request(frames, self.coordinator_decoders, "the DP coordinator")
             if item is not None:

@@ -60,6 +60,7 @@ from dpserve.engine.control import ControlCalls, EngineControl
 from dpserve.engine.core import UTILITY_METHODS
 from dpserve.engine.dp import DPLink
 from dpserve.engine.input_reader import CLIENT_NEWS, IO_FAILED, PEER_LOST, InputReader
+from dpserve.engine.lora_sync import lora_report, replay_registry
 from dpserve.engine.output_sender import DEAD_LINGER_MS, OutputSender, connect_outputs
 from dpserve.logging_utils import name_process
 from dpserve.parent_watch import start_parent_watcher
@@ -189,9 +190,8 @@ class EngineCoreProc:
             send=lambda client, outs: self.output_queue.put_nowait((client, outs)),
             publish=self._publish,
             report_done=self.dp.report_control_done if self.dp is not None else None)
-        if self.dp is not None:
-            self.dp.wait_ready()  # every engine is subscribed: reports are heard
-            # Lockstep: the busy loop joins the DP group the coordinator names next.
+        if self.dp is not None:  # all subscribed; READY brings the LoRA registry; group next
+            replay_registry(self.engine_core, self.dp.wait_ready(), self.rank)
         # Start registering with the front-ends before READY: the launcher
         # starts them on READY, and the frames wait in our sockets till then.
         self._start_io_threads(init)
@@ -236,6 +236,7 @@ class EngineCoreProc:
                 self.dp.ttft_s, self.dp.ttft_at = (core.scheduler.recent_ttft.mean(
                     time.monotonic()), time.monotonic())
                 self.dp.generated_tokens = core.scheduler.num_generated_tokens
+                self.dp.lora = lora_report(core.lora)
                 self._leave_group_if_ep_failed()
                 self.dp.after_step(executed=core.num_forward_passes > forward_passes,
                                    has_work=has_work,

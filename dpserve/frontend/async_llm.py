@@ -206,10 +206,12 @@ class AsyncLLM:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, prompt_text: str | None = None,
                        data_parallel_rank: int | None = None,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, lora_name: str | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream DELTA RequestOutputs for one request until it finishes.
 
-        `data_parallel_rank` pins the engine that runs it. Raises RequestError
+        `data_parallel_rank` pins the engine that runs it; `lora_name` names the LoRA
+        adapter it runs with (None: the base model). Raises RequestError
         (before anything is sent) for a request that can never run,
         EngineDeadError if the engine dies.
         """
@@ -222,7 +224,7 @@ class AsyncLLM:
         engine_requests = self.processor.add_request(
             request_id, prompt_text, list(prompt_token_ids), params, kind=OutputKind.DELTA,
             arrival_time=arrival, data_parallel_rank=data_parallel_rank,
-            cache_salt=cache_salt)
+            cache_salt=cache_salt, lora_name=lora_name)
         tracked = _Tracked(asyncio.Queue(), len(prompt_token_ids), arrival)
         self._requests[request_id] = tracked
         finished = False

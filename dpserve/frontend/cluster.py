@@ -3,7 +3,8 @@
 Scope: the one typed surface `dpserve.server` uses of the engine side
 (`AsyncLLM.cluster`): the ranks and their states, the data-parallel size,
 pause / sleep and its state, scale requests, moved-request counts, utility
-calls (one rank, or every live one), per-rank operator controls, the queues
+calls (one rank, or every live one), per-rank operator controls, the LoRA
+adapter registry (`dpserve.frontend.lora`), the queues
 admission control reads, and death. Both engine clients provide it as
 `client.cluster`: the socket client's is `EngineClientCluster`
 (`dpserve.frontend.engine_cluster`, over its rank table, in-flight book and
@@ -19,7 +20,7 @@ from typing import Any, Protocol
 
 from dpserve.frontend.migration import MovedCounts
 from dpserve.frontend.rank_table import RankView
-from dpserve.protocol import ControlState, ScaleStatus
+from dpserve.protocol import ControlState, LoRAChange, ScaleStatus
 
 DEFAULT_CONTROL_TIMEOUT_S = 600.0
 
@@ -74,6 +75,13 @@ class ClusterView(Protocol):
     async def control_rank(self, rank: int, action: str) -> None:
         """An operator's "cordon" / "uncordon" / "restart" of `rank`; ValueError
         without a coordinator or for a rank this server does not have."""
+
+    @property
+    def loras(self) -> dict[str, str] | None:
+        """The LoRA adapter registry, name -> path (None: LoRA off)."""
+
+    async def change_lora(self, change: LoRAChange) -> None:
+        """Record a registry change on every front-end (`dpserve.frontend.lora`)."""
 
     async def call_utility(self, method: str, *args: Any, engine: int | None = None,
                            timeout: float = 30.0, result_type: Any = None) -> Any:

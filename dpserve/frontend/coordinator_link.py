@@ -3,12 +3,13 @@
 Scope: `CoordinatorNews`, the coordinator's latest word as one front-end
 keeps it (the request wave and whether the engines run, pause / sleep state
 and the seq each rank reached, every rank's state, autoscale decisions, the
-answers to our scale requests); it exists without a coordinator too (the
-engines' own control state then). `CoordinatorLink`, the XSUB socket to the
-coordinator's front publish address: decoded updates in (`updates()`), and
-out `WakeEngines` (lockstep), pause / sleep changes, an operator's per-rank
-controls and scale requests. The rank table's share of an update (rank set,
-states, loads, figures) is `RankTable.apply_update`'s.
+answers to our scale requests, the LoRA adapter registry); it exists without
+a coordinator too (the engines' own control state, this front-end's registry).
+`CoordinatorLink`, the XSUB socket to the coordinator's front publish
+address: decoded updates in (`updates()`), and out `WakeEngines` (lockstep),
+pause / sleep changes, an operator's per-rank controls, scale requests and LoRA
+registry changes. The rank table's share of an update (rank set, states, loads,
+figures) is `RankTable.apply_update`'s.
 
 Not here: the engine sockets and what a rank's news asks of the client
 (`dpserve.frontend.engine_client`), the coordinator itself (`dpserve.launch`).
@@ -44,6 +45,9 @@ class CoordinatorNews:
     autoscale_decisions: list[int] | None = None  # [up, down] the autoscaler made
     info_updates: int = 0  # updates with per-rank figures, so far
     scales: ScaleRequests = field(default_factory=ScaleRequests)  # ours, until answered
+    # The LoRA adapter registry, name -> path (None: LoRA off): the coordinator's, else
+    # this front-end's own (dpserve.frontend.lora).
+    loras: dict[str, str] | None = None
 
     def note(self, update: CoordinatorUpdate) -> None:
         """Keep this update's wave, control, scale and rank-list news."""
@@ -57,6 +61,8 @@ class CoordinatorNews:
             self.controls.update(update.control, update.control_done)
         if update.engines is not None:
             self.info_updates += 1
+        if update.loras is not None:
+            self.loras = dict(update.loras)
 
 
 class CoordinatorLink:

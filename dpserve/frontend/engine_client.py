@@ -61,6 +61,7 @@ from dpserve.frontend.coordinator_link import CoordinatorLink, CoordinatorNews
 from dpserve.frontend.engine_cluster import EngineClientCluster
 from dpserve.frontend.engine_sockets import EngineSockets, UtilityCallError, UtilityCalls
 from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError
+from dpserve.frontend.lora import LoRAReplay
 from dpserve.frontend.migration import Evacuation, InFlightBook
 from dpserve.frontend.rank_table import EngineState, RankTable, StatusChange
 from dpserve.frontend.routing import Router
@@ -101,7 +102,8 @@ class AsyncEngineClient:
                  coordinator_address: str | None = None,
                  load_balance: str = "least-loaded", lockstep: bool = False,
                  secret: str | None = None, max_migrations: int = 3,
-                 fail_stop: bool = False, elastic: bool = False, block_size: int = 16) -> None:
+                 fail_stop: bool = False, elastic: bool = False, block_size: int = 16,
+                 loras: dict[str, str] | None = None) -> None:
         # ValueError for a bad policy; block_size: the engines' KV block (cache-aware)
         router = Router(load_balance, client_index=client_index, block_size=block_size)
         self._loop = asyncio.get_running_loop()  # raises outside an event loop
@@ -126,7 +128,10 @@ class AsyncEngineClient:
         self._tasks = [self._loop.create_task(self._read_registrations()),
                        self._loop.create_task(self._read_outputs())]
         self.lockstep = lockstep and balanced
-        self.news = CoordinatorNews()  # wave, pause / sleep, rank list, scale answers
+        # wave, pause / sleep, rank list, scale answers; `loras`: the LoRA registry at
+        # start (--lora-modules; None: LoRA off)
+        self.news = CoordinatorNews(loras=dict(loras) if loras is not None else None)
+        self.lora_replay = LoRAReplay()
         self._coordinator: CoordinatorLink | None = None
         if coordinator_address is not None:
             self._coordinator = CoordinatorLink(self._ctx, coordinator_address, secret)
@@ -191,6 +196,8 @@ class AsyncEngineClient:
         if request.request_id in self.book.flights:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         engine = self._choose_engine(request)
+        await self.lora_replay.ensure(self, engine.rank, engine.status.incarnation,
+                                      request.lora_name)  # N = 1: a restarted rank
         self.book.add(request, engine.rank)
         self.table.assign(engine, len(request.prompt_token_ids))
         try:
@@ -394,6 +401,7 @@ class AsyncEngineClient:
             self.news.note(update)
             for change in self.table.apply_update(update):
                 self._apply(change)
+            self.lora_replay.reconcile(self)  # ranks that missed an adapter
 
     def _dispatch(self, outputs: EngineCoreOutputs) -> None:
         engine = self.engines.get(outputs.engine_index)
@@ -483,7 +491,7 @@ def from_config(config: EngineConfig, input_address: str | Sequence[str],
                       coordinator_address: str | None = None,
                       load_balance: str = "least-loaded") -> AsyncEngineClient:
     """The engine client of one front-end, its policies taken from `config` (lockstep,
-    secret, migrations, failure policy, elastic, KV block size); the one place both
+    secret, migrations, failure policy, elastic, KV block size, LoRA); the one place both
     the API server and the offline LLM build it. Call inside the loop it will use."""
     parallel = config.parallel
     return AsyncEngineClient(input_address, output_address, engine_ranks=engine_ranks,
@@ -494,4 +502,5 @@ def from_config(config: EngineConfig, input_address: str | Sequence[str],
                              secret=parallel.data_parallel_secret,
                              max_migrations=parallel.max_request_migrations,
                              fail_stop=parallel.engine_failure_policy == "stop",
-                             elastic=parallel.elastic, block_size=config.cache.block_size)
+                             elastic=parallel.elastic, block_size=config.cache.block_size,
+                             loras=dict(config.lora.modules) if config.lora else None)

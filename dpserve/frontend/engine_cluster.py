@@ -12,6 +12,7 @@ Not here: the request path and the sockets (`dpserve.frontend.engine_client`).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Protocol
 
 from dpserve.frontend.cluster import DEFAULT_CONTROL_TIMEOUT_S
@@ -23,10 +24,14 @@ from dpserve.frontend.rank_table import RankTable, RankView
 from dpserve.protocol import (
     ControlChange,
     ControlState,
+    LoRAChange,
     RankControl,
     RankStatus,
     ScaleStatus,
 )
+
+LORA_CHANGE_TIMEOUT_S = 10.0  # the coordinator's update comes within this
+_POLL_S = 0.01
 
 
 class ClientParts(Protocol):
@@ -144,6 +149,35 @@ class EngineClientCluster:
             raise EngineUnavailableError("this server cannot change its engine count")
         return await client.coordinator().request_scale(
             client.news, client.new_id(), num_engines, timeout)
+
+    @property
+    def loras(self) -> dict[str, str] | None:
+        """The LoRA adapter registry, name -> path, as last heard (None: LoRA off)."""
+        return self._client.news.loras
+
+    async def change_lora(self, change: LoRAChange, timeout: float = LORA_CHANGE_TIMEOUT_S
+                          ) -> None:
+        """Record a LoRA registry change: through the coordinator (every front-end hears
+        it; returns once this one has), else in this client's own copy. TimeoutError."""
+        client = self._client
+        client.check_alive()
+        news = client.news
+        if not self.has_coordinator:
+            assert news.loras is not None
+            if change.op == "add":
+                news.loras[change.name] = change.path
+            else:
+                news.loras.pop(change.name, None)
+            return
+        await client.coordinator().send(change)
+        deadline = asyncio.get_running_loop().time() + timeout
+        while (news.loras or {}).get(change.name) != (change.path if change.op == "add"
+                                                      else None):
+            client.check_alive()
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"the DP coordinator did not confirm the LoRA {change.op} "
+                                   f"of {change.name!r} within {timeout:g} s")
+            await asyncio.sleep(_POLL_S)
 
     async def call_utility(self, method: str, *args: Any, engine: int | None = None,
                            timeout: float = 30.0, result_type: Any = None) -> Any:

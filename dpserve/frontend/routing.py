@@ -35,6 +35,15 @@ Policies (`LOAD_BALANCE_POLICIES`):
   the same. Remaining ties: scanning from this client's own index. A rank
   that dies or restarts is forgotten (its cache is gone).
 
+LoRA adapters (`cache-aware` only; `least-loaded` is the count-only baseline): a
+request that names an adapter goes, among the ranks that are not hot, to those
+holding it warmest: resident in a device slot (the rank's last heartbeat,
+`EngineInfo.lora`, or this router's own record of the adapters it sent each rank
+lately, an LRU of the rank's `max_loras`, which covers the second between
+heartbeats), then cached in host memory, then a rank with a free slot, then any;
+the prefix rule above picks among them (its record keyed by adapter too, as the
+engine's cache is). A hot rank yields as for prefixes.
+
 Each front-end (API server) tracks only its own sends: with `--api-server-count
 N`, a session whose requests land on different API servers is learnt by each
 separately (a request routed by one does not teach the others), so affinity is
@@ -51,12 +60,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from dpserve.engine.kv_cache import BlockHash, hash_block, root_hash
-from dpserve.protocol import EngineCoreRequest, SchedulerStats
+from dpserve.protocol import EngineCoreRequest, EngineInfo, SchedulerStats
 
 LOAD_BALANCE_POLICIES = ("least-loaded", "round-robin", "cache-aware")
 
 # KV capacity assumed for a rank that has not reported its figures yet (blocks).
 DEFAULT_CAPACITY_BLOCKS = 1 << 16
+DEFAULT_MAX_LORAS = 4  # device slots assumed for a rank that has not reported its adapters
+# Adapter tiers of a rank (higher: warmer): resident, on the host, a free slot, none.
+RESIDENT, CACHED, FREE_SLOT, COLD = 3, 2, 1, 0
 
 
 class RankLoad(Protocol):
@@ -68,6 +80,7 @@ class RankLoad(Protocol):
     running: int
     sent_since_publish: int  # requests this client sent it since that publish
     stats: SchedulerStats | None  # its last figures (KV capacity)
+    info: EngineInfo  # the coordinator's figures (LoRA adapters, from heartbeats)
 
 
 @dataclass(frozen=True)
@@ -142,6 +155,36 @@ class PrefixTracker:
         return len(self._blocks.get(rank, ()))
 
 
+class AdapterTracker:
+    """Per rank, the adapters this router sent there lately (an LRU of the rank's
+    device slots), and each rank's tier for an adapter (module docstring)."""
+
+    def __init__(self) -> None:
+        self._sent: dict[int, OrderedDict[str, None]] = {}
+
+    def tier(self, engine: RankLoad, name: str) -> int:
+        report = engine.info.lora
+        if name in self._sent.get(engine.rank, ()) or (report and name in report.resident):
+            return RESIDENT
+        if report is not None and name in report.cached:
+            return CACHED
+        slots = report.max_loras if report is not None else DEFAULT_MAX_LORAS
+        used = len(set(report.resident if report is not None else ())
+                   | set(self._sent.get(engine.rank, ())))
+        return FREE_SLOT if used < slots else COLD
+
+    def record(self, engine: RankLoad, name: str) -> None:
+        sent = self._sent.setdefault(engine.rank, OrderedDict())
+        sent[name] = None
+        sent.move_to_end(name)
+        report = engine.info.lora
+        while len(sent) > (report.max_loras if report is not None else DEFAULT_MAX_LORAS):
+            sent.popitem(last=False)
+
+    def forget(self, rank: int) -> None:
+        self._sent.pop(rank, None)
+
+
 class Router:
     """One front-end's engine choice (module docstring). `policy` is one of
     LOAD_BALANCE_POLICIES; `block_size` is the engines' KV block size."""
@@ -160,6 +203,8 @@ class Router:
         self._turn = client_index  # round-robin position
         self.cache_routed = 0  # cache-aware: requests placed by their prefix
         self.load_routed = 0  # cache-aware: requests placed by load (no match, or hot)
+        self.adapters = AdapterTracker()
+        self.adapter_warm = 0  # cache-aware: LoRA requests placed where it was warm
 
     @staticmethod
     def load(engine: RankLoad, balanced: bool) -> int:
@@ -177,10 +222,16 @@ class Router:
         least = self._least_loaded(live, balanced)
         if self.policy == "least-loaded":
             return least
-        chain = self.tracker.hashes(request.prompt_token_ids, request.cache_salt)
-        chosen = self._cache_aware(live, chain, len(request.prompt_token_ids), least,
+        chain = self.tracker.hashes(request.prompt_token_ids, _cache_root(request))
+        candidates = live
+        if request.lora_name is not None:
+            candidates = self._warmest(live, request.lora_name, least, balanced)
+        chosen = self._cache_aware(candidates, chain, len(request.prompt_token_ids), least,
                                    balanced)
         self.record(chosen, chain)
+        if request.lora_name is not None:
+            self.adapter_warm += self.adapters.tier(chosen, request.lora_name) >= CACHED
+            self.adapters.record(chosen, request.lora_name)
         return chosen
 
     def record(self, engine: RankLoad, chain: Sequence[BlockHash] | None = None,
@@ -191,13 +242,16 @@ class Router:
             return
         if chain is None:
             chain = self.tracker.hashes(request.prompt_token_ids if request else [],
-                                        request.cache_salt if request else None)
+                                        _cache_root(request) if request else None)
+        if request is not None and request.lora_name is not None:
+            self.adapters.record(engine, request.lora_name)
         capacity = kv_capacity_blocks(engine.stats) or self.default_capacity
         self.tracker.record(engine.rank, chain, capacity)
 
     def forget(self, rank: int) -> None:
         """The rank's prefix cache is gone (dead, restarted or removed)."""
         self.tracker.forget(rank)
+        self.adapters.forget(rank)
 
     def _least_loaded(self, live: Sequence[RankLoad], balanced: bool) -> RankLoad:
         if not balanced:
@@ -209,6 +263,15 @@ class Router:
             if best_load is None or load < best_load:
                 best, best_load = engine, load
         return best
+
+    def _warmest(self, live: Sequence[RankLoad], name: str, least: RankLoad,
+                 balanced: bool) -> list[RankLoad]:
+        """The ranks, not hot, where adapter `name` is warmest (module docstring)."""
+        floor = self.load(least, balanced)
+        cool = [e for e in live if not self._hot(self.load(e, balanced), floor)]
+        tiers = {e.rank: self.adapters.tier(e, name) for e in cool}
+        best = max(tiers.values())
+        return [e for e in cool if tiers[e.rank] == best]
 
     def _hot(self, load: int, floor: int) -> bool:
         opts = self.options
@@ -239,3 +302,11 @@ class Router:
     def _scan(self, engine: RankLoad) -> int:
         """Tie-break: ranks from this client's own index on, then the lower ones."""
         return (engine.rank - self.client_index) % (1 << 30)
+
+
+def _cache_root(request: EngineCoreRequest) -> str | None:
+    """What roots a request's block chain in the record: its salt and, as the engine's
+    cache does, its adapter (two adapters never share blocks)."""
+    if request.lora_name is None:
+        return request.cache_salt
+    return f"{request.cache_salt or ''}\x00lora:{request.lora_name}"

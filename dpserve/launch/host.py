@@ -175,6 +175,14 @@ def launch_engines(config: EngineConfig, num_clients: int = 1,
     return launch
 
 
+def _needs_coordinator(config: EngineConfig, num_clients: int) -> bool:
+    """Several engines, elastic DP, or LoRA with several API servers (the coordinator
+    holds the adapter registry that every API server must see)."""
+    p = config.parallel
+    return p.data_parallel_size > 1 or p.elastic or (config.lora is not None
+                                                     and num_clients > 1)
+
+
 def _start_coordinator(launch: EngineLaunch, config: EngineConfig, ready_timeout: float, *,
                        remote: bool, dp_store: tuple[str, int],
                        publish_counts: bool = True) -> DPCoordinator:
@@ -194,7 +202,9 @@ def _start_coordinator(launch: EngineLaunch, config: EngineConfig, ready_timeout
                                 stall_timeout_s=p.engine_stall_timeout,
                                 dp_store=dp_store if p.data_parallel_lockstep else None,
                                 size_max=p.data_parallel_size_max if p.elastic else None,
-                                autoscale=p.autoscale if p.elastic else None)
+                                autoscale=p.autoscale if p.elastic else None,
+                                # the LoRA registry starts with --lora-modules
+                                loras=dict(config.lora.modules) if config.lora else None)
     launch.coordinator = coordinator
     coordinator.start()
     launch.coordinator_address = coordinator.front_publish_address
@@ -210,7 +220,7 @@ def _launch_head(launch: EngineLaunch, config: EngineConfig, num_clients: int,
     addrs = launch.allocator.engine_addresses(
         num_clients, remote_host=p.data_parallel_address if remote else None,
         rpc_port=p.data_parallel_rpc_port)
-    if size > 1 or p.elastic:  # the coordinator first: engines connect to it while loading
+    if _needs_coordinator(config, num_clients):  # first: engines connect while loading
         addrs = addrs.with_coordinator(_start_coordinator(
             launch, config, ready_timeout, remote=remote,
             dp_store=(addrs.dp_master_ip, addrs.dp_master_port)))
@@ -288,7 +298,7 @@ def _launch_ray(launch: EngineLaunch, config: EngineConfig, num_clients: int,
     size = p.data_parallel_size
     addrs = launch.allocator.engine_addresses(
         num_clients, remote_host=p.data_parallel_address, rpc_port=p.data_parallel_rpc_port)
-    if size > 1 or p.elastic:  # the coordinator first: engines connect to it while loading
+    if _needs_coordinator(config, num_clients):  # first: engines connect while loading
         addrs = addrs.with_coordinator(_start_coordinator(
             launch, config, ready_timeout, remote=True,
             dp_store=(addrs.dp_master_ip, addrs.dp_master_port)))

@@ -10,7 +10,8 @@ with:
      "engines": [{"rank", "state", "cordoned", "waiting", "running",
      "kv_cache_usage", "tokens_per_s", "wave", "restarts", "incarnation", "host",
      "pid", "ttft_s", "tp_workers": [{"tp_rank", "pid", "device", "rss_bytes"},
-     ...]}, ...]}
+     ...], "lora": null | {"resident", "cached", "loads", "evictions",
+     "max_loras"}}, ...]}
 
 Where the figures come from: with a DP coordinator (N > 1) everything is
 what the coordinator last published to every API server (counts from the
@@ -22,6 +23,9 @@ is asked for its `SchedulerStats` (`get_stats`) and its workers
 `tp_workers` lists worker 0 (the engine core's process) first; empty while a
 rank cannot say (dead, restarting).
 `restarts` is the rank's processes after its first (= `incarnation`).
+`lora` (--enable-lora; else null): the adapter names resident in the rank's
+device slots and those only in its host memory, its slot loads / evictions
+and slots (heartbeats; N = 1: `list_loras`, without loads / evictions).
 
 The dashboard is one HTML page with its script and style sheet, shipped in
 `dpserve/server/static/` (package data; no build step, nothing from a CDN);
@@ -45,7 +49,7 @@ from fastapi.responses import Response
 
 from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.cluster import ClusterView
-from dpserve.protocol import SchedulerStats, TPWorkerInfo
+from dpserve.protocol import LoRAReport, SchedulerStats, TPWorkerInfo
 from dpserve.rank_info import TokenRate
 from dpserve.server.protocol import APIError
 
@@ -101,7 +105,7 @@ async def engine_rows(async_llm: AsyncLLM, rates: dict[int, TokenRate] | None = 
         return await _local_rows(cluster, rates if rates is not None else {})
     return [_row(r.rank, r.state.value, r.incarnation, r.waiting, r.running,
                  r.info.kv_cache_usage, r.info.tokens_per_s, r.info.wave, r.info.cordoned,
-                 r.info.host, r.info.pid, r.info.ttft_s, r.info.tp_workers)
+                 r.info.host, r.info.pid, r.info.ttft_s, r.info.tp_workers, r.info.lora)
             for r in cluster.ranks()]
 
 
@@ -120,7 +124,8 @@ async def _local_rows(cluster: ClusterView, rates: dict[int, TokenRate]
                          stats.num_running if stats else 0,
                          stats.kv_cache_usage if stats else 0.0, rate.rate(),
                          stats.wave if stats else 0, False, "",
-                         workers[0].pid if workers else None, 0.0, workers))
+                         workers[0].pid if workers else None, 0.0, workers,
+                         await _loras(cluster, view.rank) if stats is not None else None))
     return rows
 
 
@@ -143,13 +148,33 @@ async def _workers(cluster: ClusterView, rank: int) -> list[TPWorkerInfo]:
         return []
 
 
+async def _loras(cluster: ClusterView, rank: int) -> LoRAReport | None:
+    """N = 1: the engine's adapters now (`list_loras`); None when LoRA is off or it
+    cannot answer. (No slot loads / evictions: those come with heartbeats.)"""
+    if cluster.loras is None:
+        return None
+    try:
+        listing = await cluster.call_utility("list_loras", engine=rank,
+                                             timeout=_STATS_TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - as _stats
+        return None
+    return LoRAReport(resident=[e["name"] for e in listing if e["resident"]],
+                      cached=[e["name"] for e in listing
+                              if e["on_host"] and not e["resident"]],
+                      registered=len(listing))
+
+
 def _row(rank: int, state: str, incarnation: int, waiting: int, running: int,
          kv_cache_usage: float, tokens_per_s: float, wave: int, cordoned: bool, host: str,
          pid: int | None, ttft_s: float = 0.0,
-         tp_workers: list[TPWorkerInfo] | None = None) -> dict[str, Any]:
+         tp_workers: list[TPWorkerInfo] | None = None,
+         lora: LoRAReport | None = None) -> dict[str, Any]:
     return {"rank": rank, "state": state, "cordoned": cordoned, "waiting": waiting,
             "running": running, "kv_cache_usage": kv_cache_usage,
             "tokens_per_s": tokens_per_s, "wave": wave, "restarts": incarnation,
             "incarnation": incarnation, "host": host, "pid": pid, "ttft_s": ttft_s,
             "tp_workers": [{"tp_rank": w.tp_rank, "pid": w.pid, "device": w.device,
-                            "rss_bytes": w.rss_bytes} for w in tp_workers or []]}
+                            "rss_bytes": w.rss_bytes} for w in tp_workers or []],
+            "lora": None if lora is None else {
+                "resident": lora.resident, "cached": lora.cached, "loads": lora.loads,
+                "evictions": lora.evictions, "max_loras": lora.max_loras}}

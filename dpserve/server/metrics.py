@@ -46,6 +46,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from dpserve.protocol import RankState
+from dpserve.server.lora_metrics import LoRAMetrics
 
 disable_created_metrics()  # no `*_created` series: dpserve's dashboards never read them
 
@@ -82,6 +83,8 @@ class ServerMetrics:
         self._add_request_metrics(model_name, api_server_index)
         self._add_engine_metrics()
         self._add_dp_metrics(model_name)
+        self.lora = LoRAMetrics(self.registry, None if self.multiprocess_dir is None
+                                else _CUMULATIVE)  # set at scrape time (routes_ops)
         self._decisions = [0, 0]  # (up, down) already counted
         self._moved = (0, 0, 0)  # (retries, migrations, recomputed tokens) already counted
         self._restarts: dict[int, int] = {}  # engine -> restarts already counted

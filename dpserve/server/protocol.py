@@ -374,10 +374,23 @@ class ModelCard(_Model):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "dpserve"
-    root: str | None = None
+    root: str | None = None  # the model's path (a LoRA adapter: the adapter's)
+    parent: str | None = None  # a LoRA adapter: the base model's id
     max_model_len: int | None = None
 
 
 class ModelList(_Model):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---- LoRA adapters (admin) -------------------------------------------------------------
+
+
+class LoadLoRAAdapterRequest(_Model):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(_Model):
+    lora_name: str = Field(min_length=1, max_length=256)

@@ -67,12 +67,12 @@ def ops_router(async_llm: AsyncLLM, metrics: ServerMetrics) -> APIRouter:
 
     @router.get("/metrics")
     async def prometheus_metrics() -> Response:
-        # The DP wave, as this API server last heard it from the coordinator.
-        metrics.set_wave(cluster.current_wave)
+        metrics.set_wave(cluster.current_wave)  # as this API server last heard it
         metrics.set_ranks({r["rank"]: (r["state"], r["incarnation"])
                            for r in rank_states(cluster)})
         metrics.record_moved(_moved(cluster))
         metrics.set_elastic(cluster.data_parallel_size, cluster.autoscale_decisions)
+        metrics.lora.update(cluster.ranks(), cluster.loras)
         return Response(metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     @router.get("/debug/request_state")

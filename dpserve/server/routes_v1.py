@@ -1,5 +1,10 @@
 """The OpenAI routes: /v1/completions, /v1/chat/completions, /v1/models[/{id}].
 
+`model` may name the base model (any of its names) or a LoRA adapter the
+server holds (`ClusterView.loras`: the request runs with it); any other name is
+a 404 `model_not_found`. /v1/models lists the adapters after the base model,
+each with `root` = its path and `parent` = the base model's id.
+
 Scope: `v1_router(serving, ...)`, thin routes over `OpenAIServing`: parse the
 body strictly, run the serving call unless the client leaves first (then it is
 cancelled, which aborts its requests in the engine), answer JSON or an SSE
@@ -56,12 +61,18 @@ def v1_router(async_llm: AsyncLLM, serving: OpenAIServing, names: Sequence[str]
             body, _dp_rank(request), api_key_id=request.state.api_key_id))
 
     def card(name: str) -> ModelCard:
+        """The base model by `name`, or the LoRA adapter `name` (its `parent`: the base)."""
+        path = (async_llm.cluster.loras or {}).get(name) if name not in names else None
+        if path is not None:
+            return ModelCard(id=name, root=path, parent=names[0],
+                             max_model_len=async_llm.max_model_len)
         return ModelCard(id=name, root=async_llm.config.model.path,
                          max_model_len=async_llm.max_model_len)
 
     @v1.get("/models")
     async def models() -> ModelList:
-        return ModelList(data=[card(name) for name in names])
+        adapters = sorted(async_llm.cluster.loras or ())
+        return ModelList(data=[card(name) for name in [*names, *adapters]])
 
     @v1.get("/models/{model_id:path}")
     async def model(model_id: str) -> ModelCard:

@@ -117,7 +117,8 @@ class OpenAIServing:
         `api_key_id` (the auth layer's name of the key used) salts the prefix cache
         with --prefix-cache-salt-per-key."""
         deadline = self._deadline()
-        self._check_model(req.model)
+        lora_name = self._check_model(req.model)
+        model = lora_name or self.model_name  # what the response says (vLLM's)
         check_completion(req, self.limits)
         params = self._sampling_params(req, max_tokens=self.defaults.get("max_tokens", 16)
                                        if req.max_tokens is None else req.max_tokens,
@@ -129,16 +130,17 @@ class OpenAIServing:
                    if isinstance(p, str) else (None, list(p)) for p in batch]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = self._start(request_id, prompts, params, data_parallel_rank,
-                              self._salt(req, api_key_id), deadline)
+                              self._salt(req, api_key_id), deadline, lora_name)
         # echo: each choice starts with its prompt's text.
         echo = [(t if t is not None else self.llm.decode(ids)) if req.echo else ""
                 for t, ids in prompts]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            lines = self._completion_stream(request_id, streams, params, include_usage)
-            return self._echo_first(request_id, echo, params.n, lines) if req.echo else lines
+            lines = self._completion_stream(request_id, streams, params, include_usage, model)
+            return self._echo_first(request_id, echo, params.n, lines, model) if req.echo \
+                else lines
         choices, usage = await collect(streams, params.n)
-        return CompletionResponse(id=request_id, model=self.model_name, usage=usage, choices=[
+        return CompletionResponse(id=request_id, model=model, usage=usage, choices=[
             CompletionChoice(index=i, text=echo[i // params.n] + "".join(c.text),
                              finish_reason=c.finish_reason,
                              stop_reason=c.stop_reason,
@@ -147,16 +149,16 @@ class OpenAIServing:
             for i, c in enumerate(choices)])
 
     async def _echo_first(self, request_id: str, echo: list[str], n: int,
-                          lines: AsyncIterator[str]) -> AsyncIterator[str]:
+                          lines: AsyncIterator[str], model: str) -> AsyncIterator[str]:
         for i in range(len(echo) * n):
-            yield sse(CompletionResponse(id=request_id, model=self.model_name, choices=[
+            yield sse(CompletionResponse(id=request_id, model=model, choices=[
                 CompletionChoice(index=i, text=echo[i // n])]))
         async with aclosing(lines):  # type: ignore[type-var]
             async for line in lines:
                 yield line
 
     async def _completion_stream(self, request_id: str, streams: list[AsyncIterator[Any]],
-                                 params: SamplingParams, include_usage: bool,
+                                 params: SamplingParams, include_usage: bool, model: str,
                                  ) -> AsyncIterator[str]:
         offsets: dict[int, int] = {}  # choice index -> text offset of its next token
 
@@ -165,13 +167,12 @@ class OpenAIServing:
                                                  offsets.get(index, 0))
             if logprobs is not None and logprobs.tokens:
                 offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-            return CompletionResponse(id=request_id, model=self.model_name, choices=[
+            return CompletionResponse(id=request_id, model=model, choices=[
                 CompletionChoice(index=index, text=c.text, logprobs=logprobs,
                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
 
         def usage_chunk(usage: UsageInfo) -> BaseModel:
-            return CompletionResponse(id=request_id, model=self.model_name, choices=[],
-                                      usage=usage)
+            return CompletionResponse(id=request_id, model=model, choices=[], usage=usage)
 
         async with aclosing(sse_lines(streams, params.n, chunk, usage_chunk,
                                       include_usage)) as lines:
@@ -185,7 +186,8 @@ class OpenAIServing:
                                      api_key_id: str | None = None,
                                      ) -> BaseModel | AsyncIterator[str]:
         deadline = self._deadline()
-        self._check_model(req.model)
+        lora_name = self._check_model(req.model)
+        model = lora_name or self.model_name  # what the response says (vLLM's)
         check_chat(req, self.limits)
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                       else req.max_tokens)
@@ -210,15 +212,17 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             streams = self._start(request_id, [(None, prompt_ids)], params,
-                                  data_parallel_rank, self._salt(req, api_key_id), deadline)
+                                  data_parallel_rank, self._salt(req, api_key_id), deadline,
+                                  lora_name)
         except RequestError as e:
             raise RequestError(str(e), "messages" if e.param == "prompt" else e.param,
                                e.code) from None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             if plan is not None and plan.mode != "none":
-                return chat_tool_stream(self, request_id, streams, params, include_usage, plan)
-            return self._chat_stream(request_id, streams, params, include_usage)
+                return chat_tool_stream(request_id, streams, params, include_usage, plan,
+                                        model)
+            return self._chat_stream(request_id, streams, params, include_usage, model)
         choices, usage = await collect(streams, params.n)
         out = []
         for i, c in enumerate(choices):
@@ -226,7 +230,7 @@ class OpenAIServing:
             out.append(ChatChoice(index=i, message=message, finish_reason=finish,
                                   stop_reason=c.stop_reason,
                                   logprobs=self._chat_logprobs(c.logprobs, params.logprobs)))
-        return ChatCompletionResponse(id=request_id, model=self.model_name, usage=usage,
+        return ChatCompletionResponse(id=request_id, model=model, usage=usage,
                                       choices=out, prompt_logprobs=self._prompt_logprobs(
                                           choices[0].prompt_logprobs))
 
@@ -255,19 +259,19 @@ class OpenAIServing:
                                param="messages") from None
 
     async def _chat_stream(self, request_id: str, streams: list[AsyncIterator[Any]],
-                           params: SamplingParams, include_usage: bool) -> AsyncIterator[str]:
+                           params: SamplingParams, include_usage: bool, model: str,
+                           ) -> AsyncIterator[str]:
         def chunk(index: int, c: CompletionOutput) -> BaseModel:
-            return ChatCompletionChunk(id=request_id, model=self.model_name, choices=[
+            return ChatCompletionChunk(id=request_id, model=model, choices=[
                 ChatStreamChoice(index=index, delta=DeltaMessage(content=c.text),
                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                  logprobs=self._chat_logprobs(token_pairs(c), params.logprobs))])
 
         def usage_chunk(usage: UsageInfo) -> BaseModel:
-            return ChatCompletionChunk(id=request_id, model=self.model_name, choices=[],
-                                       usage=usage)
+            return ChatCompletionChunk(id=request_id, model=model, choices=[], usage=usage)
 
         for i in range(len(streams) * params.n):  # OpenAI sends the role first
-            yield sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[
+            yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[
                 ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]))
         async with aclosing(sse_lines(streams, params.n, chunk, usage_chunk,
                                       include_usage)) as lines:
@@ -276,13 +280,18 @@ class OpenAIServing:
 
     # ---- shared --------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
-        self._check_model(model)
+    def check_model(self, model: str | None) -> str | None:
+        return self._check_model(model)
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name and model not in self.model_aliases:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model",
-                           code="model_not_found")
+    def _check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names (None: the base model, by any of its names, or
+        no name); 404 for a name that is neither."""
+        if model is None or model == self.model_name or model in self.model_aliases:
+            return None
+        if model in (self.llm.cluster.loras or ()):
+            return model
+        raise APIError(404, f"The model `{model}` does not exist.", param="model",
+                       code="model_not_found")
 
     def _deadline(self) -> float | None:
         """When a request arriving now must be done by (--request-timeout), loop time."""
@@ -343,15 +352,17 @@ class OpenAIServing:
     def _start(self, request_id: str, prompts: Sequence[tuple[str | None, list[int]]],
                params: SamplingParams, data_parallel_rank: int | None = None,
                cache_salt: str | None = None, deadline: float | None = None,
-               ) -> list[AsyncIterator[RequestOutput]]:
+               lora_name: str | None = None) -> list[AsyncIterator[RequestOutput]]:
         """Validate every prompt, then open one generate() stream per prompt (each ends
-        with a 504 past `deadline`, loop time)."""
+        with a 504 past `deadline`, loop time), with LoRA adapter `lora_name` (None:
+        the base model)."""
         for _, ids in prompts:
             self.llm.validate(ids, params, data_parallel_rank)
         if self.admission is not None:  # paused / asleep / queues full
             self.admission([len(ids) for _, ids in prompts] * params.n)
         streams = [self.llm.generate(ids, params, f"{request_id}-{i}", text,
-                                     data_parallel_rank, cache_salt=cache_salt)
+                                     data_parallel_rank, cache_salt=cache_salt,
+                                     lora_name=lora_name)
                    for i, (text, ids) in enumerate(prompts)]
         if self.log_requests:
             streams = [logged_stream(s, f"{request_id}-{i}", len(ids), params)

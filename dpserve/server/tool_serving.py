@@ -64,19 +64,20 @@ def tool_message(text: str, finish_reason: str | None, plan: ToolPlan | None,
         for c in calls]), ("tool_calls" if finish_reason == "stop" else finish_reason)
 
 
-async def chat_tool_stream(serving: Any, request_id: str, streams: list[AsyncIterator[Any]],
+async def chat_tool_stream(request_id: str, streams: list[AsyncIterator[Any]],
                            params: SamplingParams, include_usage: bool,
-                           plan: ToolPlan) -> AsyncIterator[str]:
-    """The SSE lines of a chat stream whose choices may be tool calls."""
+                           plan: ToolPlan, model: str) -> AsyncIterator[str]:
+    """The SSE lines of a chat stream whose choices may be tool calls (`model`: the
+    name the chunks carry)."""
     def chunk(index: int, delta: DeltaMessage, finish: str | None = None) -> str:
-        return sse(ChatCompletionChunk(id=request_id, model=serving.model_name, choices=[
+        return sse(ChatCompletionChunk(id=request_id, model=model, choices=[
             ChatStreamChoice(index=index, delta=delta, finish_reason=finish)]))
 
     for i in range(len(streams) * params.n):  # OpenAI sends the role first
         yield chunk(i, DeltaMessage(role="assistant", content=""))
     if plan.mode == "named":
-        async for line in _named_stream(serving, request_id, streams, params,
-                                        include_usage, plan):
+        async for line in _named_stream(request_id, streams, params,
+                                        include_usage, plan, model):
             yield line
         return
     try:
@@ -97,7 +98,7 @@ async def chat_tool_stream(serving: Any, request_id: str, streams: list[AsyncIte
                 index=k, type=None, function=FunctionCall(arguments=call.function.arguments))]))
         yield chunk(i, DeltaMessage(), finish)
     if include_usage:
-        yield sse(ChatCompletionChunk(id=request_id, model=serving.model_name, choices=[],
+        yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[],
                                        usage=usage))
     yield "data: [DONE]\n\n"
 
@@ -108,9 +109,9 @@ def _error_line(e: Exception) -> str:
                                               param=error.param, code=error.code)))
 
 
-async def _named_stream(serving: Any, request_id: str, streams: list[AsyncIterator[Any]],
+async def _named_stream(request_id: str, streams: list[AsyncIterator[Any]],
                         params: SamplingParams, include_usage: bool,
-                        plan: ToolPlan) -> AsyncIterator[str]:
+                        plan: ToolPlan, model: str) -> AsyncIterator[str]:
     started: set[int] = set()
 
     def chunk(index: int, c: CompletionOutput) -> ChatCompletionChunk:
@@ -120,12 +121,12 @@ async def _named_stream(serving: Any, request_id: str, streams: list[AsyncIterat
             call = ToolCall(index=0, id=new_call_id(), function=FunctionCall(
                 name=plan.name, arguments=c.text))
         finish = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
-        return ChatCompletionChunk(id=request_id, model=serving.model_name, choices=[
+        return ChatCompletionChunk(id=request_id, model=model, choices=[
             ChatStreamChoice(index=index, delta=DeltaMessage(tool_calls=[call]),
                              finish_reason=finish)])
 
     def usage_chunk(usage: Any) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=request_id, model=serving.model_name, choices=[],
+        return ChatCompletionChunk(id=request_id, model=model, choices=[],
                                    usage=usage)
 
     async for line in sse_lines(streams, params.n, chunk, usage_chunk, include_usage):

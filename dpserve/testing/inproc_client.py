@@ -41,6 +41,7 @@ from dpserve.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
+    LoRAChange,
     RankState,
     ScaleStatus,
 )
@@ -66,6 +67,7 @@ class InprocEngineClient:
         self.dead = False
         self.current_wave = 0  # no DP waves
         self.autoscale_decisions: list[int] | None = None
+        self._loras = dict(config.lora.modules) if config.lora else None
         self._death: EngineDeadError | None = None
         self._closed = False
         self._inputs: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -187,6 +189,17 @@ class InprocEngineClient:
 
     async def request_scale(self, num_engines: int, timeout: float) -> ScaleStatus:
         raise EngineUnavailableError("this server cannot change its engine count")
+
+    @property
+    def loras(self) -> dict[str, str] | None:
+        return self._loras  # LoRA registry: the one engine holds what it lists
+
+    async def change_lora(self, change: LoRAChange) -> None:
+        assert self._loras is not None
+        if change.op == "add":
+            self._loras[change.name] = change.path
+        else:
+            self._loras.pop(change.name, None)
 
     async def control_rank(self, rank: int, action: str) -> None:
         raise ValueError("per-rank controls go through the DP coordinator, and this "

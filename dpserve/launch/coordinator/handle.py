@@ -36,7 +36,8 @@ class DPCoordinator:
                  idle_publish_s: float = 5.0, startup_timeout_s: float = 600.0,
                  heartbeat_timeout_s: float = 3.0, stall_timeout_s: float = 30.0,
                  dp_store: tuple[str, int] | None = None, size_max: int | None = None,
-                 autoscale: AutoscaleConfig | None = None) -> None:
+                 autoscale: AutoscaleConfig | None = None,
+                 loras: dict[str, str] | None = None) -> None:
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         owned = allocator is None
@@ -55,7 +56,7 @@ class DPCoordinator:
                               startup_timeout_s=startup_timeout_s,
                               heartbeat_timeout_s=heartbeat_timeout_s,
                               stall_timeout_s=stall_timeout_s, dp_store=dp_store,
-                              size_max=size_max, autoscale=autoscale)
+                              size_max=size_max, autoscale=autoscale, loras=loras)
         self.proc: BaseProcess | None = None
         self._group = ProcessGroup(self, on_close=allocator.cleanup if owned else None)
 

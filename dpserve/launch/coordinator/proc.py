@@ -24,6 +24,13 @@ Scope:
   KV usage, tokens/s, pid, host from heartbeats) are published with the
   counts, at most every `INFO_PUBLISH_S` when only they changed.
   The load and health tables are in `dpserve.launch.coordinator.tables`.
+* LoRA adapters (`loras` given: --enable-lora): the DP-wide registry, name ->
+  path, starting with --lora-modules. An API server that loaded an adapter on
+  every live rank (`dpserve.frontend.lora`) sends `LoRAChange` add; one that
+  unloads, `LoRAChange` remove. The registry goes out in every publish, and with
+  READY to each engine (the second frame), so a restarted, added or Ray rank
+  loads what it lacks before it serves. A restarted coordinator publishes no
+  registry until an engine's heartbeat lists its adapters (paths included).
 * Lockstep DP group (`dp_store` given): hosts the engines' rendezvous store
   (`dpserve.engine.dp_store.DPStoreServer`: ZMQ, CURVE with the secret; here, so
   that any rank may die) and decides each group generation (`DPGroup`): the
@@ -76,6 +83,7 @@ from dpserve.protocol import (
     CoordinatorRequest,
     CoordinatorUpdate,
     EngineReport,
+    LoRAChange,
     RankControl,
     RankEvent,
     RequestType,
@@ -108,7 +116,12 @@ class DPCoordinatorProc:
                  startup_timeout_s: float = 600.0, heartbeat_timeout_s: float = 3.0,
                  stall_timeout_s: float = 30.0,
                  dp_store: tuple[str, int] | None = None, size_max: int | None = None,
-                 autoscale: AutoscaleConfig | None = None) -> None:
+                 autoscale: AutoscaleConfig | None = None,
+                 loras: dict[str, str] | None = None) -> None:
+        self.loras = dict(loras) if loras is not None else None  # LoRA registry (None: off)
+        # Published once confirmed: by a change, or by the first engine heartbeat (its
+        # adapters: a restarted coordinator learns what was loaded at run time).
+        self._loras_heard = False
         self.loads = LoadTable(num_engines)
         self.scaling = ScaleBook(size_max, autoscale)  # run-time changes of the engine count
         self.health = HealthTable(num_engines, heartbeat_timeout_s, stall_timeout_s)
@@ -178,7 +191,7 @@ class DPCoordinatorProc:
                 frame = self.engines.recv()
                 if frame[:1] == bytes([_SUBSCRIBE]):
                     subscribed += 1
-        self.engines.send(COORDINATOR_READY)
+        self._send_ready()
         logger.info("all %d engines subscribed; sent READY", subscribed)
         return True
 
@@ -226,7 +239,7 @@ class DPCoordinatorProc:
         READY; an unsubscription is an engine going away; anything else is junk."""
         if frame[:1] == bytes([_SUBSCRIBE]):
             logger.info("an engine subscribed after start-up; sending READY")
-            self.engines.send(COORDINATOR_READY)
+            self._send_ready()
             if self.control.seq:  # it starts paused / asleep like the others
                 self._send_control()
         elif frame[:1] != b"\x00":
@@ -273,6 +286,8 @@ class DPCoordinatorProc:
             self._on_control(request)
         elif isinstance(request, RankControl):
             self._on_rank_control(request)
+        elif isinstance(request, LoRAChange):
+            self._on_lora(request)
         else:
             self._on_wake(request)
 
@@ -306,6 +321,33 @@ class DPCoordinatorProc:
         else:
             logger.warning("unknown rank control %r dropped", control.action)
 
+    def _seed_loras(self, report: EngineReport) -> None:
+        """The first heartbeat with adapters completes the registry (a restarted
+        coordinator starts with --lora-modules only), which is then published."""
+        if self._loras_heard or self.loras is None or report.lora is None:
+            return
+        self.loras.update(report.lora.adapters)
+        self._loras_heard = True
+        self._publish_counts()
+
+    def _on_lora(self, change: LoRAChange) -> None:
+        """An adapter loaded on every live rank (add) or being unloaded (remove): the
+        registry changes, published at once (also when unchanged: the asker waits)."""
+        if self.loras is None:
+            logger.warning("LoRA change %s %r dropped: LoRA is off", change.op, change.name)
+            return
+        if change.op == "add":
+            self.loras[change.name] = change.path
+        elif change.op == "remove":
+            self.loras.pop(change.name, None)
+        else:
+            logger.warning("unknown LoRA change %r dropped", change.op)
+            return
+        self._loras_heard = True
+        logger.info("LoRA adapter %r %s", change.name,
+                    f"registered ({change.path})" if change.op == "add" else "unregistered")
+        self._publish_counts()
+
     def _on_wake(self, request: WakeEngines) -> None:
         """A front-end sent a request while it thought the engines were paused."""
         if self.running:
@@ -327,6 +369,13 @@ class DPCoordinatorProc:
         logger.info("control state %d: %s %s", self.control.seq, change.op, change.arg)
         self._send_control()
         self._publish_counts()
+
+    def _send_ready(self) -> None:
+        """READY; with LoRA on, the adapter registry as a second frame."""
+        if self.loras is None:
+            self.engines.send(COORDINATOR_READY)
+        else:
+            self.engines.send_multipart([COORDINATOR_READY, msgspec.msgpack.encode(self.loras)])
 
     def _send_control(self) -> None:
         self.engines.send_multipart([RequestType.CONTROL.value,
@@ -367,6 +416,7 @@ class DPCoordinatorProc:
             return
         if report.heartbeat:
             self.info.on_heartbeat(report, time.monotonic())
+            self._seed_loras(report)
             if self.health.on_heartbeat(report, time.monotonic()):
                 logger.info("rank %d serving (incarnation %d)", index, report.incarnation)
                 self._publish_counts()
@@ -446,7 +496,8 @@ class DPCoordinatorProc:
                                    and any(self.loads.tokens) else None,
                                    engines=self.info.take(), restart=restart,
                                    scale=self.scaling.status,
-                                   autoscale_decisions=self.scaling.decisions())
+                                   autoscale_decisions=self.scaling.decisions(),
+                                   loras=self.loras if self._loras_heard else None)
         self.front.send(msgspec.msgpack.encode(update))
         self._last_publish = time.monotonic()
 

@@ -53,6 +53,7 @@ function makeTile(rank) {
     '<div class="bar"><div data-bar="kv"></div></div>' +
     '<div class="where" data-field="where"></div>' +
     '<div class="where" data-field="workers"></div>' +
+    '<div class="where" data-field="lora"></div>' +
     '<div class="buttons" hidden>' +
     '<button type="button" data-action="cordon">Cordon</button>' +
     '<button type="button" data-action="uncordon">Uncordon</button>' +
@@ -101,6 +102,10 @@ function render(data) {
     field(tile, "workers", (e.tp_workers || []).map((w) => "TP" + w.tp_rank + " pid " +
           w.pid + " " + w.device + " " + (w.rss_bytes / 1048576).toFixed(0) + " MiB")
           .join(" · "));
+    // Its LoRA adapters (--enable-lora): resident in a device slot, then host-cached.
+    field(tile, "lora", e.lora ? "LoRA " + (e.lora.resident.join(", ") || "-") +
+          (e.lora.cached.length ? " (host: " + e.lora.cached.join(", ") + ")" : "") +
+          " · " + e.lora.loads + " loads, " + e.lora.evictions + " evictions" : "");
     tile.querySelector("[data-bar=kv]").style.width =
         Math.min(100, 100 * e.kv_cache_usage).toFixed(1) + "%";
     tile.querySelector(".buttons").hidden = !data.admin;
