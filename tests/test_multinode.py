@@ -47,11 +47,10 @@ def _wave(url: str) -> float:
     return float(m.group(1))
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_head_and_headless_host(tiny_llama, tp):
-    """With -tp 2 each host runs its rank's whole TP group: the worker is a child of
-    the engine core on that host."""
-    model, rpc = str(tiny_llama), free_port()
+def test_head_and_headless_host(tiny_llama):
+    """Each rank split over 2 tensor-parallel workers (TP=1 headless hosts: the
+    other tests here): each host runs its rank's whole TP group."""
+    model, rpc, tp = str(tiny_llama), free_port(), 2
     tp_args = ("--tensor-parallel-size", str(tp))
     headless, log = start_background(model, "--headless", "--data-parallel-size-local", "1",
                            "--data-parallel-start-rank", "1", *dp_args(2, rpc), *tp_args)

@@ -94,9 +94,8 @@ def test_greedy_tokens_equal_transformers(tmp_path, arch, tp):
 
 
 def test_default_model_same_text_at_tp3():
-    chats = [[{"role": "user", "content": c}] for c in
-             ("What is the capital of France?", "Write a haiku about the sea.")]
-    params = SamplingParams(temperature=0, max_tokens=24)
+    chats = [[{"role": "user", "content": "What is the capital of France?"}]]
+    params = SamplingParams(temperature=0, max_tokens=16)
     texts = {}
     for tp in (1, 3):  # SmolLM2-135M: 9 heads, 3 KV heads
         with LLM(dtype="float32", tensor_parallel_size=tp, enforce_eager=True) as llm:

@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.procs, pytest.mark.slow]
 TP_ARGS = ("--data-parallel-size", "2", "--tensor-parallel-size", "2", "--dtype", "float32",
            "--threads-per-engine", "2", "--max-model-len", "256", *FAULT_SEQS)
 PROMPTS = FAULT_PROMPTS[:16]
-KILL_TOKENS = 200
+KILL_TOKENS = 160
 
 
 async def streams(url: str, model: str) -> list[str]:
