@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import greedy, hf_greedy
 
-from dpserve import LLM, SamplingParams
+from dpserve import LLM
 from dpserve.config import ConfigError, EngineArgs
 from dpserve.model.moe import fused_experts, reference_moe, route
 from dpserve.testing.tiny_model import MOE_ARCHS, make_tiny_model
 
 pytestmark = pytest.mark.slow  # one model per architecture, compared with transformers
 
-MAX_TOKENS = 10
 SHARED = list(range(40, 80))  # a 40-token prefix shared by the prefix-cache prompts
 PROMPTS = [[5, 17, 99, 3, 42, 7, 8, 200], [11, 12, 13], list(range(100, 140)),
            [7] * 5 + list(range(200, 230)), [300, 301]]
@@ -35,26 +35,6 @@ PREFIX_PROMPTS = [SHARED + [9, 10], SHARED + [20, 21, 22]]
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     return {arch: make_tiny_model(tmp_path_factory.mktemp(f"tiny_{arch}"), arch)
             for arch in ("qwen3", *MOE_ARCHS)}
-
-
-def hf_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt (up to and with EOS)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    eos = model.config.eos_token_id
-    out = []
-    for prompt in prompts:
-        ids = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
-                             do_sample=False)[0, len(prompt):].tolist()
-        out.append(ids[:ids.index(eos) + 1] if eos in ids else ids)
-    return out
-
-
-def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
 
 
 @pytest.mark.parametrize("arch", ["qwen3", *MOE_ARCHS])

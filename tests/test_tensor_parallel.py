@@ -18,12 +18,10 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import psutil
 import pytest
-import torch
-from helpers import wait_until
+from helpers import greedy, hf_greedy, wait_until
 
 from dpserve import LLM, SamplingParams
 from dpserve.errors import TensorParallelError
@@ -31,7 +29,6 @@ from dpserve.testing.tiny_model import make_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.procs]
 
-MAX_TOKENS = 10
 SHARED = list(range(40, 80))  # a 40-token prefix shared by the prefix-cache prompts
 PROMPTS = [[5, 17, 99, 3, 42, 7, 8, 200], [11, 12, 13], list(range(100, 140)),
            [7] * 5 + list(range(200, 230)), [300, 301]]
@@ -48,26 +45,6 @@ ARCHS = {
 # chunk every prompt longer than that.
 ENGINE = dict(dtype="float32", max_num_batched_tokens=16, max_num_seqs=4, num_kv_blocks=6,
               max_model_len=64)
-
-
-def hf_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt (up to and with EOS)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    eos = model.config.eos_token_id
-    out = []
-    for prompt in prompts:
-        ids = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
-                             do_sample=False)[0, len(prompt):].tolist()
-        out.append(ids[:ids.index(eos) + 1] if eos in ids else ids)
-    return out
-
-
-def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
 
 
 def worker_pids() -> list[int]:
