@@ -294,35 +294,6 @@ def _offline_greedy_texts(model: str, prompts: list[str], max_tokens: int,
         torch.set_num_threads(threads)
 
 
-GREEDY_TOKENS = 10  # the token-exact checks against transformers (test_moe, test_tensor_parallel)
-
-
-def hf_greedy(path: Path, prompts: list[list[int]], max_tokens: int = GREEDY_TOKENS
-              ) -> list[list[int]]:
-    """transformers' float32 greedy continuation of each prompt (up to and with EOS)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    eos = model.config.eos_token_id
-    out = []
-    for prompt in prompts:
-        ids = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
-                             do_sample=False)[0, len(prompt):].tolist()
-        out.append(ids[:ids.index(eos) + 1] if eos in ids else ids)
-    return out
-
-
-def greedy(llm: Any, prompts: list[list[int]], max_tokens: int = GREEDY_TOKENS
-           ) -> list[list[int]]:
-    """An offline `LLM`'s greedy token ids for each prompt (token ids in, ids out)."""
-    from dpserve import SamplingParams
-
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
-
-
 def nonblank_stop_string(text: str, length: int) -> str:
     """`length` characters of `text` from its middle on, starting at a non-blank one
     (a stop string that cannot be all whitespace); fails if there is none."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import greedy, hf_greedy
+from token_checks import greedy, hf_greedy
 
 from dpserve import LLM
 from dpserve.config import ConfigError, EngineArgs

@@ -21,7 +21,8 @@ import sys
 
 import psutil
 import pytest
-from helpers import greedy, hf_greedy, wait_until
+from helpers import wait_until
+from token_checks import greedy, hf_greedy
 
 from dpserve import LLM, SamplingParams
 from dpserve.errors import TensorParallelError
