@@ -102,7 +102,7 @@ class UniprocExecutor:
                              _rss(os.getpid()))]
 
     def shutdown(self) -> None:
-        pass
+        """Nothing to stop: the one worker is this process."""
 
 
 @dataclass
