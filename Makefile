@@ -31,9 +31,14 @@ $(STAMP): pyproject.toml
 # start once), then the `alone` tests one at a time: Ray clusters, whose two engines
 # progress too unevenly beside another test for their "every stream under way"
 # checks, and the drains, whose 503 checks race a stream that keeps a server draining.
+# Each lane has a hang guard far above its run time here (about 11 and 3 minutes):
+# past it, SIGUSR1 dumps every thread's stack (tests/conftest.py), then SIGKILL.
 test: setup lint
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not alone" --durations=20; a=$$?; \
-	$(PY) -m pytest -q -m alone --durations=5; b=$$?; \
+	timeout -s USR1 -k 30 1800 $(PY) -m pytest -q -n 2 --dist loadfile -m "not alone" \
+		--durations=20; a=$$?; \
+	timeout -s USR1 -k 30 900 $(PY) -m pytest -q -m alone --durations=5; b=$$?; \
+	for rc in $$a $$b; do test $$rc -ne 124 -a $$rc -ne 137 || \
+		echo "make test: a lane ran past its hang guard (stacks above)"; done; \
 	test $$a -eq 0 -a $$b -eq 0
 
 # Only tests that start no process and take no long model runs (markers in

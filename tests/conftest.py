@@ -4,7 +4,9 @@ test-fast guard (fast_guard.py), registered for every run."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -26,6 +28,9 @@ os.environ.setdefault("DPSERVE_CPU_BF16", "0")
 
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(FastGuard(), "fast_guard")
+    # The Makefile's hang guard sends SIGUSR1 before it kills a lane: every
+    # thread's stack goes to stderr, so a run that never ends says where it waits.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,7 @@ import msgspec
 import psutil
 import zmq
 
+from dpserve.launch.addresses import pick_port
 from dpserve.launch.coordinator import DPCoordinator
 from dpserve.protocol import (
     COORDINATOR_READY,
@@ -40,9 +41,9 @@ from dpserve.protocol import (
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port that is free now and that no process binding port 0 can take before
+    the test binds it (dpserve's own choice: below the ephemeral range)."""
+    return pick_port(host)
 
 
 @contextmanager

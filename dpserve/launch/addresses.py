@@ -12,9 +12,11 @@ import atexit
 import dataclasses
 import functools
 import os
+import secrets
 import shutil
 import socket
 import tempfile
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,8 +91,8 @@ class AddressAllocator:
     local_only: `ipc://` paths in a private temp dir, removed by `cleanup()`
     or at interpreter exit (not when the allocator is collected: the
     addresses it handed out may outlive it); else
-    `tcp://host:port` on ports that were free when asked for (another
-    process could still take one before it is bound: the usual race).
+    `tcp://host:port` on ports that were free when asked for, chosen
+    outside the kernel's ephemeral range (`pick_port`).
     """
 
     def __init__(self, local_only: bool = True, host: str = "127.0.0.1") -> None:
@@ -146,14 +148,56 @@ class AddressAllocator:
         return self._free_port()
 
     def _free_port(self) -> int:
-        for _ in range(100):
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.bind((self.host, 0))
-                port = s.getsockname()[1]
-            if port not in self._ports:
-                self._ports.add(port)
+        port = pick_port(self.host, avoid=self._ports)
+        self._ports.add(port)
+        return port
+
+
+# Ports handed out for later binding come from below the ephemeral range: a port
+# there is only ever taken by someone naming it, never by a process binding port 0
+# or an outgoing connection (the local Ray instance's raylet, gcs and workers bind
+# dozens while the engines start, between the choice and the front-end's bind).
+# The window starts above Ray's default worker ports (10002-19999).
+_STATIC_LOW = 20000
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def pick_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
+    """A TCP port on `host` that is free now, not in `avoid`, and outside the
+    kernel's ephemeral range when that leaves a window of 1,000 ports or more
+    (else any free port, the usual race)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    high = _ephemeral_low() - 1
+    if high - _STATIC_LOW >= 1000:
+        for _ in range(200):
+            port = _STATIC_LOW + secrets.randbelow(high - _STATIC_LOW + 1)
+            if port not in avoid and _bindable(family, host, port):
                 return port
-        raise RuntimeError(f"could not find a free TCP port on {self.host}")
+    for _ in range(100):
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
+    raise RuntimeError(f"could not find a free TCP port on {host}")
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default when unknown)."""
+    try:
+        with open(_EPHEMERAL_RANGE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(family: int, host: str, port: int) -> bool:
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def url_host(host: str) -> str:
