@@ -124,11 +124,7 @@ class AsyncEngineClient:
         self._watch_stop = threading.Event()
         self.cluster = EngineClientCluster(self)  # what the HTTP server sees (ClusterView)
         self._ctx = zmq.asyncio.Context()
-        try:
-            self._sockets = EngineSockets(self._ctx, input_address, output_address, secret)
-        except zmq.ZMQError:  # an address taken: close what was opened before it
-            self._ctx.destroy(linger=0)
-            raise
+        self._sockets = EngineSockets(self._ctx, input_address, output_address, secret)
         self._tasks = [self._loop.create_task(self._read_registrations()),
                        self._loop.create_task(self._read_outputs())]
         self.lockstep = lockstep and balanced

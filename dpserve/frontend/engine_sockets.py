@@ -53,9 +53,15 @@ class EngineSockets:
         self.input.setsockopt(zmq.LINGER, 0)
         self.output = secure(ctx.socket(zmq.PULL), "server", secret)
         self.output.setsockopt(zmq.LINGER, 0)
-        for sock, addresses in ((self.input, input_address), (self.output, output_address)):
-            for address in [addresses] if isinstance(addresses, str) else addresses:
-                sock.bind(address)
+        try:
+            for sock, addresses in ((self.input, input_address),
+                                    (self.output, output_address)):
+                for address in [addresses] if isinstance(addresses, str) else addresses:
+                    sock.bind(address)
+        except zmq.ZMQError:  # an address taken: nothing half-bound stays open
+            self.input.close(linger=0)
+            self.output.close(linger=0)
+            raise
         self._encoder = msgspec.msgpack.Encoder()
         self._registered = asyncio.Event()  # set, then replaced, on every registration
 
