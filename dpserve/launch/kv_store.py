@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from multiprocessing.process import BaseProcess
 
@@ -60,6 +61,7 @@ class KVStore:
         self.arena_name: str | None = None
         self.proc: BaseProcess | None = None
         self._arenas: list[str] = []  # names to unlink at close (the finalizer's own list)
+        self._lock = threading.Lock()  # a restart (supervisor thread) never spawns after close
         self._group = ProcessGroup(self, on_close=lambda arenas=self._arenas: _unlink(arenas))
 
     def start(self, timeout: float = READY_TIMEOUT_S) -> None:
@@ -73,14 +75,18 @@ class KVStore:
         """A new store (next generation, new arena) in place of the dead one, whose arena
         is unlinked first; KVStoreError if it does not start."""
         assert self.proc is not None
-        self.proc.join(timeout=1.0)
-        _unlink(self._arenas)
-        self.proc = self._group.replace(self.proc, run_kv_store, **self._next_kwargs())
+        with self._lock:
+            if self._group.closed:
+                raise KVStoreError("KVStore closed")
+            self.proc.join(timeout=1.0)
+            _unlink(self._arenas)
+            self.proc = self._group.replace(self.proc, run_kv_store, **self._next_kwargs())
         self._wait_ready(timeout)
 
     def close(self) -> None:
         """Stop the store; no arena of it is left (idempotent)."""
-        self._group.close()
+        with self._lock:
+            self._group.close()
 
     def _next_kwargs(self) -> dict:
         self.generation += 1
