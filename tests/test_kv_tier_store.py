@@ -3,7 +3,8 @@
 LRU eviction, pins never evicted, WRITING invisible to lookups, the slot budget,
 reservations that come back short when everything is pinned, a client's hello
 dropping what it held, a layout mismatch refused; and a Hypothesis state machine
-that checks the invariants after every op of several clients.
+that checks the invariants after every op of several clients. Also the launcher's
+check that /dev/shm can hold the budget (before any process starts).
 """
 
 from __future__ import annotations
@@ -15,8 +16,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from dpserve.config import ConfigError
+from dpserve.kv_tier.arena import shm_free_bytes
 from dpserve.kv_tier.layout import TierLayout
 from dpserve.kv_tier.store import LayoutError, SlotState, TierStore, UnknownClient
+from dpserve.launch.addresses import AddressAllocator
+from dpserve.launch.kv_store import KVStore
 
 LAYOUT = TierLayout.for_model(model="tiny", dtype="float32", element_bytes=4, block_size=4,
                               num_layers=2, kv_heads_per_worker=2, head_dim=8, tp_size=1)
@@ -157,6 +162,15 @@ def test_an_arena_smaller_than_one_block_is_refused() -> None:
     with pytest.raises(LayoutError, match="kv-offload-memory"):
         store.hello("a", LAYOUT)
     assert store.layout is None  # the next client may fix the layout
+
+
+def test_a_budget_past_dev_shm_is_refused_before_a_store_starts() -> None:
+    allocator = AddressAllocator()
+    try:
+        with pytest.raises(ConfigError, match="kv_offload_memory: .* do not fit in /dev/shm"):
+            KVStore((shm_free_bytes() or 0) + (1 << 30), allocator)
+    finally:
+        allocator.cleanup()
 
 
 class TierMachine(RuleBasedStateMachine):
