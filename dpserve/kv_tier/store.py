@@ -70,7 +70,9 @@ class TierStore:
         # READY slots with no pin, least recently used first: the eviction order.
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._clients: dict[str, _Client] = {}
-        self._counts = collections.Counter[str]()
+        self._counts = collections.Counter[str]()  # queries, hits, saved, evictions
+        self._in_state = collections.Counter[SlotState]()  # slots per state (stats in O(1))
+        self._pinned = 0  # slots with a pin
 
     # ---- clients -------------------------------------------------------------
 
@@ -96,6 +98,7 @@ class TierStore:
         self.num_slots = num_slots
         self._hash = [None] * num_slots
         self._state = [SlotState.FREE] * num_slots
+        self._in_state[SlotState.FREE] = num_slots
         self._pins = [0] * num_slots
         self._free = list(range(num_slots - 1, -1, -1))  # slot 0 first
 
@@ -132,6 +135,7 @@ class TierStore:
             if slot is None or self._state[slot] is not SlotState.READY:
                 break
             self._pins[slot] += 1
+            self._pinned += self._pins[slot] == 1
             owner.pins[slot] += 1
             self._evictable.pop(slot, None)  # pinned: not evictable; MRU once released
             slots.append(slot)
@@ -160,7 +164,7 @@ class TierStore:
             slot = self._take_slot()
             if slot is None:
                 break  # everything else is pinned or being written
-            self._state[slot] = SlotState.WRITING
+            self._set_state(slot, SlotState.WRITING)
             self._hash[slot] = h
             self._slot_of[h] = slot
             owner.writing.add(slot)
@@ -171,7 +175,7 @@ class TierStore:
         """`client`'s reserved `hashes` are written: READY (most recently used)."""
         owner = self._client(client)
         for slot in self._reserved_by(owner, hashes):
-            self._state[slot] = SlotState.READY
+            self._set_state(slot, SlotState.READY)
             self._evictable[slot] = None
             self._counts["saved"] += 1
 
@@ -185,9 +189,8 @@ class TierStore:
         return TierStats(
             generation=self.generation, num_slots=self.num_slots,
             slot_bytes=self.layout.slot_bytes if self.layout else 0,
-            ready=self._state.count(SlotState.READY),
-            writing=self._state.count(SlotState.WRITING),
-            pinned=sum(1 for p in self._pins if p), clients=len(self._clients),
+            ready=self._in_state[SlotState.READY], writing=self._in_state[SlotState.WRITING],
+            pinned=self._pinned, clients=len(self._clients),
             queries=self._counts["queries"], hits=self._counts["hits"],
             saved=self._counts["saved"], evictions=self._counts["evictions"])
 
@@ -216,17 +219,24 @@ class TierStore:
 
     def _unpin(self, slot: int, count: int) -> None:
         self._pins[slot] -= count
-        if self._pins[slot] == 0 and self._state[slot] is SlotState.READY:
-            self._evictable[slot] = None  # most recently used
+        if self._pins[slot] == 0:
+            self._pinned -= 1
+            if self._state[slot] is SlotState.READY:
+                self._evictable[slot] = None  # most recently used
 
     def _free_slot(self, slot: int) -> None:
         h = self._hash[slot]
         if h is not None:
             del self._slot_of[h]
         self._hash[slot] = None
-        self._state[slot] = SlotState.FREE
+        self._set_state(slot, SlotState.FREE)
         self._evictable.pop(slot, None)
         self._free.append(slot)
+
+    def _set_state(self, slot: int, state: SlotState) -> None:
+        self._in_state[self._state[slot]] -= 1
+        self._in_state[state] += 1
+        self._state[slot] = state
 
     def check(self) -> None:
         """AssertionError unless the invariants of the module docstring hold."""
@@ -242,6 +252,8 @@ class TierStore:
             assert (slot in self._evictable) == evictable, f"slot {slot} LRU membership"
             assert self._pins[slot] == sum(c.pins[slot] for c in self._clients.values())
             assert self._pins[slot] == 0 or state is SlotState.READY, f"slot {slot} pinned"
+        assert all(self._in_state[s] == self._state.count(s) for s in SlotState)
+        assert self._pinned == sum(1 for p in self._pins if p)
         writing = [s for c in self._clients.values() for s in c.writing]
         assert sorted(writing) == [s for s in range(self.num_slots)
                                    if self._state[s] is SlotState.WRITING]
