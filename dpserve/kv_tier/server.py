@@ -62,6 +62,7 @@ class KVStoreServer:
         self.stop_requested = False
         self._names: dict[bytes, str] = {}  # connection identity -> client name
         self._pids: dict[str, int] = {}  # client name -> its process
+        self._refused: set[tuple[str, str]] = set()  # (client, layout key) refused: logged
         self._decoder = msgspec.msgpack.Decoder(Call)
         self._encoder = msgspec.msgpack.Encoder()
         self._ctx = zmq.Context()
@@ -146,7 +147,9 @@ class KVStoreServer:
         try:
             num_slots = self.store.hello(op.name, op.layout)
         except LayoutError as e:
-            logger.error("refused client %s (pid %d): %s", op.name, op.pid, e)
+            if (op.name, op.layout.key) not in self._refused:  # it says hello again later
+                self._refused.add((op.name, op.layout.key))
+                logger.error("refused client %s (pid %d): %s", op.name, op.pid, e)
             return Reply(seq, error=str(e))
         for old in [i for i, n in self._names.items() if n == op.name]:
             del self._names[old]  # its earlier connection: its pins went with the hello
