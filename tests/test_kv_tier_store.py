@@ -10,6 +10,8 @@ check that /dev/shm can hold the budget (before any process starts).
 from __future__ import annotations
 
 import hashlib
+import os
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -17,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from dpserve.config import ConfigError
-from dpserve.kv_tier.arena import shm_free_bytes
+from dpserve.kv_tier.arena import NAME_PREFIX, SHM_DIR, shm_free_bytes
 from dpserve.kv_tier.layout import TierLayout
 from dpserve.kv_tier.store import LayoutError, SlotState, TierStore, UnknownClient
 from dpserve.launch.addresses import AddressAllocator
@@ -170,6 +172,24 @@ def test_a_budget_past_dev_shm_is_refused_before_a_store_starts() -> None:
         with pytest.raises(ConfigError, match="kv_offload_memory: .* do not fit in /dev/shm"):
             KVStore((shm_free_bytes() or 0) + (1 << 30), allocator)
     finally:
+        allocator.cleanup()
+
+
+def test_a_store_start_unlinks_the_arenas_of_dpserves_that_are_gone() -> None:
+    """A dpserve SIGKILLed whole (launcher and store) leaves its arena: the next
+    store's launcher removes it (its pid runs no process), not a live one's."""
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    dead = Path(SHM_DIR, f"{NAME_PREFIX}{pid_max + 1}-0-feedc0de")
+    live = Path(SHM_DIR, f"{NAME_PREFIX}{os.getpid()}-99-feedc0de")
+    allocator = AddressAllocator()
+    try:
+        for path in (dead, live):
+            path.touch(mode=0o600)
+        KVStore(1 << 20, allocator)  # not started: the sweep comes first
+        assert not dead.exists() and live.exists()
+    finally:
+        dead.unlink(missing_ok=True)
+        live.unlink(missing_ok=True)
         allocator.cleanup()
 
 

@@ -9,7 +9,8 @@ their TP workers map it with `attach_arena`: the mapping stays valid after the
 name is unlinked, so a copy in progress finishes from a dead store's arena.
 
 Segments are files in /dev/shm (Linux); only this user's, mode 0600 files are
-mapped.
+mapped. `sweep_dead_arenas` (at a store's start) unlinks those whose launcher is
+gone (a whole dpserve SIGKILLed leaves its arena: nothing of it ran to unlink it).
 
 Not here: what lives in the arena (`dpserve.kv_tier.layout`), who uses which slot
 (`dpserve.kv_tier.store`).
@@ -92,6 +93,37 @@ def leftover_arenas(owner_pid: int) -> list[str]:
         return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
     except FileNotFoundError:
         return []
+
+
+def sweep_dead_arenas() -> list[str]:
+    """Unlink the segments of launchers that are gone (a whole dpserve SIGKILLed, its
+    store with it, cannot unlink its own): this user's `dpserve-kv-<pid>-...` files
+    whose launcher pid runs no process. Returns the names removed."""
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        owner = name.removeprefix(NAME_PREFIX).split("-", 1)[0]
+        if not name.startswith(NAME_PREFIX) or not owner.isdigit() or _runs(int(owner)):
+            continue
+        try:
+            if os.lstat(arena_path(name)).st_uid == os.getuid() and unlink_arena(name):
+                removed.append(name)
+        except OSError:
+            pass  # gone meanwhile
+    return removed
+
+
+def _runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: not ours to judge
+    return True
 
 
 def attach_arena(name: str, size: int) -> torch.Tensor:

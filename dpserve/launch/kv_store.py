@@ -2,6 +2,8 @@
 
 Scope: `start_kv_store` starts one for a config with --kv-offload-memory and
 returns the config the host's engines get (naming its address). `KVStore`
+first unlinks the arenas that dpserve processes SIGKILLed whole left in /dev/shm
+(`sweep_dead_arenas`) and checks that /dev/shm can hold the budget; it
 allocates the store's ipc:// address (in the launcher's
 private directory), names each start's arena (`new_arena_name`: a new one per
 start), spawns `run_kv_store` and waits until it answers (bounded; it watches
@@ -27,7 +29,12 @@ import msgspec
 import zmq
 
 from dpserve.config import ConfigError, EngineConfig, replace
-from dpserve.kv_tier.arena import new_arena_name, shm_free_bytes, unlink_arena
+from dpserve.kv_tier.arena import (
+    new_arena_name,
+    shm_free_bytes,
+    sweep_dead_arenas,
+    unlink_arena,
+)
 from dpserve.kv_tier.messages import Call, GetStats, Reply
 from dpserve.kv_tier.server import run_kv_store
 from dpserve.launch.addresses import AddressAllocator
@@ -50,6 +57,8 @@ class KVStore:
 
     def __init__(self, arena_bytes: int, allocator: AddressAllocator,
                  secret: str | None = None) -> None:
+        for name in sweep_dead_arenas():
+            logger.warning("removed %s from /dev/shm: its dpserve is gone", name)
         free = shm_free_bytes()
         if free is None or free < arena_bytes:
             raise ConfigError(f"kv_offload_memory: {arena_bytes} bytes do not fit in /dev/shm "
