@@ -172,6 +172,17 @@ def test_tool_use_streamed(server) -> None:
     arguments = "".join(e.delta.partial_json for e in events if e.type == "content_block_delta")
     jsonschema.validate(json.loads(arguments),
                         {"get_weather": CITY, "get_time": CLOCK["input_schema"]}[blocks[0].name])
+    # Left out, tool_choice is "auto" on this server (hermes): text without a call is
+    # the reply, streamed whole once complete (the parser needs all of it).
+    plain = client.messages.create(model=model, max_tokens=8, tools=[WEATHER], messages=HELLO,
+                                   extra_body=GREEDY)
+    with client.messages.stream(model=model, max_tokens=8, tools=[WEATHER], messages=HELLO,
+                                extra_body=GREEDY) as stream:
+        deltas = [e for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert [b.type for b in plain.content] == [b.type for b in final.content] == ["text"]
+    assert len(deltas) == 1 and _text(final) == _text(plain)
+    assert final.stop_reason == plain.stop_reason != "tool_use"
 
 
 def test_count_tokens(server) -> None:
