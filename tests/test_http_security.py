@@ -61,6 +61,15 @@ def _is_openai_401(r: httpx.Response) -> bool:
             and error["code"] == "invalid_api_key")
 
 
+def _is_api_401(r: httpx.Response, path: str) -> bool:
+    """The 401 in the shape of the route's API: Anthropic's on /v1/messages, else OpenAI's."""
+    if not path.startswith("/v1/messages"):
+        return _is_openai_401(r)
+    body = r.json()
+    return (r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+            and body["type"] == "error" and body["error"]["type"] == "authentication_error")
+
+
 def _routes(routes: list) -> Iterator[tuple[str, set[str]]]:
     """(path, methods) of every route, into included routers too (FastAPI >= 0.16x keeps
     an included router as one entry whose `effective_candidates()` are its routes)."""
@@ -106,7 +115,8 @@ async def _walk(model: str, tmp: Path, metrics_auth: bool) -> dict:
                     seen[method, route_path] = [await http.request(
                         method, path, headers=headers, json={} if method == "POST" else None)
                         for headers in ({}, {"Authorization": "Bearer wrong"},
-                                        {"Authorization": KEYS["alice"]})]  # no "Bearer"
+                                        {"Authorization": KEYS["alice"]},  # no "Bearer"
+                                        {"x-api-key": "wrong"})]
         return seen
 
 
@@ -116,21 +126,21 @@ def test_every_route_needs_the_key_but_the_allowlist(tiny_llama, tmp_path) -> No
     # The premise: the admin, control, scale, extra and FastAPI routes are all there.
     assert {"/pause", "/is_sleeping", "/engines/{rank}/{action}", "/scale_elastic_ep",
             "/tokenize", "/debug/dp_state", "/engines", "/openapi.json",
-            "/v1/chat/completions"} <= routes, routes
+            "/v1/chat/completions", "/v1/messages"} <= routes, routes
     assert not routes & {"/docs", "/redoc"}  # they load scripts from a CDN: gone
     assert OPEN <= routes
     for (method, path), answers in seen.items():
         if path in OPEN:
             assert all(r.status_code != 401 for r in answers), (method, path, answers)
             continue
-        for r in answers:  # no key, a wrong key, the key without "Bearer "
+        for r in answers:  # no key, a wrong key, the key without "Bearer ", a wrong x-api-key
             assert r.status_code == 401, (method, path, r.status_code, r.text)
-            assert method == "HEAD" or _is_openai_401(r), (method, path, r.text)
+            assert method == "HEAD" or _is_api_401(r, path), (method, path, r.text)
 
 
 def test_metrics_auth_puts_metrics_behind_the_key(tiny_llama, tmp_path) -> None:
     seen = asyncio.run(_walk(str(tiny_llama), tmp_path, metrics_auth=True))
-    assert [r.status_code for r in seen["GET", "/metrics"]] == [401, 401, 401]
+    assert [r.status_code for r in seen["GET", "/metrics"]] == [401] * 4
     assert seen["GET", "/version"][0].status_code == 200
 
 

@@ -5,6 +5,9 @@ Routers, each a module of thin routes:
 * v1 (`dpserve.server.routes_v1`): /v1/completions, /v1/chat/completions,
   /v1/models over `OpenAIServing` (503 "server_draining" while the server
   drains; `X-data-parallel-rank: k` pins a request to engine k).
+* messages (`dpserve.server.anthropic_api`): Anthropic's /v1/messages and
+  /v1/messages/count_tokens over the same chat path; errors there leave in
+  Anthropic's shape (its middleware wraps the auth and body-limit ones).
 * ops (`dpserve.server.routes_ops`): /health, /ping, /metrics, /version,
   /debug/request_state, /debug/dp_state; /engines and /dashboard
   (`dpserve.server.engines`); /tokenize, /detokenize (`dpserve.server.extras`).
@@ -22,9 +25,9 @@ With an API key, every route but a short allowlist needs it
 capped at `max_request_body_bytes` (`dpserve.server.bodies`: 413). FastAPI's
 /docs and /redoc are off (they load scripts from a CDN); /openapi.json is
 behind the key like any route. Every error, whatever raised it, leaves as an
-OpenAI-shaped body `{"error": {"message", "type", "param", "code"}}` with a
-4xx status for bad input, never a 500. A client that disconnects, streaming
-or not, has its request aborted in the engine.
+OpenAI-shaped body `{"error": {"message", "type", "param", "code"}}` (Anthropic's
+shape on /v1/messages) with a 4xx status for bad input, never a 500. A client
+that disconnects, streaming or not, has its request aborted in the engine.
 
 Not here: starting uvicorn or the engine (`dpserve serve` does that).
 """
@@ -43,6 +46,7 @@ from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.errors import EngineDeadError
 from dpserve.server.admin import admin_router
 from dpserve.server.admission import Admission
+from dpserve.server.anthropic_api import install_messages_api
 from dpserve.server.auth import API_KEY_ENV, AuthMiddleware, AuthOptions
 from dpserve.server.bodies import BodyLimit, require_json
 from dpserve.server.engines import engines_router
@@ -105,6 +109,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     # Middleware, innermost first: body cap, API key, then (extras) counts and CORS.
     app.add_middleware(BodyLimit, limit=max_request_body_bytes)
     app.add_middleware(AuthMiddleware, options=auth)
+    install_messages_api(app, async_llm, serving)  # Anthropic's; its error shape wraps these
     install_extras(app, async_llm, serving, metrics.registry, http_options)
     app.include_router(engines_router(async_llm, admin=enable_admin_api))
     if enable_admin_api:

@@ -7,7 +7,8 @@ the key without anyone remembering to add it), `add_auth_args` (the flags)
 and `check_admin_exposure` (the start-up refusal of an unauthenticated admin
 API). `build_app` installs the middleware.
 
-Every request needs `Authorization: Bearer KEY` (any accepted key) except the
+Every request needs `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY`
+(any accepted key; either header will do, on every route) except the
 paths in `OPEN_PATHS`: /health, /ping, /version (liveness probes), the
 dashboard page and its two static files (they hold no data; the page's script
 sends the key the user types into it to every data route it calls), and
@@ -162,6 +163,9 @@ class AuthMiddleware:
             headers = dict(scope["headers"])
             authorization = headers.get(b"authorization", b"").decode("latin-1")
             state["api_key_id"] = self.options.match(authorization)
+            if state["api_key_id"] is None and b"x-api-key" in headers:  # Anthropic's
+                token = headers[b"x-api-key"].decode("latin-1")
+                state["api_key_id"] = self.options.match(f"Bearer {token}")
             if state["api_key_id"] is None and route_path(scope) not in self.open:
                 await send_error(send, UNAUTHORIZED)
                 return
@@ -176,7 +180,8 @@ def route_path(scope: Scope) -> str:
     return path
 
 
-UNAUTHORIZED = APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
+UNAUTHORIZED = APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>' "
+                       "(or 'x-api-key: <key>').",
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 

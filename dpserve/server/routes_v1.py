@@ -13,6 +13,9 @@ route answers 503 with `Retry-After` and code "server_draining"; requests
 already in flight go on. The `X-data-parallel-rank: k` header pins a request
 to engine k (a bad value is a 400).
 
+`parse_body`, `respond`, `drain_check` and `dp_rank` are shared with the
+routes of the other APIs on /v1 (`dpserve.server.anthropic_api`).
+
 Not here: the serving logic (`dpserve.server.serving`), /tokenize and
 /detokenize (`dpserve.server.extras`), the error handler (`dpserve.server.app`).
 """
@@ -46,19 +49,19 @@ _M = TypeVar("_M", bound=BaseModel)
 def v1_router(async_llm: AsyncLLM, serving: OpenAIServing, names: Sequence[str]
               ) -> APIRouter:
     """The /v1 routes over `serving`; `names`: the model names /v1/models lists."""
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_drain_check(async_llm))])
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(drain_check(async_llm))])
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
-        body = await _parse(request, CompletionRequest)
-        return await _respond(request, serving.create_completion(
-            body, _dp_rank(request), api_key_id=request.state.api_key_id))
+        body = await parse_body(request, CompletionRequest)
+        return await respond(request, serving.create_completion(
+            body, dp_rank(request), api_key_id=request.state.api_key_id))
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await _parse(request, ChatCompletionRequest)
-        return await _respond(request, serving.create_chat_completion(
-            body, _dp_rank(request), api_key_id=request.state.api_key_id))
+        body = await parse_body(request, ChatCompletionRequest)
+        return await respond(request, serving.create_chat_completion(
+            body, dp_rank(request), api_key_id=request.state.api_key_id))
 
     def card(name: str) -> ModelCard:
         """The base model by `name`, or the LoRA adapter `name` (its `parent`: the base)."""
@@ -89,7 +92,9 @@ def draining_error() -> APIError:
                     headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)})
 
 
-def _drain_check(async_llm: AsyncLLM) -> Any:
+def drain_check(async_llm: AsyncLLM) -> Any:
+    """The dependency of every /v1 route (this router's and /v1/messages'): the 503
+    of `draining_error` while the server drains."""
     async def check() -> None:
         if async_llm.draining:
             raise draining_error()
@@ -97,7 +102,7 @@ def _drain_check(async_llm: AsyncLLM) -> Any:
     return check
 
 
-def _dp_rank(request: Request) -> int | None:
+def dp_rank(request: Request) -> int | None:
     """The engine a request pins with `X-data-parallel-rank` (None: any engine)."""
     value = request.headers.get(DP_RANK_HEADER)
     if value is None:
@@ -109,12 +114,12 @@ def _dp_rank(request: Request) -> int | None:
                        f"{value!r}", param=DP_RANK_HEADER) from None
 
 
-async def _parse(request: Request, model: type[_M]) -> _M:
+async def parse_body(request: Request, model: type[_M]) -> _M:
     """Read the body (capped by `BodyLimit`: 413) and validate it strictly."""
     return model.model_validate_json(await request.body(), strict=True)
 
 
-async def _respond(request: Request, work: Awaitable[Any]) -> Response:
+async def respond(request: Request, work: Awaitable[Any]) -> Response:
     """Await the serving call unless the client leaves first (then it is cancelled,
     which aborts its requests); wrap the result as JSON or an SSE stream."""
     task = asyncio.ensure_future(work)

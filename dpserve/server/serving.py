@@ -13,6 +13,11 @@ the compile deadline (server/grammar_check.py); with `--request-timeout` each
 engine stream ends with a 504 past it (aborted in the engine); `cache_salt` and,
 with --prefix-cache-salt-per-key, the API key's identity salt the prefix cache.
 
+`start_chat` is the chat path up to the engine (checks, sampling parameters,
+tools, the rendered prompt, the streams): /v1/chat/completions formats its
+`ChatRun` here, other APIs translated to a chat request (Anthropic's Messages,
+server/anthropic_serving.py) format it their own way.
+
 Not here: the streaming pieces shared with tool calls (`dpserve.server.streams`),
 the error mapping (`dpserve.server.errors.to_api_error`), HTTP (the routers).
 """
@@ -25,6 +30,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -78,6 +84,19 @@ from dpserve.structured.spec import StructuredOutputs
 logger = logging.getLogger(__name__)
 
 _PARAM_FIELDS = set(SamplingParams.__struct_fields__)
+
+
+@dataclass
+class ChatRun:
+    """A chat request under way in the engine (`OpenAIServing.start_chat`)."""
+
+    request_id: str
+    model: str  # the name its responses carry: the LoRA adapter's or the base model's
+    streams: list[AsyncIterator[RequestOutput]]  # one: a chat has one prompt
+    params: SamplingParams
+    plan: ToolPlan | None  # its tools (None: no tools)
+    num_prompt_tokens: int
+
 
 class OpenAIServing:
     """Completions and chat completions over one AsyncLLM."""
@@ -185,9 +204,34 @@ class OpenAIServing:
                                      data_parallel_rank: int | None = None,
                                      api_key_id: str | None = None,
                                      ) -> BaseModel | AsyncIterator[str]:
+        run = await self.start_chat(req, data_parallel_rank, api_key_id)
+        request_id, streams, params, plan, model = (run.request_id, run.streams, run.params,
+                                                    run.plan, run.model)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            if plan is not None and plan.mode != "none":
+                return chat_tool_stream(request_id, streams, params, include_usage, plan,
+                                        model)
+            return self._chat_stream(request_id, streams, params, include_usage, model)
+        choices, usage = await collect(streams, params.n)
+        out = []
+        for i, c in enumerate(choices):
+            message, finish = tool_message("".join(c.text), c.finish_reason, plan)
+            out.append(ChatChoice(index=i, message=message, finish_reason=finish,
+                                  stop_reason=c.stop_reason,
+                                  logprobs=self._chat_logprobs(c.logprobs, params.logprobs)))
+        return ChatCompletionResponse(id=request_id, model=model, usage=usage,
+                                      choices=out, prompt_logprobs=self._prompt_logprobs(
+                                          choices[0].prompt_logprobs))
+
+    async def start_chat(self, req: ChatCompletionRequest,
+                         data_parallel_rank: int | None = None, api_key_id: str | None = None,
+                         id_prefix: str = "chatcmpl-") -> ChatRun:
+        """Check `req` in full, render its prompt and send it to the engine: the run that
+        a response (this module's, or another API's built from a chat request) is made
+        from. Nothing reaches the engine when a check fails."""
         deadline = self._deadline()
         lora_name = self._check_model(req.model)
-        model = lora_name or self.model_name  # what the response says (vLLM's)
         check_chat(req, self.limits)
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                       else req.max_tokens)
@@ -209,7 +253,7 @@ class OpenAIServing:
             await self.grammar_checker.check(constraint, "tools")
             params = msgspec.structs.replace(params, structured_outputs=constraint)
         prompt_ids = await self.llm.in_tokenizer_thread(self._render_chat, req, plan)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = f"{id_prefix}{uuid.uuid4().hex}"
         try:
             streams = self._start(request_id, [(None, prompt_ids)], params,
                                   data_parallel_rank, self._salt(req, api_key_id), deadline,
@@ -217,22 +261,16 @@ class OpenAIServing:
         except RequestError as e:
             raise RequestError(str(e), "messages" if e.param == "prompt" else e.param,
                                e.code) from None
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            if plan is not None and plan.mode != "none":
-                return chat_tool_stream(request_id, streams, params, include_usage, plan,
-                                        model)
-            return self._chat_stream(request_id, streams, params, include_usage, model)
-        choices, usage = await collect(streams, params.n)
-        out = []
-        for i, c in enumerate(choices):
-            message, finish = tool_message("".join(c.text), c.finish_reason, plan)
-            out.append(ChatChoice(index=i, message=message, finish_reason=finish,
-                                  stop_reason=c.stop_reason,
-                                  logprobs=self._chat_logprobs(c.logprobs, params.logprobs)))
-        return ChatCompletionResponse(id=request_id, model=model, usage=usage,
-                                      choices=out, prompt_logprobs=self._prompt_logprobs(
-                                          choices[0].prompt_logprobs))
+        return ChatRun(request_id, lora_name or self.model_name, streams, params, plan,
+                       len(prompt_ids))
+
+    async def chat_prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
+        """The prompt `req` renders to (the chat template, with its tools), checked as
+        `start_chat` checks it, without running it (token counting)."""
+        self._check_model(req.model)
+        check_chat(req, self.limits)
+        plan = plan_tools(req, self.tool_call_parser)
+        return await self.llm.in_tokenizer_thread(self._render_chat, req, plan)
 
     def _render_chat(self, req: ChatCompletionRequest, plan: ToolPlan | None = None,
                      ) -> list[int]:
