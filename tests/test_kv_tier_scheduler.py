@@ -313,3 +313,28 @@ def test_copies_round_trip_each_worker_on_its_own_shard():
                        caches[0][0][0, 1])  # worker 0: layer 0's K of block 1
     assert torch.equal(slot3[shard:].view(torch.float32).view(shape)[1, 1],
                        caches[1][1][1, 1])  # worker 1: layer 1's V of block 1
+
+
+def test_every_worker_maps_a_new_arena_before_a_step_names_it():
+    client = FakeTierClient()
+    fill_store(client, PROMPT)
+    other = [50 + i for i in range(14)]
+    fill_store(client, other)
+    attached: list[tuple[str, int, int]] = []
+    answer = {"ok": False}
+
+    def attach(name: str, size: int, generation: int) -> bool:  # the workers' rpc
+        attached.append((name, size, generation))
+        return answer["ok"]
+
+    sched = tiered(client)
+    sched.kv_connector._attach = attach
+    sched.add_request(make_request("r", PROMPT, max_tokens=1))
+    out, _ = run_step(sched)  # a worker could not map it: a miss, its pins let go
+    assert shape_of(out) == [("r", 0, 14)] and out.kv_transfer is None
+    assert client.num_pins() == 0 and attached == [("fake-arena", client.arena_bytes, 1)]
+    client.generation, client.arena_name, answer["ok"] = 2, "fake-arena-2", True
+    sched.add_request(make_request("s", other))
+    out = sched.schedule()
+    assert out.kv_transfer.generation == 2 and len(out.kv_transfer.loads) == 3
+    assert attached[-1] == ("fake-arena-2", client.arena_bytes, 2) and len(attached) == 2

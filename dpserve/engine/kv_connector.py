@@ -24,8 +24,9 @@ and the client (`dpserve.kv_tier`).
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -96,11 +97,20 @@ class HostTierConnector:
     committed after the NEXT step's execute returned (whose collectives the
     peers join only after their copies), or by `commit_pending` once the
     engine has had every worker answer an rpc (`ModelRunner.kv_tier_barrier`).
+
+    `attach(name, size, generation)` -> True once every worker mapped that arena
+    (None: the workers map it at their first copy). It runs before any slot of a
+    new generation goes into a step, so a store that dies after a lookup leaves
+    every worker a mapping to finish the step's loads from.
     """
 
     def __init__(self, client: Any, *, block_size: int, slot_bytes: int, shard_bytes: int,
-                 deferred_commit: bool) -> None:
+                 deferred_commit: bool,
+                 attach: Callable[[str, int, int], bool] | None = None) -> None:
         self.client = client
+        self._attach = attach
+        self._attached: _Arena | None = None
+        self._refused: _Arena | None = None  # an arena the workers could not map
         self.block_size = block_size
         self.slot_bytes = slot_bytes
         self.shard_bytes = shard_bytes
@@ -220,24 +230,37 @@ class HostTierConnector:
             self.client.commit(hashes)
 
     def _arena(self) -> _Arena | None:
-        """The client's arena now (None: the tier is down)."""
+        """The client's arena now, mapped by every worker (None: the tier is down, or
+        its arena could not be mapped)."""
         name = self.client.arena_name
         if name is None:
             return None
-        return _Arena(name, self.client.arena_bytes, self.client.generation)
+        arena = _Arena(name, self.client.arena_bytes, self.client.generation)
+        if arena == self._attached or self._attach is None:
+            return arena
+        if arena == self._refused or not self._attach(name, arena.size, arena.generation):
+            if arena != self._refused:
+                logger.warning("KV host tier: the workers cannot map arena %s (generation "
+                               "%d); the tier is unused until the store restarts", name,
+                               arena.generation)
+            self._refused = arena
+            return None
+        self._attached = arena
+        return arena
 
 
-def make_host_tier(config: Any, runner: Any) -> HostTierConnector | None:
+def make_host_tier(config: Any, executor: Any) -> HostTierConnector | None:
     """The engine core's connector to its host's KV tier, or None when there is no
-    tier (`--kv-offload-memory` unset, or no store address). `runner` is worker 0's
-    `ModelRunner` (its model's KV shape)."""
+    tier (`--kv-offload-memory` unset, or no store address). `executor`: the rank's
+    workers (worker 0's `ModelRunner` gives the model's KV shape)."""
     cache = config.cache
     if not cache.kv_offload_bytes or cache.kv_tier_address is None:
         return None
     from dpserve.kv_tier.client import KVTierClient
     from dpserve.kv_tier.layout import TierLayout
 
-    model, tp = config.model, config.parallel.tensor_parallel_size
+    runner, model = executor.driver, config.model
+    tp = config.parallel.tensor_parallel_size
     name = model.path + (f" quantization={model.quantization}" if model.quantization else "")
     layout = TierLayout.for_model(
         model=name, dtype=str(runner.dtype).removeprefix("torch."),
@@ -250,4 +273,14 @@ def make_host_tier(config: Any, runner: Any) -> HostTierConnector | None:
     logger.info("KV host tier at %s: slots of %d bytes (%d shard(s))", cache.kv_tier_address,
                 layout.slot_bytes, tp)
     return HostTierConnector(client, block_size=cache.block_size, slot_bytes=layout.slot_bytes,
-                             shard_bytes=layout.shard_bytes, deferred_commit=tp > 1)
+                             shard_bytes=layout.shard_bytes, deferred_commit=tp > 1,
+                             attach=functools.partial(_attach_everywhere, executor))
+
+
+def _attach_everywhere(executor: Any, name: str, size: int, generation: int) -> bool:
+    """Every worker of the rank maps the arena; False (logged) if one could not."""
+    errors = [e for e in executor.collective_rpc("kv_tier_attach", name, size, generation)
+              if e is not None]
+    for error in errors:
+        logger.warning("KV host tier: %s", error)
+    return not errors

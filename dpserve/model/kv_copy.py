@@ -1,7 +1,9 @@
 """One worker's copies between its paged KV cache and the host tier's shared arena.
 
-Scope: `KVTierCopier`, held by each `ModelRunner`: attach the arena a step names
-(again when the store's generation changes), copy the step's loads into KV
+Scope: `KVTierCopier`, held by each `ModelRunner`: map the store's arena (the
+engine has every worker attach a new generation before any step names it;
+the two newest stay mapped, so a load from a store that just died or
+restarted still reads its old segment), copy the step's loads into KV
 blocks before the forward and its saves out of KV blocks after it, each on this
 worker's shard of a slot (offset `tp_rank * shard_bytes`). Layout of a shard
 (`dpserve.step.KVTransfer`): layer-major, K then V, each
@@ -41,8 +43,16 @@ class KVTierCopier:
         self.shard_bytes = (torch.empty(0, dtype=dtype).element_size()
                             * int(torch.Size(block_shape).numel()))
         self._attach = attach
-        self._arena: tuple[str, int, torch.Tensor] | None = None  # (name, generation, view)
+        self._arenas: dict[tuple[str, int], torch.Tensor] = {}  # (name, gen) -> uint8 map
         self.load_seconds = 0.0
+
+    def attach(self, name: str, size: int, generation: int) -> None:
+        """Map the store's arena of `generation`; the mapping before it stays too."""
+        key = (name, generation)
+        if key not in self._arenas:
+            self._arenas[key] = self._attach_arena(name, size)
+        for old in list(self._arenas)[:-2]:
+            del self._arenas[old]
 
     def load(self, t: KVTransfer, kv_caches: list[torch.Tensor]) -> None:
         """Copy slots into blocks: `t.loads` is [(slot, block_id)]."""
@@ -71,10 +81,9 @@ class KVTierCopier:
         if t.shard_bytes != self.shard_bytes:
             raise ValueError(f"the host tier's shards are {t.shard_bytes} bytes, this "
                              f"worker's KV blocks {self.shard_bytes}")
-        if self._arena is None or self._arena[:2] != (t.arena, t.generation):
-            self._arena = None  # the old mapping goes first
-            self._arena = (t.arena, t.generation, self._attach_arena(t.arena, t.arena_bytes))
-        arena = self._arena[2]
+        if (t.arena, t.generation) not in self._arenas:
+            self.attach(t.arena, t.arena_bytes, t.generation)
+        arena = self._arenas[(t.arena, t.generation)]
         num_slots = t.arena_bytes // t.slot_bytes
         offset = self.tp_rank * t.shard_bytes
         slots = arena[:num_slots * t.slot_bytes].view(num_slots, t.slot_bytes)

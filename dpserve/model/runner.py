@@ -297,6 +297,15 @@ class ModelRunner:
                                  sampled_token_ids=tokens.tolist(), logprobs=logprobs,
                                  prompt_logprobs=prompt_logprobs)
 
+    def kv_tier_attach(self, name: str, size: int, generation: int) -> str | None:
+        """Map the host tier's arena (`KVTierCopier.attach`). Returns the error (one
+        line) instead of raising: a peer worker that raised would take the rank down."""
+        try:
+            self.kv_copier.attach(name, size, generation)
+        except (OSError, RuntimeError, ValueError) as e:
+            return str(e)
+        return None
+
     def kv_tier_barrier(self) -> None:
         """Nothing: a worker answers an rpc only after every step sent before it, so
         the answer says its host-tier saves are copied (the engine then commits)."""
