@@ -249,10 +249,11 @@ class HostTierConnector:
         return arena
 
 
-def make_host_tier(config: Any, executor: Any) -> HostTierConnector | None:
+def make_host_tier(config: Any, executor: Any, dp_rank: int) -> HostTierConnector | None:
     """The engine core's connector to its host's KV tier, or None when there is no
     tier (`--kv-offload-memory` unset, or no store address). `executor`: the rank's
-    workers (worker 0's `ModelRunner` gives the model's KV shape)."""
+    workers (worker 0's `ModelRunner` gives the model's KV shape). The client is
+    named by the rank: a restarted rank's hello drops what its predecessor held."""
     cache = config.cache
     if not cache.kv_offload_bytes or cache.kv_tier_address is None:
         return None
@@ -269,7 +270,7 @@ def make_host_tier(config: Any, executor: Any) -> HostTierConnector | None:
         kv_heads_per_worker=runner.kv_heads, head_dim=runner.model.dims.head_dim, tp_size=tp)
     assert layout.shard_bytes == runner.block_bytes() == runner.kv_copier.shard_bytes
     client = KVTierClient(cache.kv_tier_address, layout,
-                          secret=config.parallel.data_parallel_secret)
+                          secret=config.parallel.data_parallel_secret, name=f"rank{dp_rank}")
     logger.info("KV host tier at %s: slots of %d bytes (%d shard(s))", cache.kv_tier_address,
                 layout.slot_bytes, tp)
     return HostTierConnector(client, block_size=cache.block_size, slot_bytes=layout.slot_bytes,
