@@ -103,6 +103,31 @@ def test_a_prefix_computed_by_one_rank_is_continued_by_another(tiny_llama, store
         rank1.shutdown()
 
 
+def test_a_request_migrated_to_another_rank_resumes_from_the_tier(tiny_llama, store,
+                                                                  expected):
+    """Migration (issue 26, Deliver 4): the new rank gets the prompt and the tokens
+    generated so far; their blocks, prompt and outputs, come from the tier."""
+    rank0 = make_core(tiny_llama, store, rank=0)
+    rank1 = make_core(tiny_llama, store, rank=1)
+    try:
+        assert generate(rank0, {"a": PROMPTS["a"]}) == {"a": expected["a"]}
+        done = expected["a"][:8]  # the dead rank had streamed these
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        rank1.add_request(EngineCoreRequest("a", PROMPTS["a"], params,
+                                            prior_output_token_ids=done))
+        rest: list[int] = []
+        deadline = time.monotonic() + STEP_LIMIT_S
+        while rank1.has_unfinished_requests():
+            assert time.monotonic() < deadline, "the migrated request did not finish"
+            rest += [t for out in rank1.step() for t in out.new_token_ids]
+        assert rest == expected["a"][8:]
+        # 43 prompt + 8 output tokens: 12 full blocks before the last token.
+        assert rank1.get_stats().kv_tier_hits == 48
+    finally:
+        rank0.shutdown()
+        rank1.shutdown()
+
+
 def test_chunked_prefill_loads_and_saves_across_chunks(tiny_llama, store, expected):
     first = make_core(tiny_llama, store, rank=0, max_num_batched_tokens=8)
     second = make_core(tiny_llama, store, rank=1, max_num_batched_tokens=8)
