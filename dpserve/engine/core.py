@@ -231,7 +231,8 @@ class EngineCore:
 
     def _forget_if_idle(self) -> None:
         """With nothing left to schedule, no step will carry the ids of the requests that
-        just finished to the runner: hand them over now, so nothing of theirs stays."""
+        just finished to the runner: hand them over now, so nothing of theirs stays
+        (nor does a host-tier save wait for a step to commit it)."""
         if not self.has_unfinished_requests():
             self.runner.forget_requests(self.scheduler.take_finished_ids())
             self._commit_kv_saves()
