@@ -12,6 +12,7 @@ layout is refused; with a secret, a client without it gets nothing.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import signal
 import subprocess
@@ -54,8 +55,8 @@ def store():
     assert leftover_arenas(os.getpid()) == []
 
 
-def client_of(kv: KVStore, name: str, **kw) -> KVTierClient:
-    return KVTierClient(kv.address, LAYOUT, name=name, timeout_s=1.0, **kw)
+def client_of(kv: KVStore, name: str, timeout_s: float = 1.0, **kw) -> KVTierClient:
+    return KVTierClient(kv.address, LAYOUT, name=name, timeout_s=timeout_s, **kw)
 
 
 def test_two_clients_share_blocks_through_the_arena(store: KVStore) -> None:
@@ -87,7 +88,8 @@ def test_two_clients_share_blocks_through_the_arena(store: KVStore) -> None:
 
 
 def test_a_killed_store_is_a_miss_until_restarted_then_a_new_generation(
-        store: KVStore) -> None:
+        store: KVStore, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="dpserve.kv_tier.client")
     client = client_of(store, "dp0")
     try:
         granted = client.reserve([h(1)])
@@ -111,6 +113,34 @@ def test_a_killed_store_is_a_miss_until_restarted_then_a_new_generation(
         assert (client.generation, client.arena_name) == (1, store.arena_name)
         assert client.lookup([h(1)]) == []  # the new arena starts empty
         assert client.stats()["writing"] == 1
+        transitions = [r.getMessage().split(" is ")[1][:4] for r in caplog.records
+                       if " is up" in r.getMessage() or " is down" in r.getMessage()]
+        assert transitions == ["up: ", "down", "up: "]  # one line per transition
+    finally:
+        client.close()
+
+
+def test_a_store_that_does_not_answer_is_a_miss_by_the_timeout(store: KVStore) -> None:
+    """SIGSTOP: the store lives but says nothing. Each call ends at its timeout as a
+    miss; after SIGCONT the client says hello again (same generation) and what it had
+    pinned before is no longer pinned."""
+    client = client_of(store, "dp0", timeout_s=0.3)
+    try:
+        client.commit(list(client.reserve([h(1)])))
+        pinned = client.lookup([h(1)])
+        os.kill(store.proc.pid, signal.SIGSTOP)
+        try:
+            assert client.lookup([h(1)]) == []
+            assert client.arena_name is None
+        finally:
+            os.kill(store.proc.pid, signal.SIGCONT)
+        wait_until(lambda: client.stats()["up"], 10,
+                   "the client's hello after SIGCONT")
+        assert client.generation == 0 and client.arena_name == store.arena_name
+        client.release(pinned)  # from before the hello: ignored, nothing to unpin
+        stats = client.stats()
+        assert (stats["pinned"], stats["ready"]) == (0, 1)
+        assert client.lookup([h(1)]) == pinned
     finally:
         client.close()
 

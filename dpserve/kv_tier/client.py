@@ -90,7 +90,7 @@ class KVTierClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Reply)
         with self._lock:
-            self._hello()
+            self._hello(time.monotonic() + timeout_s)
 
     # ---- ops -------------------------------------------------------------------
 
@@ -149,7 +149,7 @@ class KVTierClient:
         with self._lock:
             reply = self._call(GetStats())
         stats = reply.stats if reply is not None and reply.stats is not None else TierStats()
-        return {"up": reply is not None, **msgspec.structs.asdict(stats)}
+        return {"up": self.arena_name is not None, **msgspec.structs.asdict(stats)}
 
     def close(self) -> None:
         """Close the socket (idempotent); later calls are misses."""
@@ -163,25 +163,27 @@ class KVTierClient:
     # ---- the connection ------------------------------------------------------
 
     def _call(self, op: Op) -> Reply | None:
-        """One round trip (the lock held); None when the tier is down or the call
-        failed (then it is down)."""
-        if self._closed or (self.arena_name is None and not self._hello()):
+        """One round trip (the lock held), a hello first when the tier is down and the
+        back-off is over, both within `timeout_s`; None when the tier is down or the
+        call failed (then it is down)."""
+        deadline = time.monotonic() + self.timeout_s
+        if self._closed or (self.arena_name is None and not self._hello(deadline)):
             return None
-        reply = self._round_trip(op)
+        reply = self._round_trip(op, deadline)
         if reply is None:
             return None
         if reply.need_hello:  # a store that does not know us: hello now, this call misses
             self._retry_at = 0.0
-            self._forget()
-            self._hello()
+            self._hello(deadline)
             return None
         if reply.error is not None:
             logger.warning("KV tier store refused %s: %s", type(op).__name__, reply.error)
             return None
         return reply
 
-    def _hello(self) -> bool:
-        """Say hello on a fresh socket, unless the back-off runs; True when up."""
+    def _hello(self, deadline: float) -> bool:
+        """Say hello on a fresh socket (its reply by `deadline`), unless the back-off
+        runs; True when up."""
         if self._closed or time.monotonic() < self._retry_at:
             return False
         self._drop_socket()
@@ -190,7 +192,7 @@ class KVTierClient:
         self._sock = secure(self._ctx.socket(zmq.DEALER), "client", self._secret)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(self.address)
-        reply = self._round_trip(Hello(self.layout, self.name, os.getpid()))
+        reply = self._round_trip(Hello(self.layout, self.name, os.getpid()), deadline)
         if reply is None:
             return False
         if reply.hello is None:
@@ -212,17 +214,14 @@ class KVTierClient:
         self._up = True
         return True
 
-    def _round_trip(self, op: Op) -> Reply | None:
-        """Send `op`, wait up to `timeout_s` for its reply; None (down) on a timeout,
-        a socket error or a store that exited meanwhile."""
-        if self._store is not None and not _alive(self._store):
-            self._down("the store process exited")
-            return None
+    def _round_trip(self, op: Op, deadline: float) -> Reply | None:
+        """Send `op`, wait until `deadline` for its reply; None (down) on a timeout,
+        a socket error or a store that exited (looked at each `_SLICE_S` without a
+        reply: a live store answers well within one)."""
         assert self._sock is not None
         self._seq += 1
         try:
             self._sock.send(self._encoder.encode(Call(self._seq, op)), flags=zmq.NOBLOCK)
-            deadline = time.monotonic() + self.timeout_s
             while (left := deadline - time.monotonic()) > 0:
                 if self._sock.poll(min(left, _SLICE_S) * 1000):
                     reply = self._decoder.decode(self._sock.recv())

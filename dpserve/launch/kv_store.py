@@ -1,6 +1,8 @@
 """The launcher's handle on its host's KV store process (`dpserve::KVStore`).
 
-Scope: `KVStore` allocates the store's ipc:// address (in the launcher's
+Scope: `start_kv_store` starts one for a config with --kv-offload-memory and
+returns the config the host's engines get (naming its address). `KVStore`
+allocates the store's ipc:// address (in the launcher's
 private directory), names each start's arena (`new_arena_name`: a new one per
 start), spawns `run_kv_store` and waits until it answers (bounded; it watches
 the process, so a store that fails at start, e.g. /dev/shm too small, fails
@@ -17,13 +19,14 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from multiprocessing.process import BaseProcess
 
 import msgspec
 import zmq
 
-from dpserve.config import ConfigError
+from dpserve.config import ConfigError, EngineConfig, replace
 from dpserve.kv_tier.arena import new_arena_name, shm_free_bytes, unlink_arena
 from dpserve.kv_tier.messages import Call, GetStats, Reply
 from dpserve.kv_tier.server import run_kv_store
@@ -58,6 +61,7 @@ class KVStore:
         self.arena_name: str | None = None
         self.proc: BaseProcess | None = None
         self._arenas: list[str] = []  # names to unlink at close (the finalizer's own list)
+        self._lock = threading.Lock()  # a restart (supervisor thread) never spawns after close
         self._group = ProcessGroup(self, on_close=lambda arenas=self._arenas: _unlink(arenas))
 
     def start(self, timeout: float = READY_TIMEOUT_S) -> None:
@@ -71,14 +75,18 @@ class KVStore:
         """A new store (next generation, new arena) in place of the dead one, whose arena
         is unlinked first; KVStoreError if it does not start."""
         assert self.proc is not None
-        self.proc.join(timeout=1.0)
-        _unlink(self._arenas)
-        self.proc = self._group.replace(self.proc, run_kv_store, **self._next_kwargs())
+        with self._lock:
+            if self._group.closed:
+                raise KVStoreError("KVStore closed")
+            self.proc.join(timeout=1.0)
+            _unlink(self._arenas)
+            self.proc = self._group.replace(self.proc, run_kv_store, **self._next_kwargs())
         self._wait_ready(timeout)
 
     def close(self) -> None:
         """Stop the store; no arena of it is left (idempotent)."""
-        self._group.close()
+        with self._lock:
+            self._group.close()
 
     def _next_kwargs(self) -> dict:
         self.generation += 1
@@ -113,6 +121,23 @@ class KVStore:
         logger.info("KVStore (pid %d) generation %d serving %d bytes at %s", self.proc.pid,
                     stats.generation if stats else self.generation, self.arena_bytes,
                     self.address)
+
+
+def start_kv_store(config: EngineConfig, allocator: AddressAllocator
+                   ) -> tuple[EngineConfig, KVStore | None]:
+    """With --kv-offload-memory: start this host's KV store (its address from
+    `allocator`) and return the config its engines get, naming that address, and
+    the store; else (`config`, None). A store that fails to start is stopped."""
+    if not config.cache.kv_offload_bytes:
+        return config, None
+    store = KVStore(config.cache.kv_offload_bytes, allocator,
+                    secret=config.parallel.data_parallel_secret)
+    try:
+        store.start()
+    except BaseException:
+        store.close()
+        raise
+    return replace(config, cache=replace(config.cache, kv_tier_address=store.address)), store
 
 
 def _unlink(arenas: list[str]) -> None:
