@@ -1,5 +1,6 @@
 """The host KV tier end to end: real engine cores (tiny random Llama, float32) and
-a real store process (`dpserve::KVStore`, started as the launcher starts it).
+a real store process (`dpserve::KVStore`, started as the launcher starts it); last,
+a served DP=2 host (`dpserve serve --kv-offload-memory`).
 
 Loads replace recompute exactly: every check compares greedy tokens with an
 engine without a tier, and asserts from the engine's side (its SchedulerStats)
@@ -15,7 +16,9 @@ import signal
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
+from helpers import serve
 
 from dpserve.config import EngineArgs
 from dpserve.engine.core import EngineCore
@@ -211,3 +214,25 @@ def test_tensor_parallel_workers_save_and_load_their_shards(tiny_llama, store):
         assert stats.kv_tier_loaded_bytes == stats.kv_tier_hits // BS * 2048
     finally:
         core.shutdown()
+
+
+def complete(url: str, model: str, prompt: list[int], rank: int) -> dict:
+    resp = httpx.post(url + "/v1/completions", timeout=120,
+                      headers={"X-data-parallel-rank": str(rank)},
+                      json={"model": model, "prompt": prompt, "temperature": 0,
+                            "max_tokens": MAX_TOKENS, "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_served_ranks_load_what_the_other_computed(tiny_llama):
+    """A served host at DP=2: a prompt computed on rank 0 is loaded by rank 1, which
+    never saw it (its usage counts the loaded tokens as cached), token for token."""
+    model = str(tiny_llama)
+    with serve(model, "--data-parallel-size", "2", "--kv-offload-memory", "16MiB",
+               "--dtype", "float32", "--block-size", str(BS)) as (_, url):
+        first = complete(url, model, PROMPTS["b"], rank=0)
+        second = complete(url, model, PROMPTS["b"], rank=1)
+    assert (first["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == len(PREFIX) + 4
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
