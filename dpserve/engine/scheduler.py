@@ -270,16 +270,11 @@ class Scheduler:
             num_new = min(request.num_tokens - num_hit - num_loaded, budget)
             block_ids = self.kv_cache.allocate_slots(request, num_loaded + num_new, hit_blocks)
             if block_ids is None:
-                if num_loaded:
-                    self.kv_connector.cancel(request.request_id)  # type: ignore[union-attr]
+                self._tier_admitted(request, None, 0, num_loaded)  # its hits let go
                 break  # FCFS: nobody jumps the queue
             self.waiting.popleft()
             assert request.num_computed_tokens == 0
-            if num_loaded:  # filled before this step's forward
-                first = len(hit_blocks)
-                self.kv_connector.load(  # type: ignore[union-attr]
-                    request.request_id,
-                    block_ids[first:first + num_loaded // self.kv_cache.block_size])
+            self._tier_admitted(request, block_ids, len(hit_blocks), num_loaded)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit + num_loaded
             if request.scheduled_at is None:
@@ -304,6 +299,19 @@ class Scheduler:
         if not hashes:
             return 0
         return self.kv_connector.lookup(request.request_id, hashes) * self.kv_cache.block_size
+
+    def _tier_admitted(self, request: Request, block_ids: list[int] | None, first: int,
+                       num_loaded: int) -> None:
+        """After a tier hit of `num_loaded` tokens: their blocks (from `first` in the
+        request's table) are loaded before this step's forward; or, not admitted
+        (`block_ids` None), the hits are let go."""
+        if not num_loaded or self.kv_connector is None:
+            return
+        if block_ids is None:
+            self.kv_connector.cancel(request.request_id)
+            return
+        self.kv_connector.load(request.request_id,
+                               block_ids[first:first + num_loaded // self.kv_cache.block_size])
 
     def kv_step_done(self, scheduler_output: SchedulerOutput) -> None:
         """The step's execute returned: the tier's read pins go, saves are committed
