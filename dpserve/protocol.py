@@ -122,6 +122,18 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_free_blocks: int
     wave: int = 0  # the engine's DP request wave (lockstep; set by the engine process)
     num_generated_tokens: int = 0  # output tokens sampled, cumulative
+    # The KV host tier (--kv-offload-memory; all 0 without one). Cumulative in this
+    # engine process: tokens found in the tier (loaded instead of computed) and looked
+    # up there, bytes copied from / to it, seconds its loads took.
+    kv_tier_hits: int = 0
+    kv_tier_queries: int = 0
+    kv_tier_loaded_bytes: int = 0
+    kv_tier_saved_bytes: int = 0
+    kv_tier_load_seconds: float = 0.0
+    # The host's store now (its last answer): blocks it can hold (0: no tier, or the
+    # store is down) and blocks it holds.
+    kv_tier_num_blocks: int = 0
+    kv_tier_used_blocks: int = 0
 
 
 class UtilityCall(msgspec.Struct, array_like=True, gc=False):
