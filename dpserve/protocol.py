@@ -122,16 +122,14 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_free_blocks: int
     wave: int = 0  # the engine's DP request wave (lockstep; set by the engine process)
     num_generated_tokens: int = 0  # output tokens sampled, cumulative
-    # The KV host tier (--kv-offload-memory; all 0 without one). Cumulative in this
-    # engine process: tokens found in the tier (loaded instead of computed) and looked
-    # up there, bytes copied from / to it, seconds its loads took.
-    kv_tier_hits: int = 0
-    kv_tier_queries: int = 0
-    kv_tier_loaded_bytes: int = 0
-    kv_tier_saved_bytes: int = 0
-    kv_tier_load_seconds: float = 0.0
-    # The host's store now (its last answer): blocks it can hold (0: no tier, or the
-    # store is down) and blocks it holds.
+    # The host KV tier (--kv-offload-memory), cumulative; all 0 without one.
+    kv_tier_queries: int = 0  # tokens asked of the tier (full blocks past local hits)
+    kv_tier_hits: int = 0  # tokens loaded from it instead of computed
+    kv_tier_loaded_bytes: int = 0  # bytes copied in (whole slots: every TP shard)
+    kv_tier_saved_bytes: int = 0  # bytes copied out
+    kv_tier_load_seconds: float = 0.0  # time spent in loads (worker 0's copies)
+    # The host's store at its last answer: blocks it can hold (0: no tier, or the store
+    # is down) and blocks it holds (routing sizes its record of the tier by the first).
     kv_tier_num_blocks: int = 0
     kv_tier_used_blocks: int = 0
 
