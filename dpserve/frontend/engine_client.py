@@ -104,8 +104,7 @@ class AsyncEngineClient:
                  secret: str | None = None, max_migrations: int = 3,
                  fail_stop: bool = False, elastic: bool = False, block_size: int = 16,
                  loras: dict[str, str] | None = None, kv_tier: bool = False) -> None:
-        # ValueError for a bad policy; block_size: the engines' KV block, kv_tier: the
-        # hosts run a KV host tier (both for cache-aware)
+        # ValueError for a bad policy; block_size, kv_tier: the engines' KV block, host tier
         router = Router(load_balance, client_index=client_index, block_size=block_size,
                         kv_tier=kv_tier)
         self._loop = asyncio.get_running_loop()  # raises outside an event loop
