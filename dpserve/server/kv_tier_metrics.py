@@ -13,7 +13,8 @@ where it has them (its KV connector's and OffloadingConnector's):
 * `dpserve:kv_offload_load_time` (counter, seconds): time the loads took;
 * `dpserve:kv_offload_cpu_cache_usage_perc` (gauge, 0-1): the host's store, blocks
   held / blocks it can hold (every rank of a host reports the same store);
-* `dpserve:kv_offload_cpu_cache_blocks` (gauge): the blocks it can hold (0: down).
+* `dpserve:kv_offload_cpu_cache_blocks` (gauge): the blocks it can hold (0: not
+  reported, or the store is down).
 
 All carry `model_name` and `engine`. The engine's figures are cumulative per
 process: one API server counts the increments (a restarted engine counts from 0
@@ -69,7 +70,8 @@ class KVTierMetrics:
                            "host tier's blocks in use (0-1; the host's store, shared by its "
                            "ranks).", e, **latest)
         self.capacity = Gauge("dpserve:kv_offload_cpu_cache_blocks", "KV blocks the host "
-                              "tier can hold (0: its store is down).", e, **latest)
+                              "tier can hold (0: not reported, or its store is down).", e,
+                              **latest)
         self._last: dict[str, tuple[float, ...]] = {}  # engine -> its last cumulative figures
 
     def record(self, labels: tuple[str, str], s: SchedulerStats) -> None:

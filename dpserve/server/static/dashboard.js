@@ -131,10 +131,10 @@ function render(data) {
 function tierLine(t) {
   const mib = (b) => (b / 1048576).toFixed(0) + " MiB";
   const store = t.num_blocks ? (100 * t.used_blocks / t.num_blocks).toFixed(0) + " % of " +
-      t.num_blocks + " blocks" : "store down";
+      t.num_blocks + " blocks · " : "";  // 0: not reported (or the store is down)
   const hits = t.queries ? (100 * t.hits / t.queries).toFixed(0) + " % hit (" + t.hits +
       " of " + t.queries + " tokens)" : "no lookups";
-  return "KV tier " + store + " · " + hits + " · " + mib(t.loaded_bytes) + " loaded in " +
+  return "KV tier " + store + hits + " · " + mib(t.loaded_bytes) + " loaded in " +
       t.load_seconds.toFixed(2) + " s, " + mib(t.saved_bytes) + " saved";
 }
 
