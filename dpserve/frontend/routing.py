@@ -55,7 +55,9 @@ have their own tier. Own blocks count above tier blocks above nothing:
 * no rank reaches the prefix (or only hot ones): the rules above.
 
 The tier record is not forgotten when a rank dies (the store outlives its ranks); a
-store restart (an empty tier) is not seen: a wrong hint costs a recompute.
+store restart (an empty tier) is not seen, nor are two launchers on one machine
+(a head and a headless host on one box: two stores, one host name, taken for one
+tier): a wrong hint costs a recompute.
 
 LoRA adapters (`cache-aware` only; `least-loaded` is the count-only baseline): a
 request that names an adapter goes, among the ranks that are not hot, to those
