@@ -122,6 +122,10 @@ class EngineArgs:
     enable_prefix_caching: bool = _opt(True, "Reuse KV blocks of shared prompt prefixes.")
     num_kv_blocks: int | None = _opt(None, "Fixed number of KV blocks (overrides the memory "
                                      "budget; for tests and tuning).")
+    kv_offload_memory: str | int | None = _opt(None, "Shared memory (e.g. 8GiB) for this host's "
+                                               "KV tier: every local DP rank saves full KV "
+                                               "blocks there and loads prefix hits from it "
+                                               "(LRU; needs prefix caching). Default: off.")
     max_num_batched_tokens: int | None = _opt(None, "Token budget of one engine step "
                                               "(default 512 on CPU, 2048 on GPU or with "
                                               "lockstep engines; at least max_num_seqs).")
@@ -315,7 +319,8 @@ class EngineArgs:
         cache = CacheConfig(
             block_size=self.block_size, kv_cache_memory=kv_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
-            enable_prefix_caching=self.enable_prefix_caching, num_kv_blocks=self.num_kv_blocks)
+            enable_prefix_caching=self.enable_prefix_caching, num_kv_blocks=self.num_kv_blocks,
+            kv_offload_bytes=_kv_offload_bytes(self))
         parallel = self._parallel_config(device, model.hf_config, model.architecture)
         check_tensor_parallel(self, model.hf_config, device, parallel.enable_expert_parallel)
         # Lockstep engines pay a collective every step (every MoE layer's, under
@@ -480,6 +485,22 @@ class EngineArgs:
         check_placement(self)
         if self.kv_cache_memory is not None:
             parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
+        _kv_offload_bytes(self)
+
+
+def _kv_offload_bytes(args: EngineArgs) -> int | None:
+    """--kv-offload-memory in bytes (None: off), checked against the options it needs."""
+    if args.kv_offload_memory in (None, 0, "0"):
+        return None
+    size = parse_memory_size(args.kv_offload_memory, "kv_offload_memory")
+    if not args.enable_prefix_caching:
+        raise ConfigError("kv_offload_memory needs prefix caching (its blocks are found by "
+                          "their prefix hashes): drop --no-enable-prefix-caching or "
+                          "--kv-offload-memory")
+    if args.data_parallel_backend == "ray":
+        raise ConfigError("kv_offload_memory: not with the Ray backend yet "
+                          "(--data-parallel-backend ray)")
+    return size
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,

@@ -61,6 +61,10 @@ class CacheConfig:
     gpu_memory_utilization: float  # fraction of device memory on CUDA
     enable_prefix_caching: bool
     num_kv_blocks: int | None  # fixed block count, overriding the memory budget
+    kv_offload_bytes: int | None = None  # the host's KV tier (--kv-offload-memory); None: off
+    # The host's KV store (ipc://), set by the launcher that started it before it spawns
+    # its engines (dpserve.launch.kv_store); None: no tier.
+    kv_tier_address: str | None = None
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,8 @@ def test_unknown_option_is_named():
     ({"max_num_batched_tokens": 4, "max_num_seqs": 8}, "max_num_batched_tokens"),
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
     ({"kv_cache_memory": "lots"}, "kv_cache_memory"),
+    ({"kv_offload_memory": "lots"}, "kv_offload_memory"),
+    ({"kv_offload_memory": "-1GiB"}, "kv_offload_memory"),
     ({"num_kv_blocks": 0}, "num_kv_blocks"),
     ({"data_parallel_size": 0}, "data_parallel_size"),
     ({"threads_per_engine": 0}, "threads_per_engine"),
@@ -55,6 +57,28 @@ def test_cpu_step_budget_defaults_to_512(tiny_llama):
 def test_max_model_len_over_model_context(tiny_llama):
     with pytest.raises(ConfigError, match="max_model_len"):
         EngineArgs.from_kwargs(model=str(tiny_llama), max_model_len=10**6).create_config()
+
+
+def test_kv_offload_memory_needs_prefix_caching_and_the_mp_backend():
+    with pytest.raises(ConfigError, match="kv_offload_memory needs prefix caching.*"
+                       "--no-enable-prefix-caching or --kv-offload-memory"):
+        EngineArgs.from_kwargs(kv_offload_memory="1GiB", enable_prefix_caching=False
+                               ).check_options()
+    with pytest.raises(ConfigError, match="kv_offload_memory: not with the Ray backend yet"):
+        EngineArgs.from_kwargs(kv_offload_memory="1GiB", data_parallel_backend="ray",
+                               data_parallel_size=2).check_options()
+    # Off (unset or 0): nothing to check, prefix caching or not.
+    EngineArgs.from_kwargs(kv_offload_memory="0", enable_prefix_caching=False).check_options()
+
+
+def test_kv_offload_memory_reaches_the_cache_config(tiny_llama):
+    def cache(**kw):
+        return EngineArgs.from_kwargs(model=str(tiny_llama), device="cpu",
+                                      **kw).create_config().cache
+    assert cache(kv_offload_memory="64MiB").kv_offload_bytes == 64 << 20
+    assert cache().kv_offload_bytes is None and cache(kv_offload_memory=0).kv_offload_bytes \
+        is None
+    assert cache(kv_offload_memory="64MiB").kv_tier_address is None  # the launcher's to set
 
 
 def test_memory_sizes():

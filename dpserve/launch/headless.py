@@ -3,7 +3,10 @@
 Scope: `run_headless_host(config, ready_timeout)` starts this host's engines
 (they handshake with the head at --data-parallel-address:--data-parallel-rpc-port),
 watches them under the failure policy (`dpserve.launch.policy`) until a signal
-or until none runs, and drains them on SIGTERM/SIGINT.
+or until none runs, and drains them on SIGTERM/SIGINT. With --kv-offload-memory
+the host's own KV store starts first (its engines get its address) and is
+restarted when it dies (a start that fails leaves the tier off on this host:
+its engines go on without it); it stops last.
 
 Not here: parsing the options (`dpserve.entrypoints.serve`), the head's side
 (`dpserve.launch.host`).
@@ -15,8 +18,9 @@ import logging
 import sys
 
 from dpserve.config import ConfigError, EngineConfig, ParallelConfig
-from dpserve.launch.addresses import url_host
+from dpserve.launch.addresses import AddressAllocator, url_host
 from dpserve.launch.engines import EngineProcManager
+from dpserve.launch.kv_store import KVStore, start_kv_store
 from dpserve.launch.policy import FailureAction, RestartBudget, decide
 from dpserve.launch.watch import StopSignal, wait_drained, watch
 from dpserve.security import warn_plain_tcp
@@ -41,11 +45,21 @@ def run_headless_host(config: EngineConfig, ready_timeout: float) -> int:
     warn_plain_tcp(p.data_parallel_address, p.data_parallel_secret)
     logger.info("headless: engines %s for the head at %s", p.local_ranks, head)
     stop = StopSignal()
-    manager = EngineProcManager(config, head, num_engines=p.data_parallel_size_local,
-                                start_rank=p.data_parallel_start_rank, local=False,
-                                handshake_timeout=ready_timeout)
+    allocator = AddressAllocator()
+    store: KVStore | None = None
     try:
-        failed = _supervise(stop, manager, p)
+        config, store = start_kv_store(config, allocator)
+        manager = EngineProcManager(config, head, num_engines=p.data_parallel_size_local,
+                                    start_rank=p.data_parallel_start_rank, local=False,
+                                    handshake_timeout=ready_timeout)
+    except BaseException:
+        if store is not None:
+            store.close()
+        allocator.cleanup()
+        stop.restore()
+        raise
+    try:
+        failed = _supervise(stop, manager, p, store)
         if stop.signum is not None:
             return _drain(stop, manager, config.shutdown_timeout)
         if failed:
@@ -55,6 +69,9 @@ def run_headless_host(config: EngineConfig, ready_timeout: float) -> int:
         return 0
     finally:
         manager.close()
+        if store is not None:
+            store.close()
+        allocator.cleanup()
         stop.restore()
 
 
@@ -68,12 +85,14 @@ def _drain(stop: StopSignal, manager: EngineProcManager, timeout: float) -> int:
     return 1 if code == 0 and any(manager.finished_procs().values()) else code
 
 
-def _supervise(stop: StopSignal, manager: EngineProcManager, p: ParallelConfig) -> list[str]:
+def _supervise(stop: StopSignal, manager: EngineProcManager, p: ParallelConfig,
+               store: KVStore | None = None) -> list[str]:
     """Watch this host's engines until a signal or until none runs: an engine that
     exits cleanly (its head went away) stays down; one that fails is restarted
     under policy restart (it handshakes with the head again, which then routes to
     it; --max-engine-restarts per rank in the policy's window); under isolate
-    it stays down; under stop the host stops. Returns the failures that ended it."""
+    it stays down; under stop the host stops. A KV store that dies is restarted
+    (`_restart_store`). Returns the failures that ended it."""
     budget = RestartBudget(p.max_engine_restarts)
     incarnations = dict.fromkeys(manager.ranks, 0)
     failed: list[str] = []
@@ -81,7 +100,13 @@ def _supervise(stop: StopSignal, manager: EngineProcManager, p: ParallelConfig) 
         live = [proc for proc in manager.processes if proc.exitcode is None]
         if not live:
             return failed
-        for proc in watch(stop, live):
+        services = [store.proc] if store is not None and store.proc is not None \
+            and store.proc.exitcode is None else []
+        for proc in watch(stop, [*live, *services]):
+            if proc in services:
+                if proc.exitcode != 0:  # 0: stopped by the signal that stops us too
+                    _restart_store(store)  # type: ignore[arg-type]
+                continue
             rank = manager.ranks[manager.processes.index(proc)]
             what = f"{proc.name} exited with code {proc.exitcode}"
             if proc.exitcode == 0:
@@ -97,3 +122,14 @@ def _supervise(stop: StopSignal, manager: EngineProcManager, p: ParallelConfig) 
                 return failed
             logger.error("rank %d is out: %s", rank, what)
     return failed
+
+
+def _restart_store(store: KVStore) -> None:
+    """The KV store died: a new generation now; if that fails, the tier stays off on
+    this host (its engines go on without it)."""
+    logger.warning("%s (pid %d) exited with code %s; restarting the KV store",
+                   store.proc.name, store.proc.pid, store.proc.exitcode)  # type: ignore[union-attr]
+    try:
+        store.restart()
+    except Exception as e:  # noqa: BLE001 - the engines go on without it
+        logger.error("KVStore restart failed: %s; the KV tier stays off on this host", e)

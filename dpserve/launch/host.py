@@ -16,6 +16,10 @@ coordinator, the rendezvous, the addresses the front-ends bind.
     ray                  every rank is a Ray actor (`dpserve.launch.ray_backend`); all
                          data-plane addresses are tcp:// on --data-parallel-address
 
+With --kv-offload-memory (mp backend), the host's KV store starts first
+(`dpserve.launch.kv_store`), and the config its engines get names its address
+(`CacheConfig.kv_tier_address`); the supervisor restarts it, `close()` stops it.
+
 Not here: the API servers (`dpserve.entrypoints.api_server`,
 `dpserve.launch.api_server_watch`), the HTTP socket (`dpserve.entrypoints.serve`),
 a `--headless` host (`dpserve.launch.headless`).
@@ -34,6 +38,7 @@ import msgspec
 from dpserve.config import ConfigError, EngineConfig
 from dpserve.launch.addresses import AddressAllocator, ZmqAddresses, url_host
 from dpserve.launch.engines import EngineProcManager, RejoinServer
+from dpserve.launch.kv_store import KVStore, start_kv_store
 from dpserve.launch.rendezvous import RendezvousServer, ask_rendezvous
 from dpserve.launch.scaler import Scaler
 from dpserve.launch.supervisor import OnStatus, Supervisor
@@ -68,6 +73,7 @@ class EngineLaunch:
     supervisor: Supervisor | None = None
     scaler: Scaler | None = None  # carries out changes of the engine count (elastic)
     rejoin: RejoinServer | None = None  # the head's handshake for restarted remote engines
+    kv_store: KVStore | None = None  # this host's KV tier (--kv-offload-memory)
 
     @property
     def processes(self) -> list[BaseProcess]:
@@ -145,6 +151,8 @@ class EngineLaunch:
                 self.rendezvous.close()
             if self.coordinator is not None:
                 self.coordinator.close()
+            if self.kv_store is not None:
+                self.kv_store.close()
             self.allocator.cleanup()
 
 
@@ -163,6 +171,7 @@ def launch_engines(config: EngineConfig, num_clients: int = 1,
         warn_plain_tcp(p.data_parallel_address, p.data_parallel_secret)
     launch = EngineLaunch(AddressAllocator(), ready_timeout=ready_timeout)
     try:
+        config, launch.kv_store = start_kv_store(config, launch.allocator)
         if p.data_parallel_backend == "ray":
             _launch_ray(launch, config, num_clients, ready_timeout)
         elif p.local_lb:

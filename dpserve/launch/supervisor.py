@@ -26,6 +26,11 @@ A dead coordinator is restarted under any policy but stop (its sockets keep
 their addresses, so engines and front-ends reconnect by themselves; front-ends
 balance on their own counts meanwhile).
 
+A dead KV store (`--kv-offload-memory`) is restarted under every policy, in a
+thread (a new generation on the same address, the dead one's arena unlinked;
+a start that fails is tried again after a backoff, as an engine's): the ranks
+go on without the tier meanwhile (misses) and say hello to the new store.
+
 Every state change goes to `on_status(rank, RankStatus)` (the in-process
 front-end, the API servers' pipes) and, as a `RankEvent`, to the coordinator,
 which publishes it to every front-end. Nothing here touches a request: the
@@ -59,6 +64,7 @@ from dpserve.security import secure
 if TYPE_CHECKING:
     from dpserve.config import EngineConfig
     from dpserve.launch.coordinator import DPCoordinator
+    from dpserve.launch.kv_store import KVStore
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +102,7 @@ class SupervisedHost(Protocol):
     manager: Any  # SupervisedEngines, or None when this host runs no engines
     coordinator: DPCoordinator | None
     coordinator_address: str | None  # the coordinator's front XPUB
+    kv_store: KVStore | None  # this host's KV store (--kv-offload-memory)
 
     def restart_engine(self, rank: int, incarnation: int) -> None:
         """A new engine for this host's `rank`, READY when this returns."""
@@ -121,7 +128,9 @@ class Supervisor:
         self.budget = RestartBudget(self.max_restarts)
         self._restarting: set[int] = set()  # ranks whose new engine is starting
         self._out: set[int] = set()  # ranks dead for good (isolate, or past the limit)
-        self._handled: set[BaseProcess] = set()  # coordinator processes whose exit was handled
+        self._handled: set[BaseProcess] = set()  # coordinator / store processes whose exit
+        # was handled
+        self._store_restarting = False  # its restart thread runs: not watched meanwhile
         self._send_lock = threading.Lock()  # restart threads announce too
         self._stop = threading.Event()
         self._restart_lock = threading.Lock()  # one handshake at a time
@@ -146,31 +155,31 @@ class Supervisor:
         return [r for r in getattr(self.engines, "ranks", [])
                 if r not in self._restarting and r not in self._out]
 
-    def _coordinator_proc(self) -> BaseProcess | None:
-        """The coordinator's process, while its exit is not handled yet."""
-        coordinator = self.launch.coordinator
-        if coordinator is None or coordinator.proc is None \
-                or coordinator.proc in self._handled:
-            return None
-        return coordinator.proc
+    def _service_procs(self) -> list[BaseProcess]:
+        """The coordinator's and the KV store's processes, while their exit is not
+        handled yet."""
+        store = None if self._store_restarting else getattr(self.launch, "kv_store", None)
+        services = (self.launch.coordinator, store)
+        return [s.proc for s in services
+                if s is not None and s.proc is not None and s.proc not in self._handled]
 
     def _watch(self) -> None:
         with zmq.Context() as ctx:
             events = self._event_socket(ctx)
             while not self._stop.is_set():
-                ranks, coordinator = self._watched_ranks(), self._coordinator_proc()
-                try:  # the engines first (up to _POLL_S), then the coordinator
+                ranks, services = self._watched_ranks(), self._service_procs()
+                try:  # the engines first (up to _POLL_S), then the coordinator, the store
                     ended = self.engines.wait_for_exits(ranks, _POLL_S) if ranks else {}
                 except Exception as e:  # noqa: BLE001 - e.g. Ray shut down under us
                     if not self._stop.is_set():
                         self._fatal(f"lost track of the engines: {type(e).__name__}: {e}", "")
                     break
                 wait = 0.0 if ranks else _POLL_S
-                if coordinator is None:
+                if not services:
                     self._stop.wait(wait)
                     exited = []
                 else:
-                    exited = wait_for_any_exit([coordinator], timeout=wait)
+                    exited = wait_for_any_exit(services, timeout=wait)
                 for rank, what in sorted(ended.items()):
                     if self._stop.is_set():
                         break
@@ -186,8 +195,13 @@ class Supervisor:
                     self._handled.add(proc)
                     if self._stopped_by_drain(proc.exitcode):
                         continue
-                    self._coordinator_died(f"{proc.name} (pid {proc.pid}) exited with code "
-                                           f"{proc.exitcode}")
+                    what = f"{proc.name} (pid {proc.pid}) exited with code {proc.exitcode}"
+                    if self.launch.coordinator and proc is self.launch.coordinator.proc:
+                        self._coordinator_died(what)
+                    else:
+                        self._store_restarting = True
+                        threading.Thread(target=self._restart_kv_store, args=(what,),
+                                         name="restart-kv-store", daemon=True).start()
                 self._read_restart_requests(events)
             if events is not None:
                 events.close(linger=500)
@@ -337,3 +351,26 @@ class Supervisor:
             logger.error("could not restart the DP coordinator: %s; stopping", e)
             self.on_fatal(f"{what}; restart failed: {e}")
             self._stop.set()
+
+    def _restart_kv_store(self, what: str) -> None:
+        """A new KV store in place of the dead one; a failed start is tried again after
+        a backoff (doubling up to _MAX_BACKOFF_S) until one starts or we stop."""
+        store = self.launch.kv_store
+        assert store is not None
+        backoff = _FIRST_BACKOFF_S
+        logger.warning("%s; restarting the KV store (the ranks miss the tier meanwhile)", what)
+        try:
+            while not self._stop.is_set():
+                try:
+                    store.restart()
+                except Exception as e:  # noqa: BLE001 - the ranks go on without it
+                    logger.error("KVStore restart failed: %s; trying again in %.1f s", e,
+                                 backoff)
+                    if self._stop.wait(backoff):
+                        return
+                    backoff = min(_MAX_BACKOFF_S, 2 * backoff)
+                    continue
+                logger.info("KVStore serving again (generation %d)", store.generation)
+                return
+        finally:
+            self._store_restarting = False
