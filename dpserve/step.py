@@ -76,6 +76,25 @@ class LoRAPlan:
 
 
 @dataclass
+class KVTransfer:
+    """A step's copies between the KV cache and the host tier's shared arena
+    (`dpserve.kv_tier`), done by every worker on its own shard.
+
+    A slot holds one KV block over all layers and all TP shards: worker t's shard
+    is the `shard_bytes` at offset `t * shard_bytes`, laid out layer-major, K then
+    V, each `[block_size, kv_heads_here, head_dim]` of the runner's cache.
+    """
+
+    arena: str  # the shared-memory segment's name (workers attach by name)
+    arena_bytes: int  # its size
+    generation: int  # the store's incarnation: a new one means a new segment
+    slot_bytes: int  # bytes of one slot (= num_shards * shard_bytes)
+    shard_bytes: int  # one worker's share of a slot
+    loads: list[tuple[int, int]] = field(default_factory=list)  # (slot, block_id): before
+    saves: list[tuple[int, int]] = field(default_factory=list)  # (block_id, slot): after
+
+
+@dataclass
 class SchedulerOutput:
     """What one step runs. Decodes (num_new_tokens == 1) come first."""
 
@@ -85,6 +104,7 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # freed since the last step
     lora: LoRAPlan | None = None  # adapters to put into slots first (None: nothing to do)
+    kv_transfer: KVTransfer | None = None  # host-tier loads / saves (None: nothing to copy)
 
     @property
     def is_empty(self) -> bool:

@@ -14,6 +14,7 @@ from typing import Any
 
 from dpserve.config import EngineConfig
 from dpserve.engine.executor import make_executor
+from dpserve.engine.kv_connector import make_host_tier
 from dpserve.engine.lora_manager import LoRAManager, adapter_cache_key
 from dpserve.engine.request import Request, RequestStatus
 from dpserve.engine.scheduler import Scheduler
@@ -55,13 +56,16 @@ class EngineCore:
             # config stays as the user resolved it. Every worker must hold it.
             self.num_kv_blocks = min(self.executor.collective_rpc("determine_num_blocks"))
             self.executor.collective_rpc("initialize_kv_cache", self.num_kv_blocks)
+            # The host's KV tier (--kv-offload-memory; None: off, nothing changes).
+            kv_tier = make_host_tier(config, self.executor, dp_rank)
         except BaseException:
             self.executor.shutdown()
             raise
         # LoRA adapters (--enable-lora): registered, on the host, resident in slots.
         self.lora = LoRAManager(config.lora) if config.lora is not None else None
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks,
-                                   lora_fits=self.lora.fits if self.lora else None)
+                                   lora_fits=self.lora.fits if self.lora else None,
+                                   kv_connector=kv_tier)
         try:
             for name, path in config.lora.modules if config.lora else ():
                 self.add_lora(name, path)
@@ -175,14 +179,19 @@ class EngineCore:
             try:
                 runner_output = self.executor.execute(scheduler_output)
             except ExpertParallelError as e:
+                self.scheduler.kv_step_failed(scheduler_output)
                 self.runner.forget_requests(scheduler_output.finished_req_ids)
                 self._drop_failed_step(str(e))
                 return []
             self.num_forward_passes += 1
+        # (host tier: the step's loads are done, its saves copied by worker 0)
+        self.scheduler.kv_step_done(scheduler_output)
         # 3. Update: append tokens, check stops, free finished requests.
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.lora is not None:
             self._release_lora([o.request_id for o in failed + outputs if o.finished])
+        if scheduler_output.is_empty:  # no step comes to prove the host-tier saves copied
+            self._commit_kv_saves()
         self._forget_if_idle()
         return failed + outputs
 
@@ -225,6 +234,16 @@ class EngineCore:
         just finished to the runner: hand them over now, so nothing of theirs stays."""
         if not self.has_unfinished_requests():
             self.runner.forget_requests(self.scheduler.take_finished_ids())
+            self._commit_kv_saves()
+
+    def _commit_kv_saves(self) -> None:
+        """Tensor parallel: host-tier saves wait for the next step to prove that every
+        worker copied them (`HostTierConnector`); with no step coming (idle, or
+        nothing to run), an rpc that every worker answers proves it instead."""
+        tier = self.scheduler.kv_connector
+        if tier is not None and tier.has_pending_commits():
+            self.executor.collective_rpc("kv_tier_barrier")
+            tier.commit_pending()
 
     # ---- utility methods ------------------------------------------------
 
@@ -255,12 +274,16 @@ class EngineCore:
             self.executor.collective_rpc("clear_lora_slots")
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (idempotent; nothing to do at TP=1)."""
+        """Stop the tensor-parallel workers and leave the host tier (idempotent)."""
+        if self.scheduler.kv_connector is not None:
+            self.scheduler.kv_connector.close()
         self.executor.shutdown()
 
     def get_stats(self) -> SchedulerStats:
         stats = self.scheduler.make_stats()
         stats.num_waiting += len(self.structured.pending)
+        if self.scheduler.kv_connector is not None:
+            stats.kv_tier_load_seconds = self.runner.kv_copier.load_seconds
         return stats
 
     def execute_dummy_batch(self) -> None:

@@ -256,6 +256,9 @@ class KVCacheManager:
     computes them runs. A request admitted later in the same step may hit
     them, so the model runner must write a layer's KV for all scheduled
     tokens before any attention of that layer reads the cache.
+
+    With `new_full_blocks` a list (a KV connector is on), each such block is
+    also appended there as `(hash, block_id)`, for `take_new_full_blocks`.
     """
 
     def __init__(self, num_blocks: int, block_size: int,
@@ -267,6 +270,8 @@ class KVCacheManager:
         self._tables: dict[str, _BlockTable] = {}  # request_id -> its blocks
         self.prefix_cache_queries = 0  # tokens looked up (one count per lookup)
         self.prefix_cache_hits = 0  # tokens found
+        # (hash, block_id) of blocks registered since the last take; None: not kept
+        self.new_full_blocks: list[tuple[BlockHash, int]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -339,7 +344,17 @@ class KVCacheManager:
         self.update_block_hashes(request)
         self.pool.cache_full_blocks(table.blocks[table.num_cached:num_full],
                                     request.block_hashes[table.num_cached:num_full])
+        if self.new_full_blocks is not None:
+            self.new_full_blocks.extend(zip(request.block_hashes[table.num_cached:num_full],
+                                            table.block_ids[table.num_cached:num_full]))
         table.num_cached = num_full
+
+    def take_new_full_blocks(self) -> list[tuple[BlockHash, int]]:
+        """`(hash, block_id)` of the blocks that became full since the last call."""
+        if self.new_full_blocks is None:
+            return []
+        taken, self.new_full_blocks = self.new_full_blocks, []
+        return taken
 
     def free(self, request: Request) -> None:
         """Return all of the request's blocks; the tail of its sequence is evicted first."""

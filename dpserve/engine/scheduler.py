@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 
 from dpserve.config import CacheConfig, SchedulerConfig
 from dpserve.engine.kv_cache import KVCacheManager
+from dpserve.engine.kv_connector import KVConnector
 from dpserve.engine.request import Request, RequestStatus
 from dpserve.protocol import EngineCoreOutput, SchedulerStats, TokenLogprobs
 from dpserve.step import Logprobs, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -72,6 +73,12 @@ class Scheduler:
       keeping its place, and those behind it may go), under
       `max_num_seqs`, with their prefill chunked to the budget left.
       `num_computed_tokens` advances here, at schedule time.
+    * With a KV connector (the host tier): a waiting request's blocks past its
+      local prefix hits are looked up there (still leaving the last token to
+      compute); the hits get blocks, are loaded at the start of the step and
+      count as computed at once (they cost no token budget). Blocks the step
+      makes full are offered to the store; `SchedulerOutput.kv_transfer` says
+      what to copy, and `kv_step_done` / `kv_step_failed` follow the execute.
     * `update_from_output(out, runner_out)` appends sampled tokens, checks
       stops, frees finished requests at once, and returns one
       `EngineCoreOutput` per request that got a token or finished. Rows for
@@ -86,7 +93,8 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int,
-                 lora_fits: Callable[[set[int]], bool] | None = None) -> None:
+                 lora_fits: Callable[[set[int]], bool] | None = None,
+                 kv_connector: KVConnector | None = None) -> None:
         self.config = config
         # LoRA: whether a set of adapters fits the device slots at once (the engine's
         # LoRAManager.fits); None: no adapters.
@@ -102,6 +110,11 @@ class Scheduler:
                            config.max_model_len, capacity)
         self.kv_cache = KVCacheManager(num_blocks, cache_config.block_size,
                                        cache_config.enable_prefix_caching)
+        # The host tier (None: off, and nothing below costs anything).
+        self.kv_connector = kv_connector
+        if kv_connector is not None:
+            assert cache_config.enable_prefix_caching, "the tier names blocks by their hashes"
+            self.kv_cache.new_full_blocks = []
         self.requests: dict[str, Request] = {}  # request_id -> unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -177,11 +190,17 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache
-        return SchedulerStats(
+        stats = SchedulerStats(
             num_waiting=len(self.waiting), num_running=len(self.running),
             kv_cache_usage=kv.usage, prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits, num_preemptions=self.num_preemptions,
             num_free_blocks=kv.num_free_blocks, num_generated_tokens=self.num_generated_tokens)
+        if self.kv_connector is not None:
+            tier = self.kv_connector.counters
+            stats.kv_tier_queries, stats.kv_tier_hits = tier.queries, tier.hits
+            stats.kv_tier_loaded_bytes = tier.loaded_bytes
+            stats.kv_tier_saved_bytes = tier.saved_bytes
+        return stats
 
     # ---- schedule ------------------------------------------------------------
 
@@ -199,10 +218,15 @@ class Scheduler:
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         others = [s for s in scheduled if s.num_new_tokens != 1]
         finished = self.take_finished_ids()
+        # 4. Host tier: offer the blocks this step makes full; the step's copies.
+        transfer = None
+        if self.kv_connector is not None:
+            self.kv_connector.offer(self.kv_cache.take_new_full_blocks())
+            transfer = self.kv_connector.build_transfer()
         return SchedulerOutput(
             scheduled=decodes + others, num_decodes=len(decodes),
             total_num_tokens=sum(s.num_new_tokens for s in scheduled),
-            preempted_req_ids=preempted, finished_req_ids=finished)
+            preempted_req_ids=preempted, finished_req_ids=finished, kv_transfer=transfer)
 
     def _schedule_running(self, scheduled: list[ScheduledRequest], preempted: list[str],
                           budget: int) -> int:
@@ -242,24 +266,56 @@ class Scheduler:
                 set_aside.append(self.waiting.popleft())
                 continue
             hit_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit, budget)
-            block_ids = self.kv_cache.allocate_slots(request, num_new, hit_blocks)
+            num_loaded = self._tier_lookup(request, len(hit_blocks))
+            num_new = min(request.num_tokens - num_hit - num_loaded, budget)
+            block_ids = self.kv_cache.allocate_slots(request, num_loaded + num_new, hit_blocks)
             if block_ids is None:
+                if num_loaded:
+                    self.kv_connector.cancel(request.request_id)  # type: ignore[union-attr]
                 break  # FCFS: nobody jumps the queue
             self.waiting.popleft()
             assert request.num_computed_tokens == 0
+            if num_loaded:  # filled before this step's forward
+                first = len(hit_blocks)
+                self.kv_connector.load(  # type: ignore[union-attr]
+                    request.request_id,
+                    block_ids[first:first + num_loaded // self.kv_cache.block_size])
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
+                request.num_cached_tokens = num_hit + num_loaded
             if request.scheduled_at is None:
                 request.scheduled_at = time.monotonic()
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit
+            request.num_computed_tokens = num_hit + num_loaded
             self.running.append(request)
             scheduled.append(self._scheduled(request, num_new, block_ids))
             budget -= num_new
             if request.lora_id:
                 loras.add(request.lora_id)
         self.waiting.extendleft(reversed(set_aside))
+
+    def _tier_lookup(self, request: Request, num_hit_blocks: int) -> int:
+        """Tokens of the request's next full blocks (past its `num_hit_blocks` local
+        hits) that the host tier holds, held there for it (0: no tier, or none).
+        Invariant, as for local hits: the last token is always computed."""
+        if self.kv_connector is None or request.needs_prompt_logprobs:
+            return 0
+        max_blocks = (request.num_tokens - 1) // self.kv_cache.block_size
+        hashes = request.block_hashes[num_hit_blocks:max_blocks]
+        if not hashes:
+            return 0
+        return self.kv_connector.lookup(request.request_id, hashes) * self.kv_cache.block_size
+
+    def kv_step_done(self, scheduler_output: SchedulerOutput) -> None:
+        """The step's execute returned: the tier's read pins go, saves are committed
+        (see `HostTierConnector`). Nothing without a tier."""
+        if self.kv_connector is not None:
+            self.kv_connector.step_done(scheduler_output.kv_transfer,
+                                        executed=not scheduler_output.is_empty)
+
+    def kv_step_failed(self, scheduler_output: SchedulerOutput) -> None:
+        """The step's execute raised: pins released, its reservations dropped."""
+        if self.kv_connector is not None:
+            self.kv_connector.step_failed(scheduler_output.kv_transfer)
 
     @staticmethod
     def _scheduled(request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:

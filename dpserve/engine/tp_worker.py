@@ -128,9 +128,10 @@ def peer_step(so: SchedulerOutput, block_size: int) -> SchedulerOutput:
     """What a peer needs of a step: each request's window of tokens (the step's, plus
     the next known one: a prompt-logprobs target), the blocks the step reaches, and
     of its SamplingParams only prompt_logprobs, its LoRA slot (and the step's LoRA
-    plan); no grammar, no finished ids (peers keep no per-request state)."""
+    plan and host-tier copies); no grammar, no finished ids (peers keep no per-request state)."""
     return SchedulerOutput([_peer_request(s, block_size) for s in so.scheduled],
-                           so.num_decodes, so.total_num_tokens, lora=so.lora)
+                           so.num_decodes, so.total_num_tokens, lora=so.lora,
+                           kv_transfer=so.kv_transfer)
 
 
 def _peer_request(s: ScheduledRequest, block_size: int) -> ScheduledRequest:

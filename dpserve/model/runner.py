@@ -30,6 +30,7 @@ from dpserve.cpu_features import auto_cpu_dtype
 from dpserve.model import cpu_kernels
 from dpserve.model.attention import AttentionMetadata, build_attention_metadata, token_positions
 from dpserve.model.expert_parallel import ExpertParallel
+from dpserve.model.kv_copy import KVTierCopier
 from dpserve.model.lora import Adapter, LoRASlots, load_adapter, lora_layout
 from dpserve.model.prompt_logprobs import compute_prompt_logprobs
 from dpserve.model.registry import get_model_class
@@ -90,6 +91,10 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}  # request id -> its seeded generator
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0  # usable blocks; block `num_blocks` is the scratch block
+        # The host tier's loads and saves of this worker's shard (a step's kv_transfer).
+        self.kv_copier = KVTierCopier(
+            self.tp.rank, (self.model.dims.layers, 2, self.block_size, self.kv_heads,
+                           self.model.dims.head_dim), self.dtype, self.device)
 
     def _load_model(self) -> Any:
         """Build the model and read its weights from the checkpoint."""
@@ -265,8 +270,13 @@ class ModelRunner:
         if scheduler_output.lora is not None:
             self._apply_lora_plan(scheduler_output.lora)
         inputs = self.prepare_inputs(scheduler_output)
+        kv = scheduler_output.kv_transfer
+        if kv is not None and kv.loads:  # before any attention reads the blocks
+            self.kv_copier.load(kv, self.kv_caches)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_meta,
                             self.kv_caches)  # [T, hidden]
+        if kv is not None and kv.saves:  # every layer's KV of the step is written
+            self.kv_copier.save(kv, self.kv_caches)
         prompt_logprobs = (compute_prompt_logprobs(self.model, hidden, scheduler_output)
                            if any(s.needs_prompt_logprobs
                                   for s in scheduler_output.scheduled) else {})
@@ -286,6 +296,19 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids=[r.req_id for r in inputs.sampled],
                                  sampled_token_ids=tokens.tolist(), logprobs=logprobs,
                                  prompt_logprobs=prompt_logprobs)
+
+    def kv_tier_attach(self, name: str, size: int, generation: int) -> str | None:
+        """Map the host tier's arena (`KVTierCopier.attach`). Returns the error (one
+        line) instead of raising: a peer worker that raised would take the rank down."""
+        try:
+            self.kv_copier.attach(name, size, generation)
+        except (OSError, RuntimeError, ValueError) as e:
+            return str(e)
+        return None
+
+    def kv_tier_barrier(self) -> None:
+        """Nothing: a worker answers an rpc only after every step sent before it, so
+        the answer says its host-tier saves are copied (the engine then commits)."""
 
     def forget_requests(self, req_ids: list[str]) -> None:
         """Drop what the runner keeps for finished requests (their seeded generators)."""
