@@ -496,8 +496,9 @@ def from_config(config: EngineConfig, input_address: str | Sequence[str],
                       coordinator_address: str | None = None,
                       load_balance: str = "least-loaded") -> AsyncEngineClient:
     """The engine client of one front-end, its policies taken from `config` (lockstep,
-    secret, migrations, failure policy, elastic, KV block size, LoRA); the one place both
-    the API server and the offline LLM build it. Call inside the loop it will use."""
+    secret, migrations, failure policy, elastic, KV block size and host tier, LoRA); the
+    one place both the API server and the offline LLM build it. Call inside the loop it
+    will use."""
     parallel = config.parallel
     return AsyncEngineClient(input_address, output_address, engine_ranks=engine_ranks,
                              client_index=client_index, max_model_len=max_model_len,
@@ -508,4 +509,5 @@ def from_config(config: EngineConfig, input_address: str | Sequence[str],
                              max_migrations=parallel.max_request_migrations,
                              fail_stop=parallel.engine_failure_policy == "stop",
                              elastic=parallel.elastic, block_size=config.cache.block_size,
-                             loras=dict(config.lora.modules) if config.lora else None)
+                             loras=dict(config.lora.modules) if config.lora else None,
+                             kv_tier=bool(config.cache.kv_offload_bytes))
