@@ -158,7 +158,7 @@ def test_dashboard_shows_each_ranks_kv_host_tier(tiny_llama, browser):
     bytes it loaded, as /engines does."""
     from selenium.webdriver.common.by import By
 
-    prefix = [100 + (7 * i) % 800 for i in range(96)]  # 6 full blocks of 16
+    prefix = [10 + (7 * i) % 370 for i in range(96)]  # 6 full blocks of 16 (vocab 384)
     with serve(str(tiny_llama), *DP_ARGS, "--kv-offload-memory", "64MiB") as (_, url):
         def complete(rank: int, tail: int) -> None:
             resp = httpx.post(url + "/v1/completions", headers={"X-data-parallel-rank": str(rank)},

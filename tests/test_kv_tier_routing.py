@@ -40,8 +40,8 @@ async def completions(url: str, prompts: list[list[int]], max_tokens: int) -> No
 
 def test_a_burst_spreads_to_the_other_rank_which_loads_the_prefix_from_the_tier(tiny_llama):
     rng = random.Random(0)
-    prefix = [rng.randrange(100, 1000) for _ in range(160)]  # 10 full blocks
-    turns = [prefix + [rng.randrange(100, 1000) for _ in range(8)] for _ in range(8)]
+    prefix = [rng.randrange(10, 380) for _ in range(160)]  # 10 full blocks
+    turns = [prefix + [rng.randrange(10, 380) for _ in range(8)] for _ in range(8)]
     with serve(str(tiny_llama), "--served-model-name", "tiny", *ARGS) as (_, url):
         # Both ranks' hosts are known (heartbeats): they share this host's tier.
         wait_until(lambda: all(e["host"] for e in httpx.get(url + "/engines", timeout=5)
