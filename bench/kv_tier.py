@@ -171,7 +171,7 @@ def _computed(o: Outcome) -> str:
 
 
 def _mib(o: Outcome, metric: str) -> str:
-    return "n/a" if not o.counts else f"{o.counts.get(metric, 0.0) / 2**20:.0f}"
+    return "n/a" if not o.counts else f"{o.counts.get(metric, 0.0) / 2**20:.1f}"
 
 
 def table(outcomes: list[Outcome]) -> list[str]:
