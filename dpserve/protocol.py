@@ -128,6 +128,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     kv_tier_loaded_bytes: int = 0  # bytes copied in (whole slots: every TP shard)
     kv_tier_saved_bytes: int = 0  # bytes copied out
     kv_tier_load_seconds: float = 0.0  # time spent in loads (worker 0's copies)
+    # The host's store at its last answer: blocks it can hold (0: no tier, or the store
+    # is down) and blocks it holds (routing sizes its record of the tier by the first).
+    kv_tier_num_blocks: int = 0
+    kv_tier_used_blocks: int = 0
 
 
 class UtilityCall(msgspec.Struct, array_like=True, gc=False):

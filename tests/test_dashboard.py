@@ -150,3 +150,32 @@ def test_dashboard_on_a_server_with_an_api_key(tiny_llama, browser):
         assert browser.find_element(By.CSS_SELECTOR, ".tile").get_attribute(
             "data-state") == "serving"
         assert browser.find_element(By.ID, "status").text.startswith("updated")
+
+
+def test_dashboard_shows_each_ranks_kv_host_tier(tiny_llama, browser):
+    """--kv-offload-memory: a prefix computed on rank 0 (saved to the host's tier) and
+    continued on rank 1 (loaded from it); rank 1's tile shows the tier's hits and the
+    bytes it loaded, as /engines does."""
+    from selenium.webdriver.common.by import By
+
+    prefix = [10 + (7 * i) % 370 for i in range(96)]  # 6 full blocks of 16 (vocab 384)
+    with serve(str(tiny_llama), *DP_ARGS, "--kv-offload-memory", "64MiB") as (_, url):
+        def complete(rank: int, tail: int) -> None:
+            resp = httpx.post(url + "/v1/completions", headers={"X-data-parallel-rank": str(rank)},
+                              json={"model": str(tiny_llama), "prompt": prefix + [tail],
+                                    "max_tokens": 2}, timeout=60)
+            assert resp.status_code == 200, resp.text
+
+        def tier(rank: int) -> dict | None:
+            return httpx.get(url + "/engines", timeout=5).json()["engines"][rank]["kv_tier"]
+
+        complete(0, 5)
+        wait_until(lambda: (tier(0) or {}).get("saved_bytes"), 30, "rank 0's saves")
+        complete(1, 6)
+        assert tier(1)["hits"] == 96, tier(1)  # the prefix, loaded instead of computed
+        browser.get(url + "/dashboard")
+        line = wait_until(lambda: browser.find_element(
+            By.CSS_SELECTOR, '.tile[data-rank="1"] [data-field="tier"]').text, 30,
+            "rank 1's tier line")
+        assert line.startswith("KV tier ") and "% hit (96 of 96 tokens)" in line, line
+        assert " MiB loaded in " in line and " saved" in line, line

@@ -276,3 +276,89 @@ def test_prefix_record_is_keyed_by_adapter():
     assert router.tracker.matched_blocks(a.rank, router.tracker.hashes(tokens)) == 6
     chain_x = router.tracker.hashes(tokens, "\x00lora:x")
     assert router.tracker.matched_blocks(a.rank, chain_x) == 0
+
+
+# ---- the KV host tier (--kv-offload-memory) -------------------------------------------
+
+
+def on_hosts(*hosts: str) -> list[FakeEngineState]:
+    """One fake rank per entry, on that host ("" = not heard from yet)."""
+    return [FakeEngineState(r, info=EngineInfo(host=h)) for r, h in enumerate(hosts)]
+
+
+def test_a_busier_owner_yields_to_a_rank_on_its_host_that_reaches_the_prefix_by_the_tier():
+    live = on_hosts("a", "a")
+    plain, tiered = Router("cache-aware", block_size=BS), Router("cache-aware", block_size=BS,
+                                                                  kv_tier=True)
+    for router in (plain, tiered):
+        assert router.choose(live, request(prompt(1, 0)), balanced=True) is live[0]
+    live[0].running, live[1].running = 6, 1  # +5: more than tier_balance_abs (4), not hot
+    assert plain.choose(live, request(prompt(1, 1)), balanced=True) is live[0]  # recompute
+    assert tiered.choose(live, request(prompt(1, 1)), balanced=True) is live[1]  # a load
+    assert tiered.tier_routed == 1
+    # Rank 1 holds it itself now: from here on it is an owner like rank 0.
+    assert tiered.tracker.matched_blocks(1, tiered.tracker.hashes(prompt(1, 2))) == 6
+    live[1].running = 3  # +3: within tier_balance_abs, the owner (longest, least loaded)
+    assert tiered.choose(live, request(prompt(1, 2)), balanced=True) is live[1]
+    live[1].running = 6
+    live[0].running = 2  # +4 the other way: the least loaded owner
+    assert tiered.choose(live, request(prompt(1, 3)), balanced=True) is live[0]
+    assert (tiered.load_routed, tiered.tier_routed, tiered.cache_routed) == (1, 1, 2)
+
+
+def test_own_blocks_beat_tier_blocks_beat_nothing():
+    live = on_hosts("a", "a", "b")
+    router = Router("cache-aware", block_size=BS, kv_tier=True)
+    router.record(live[0], request=request(prompt(1, 0)))  # rank 0 (host a) holds session 1
+    router.record(live[1], request=request(prompt(1, 0, prefix_blocks=2)))  # 2 of its 6
+    live[0].running = 20  # owner busy (not hot: 20 - 0 <= 32)
+    live[1].running = live[2].running = 1
+    # Rank 1 holds 2 blocks itself, the other 4 are in host a's tier; rank 2 (host b)
+    # reaches nothing: with equal loads the rank that reaches the prefix wins.
+    assert router.choose(live, request(prompt(1, 1)), balanced=True) is live[1]
+    live[1].running = 2  # busier than rank 2, but rank 2 would recompute: still rank 1
+    assert router.choose(live, request(prompt(1, 2)), balanced=True) is live[1]
+    # Among equally loaded ranks reaching it, the one holding more of it itself.
+    router2 = Router("cache-aware", block_size=BS, kv_tier=True)
+    live3 = on_hosts("a", "a", "a")
+    router2.record(live3[0], request=request(prompt(2, 0)))
+    router2.record(live3[1], request=request(prompt(2, 0, prefix_blocks=3)))
+    live3[0].running, live3[1].running, live3[2].running = 20, 1, 1
+    assert router2.choose(live3, request(prompt(2, 1)), balanced=True) is live3[1]
+
+
+def test_ranks_on_other_hosts_do_not_share_the_tier():
+    live = on_hosts("a", "b")
+    router = Router("cache-aware", block_size=BS, kv_tier=True)
+    assert router.choose(live, request(prompt(1, 0)), balanced=True) is live[0]
+    live[0].running, live[1].running = 10, 0  # +10: not hot, and rank 1 would recompute
+    assert router.choose(live, request(prompt(1, 1)), balanced=True) is live[0]
+    live[0].waiting = 10  # 50 vs 0: hot; no rank reaches it cheaply: least loaded, by load
+    assert router.choose(live, request(prompt(1, 2)), balanced=True) is live[1]
+    assert router.tier_routed == 0 and router.load_routed == 2  # the new prefix, the hot one
+    # Not heard from yet (no host in its heartbeat): a rank shares with no one.
+    unknown = on_hosts("", "")
+    fresh = Router("cache-aware", block_size=BS, kv_tier=True)
+    assert fresh.choose(unknown, request(prompt(1, 0)), balanced=True) is unknown[0]
+    unknown[0].running = 10
+    assert fresh.choose(unknown, request(prompt(1, 1)), balanced=True) is unknown[0]
+
+
+def test_the_tier_record_is_sized_by_the_store_and_outlives_a_rank():
+    live = on_hosts("a", "a")
+    router = Router("cache-aware", block_size=BS, kv_tier=True)
+    live[0].stats = SchedulerStats(0, 0, 0.0, 0, 0, 0, num_free_blocks=100,
+                                   kv_tier_num_blocks=8, kv_tier_used_blocks=3)
+    router.choose(live, request(prompt(1, 0)), balanced=True)
+    router.choose(live, request(prompt(2, 0)), balanced=True)  # the other rank (a new one)
+    assert router.tier is not None and router.tier.size("a") == 8  # the store's 8 blocks
+    chain1, chain2 = (router.tracker.hashes(prompt(s, 1)) for s in (1, 2))
+    assert router.tier.matched_blocks("a", chain2) == 6
+    assert router.tier.matched_blocks("a", chain1) == 0  # its first blocks were evicted
+    router.forget(1)  # rank 1 died: its own cache is gone, the host's store is not
+    assert router.tracker.size(1) == 0 and router.tier.matched_blocks("a", chain2) == 6
+    live[0].running = 6  # rank 0 busier: rank 1's successor loads session 2 from the tier
+    assert router.choose(live, request(prompt(2, 1)), balanced=True) is live[1]
+    assert router.tier_routed == 1
+    # Without a tier the router keeps no host record at all.
+    assert Router("cache-aware", block_size=BS).tier is None

@@ -103,9 +103,10 @@ class AsyncEngineClient:
                  load_balance: str = "least-loaded", lockstep: bool = False,
                  secret: str | None = None, max_migrations: int = 3,
                  fail_stop: bool = False, elastic: bool = False, block_size: int = 16,
-                 loras: dict[str, str] | None = None) -> None:
-        # ValueError for a bad policy; block_size: the engines' KV block (cache-aware)
-        router = Router(load_balance, client_index=client_index, block_size=block_size)
+                 loras: dict[str, str] | None = None, kv_tier: bool = False) -> None:
+        # ValueError for a bad policy; block_size, kv_tier: the engines' KV block, host tier
+        router = Router(load_balance, client_index=client_index, block_size=block_size,
+                        kv_tier=kv_tier)
         self._loop = asyncio.get_running_loop()  # raises outside an event loop
         self._loop_thread = threading.get_ident()
         self.client_index = client_index
@@ -491,8 +492,9 @@ def from_config(config: EngineConfig, input_address: str | Sequence[str],
                       coordinator_address: str | None = None,
                       load_balance: str = "least-loaded") -> AsyncEngineClient:
     """The engine client of one front-end, its policies taken from `config` (lockstep,
-    secret, migrations, failure policy, elastic, KV block size, LoRA); the one place both
-    the API server and the offline LLM build it. Call inside the loop it will use."""
+    secret, migrations, failure policy, elastic, KV block size and host tier, LoRA); the
+    one place both the API server and the offline LLM build it. Call inside the loop it
+    will use."""
     parallel = config.parallel
     return AsyncEngineClient(input_address, output_address, engine_ranks=engine_ranks,
                              client_index=client_index, max_model_len=max_model_len,
@@ -503,4 +505,5 @@ def from_config(config: EngineConfig, input_address: str | Sequence[str],
                              max_migrations=parallel.max_request_migrations,
                              fail_stop=parallel.engine_failure_policy == "stop",
                              elastic=parallel.elastic, block_size=config.cache.block_size,
-                             loras=dict(config.lora.modules) if config.lora else None)
+                             loras=dict(config.lora.modules) if config.lora else None,
+                             kv_tier=bool(config.cache.kv_offload_bytes))

@@ -107,6 +107,7 @@ class RankView:
     waiting: int = 0  # the coordinator's counts (every API server's)
     running: int = 0
     info: EngineInfo = field(default_factory=EngineInfo)
+    stats: SchedulerStats | None = None  # the last figures it sent this API server
 
     @property
     def serving(self) -> bool:
@@ -134,7 +135,7 @@ class RankTable:
     def view(self, engine: EngineState) -> RankView:
         return RankView(engine.rank, engine.status.state, engine.status.incarnation,
                         engine.status.reason, engine.cordoned, engine.num_requests,
-                        engine.waiting, engine.running, engine.info)
+                        engine.waiting, engine.running, engine.info, engine.stats)
 
     # ---- news ---------------------------------------------------------------------
 

@@ -35,6 +35,30 @@ Policies (`LOAD_BALANCE_POLICIES`):
   the same. Remaining ties: scanning from this client's own index. A rank
   that dies or restarts is forgotten (its cache is gone).
 
+The KV host tier (`cache-aware`, `--kv-offload-memory`: every host runs a store
+that all its ranks save full blocks to and load from, `dpserve.kv_tier`): the
+router also keeps, per host, the blocks any rank of that host was sent (a second
+`PrefixTracker` keyed by host, an LRU of the store's capacity in blocks from the
+ranks' `SchedulerStats.kv_tier_num_blocks`). A rank *reaches* a prompt's blocks
+that it holds itself, plus those after them that its host's tier holds (what its
+scheduler would look up: local hits first, then the tier). Ranks on other hosts
+(`EngineInfo.host`, from heartbeats; a rank not heard from yet shares with none)
+have their own tier. Own blocks count above tier blocks above nothing:
+
+* the rank holding the longest prefix keeps the request when that prefix covers
+  `cache_threshold` of the prompt, it is not hot, and its load is within
+  `tier_balance_abs` of the least-loaded rank that is not hot and reaches
+  `cache_threshold` of the prompt (own blocks + its tier's);
+* otherwise that least-loaded reaching rank gets it (ties: the one holding more
+  itself) and pays a tier load instead of a recompute: leaving the owner is cheap,
+  so the margin is much smaller than `balance_abs`;
+* no rank reaches the prefix (or only hot ones): the rules above.
+
+The tier record is not forgotten when a rank dies (the store outlives its ranks); a
+store restart (an empty tier) is not seen, nor are two launchers on one machine
+(a head and a headless host on one box: two stores, one host name, taken for one
+tier): a wrong hint costs a recompute.
+
 LoRA adapters (`cache-aware` only; `least-loaded` is the count-only baseline): a
 request that names an adapter goes, among the ranks that are not hot, to those
 holding it warmest: resident in a device slot (the rank's last heartbeat,
@@ -55,7 +79,7 @@ is not seen: the record is a hint, and a wrong one costs a cache miss, nothing e
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -93,6 +117,10 @@ class CacheAwareOptions:
     # a prefix-heavy load lost its affinity: 1.29x -> 1.75x of least-loaded) ...
     balance_abs: int = 32
     balance_rel: float = 1.5  # ... and is more than this many times the least loaded's
+    # With a host tier: the owner keeps a session while its load exceeds that of the
+    # least-loaded rank reaching the prefix through the tier by at most this (one
+    # waiting request): moving costs a block copy from host memory, not a prefill.
+    tier_balance_abs: int = 4
 
 
 def kv_capacity_blocks(stats: SchedulerStats | None) -> int | None:
@@ -104,14 +132,15 @@ def kv_capacity_blocks(stats: SchedulerStats | None) -> int | None:
 
 
 class PrefixTracker:
-    """Per rank, the block hashes of the prompts sent there: an LRU per rank, bounded by
-    `capacity` blocks at each record. Pure bookkeeping (no I/O, one thread)."""
+    """Per rank (or per host, for its tier: any hashable key), the block hashes of the
+    prompts sent there: an LRU per key, bounded by `capacity` blocks at each record.
+    Pure bookkeeping (no I/O, one thread)."""
 
     def __init__(self, block_size: int) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self._blocks: dict[int, OrderedDict[BlockHash, None]] = {}
+        self._blocks: dict[Hashable, OrderedDict[BlockHash, None]] = {}
 
     def hashes(self, token_ids: Sequence[int], cache_salt: str | None = None,
                ) -> list[BlockHash]:
@@ -125,19 +154,20 @@ class PrefixTracker:
             chain.append(hash_block(parent, token_ids[i * bs:(i + 1) * bs]))
         return chain
 
-    def matched_blocks(self, rank: int, chain: Sequence[BlockHash]) -> int:
-        """How many leading blocks of `chain` the rank is thought to hold."""
+    def matched_blocks(self, rank: Hashable, chain: Sequence[BlockHash], start: int = 0
+                       ) -> int:
+        """How many blocks of `chain` from `start` on the rank is thought to hold."""
         blocks = self._blocks.get(rank)
         if not blocks:
             return 0
         n = 0
-        for h in chain:
+        for h in chain[start:]:
             if h not in blocks:
                 break
             n += 1
         return n
 
-    def record(self, rank: int, chain: Sequence[BlockHash], capacity: int) -> None:
+    def record(self, rank: Hashable, chain: Sequence[BlockHash], capacity: int) -> None:
         """The rank now holds `chain` (most recently used); the oldest blocks beyond
         `capacity` are forgotten."""
         blocks = self._blocks.setdefault(rank, OrderedDict())
@@ -147,11 +177,11 @@ class PrefixTracker:
         while len(blocks) > max(capacity, 0):
             blocks.popitem(last=False)
 
-    def forget(self, rank: int) -> None:
+    def forget(self, rank: Hashable) -> None:
         """The rank's cache is gone (its process died or was replaced)."""
         self._blocks.pop(rank, None)
 
-    def size(self, rank: int) -> int:
+    def size(self, rank: Hashable) -> int:
         return len(self._blocks.get(rank, ()))
 
 
@@ -187,11 +217,13 @@ class AdapterTracker:
 
 class Router:
     """One front-end's engine choice (module docstring). `policy` is one of
-    LOAD_BALANCE_POLICIES; `block_size` is the engines' KV block size."""
+    LOAD_BALANCE_POLICIES; `block_size` is the engines' KV block size; `kv_tier`: the
+    hosts run a KV host tier (`--kv-offload-memory`)."""
 
     def __init__(self, policy: str = "least-loaded", *, client_index: int = 0,
                  block_size: int = 16, options: CacheAwareOptions = CacheAwareOptions(),
-                 default_capacity: int = DEFAULT_CAPACITY_BLOCKS) -> None:
+                 default_capacity: int = DEFAULT_CAPACITY_BLOCKS, kv_tier: bool = False
+                 ) -> None:
         if policy not in LOAD_BALANCE_POLICIES:
             raise ValueError(f"load_balance must be one of {', '.join(LOAD_BALANCE_POLICIES)}, "
                              f"got {policy!r}")
@@ -200,9 +232,13 @@ class Router:
         self.options = options
         self.default_capacity = default_capacity
         self.tracker = PrefixTracker(block_size)
+        # The host tiers: host -> the blocks its ranks were sent (None: no tier).
+        self.tier: PrefixTracker | None = PrefixTracker(block_size) if kv_tier else None
+        self._tier_capacity: dict[str, int] = {}  # host -> its store's blocks, as reported
         self._turn = client_index  # round-robin position
         self.cache_routed = 0  # cache-aware: requests placed by their prefix
         self.load_routed = 0  # cache-aware: requests placed by load (no match, or hot)
+        self.tier_routed = 0  # cache-aware + tier: placed where the host tier holds the prefix
         self.adapters = AdapterTracker()
         self.adapter_warm = 0  # cache-aware: LoRA requests placed where it was warm
 
@@ -247,6 +283,11 @@ class Router:
             self.adapters.record(engine, request.lora_name)
         capacity = kv_capacity_blocks(engine.stats) or self.default_capacity
         self.tracker.record(engine.rank, chain, capacity)
+        if self.tier is not None:  # the rank saves the prompt's full blocks to its host's tier
+            host = host_of(engine)
+            if engine.stats is not None and engine.stats.kv_tier_num_blocks > 0:
+                self._tier_capacity[host] = engine.stats.kv_tier_num_blocks
+            self.tier.record(host, chain, self._tier_capacity.get(host, self.default_capacity))
 
     def forget(self, rank: int) -> None:
         """The rank's prefix cache is gone (dead, restarted or removed)."""
@@ -287,6 +328,10 @@ class Router:
         matched = {engine.rank: self.tracker.matched_blocks(engine.rank, chain)
                    for engine in live}
         best = min(live, key=lambda e: (-matched[e.rank], loads[e.rank], self._scan(e)))
+        if self.tier is not None:
+            chosen = self._tier_aware(live, chain, num_tokens, matched, loads, best, floor)
+            if chosen is not None:
+                return chosen
         tokens = matched[best.rank] * self.tracker.block_size
         if tokens and tokens >= self.options.cache_threshold * num_tokens:
             if not self._hot(loads[best.rank], floor):
@@ -299,9 +344,46 @@ class Router:
         return min(cool, key=lambda e: (self.tracker.size(e.rank), loads[e.rank],
                                         self._scan(e)))
 
+    def _tier_aware(self, live: Sequence[RankLoad], chain: Sequence[BlockHash],
+                    num_tokens: int, matched: dict[int, int], loads: dict[int, int],
+                    owner: RankLoad, floor: int) -> RankLoad | None:
+        """With a host tier: the owner, or the least-loaded rank that reaches the prefix
+        through its host's tier; None when no rank that is not hot reaches it (module
+        docstring)."""
+        assert self.tier is not None
+        bs, threshold = self.tracker.block_size, self.options.cache_threshold * num_tokens
+
+        def covers(blocks: int) -> bool:
+            return blocks > 0 and blocks * bs >= threshold
+
+        reach = {e.rank: matched[e.rank] + self.tier.matched_blocks(host_of(e), chain,
+                                                                    matched[e.rank])
+                 for e in live}
+        reaching = [e for e in live if covers(reach[e.rank])
+                    and not self._hot(loads[e.rank], floor)]
+        if not reaching:
+            return None
+        cheapest = min(reaching, key=lambda e: (loads[e.rank], -matched[e.rank],
+                                                -reach[e.rank], self._scan(e)))
+        if (covers(matched[owner.rank]) and not self._hot(loads[owner.rank], floor)
+                and loads[owner.rank] - loads[cheapest.rank] <= self.options.tier_balance_abs):
+            self.cache_routed += 1
+            return owner
+        if covers(matched[cheapest.rank]):
+            self.cache_routed += 1
+        else:
+            self.tier_routed += 1
+        return cheapest
+
     def _scan(self, engine: RankLoad) -> int:
         """Tie-break: ranks from this client's own index on, then the lower ones."""
         return (engine.rank - self.client_index) % (1 << 30)
+
+
+def host_of(engine: RankLoad) -> str:
+    """Which host tier a rank shares: its host as its heartbeats name it; a rank not
+    heard from yet (or with no coordinator: one rank per front-end) shares with none."""
+    return engine.info.host or f"\x00rank {engine.rank}"
 
 
 def _cache_root(request: EngineCoreRequest) -> str | None:

@@ -11,7 +11,8 @@ with:
      "kv_cache_usage", "tokens_per_s", "wave", "restarts", "incarnation", "host",
      "pid", "ttft_s", "tp_workers": [{"tp_rank", "pid", "device", "rss_bytes"},
      ...], "lora": null | {"resident", "cached", "loads", "evictions",
-     "max_loras"}}, ...]}
+     "max_loras"}, "kv_tier": null | {"hits", "queries", "loaded_bytes",
+     "saved_bytes", "load_seconds", "used_blocks", "num_blocks"}}, ...]}
 
 Where the figures come from: with a DP coordinator (N > 1) everything is
 what the coordinator last published to every API server (counts from the
@@ -26,6 +27,12 @@ rank cannot say (dead, restarting).
 `lora` (--enable-lora; else null): the adapter names resident in the rank's
 device slots and those only in its host memory, its slot loads / evictions
 and slots (heartbeats; N = 1: `list_loras`, without loads / evictions).
+`kv_tier` (--kv-offload-memory; else null): the rank's use of its host's KV tier,
+cumulative in its process (tokens found there / looked up, bytes loaded / saved,
+seconds loading), and the store's blocks held / it can hold (`num_blocks` 0: the
+store is down). From the last `SchedulerStats` the rank sent with outputs to this
+API server (N = 1: `get_stats`), so null until it sent some, and with several API
+servers each shows its own last copy.
 
 The dashboard is one HTML page with its script and style sheet, shipped in
 `dpserve/server/static/` (package data; no build step, nothing from a CDN);
@@ -51,6 +58,7 @@ from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.cluster import ClusterView
 from dpserve.protocol import LoRAReport, SchedulerStats, TPWorkerInfo
 from dpserve.rank_info import TokenRate
+from dpserve.server.kv_tier_metrics import has_tier
 from dpserve.server.protocol import APIError
 
 _STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
@@ -105,7 +113,8 @@ async def engine_rows(async_llm: AsyncLLM, rates: dict[int, TokenRate] | None = 
         return await _local_rows(cluster, rates if rates is not None else {})
     return [_row(r.rank, r.state.value, r.incarnation, r.waiting, r.running,
                  r.info.kv_cache_usage, r.info.tokens_per_s, r.info.wave, r.info.cordoned,
-                 r.info.host, r.info.pid, r.info.ttft_s, r.info.tp_workers, r.info.lora)
+                 r.info.host, r.info.pid, r.info.ttft_s, r.info.tp_workers, r.info.lora,
+                 r.stats)
             for r in cluster.ranks()]
 
 
@@ -125,7 +134,8 @@ async def _local_rows(cluster: ClusterView, rates: dict[int, TokenRate]
                          stats.kv_cache_usage if stats else 0.0, rate.rate(),
                          stats.wave if stats else 0, False, "",
                          workers[0].pid if workers else None, 0.0, workers,
-                         await _loras(cluster, view.rank) if stats is not None else None))
+                         await _loras(cluster, view.rank) if stats is not None else None,
+                         stats))
     return rows
 
 
@@ -168,7 +178,8 @@ def _row(rank: int, state: str, incarnation: int, waiting: int, running: int,
          kv_cache_usage: float, tokens_per_s: float, wave: int, cordoned: bool, host: str,
          pid: int | None, ttft_s: float = 0.0,
          tp_workers: list[TPWorkerInfo] | None = None,
-         lora: LoRAReport | None = None) -> dict[str, Any]:
+         lora: LoRAReport | None = None, stats: SchedulerStats | None = None
+         ) -> dict[str, Any]:
     return {"rank": rank, "state": state, "cordoned": cordoned, "waiting": waiting,
             "running": running, "kv_cache_usage": kv_cache_usage,
             "tokens_per_s": tokens_per_s, "wave": wave, "restarts": incarnation,
@@ -177,4 +188,15 @@ def _row(rank: int, state: str, incarnation: int, waiting: int, running: int,
                             "rss_bytes": w.rss_bytes} for w in tp_workers or []],
             "lora": None if lora is None else {
                 "resident": lora.resident, "cached": lora.cached, "loads": lora.loads,
-                "evictions": lora.evictions, "max_loras": lora.max_loras}}
+                "evictions": lora.evictions, "max_loras": lora.max_loras},
+            "kv_tier": _tier(stats)}
+
+
+def _tier(s: SchedulerStats | None) -> dict[str, Any] | None:
+    """The rank's KV host tier figures (module docstring); None without a tier."""
+    if s is None or not has_tier(s):
+        return None
+    return {"hits": s.kv_tier_hits, "queries": s.kv_tier_queries,
+            "loaded_bytes": s.kv_tier_loaded_bytes, "saved_bytes": s.kv_tier_saved_bytes,
+            "load_seconds": s.kv_tier_load_seconds, "used_blocks": s.kv_tier_used_blocks,
+            "num_blocks": s.kv_tier_num_blocks}

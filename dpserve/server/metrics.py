@@ -7,6 +7,7 @@ token and inter-token latencies, finished requests). Engine gauges carry an
 `engine` label (the engine index), so data parallel adds series, not metrics;
 `dpserve:engine_requests_finished` counts finished requests per engine (how
 the load was spread), `dpserve:api_server_requests_finished` per API server.
+The KV host tier's series (`--kv-offload-memory`) are `dpserve.server.kv_tier_metrics`'.
 
 One API server (the main process): each instance has its own registry, no
 module-global state. Several API-server processes (`--api-server-count`):
@@ -46,6 +47,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from dpserve.protocol import RankState
+from dpserve.server.kv_tier_metrics import KVTierMetrics
 from dpserve.server.lora_metrics import LoRAMetrics
 
 disable_created_metrics()  # no `*_created` series: dpserve's dashboards never read them
@@ -85,6 +87,8 @@ class ServerMetrics:
         self._add_dp_metrics(model_name)
         self.lora = LoRAMetrics(self.registry, None if self.multiprocess_dir is None
                                 else _CUMULATIVE)  # set at scrape time (routes_ops)
+        self.kv_tier = KVTierMetrics(self.registry, None if self.multiprocess_dir is None
+                                     else _CUMULATIVE)  # with each engine's stats
         self._decisions = [0, 0]  # (up, down) already counted
         self._moved = (0, 0, 0)  # (retries, migrations, recomputed tokens) already counted
         self._restarts: dict[int, int] = {}  # engine -> restarts already counted
@@ -209,6 +213,7 @@ class ServerMetrics:
         queries = s.prefix_cache_queries
         self.prefix_hit_rate.labels(*labels).set(s.prefix_cache_hits / queries if queries
                                                  else 0.0)
+        self.kv_tier.record(labels, s)
         now = (queries, s.prefix_cache_hits, s.num_preemptions)
         if self.multiprocess_dir is not None:
             for gauge, value in zip(self.engine_totals, now):

@@ -54,6 +54,7 @@ function makeTile(rank) {
     '<div class="where" data-field="where"></div>' +
     '<div class="where" data-field="workers"></div>' +
     '<div class="where" data-field="lora"></div>' +
+    '<div class="where" data-field="tier"></div>' +
     '<div class="buttons" hidden>' +
     '<button type="button" data-action="cordon">Cordon</button>' +
     '<button type="button" data-action="uncordon">Uncordon</button>' +
@@ -106,6 +107,9 @@ function render(data) {
     field(tile, "lora", e.lora ? "LoRA " + (e.lora.resident.join(", ") || "-") +
           (e.lora.cached.length ? " (host: " + e.lora.cached.join(", ") + ")" : "") +
           " · " + e.lora.loads + " loads, " + e.lora.evictions + " evictions" : "");
+    // Its use of the host's KV tier (--kv-offload-memory): the store's fill, the
+    // prompt tokens found there of those looked up, bytes moved and load time.
+    field(tile, "tier", e.kv_tier ? tierLine(e.kv_tier) : "");
     tile.querySelector("[data-bar=kv]").style.width =
         Math.min(100, 100 * e.kv_cache_usage).toFixed(1) + "%";
     tile.querySelector(".buttons").hidden = !data.admin;
@@ -122,6 +126,16 @@ function render(data) {
   const serving = data.engines.filter((e) => e.state === "serving" && !e.cordoned).length;
   $("summary").textContent = "data-parallel size " + data.data_parallel_size + " · " +
       serving + " placing new requests";
+}
+
+function tierLine(t) {
+  const mib = (b) => (b / 1048576).toFixed(0) + " MiB";
+  const store = t.num_blocks ? (100 * t.used_blocks / t.num_blocks).toFixed(0) + " % of " +
+      t.num_blocks + " blocks · " : "";  // 0: not reported (or the store is down)
+  const hits = t.queries ? (100 * t.hits / t.queries).toFixed(0) + " % hit (" + t.hits +
+      " of " + t.queries + " tokens)" : "no lookups";
+  return "KV tier " + store + hits + " · " + mib(t.loaded_bytes) + " loaded in " +
+      t.load_seconds.toFixed(2) + " s, " + mib(t.saved_bytes) + " saved";
 }
 
 function record(data) {
