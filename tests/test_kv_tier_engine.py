@@ -101,6 +101,7 @@ def test_a_prefix_computed_by_one_rank_is_continued_by_another(tiny_llama, store
         assert stats.kv_tier_hits >= len(PREFIX)  # "b"'s 10 prefix blocks (and "c"'s 5)
         assert stats.kv_tier_loaded_bytes > 0 and stats.kv_tier_load_seconds > 0
         assert stats.kv_tier_queries >= stats.kv_tier_hits
+        assert stats.kv_tier_num_blocks >= stats.kv_tier_used_blocks > len(PREFIX) // BS
     finally:
         rank0.shutdown()
         rank1.shutdown()

@@ -283,8 +283,10 @@ class EngineCore:
     def get_stats(self) -> SchedulerStats:
         stats = self.scheduler.make_stats()
         stats.num_waiting += len(self.structured.pending)
-        if self.scheduler.kv_connector is not None:
+        if (tier := self.scheduler.kv_connector) is not None:
             stats.kv_tier_load_seconds = self.runner.kv_copier.load_seconds
+            stats.kv_tier_num_blocks, stats.kv_tier_used_blocks = tier.store_blocks(
+                time.monotonic())
         return stats
 
     def execute_dummy_batch(self) -> None:

@@ -35,6 +35,9 @@ from dpserve.step import KVTransfer
 logger = logging.getLogger(__name__)
 
 
+STORE_STATS_INTERVAL_S = 1.0
+
+
 @dataclass
 class KVTierCounters:
     """Cumulative counts of one engine's tier traffic (SchedulerStats' kv_tier_*)."""
@@ -65,6 +68,8 @@ class KVConnector(Protocol):
       loads are done; `executed`: a forward ran), `step_failed(transfer)` when it
       raised: the store's read pins go; saves are committed once every worker
       copied them (`has_pending_commits` / `commit_pending`).
+    * `store_blocks(now)` -> (the store's slots, those holding a block), asked of
+      the store at most once a second (the engine's stats, every output).
     """
 
     counters: KVTierCounters
@@ -79,6 +84,7 @@ class KVConnector(Protocol):
     def has_pending_commits(self) -> bool: ...
     def commit_pending(self) -> None: ...
     def close(self) -> None: ...
+    def store_blocks(self, now: float) -> tuple[int, int]: ...
 
 
 @dataclass
@@ -123,6 +129,7 @@ class HostTierConnector:
         self._offers: dict[bytes, int] = {}  # hash -> block_id, this step
         self._in_step: tuple[list[int], list[bytes]] | None = None  # (pins, save hashes)
         self._uncommitted: list[bytes] = []  # saves copied by worker 0, not yet by all
+        self._store_blocks, self._store_blocks_at = (0, 0), float("-inf")
 
     # ---- schedule ------------------------------------------------------------
 
@@ -217,6 +224,16 @@ class HostTierConnector:
 
     def close(self) -> None:
         self.client.close()
+
+    def store_blocks(self, now: float) -> tuple[int, int]:
+        """(slots, slots holding a block) of the store, asked at most once per
+        `STORE_STATS_INTERVAL_S` (the engine reports stats with every output);
+        (0, 0) while the tier is down."""
+        if now - self._store_blocks_at >= STORE_STATS_INTERVAL_S:
+            self._store_blocks_at = now
+            stats = self.client.stats()
+            self._store_blocks = (stats.get("num_slots", 0), stats.get("ready", 0))
+        return self._store_blocks
 
     def _take_step(self, transfer: KVTransfer | None) -> tuple[list[int], list[bytes]]:
         if transfer is None:
