@@ -10,11 +10,12 @@ lands, and after an API server restarts.
 
 Lifecycle of a stored response: its row is written `in_progress` before it runs (a
 stream: once the chat request has passed validation), and its final object when it
-ends. Cancel (`POST /v1/responses/{id}/cancel`, on any API server) marks the row;
-the API server running it polls the store for marks every `CANCEL_POLL_S` while it
-runs stored responses, then stops it (the engine request is aborted) and it ends
-`cancelled`. `background: true` answers at once (`in_progress`) and runs on; poll
-with a retrieve. A finished response cannot be cancelled (400), a cancelled one
+ends; a foreground one whose request fails or whose client leaves before the end is
+deleted again (it never answered). Cancel (`POST /v1/responses/{id}/cancel`, on any
+API server) marks the row; the API server running it polls the store for marks every
+`CANCEL_POLL_S` while it runs stored responses, then stops it (the engine request is
+aborted) and it ends `cancelled`. `background: true` answers at once (`in_progress`)
+and runs on; poll with a retrieve. A finished response cannot be cancelled (400), a cancelled one
 answers as it is.
 
 Errors are OpenAI's shape: an unknown id 404, a bad item 400 naming it
@@ -181,6 +182,8 @@ class ResponsesServing:
                     yield event
             finally:
                 self._running.pop(skeleton["id"], None)
+                if req.store and not events.finished:  # the client left mid-stream
+                    await asyncio.shield(self.store.delete(skeleton["id"]))
 
         return run()
 

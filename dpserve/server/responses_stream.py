@@ -56,6 +56,7 @@ class ResponseEvents:
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
         self.error: dict[str, Any] | None = None
+        self.finished = False  # the final response was handed to `on_final`
 
     def event(self, kind: str, **fields: Any) -> str:
         data = {"type": kind, "sequence_number": self.seq, **fields}
@@ -170,6 +171,7 @@ class ResponseEvents:
         response = with_output(self.response, self.output, "failed" if self.error else status,
                                incomplete_details=details, usage=self.usage, error=self.error)
         await self.on_final(response)
+        self.finished = True
         kind = {"completed": "response.completed", "failed": "response.failed"}.get(
             response["status"], "response.incomplete")
         yield self.event(kind, response=response)
