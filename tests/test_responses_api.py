@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
+import stat
 import time
 
 import httpx
@@ -47,6 +49,12 @@ def server(tiny_llama):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
                                timeout=60)
         yield proc, url, client, model
+    # The launcher's private state directory (found by test_store_file_is_private) is gone.
+    for directory in STATE_DIRS:
+        assert not os.path.exists(directory), directory
+
+
+STATE_DIRS: list[str] = []
 
 
 def chat_text(client: openai.OpenAI, model: str, messages: list[dict], **kw) -> tuple[str, str]:
@@ -278,3 +286,29 @@ def _restarted(proc, victim: psutil.Process, i: int) -> bool:
              if p.is_running() and p.name() == f"dpserve::APIServer_{i}"]
     return (bool(names) and names[0].pid != victim.pid
             and f"APIServer_{i} restarted" in output(proc))
+
+
+def test_store_file_is_private(server) -> None:
+    """Both API servers hold the one store file, 0600 in a 0700 directory."""
+    proc, _, client, model = server
+    client.responses.create(model=model, input="Hi", **GREEDY)
+    held = [{f.path for f in proc_named(descendants(proc.pid), f"APIServer_{i}").open_files()
+             if f.path.endswith(".sqlite")} for i in (0, 1)]
+    assert held[0] == held[1] and len(held[0]) == 1
+    (path,) = held[0]
+    STATE_DIRS.append(os.path.dirname(path))
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+
+
+def test_response_store_file_outlives_the_server(tiny_llama, tmp_path) -> None:
+    """--response-store PATH: a response stored by one server is found by the next
+    (one API server in the launcher's process)."""
+    model, path = str(tiny_llama), str(tmp_path / "responses.sqlite")
+    args = ("--threads-per-engine", "1", "--response-store", path)
+    with serve(model, *args) as (_, url):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        r = client.responses.create(model=model, input="Hi", **GREEDY)
+    with serve(model, *args) as (_, url):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        assert client.responses.retrieve(r.id).output_text == r.output_text

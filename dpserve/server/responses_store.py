@@ -110,8 +110,11 @@ class ResponseStoreOptions:
         return options
 
     def open(self) -> ResponseStore:
-        return ResponseStore(self.path or MEMORY, self.max_stored_responses,
-                             self.max_stored_response_bytes)
+        """The store, its file opened now (a broken one fails the API server's start)."""
+        store = ResponseStore(self.path or MEMORY, self.max_stored_responses,
+                              self.max_stored_response_bytes)
+        store.connect()
+        return store
 
 
 def add_response_store_args(group: argparse.ArgumentParser) -> None:
@@ -196,9 +199,9 @@ class ResponseStore:
         self._executor.submit(shut).result(timeout=BUSY_TIMEOUT_S)
         self._executor.shutdown(wait=False)
 
-    async def open(self) -> None:
-        """Create the file and table now (a bad path fails at start-up, not later)."""
-        await self._run(lambda db: None)
+    def connect(self) -> None:
+        """Open the file on the store's thread now (blocks; for start-up)."""
+        self._executor.submit(self._conn).result(timeout=BUSY_TIMEOUT_S)
 
     # ---- writes ------------------------------------------------------------------
 
