@@ -232,29 +232,36 @@ def test_stream_events_and_final_response(server) -> None:
     jsonschema.validate(json.loads(final.output[0].arguments), WEATHER["parameters"])
 
 
-def test_cancel_a_background_response(server) -> None:
-    """The engines are stopped (SIGSTOP) so the background response is surely in
-    progress when the cancel comes; then its engine request ends aborted, long
-    before its 200 tokens."""
+def test_cancel_background_and_streamed_responses(server) -> None:
+    """The engines are stopped (SIGSTOP) so both responses are surely in progress
+    when the cancels come; then their engine requests end aborted, long before
+    their 200 tokens."""
     proc, url, client, model = server
     aborted, generated = _abort_count(url), metric_sum(url, "dpserve:generation_tokens_total")
     engines = [proc_named(descendants(proc.pid), f"EngineCore_{r}") for r in (0, 1)]
+    long = dict(model=model, input="A long story.", temperature=0, max_output_tokens=200)
     for engine in engines:
         engine.send_signal(signal.SIGSTOP)
     try:
-        r = client.responses.create(model=model, input="A long story.", background=True,
-                                    temperature=0, max_output_tokens=200)
+        r = client.responses.create(background=True, **long)
         assert r.status == "in_progress" and r.background
         cancelled = client.responses.cancel(r.id)
         assert cancelled.status == "cancelled"
         assert client.responses.cancel(r.id).status == "cancelled"  # as it is
+        stream = iter(client.responses.create(stream=True, **long))
+        created = next(stream)
+        assert created.type == "response.created"
+        assert client.responses.cancel(created.response.id).status == "cancelled"
     finally:
         for engine in engines:
             engine.send_signal(signal.SIGCONT)
-    wait_until(lambda: _abort_count(url) > aborted, 30, "the engine request aborted")
-    assert metric_sum(url, "dpserve:generation_tokens_total") - generated < 200
-    got = client.responses.retrieve(r.id)
-    assert (got.status, got.output) == ("cancelled", [])
+    last = list(stream)[-1]
+    assert (last.type, last.response.status) == ("response.incomplete", "cancelled")
+    wait_until(lambda: _abort_count(url) >= aborted + 2, 30, "both engine requests aborted")
+    assert metric_sum(url, "dpserve:generation_tokens_total") - generated < 400
+    for rid in (r.id, created.response.id):
+        assert client.responses.retrieve(rid).status == "cancelled"
+    assert client.responses.retrieve(r.id).output == []
 
 
 def _abort_count(url: str) -> float:
