@@ -170,13 +170,14 @@ class ResponsesServing:
         lines = await _renamed_async(self.serving.create_chat_completion(
             chat, data_parallel_rank, api_key_id=api_key_id))
         assert not isinstance(lines, ChatCompletionResponse)
-        if req.store:
-            await self.store.put(skeleton, items, req.previous_response_id)
-            events = ResponseEvents(skeleton, self._finish, self._watch(skeleton["id"]))
-        else:
-            events = ResponseEvents(skeleton, _nothing)
+        events = ResponseEvents(skeleton, self._finish if req.store else _nothing)
 
         async def run() -> AsyncIterator[str]:
+            # Stored (and watched for cancel marks) once streaming starts: a stream that
+            # never starts leaves nothing behind.
+            if req.store:
+                await self.store.put(skeleton, items, req.previous_response_id)
+                events.cancelled = self._watch(skeleton["id"])
             try:
                 async for event in events.run(lines):  # type: ignore[arg-type]
                     yield event
