@@ -81,6 +81,7 @@ from dpserve.server.auth import AuthOptions
 from dpserve.server.extras import HTTPOptions, uvicorn_kwargs
 from dpserve.server.limits import RequestLimits
 from dpserve.server.log_options import LogOptions, configure_access_log
+from dpserve.server.responses_store import ResponseStoreOptions
 from dpserve.server.stats_log import log_stats_every
 
 if TYPE_CHECKING:
@@ -117,6 +118,8 @@ class APIServerOptions:
     http: HTTPOptions = HTTPOptions()  # CORS, TLS, root path, chat template, aliases
     log: LogOptions = LogOptions()  # request log, access log, stats line
     limits: RequestLimits = RequestLimits()  # the "request limits" group (server/limits.py)
+    # The Responses API's store: its file (the launcher's, shared by all M), bounds.
+    responses: ResponseStoreOptions = ResponseStoreOptions()
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> APIServerOptions:
@@ -125,6 +128,7 @@ class APIServerOptions:
         return cls(served_model_name=first or _default_served_name(args.model),
                    http=HTTPOptions.from_args(args), log=LogOptions.from_args(args),
                    auth=AuthOptions.from_args(args), limits=RequestLimits.from_args(args),
+                   responses=ResponseStoreOptions.from_args(args),
                    max_request_body_bytes=args.max_request_body_bytes,
                    load_balance=args.load_balance, uvicorn_log_level=args.uvicorn_log_level,
                    enable_admin_api=getattr(args, "enable_admin_api", False),
@@ -192,7 +196,8 @@ async def serve_http(options: APIServerOptions, config: EngineConfig, spec: APIS
                         max_num_queued=(options.max_num_queued_requests,
                                         options.max_num_queued_tokens),
                         tool_call_parser=options.tool_call_parser, http_options=options.http,
-                        log_requests=options.log.log_requests, request_limits=options.limits)
+                        log_requests=options.log.log_requests, request_limits=options.limits,
+                        response_store=options.responses)
         # log_config=None: uvicorn's loggers use ours, so its lines name the process too.
         server = DrainingServer(uvicorn.Config(
             app, log_level=options.uvicorn_log_level, log_config=None,

@@ -36,13 +36,16 @@ pass SIGTERM/SIGINT on to their engines as SIGTERM, which drain alike
 (`dpserve.engine.process`). Either way every child is shut down (terminate ->
 join -> kill tree), API servers first, before the launcher exits. With M > 1 the
 API servers' Prometheus values live in a private PROMETHEUS_MULTIPROC_DIR
-that the launcher removes at exit.
+that the launcher removes at exit. The Responses API's stored responses live in one
+SQLite file all M API servers share (`--response-store`, else a private state
+directory the launcher makes and removes at exit: `dpserve.server.responses_store`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import socket
@@ -67,6 +70,7 @@ from dpserve.server.auth import add_auth_args, check_admin_exposure
 from dpserve.server.extras import HTTPOptions, add_http_args
 from dpserve.server.limits import RequestLimits, add_limit_args
 from dpserve.server.log_options import LogOptions, add_log_args
+from dpserve.server.responses_store import add_response_store_args, response_store_file
 
 if TYPE_CHECKING:
     from dpserve.launch.host import EngineLaunch
@@ -127,6 +131,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="Log level of uvicorn's own logger.")
     add_http_args(parser.add_argument_group("HTTP options"))
     add_log_args(parser.add_argument_group("logging options"))
+    add_response_store_args(parser.add_argument_group("Responses API store"))
     limits = parser.add_argument_group("request limits")
     add_limit_args(limits)
     EngineArgs.add_cli_args(parser.add_argument_group("engine options"),
@@ -197,7 +202,11 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_args.check_options()  # a bad option fails before anything starts
     sock = _bind(args.host, args.port)  # before loading anything: fail fast, hold the port
     try:
-        error = _launch_and_serve(args, engine_args, options, sock)
+        # The Responses API's store file, for every API server (removed at exit
+        # unless the user named it: --response-store).
+        with response_store_file(options.responses) as store:
+            options = dataclasses.replace(options, responses=store)
+            error = _launch_and_serve(args, engine_args, options, sock)
     finally:
         sock.close()
     if isinstance(error, int):

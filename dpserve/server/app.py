@@ -8,6 +8,8 @@ Routers, each a module of thin routes:
 * messages (`dpserve.server.anthropic_api`): Anthropic's /v1/messages and
   /v1/messages/count_tokens over the same chat path; errors there leave in
   Anthropic's shape (its middleware wraps the auth and body-limit ones).
+* responses (`dpserve.server.responses_api`): OpenAI's Responses API, its stored
+  responses in the server's one `ResponseStore` (`response_store`).
 * ops (`dpserve.server.routes_ops`): /health, /ping, /metrics, /version,
   /debug/request_state, /debug/dp_state; /engines and /dashboard
   (`dpserve.server.engines`); /tokenize, /detokenize (`dpserve.server.extras`).
@@ -55,6 +57,8 @@ from dpserve.server.extras import HTTPOptions, install_extras
 from dpserve.server.limits import RequestLimits
 from dpserve.server.metrics import ServerMetrics
 from dpserve.server.protocol import APIError, ErrorInfo, ErrorResponse
+from dpserve.server.responses_api import ResponsesServing, responses_router
+from dpserve.server.responses_store import ResponseStoreOptions
 from dpserve.server.routes_ops import MovedListener, ops_router
 from dpserve.server.routes_v1 import DP_RANK_HEADER, v1_router
 from dpserve.server.serving import OpenAIServing
@@ -72,7 +76,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
               tool_call_parser: str | None = None,
               http_options: HTTPOptions | None = None,
               log_requests: bool = False, auth: AuthOptions | None = None,
-              request_limits: RequestLimits | None = None) -> FastAPI:
+              request_limits: RequestLimits | None = None,
+              response_store: ResponseStoreOptions | None = None) -> FastAPI:
     """An OpenAI-compatible app over `async_llm`.
 
     The app does not own `async_llm`: whoever built it shuts it down (and gave it
@@ -88,6 +93,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     `http_options`: CORS, model aliases (server/extras.py).
     `log_requests`: a log line per request arrival and finish (server/log_options.py).
     `request_limits`: the "request limits" options (server/limits.py).
+    `response_store`: the Responses API's store (its file: every API server of one
+    server shares it); without it, an in-memory store of this process.
     """
     if auth is None:
         auth = AuthOptions.from_key(api_key or os.environ.get(API_KEY_ENV))
@@ -105,6 +112,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     app.state.serving, app.state.metrics = serving, metrics
     app.include_router(v1_router(async_llm, serving,
                                  (served_model_name, *http_options.model_aliases)))
+    responses = ResponsesServing(serving, (response_store or ResponseStoreOptions()).open())
+    app.include_router(responses_router(async_llm, responses))
     app.include_router(ops_router(async_llm, metrics))
     # Middleware, innermost first: body cap, API key, then (extras) counts and CORS.
     app.add_middleware(BodyLimit, limit=max_request_body_bytes)
