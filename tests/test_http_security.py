@@ -40,7 +40,8 @@ KEYS = {"alice": "alice-key-0123456789", "bob": "bob-key-9876543210"}
 AUTH = {"Authorization": f"Bearer {KEYS['alice']}"}
 BODY_LIMIT = 4096
 OPEN = {"/health", "/ping", "/version", "/metrics", "/dashboard", "/dashboard/{name}"}
-PARAMS = {"rank": "0", "action": "cordon", "model_id": "tiny", "name": "dashboard.js"}
+PARAMS = {"rank": "0", "action": "cordon", "model_id": "tiny", "name": "dashboard.js",
+          "response_id": "resp_0"}
 ADMIN_POSTS = ["/pause", "/resume", "/sleep", "/wake_up", "/reset_prefix_cache",
                "/engines/0/cordon", "/scale_elastic_ep"]
 
