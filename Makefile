@@ -28,14 +28,15 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Two test files at a time (pytest-xdist, whole files per worker: module fixtures
-# start once), then the `alone` tests one at a time: Ray clusters, whose two engines
-# progress too unevenly beside another test for their "every stream under way"
-# checks, and the drains, whose 503 checks race a stream that keeps a server draining.
+# start once; the longest files first, tests/conftest.py LONGEST_FILES), then the
+# `alone` tests one at a time: Ray clusters, whose two engines progress too unevenly
+# beside another test for their "every stream under way" checks, and the drains,
+# whose 503 checks race a stream that keeps a server draining.
 # Each lane has a hang guard far above its run time here (about 11 and 3 minutes):
 # past it, SIGUSR1 dumps every thread's stack (tests/conftest.py), then SIGKILL.
 test: setup lint
-	timeout -s USR1 -k 30 1800 $(PY) -m pytest -q -n 2 --dist loadfile -m "not alone" \
-		--durations=20; a=$$?; \
+	timeout -s USR1 -k 30 1800 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder \
+		-m "not alone" --durations=20; a=$$?; \
 	timeout -s USR1 -k 30 900 $(PY) -m pytest -q -m alone --durations=5; b=$$?; \
 	for rc in $$a $$b; do test $$rc -ne 124 -a $$rc -ne 137 || \
 		echo "make test: a lane ran past its hang guard (stacks above)"; done; \

@@ -26,6 +26,30 @@ os.environ.setdefault("DPSERVE_ENFORCE_EAGER", "1")
 os.environ.setdefault("DPSERVE_CPU_BF16", "0")
 
 
+# The longest test files (whole-file run time, `--durations=0`, 2026-11-26), longest
+# first. `make test` hands whole files to its two workers in collection order
+# (`--no-loadscope-reorder`): the longest going first, the last file to start is a
+# short one and neither worker idles long at the end. Only an order: a file missing
+# here runs after these, in pytest-randomly's order.
+LONGEST_FILES = [
+    "test_multinode.py", "test_faults.py", "test_elastic.py", "test_api_servers.py",
+    "test_request_limits.py", "test_serve_process.py", "test_lora_serve.py",
+    "test_messages_api.py", "test_control.py", "test_responses_api.py", "test_tp_sharding.py",
+    "test_default_model.py", "test_kernel_cache_safety.py", "test_kv_tier_engine.py",
+    "test_llm_data_parallel.py", "test_tensor_parallel.py", "test_http_extras.py",
+    "test_kv_tier_serve.py", "test_dataplane_security.py", "test_cpu_kernels.py",
+    "test_moe_parallel.py", "test_lockstep_faults.py", "test_moe_elastic.py",
+    "test_tensor_parallel_serve.py", "test_security.py", "test_data_parallel.py",
+    "test_gguf.py", "test_lora.py", "test_structured_server.py",
+    "test_expert_tensor_parallel.py", "test_dp_group.py"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Longest files first (a stable sort: pytest-randomly's order within and after)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(FastGuard(), "fast_guard")
     # The Makefile's hang guard sends SIGUSR1 before it kills a lane: every
