@@ -46,14 +46,12 @@ import random
 import re
 import shlex
 import sys
-import tempfile
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
-from dp_scaling import ServeProcess, _bench, _free_port, _log, begin, machine
-from prefix_routing import _pct, _s, run_measured
+from dp_scaling import ServeProcess, _bench, _free_port, _log, machine
+from prefix_routing import _pct, _s, run_bench, run_measured
 
 from dpserve.benchmark.serve import BenchConfig, BenchResult
 
@@ -285,32 +283,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    vocab = begin("kv_tier", args.model)
-    if vocab is None:
-        return 2
-    prompts = make_prompts(args, vocab)
-    config = BenchConfig(num_prompts=len(prompts), concurrency=args.concurrency,
-                         prompt_len=args.prefix_len + args.turn_len,
-                         output_len=args.output_len, vocab_size=vocab, seed=args.seed,
-                         warmup=0, max_duration=args.max_duration)
-    outcomes, start = [], time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="kv_tier_") as tmp:
-        for i, row in enumerate(args.rows):
-            _log(f"[{row}]")
-            try:
-                outcomes.append(run_row(args, row, config, prompts,
-                                        Path(tmp) / f"{i}_{row.replace(' ', '_')}.log"))
-            except (KeyboardInterrupt, asyncio.CancelledError):
-                _log("interrupted (the running server was stopped); no results printed")
-                return 130
-    _log(f"done in {time.monotonic() - start:.0f} s")
-    text = markdown(args, outcomes)
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text)
-    ok = all(o.result is not None and o.result.completed == len(prompts) for o in outcomes)
-    return 0 if ok else 1
+    return run_bench("kv_tier", args, args.rows, make_prompts, run_row, markdown)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -264,7 +265,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    vocab = begin("prefix_routing", args.model)
+    return run_bench("prefix_routing", args, args.policies, make_prompts, run_row, markdown)
+
+
+def run_bench(name: str, args: argparse.Namespace, rows: list[str],
+              make_prompts: Callable, run_row: Callable, markdown: Callable) -> int:
+    """The shared driver of the session benchmarks (this one, kv_tier.py): one server
+    per row in turn, the same measured sessions; the markdown to stdout (and
+    --out); 0 when every measured request of every row completed."""
+    vocab = begin(name, args.model)
     if vocab is None:
         return 2
     prompts = make_prompts(args, vocab)
@@ -273,12 +282,12 @@ def main(argv: list[str] | None = None) -> int:
                          output_len=args.output_len, vocab_size=vocab, seed=args.seed,
                          warmup=0, max_duration=args.max_duration)
     outcomes, start = [], time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="prefix_routing_") as tmp:
-        for i, policy in enumerate(args.policies):
-            _log(f"[{policy}]")
+    with tempfile.TemporaryDirectory(prefix=f"{name}_") as tmp:
+        for i, row in enumerate(rows):
+            _log(f"[{row}]")
             try:
-                outcomes.append(run_row(args, policy, config, prompts,
-                                        Path(tmp) / f"{i}_{policy}.log"))
+                outcomes.append(run_row(args, row, config, prompts,
+                                        Path(tmp) / f"{i}_{row.replace(' ', '_')}.log"))
             except (KeyboardInterrupt, asyncio.CancelledError):
                 _log("interrupted (the running server was stopped); no results printed")
                 return 130
