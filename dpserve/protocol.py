@@ -54,6 +54,15 @@ def engine_identity(rank: int) -> bytes:
     return rank.to_bytes(2, "little")
 
 
+class Session(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    """The conversation a request continues, for sticky routing (front-end only: the
+    engine client routes by it and never sends it to an engine; `dpserve.frontend.
+    routing`)."""
+
+    key: str  # `x-session-id:...`, `response:<first id of the chain>` or `user:...`
+    rank: int | None = None  # where its last turn ran, when known (the Responses store)
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """A tokenised request, ready for the scheduler."""
 
@@ -74,6 +83,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # The LoRA adapter (its name, as registered with the engine's add_lora) this
     # request runs with; None: the base model. Unknown names fail add_request.
     lora_name: str | None = None
+    # Front-end only: the session it belongs to (routing); None on the wire (`sendable`).
+    session: Session | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):

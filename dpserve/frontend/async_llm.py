@@ -45,7 +45,13 @@ from dpserve.frontend.output_processor import OutputKind, OutputProcessor
 from dpserve.frontend.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
 from dpserve.outputs import RequestOutput
 from dpserve.prompt import PromptError, check_prompt
-from dpserve.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from dpserve.protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SchedulerStats,
+    Session,
+)
 from dpserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -207,10 +213,12 @@ class AsyncLLM:
                        request_id: str, prompt_text: str | None = None,
                        data_parallel_rank: int | None = None,
                        cache_salt: str | None = None, lora_name: str | None = None,
-                       ) -> AsyncIterator[RequestOutput]:
+                       session: Session | None = None) -> AsyncIterator[RequestOutput]:
         """Stream DELTA RequestOutputs for one request until it finishes.
 
-        `data_parallel_rank` pins the engine that runs it; `lora_name` names the LoRA
+        `data_parallel_rank` pins the engine that runs it; `session` (the conversation
+        it continues) places it with its earlier turns unless that rank cannot take it
+        (`dpserve.frontend.routing`); `lora_name` names the LoRA
         adapter it runs with (None: the base model). Raises RequestError
         (before anything is sent) for a request that can never run,
         EngineDeadError if the engine dies.
@@ -224,7 +232,7 @@ class AsyncLLM:
         engine_requests = self.processor.add_request(
             request_id, prompt_text, list(prompt_token_ids), params, kind=OutputKind.DELTA,
             arrival_time=arrival, data_parallel_rank=data_parallel_rank,
-            cache_salt=cache_salt, lora_name=lora_name)
+            cache_salt=cache_salt, lora_name=lora_name, session=session)
         tracked = _Tracked(asyncio.Queue(), len(prompt_token_ids), arrival)
         self._requests[request_id] = tracked
         finished = False

@@ -3,9 +3,9 @@
 Scope: the one typed surface `dpserve.server` uses of the engine side
 (`AsyncLLM.cluster`): the ranks and their states, the data-parallel size,
 pause / sleep and its state, scale requests, moved-request counts, utility
-calls (one rank, or every live one), per-rank operator controls, the LoRA
-adapter registry (`dpserve.frontend.lora`), the queues
-admission control reads, and death. Both engine clients provide it as
+calls (one rank, or every live one), per-rank operator controls, where a
+session last went, the LoRA adapter registry (`dpserve.frontend.lora`), the
+queues admission control reads, and death. Both engine clients provide it as
 `client.cluster`: the socket client's is `EngineClientCluster`
 (`dpserve.frontend.engine_cluster`, over its rank table, in-flight book and
 coordinator link); the in-process one (`dpserve.testing.inproc_client.
@@ -59,6 +59,10 @@ class ClusterView(Protocol):
     def queued(self) -> list[tuple[int, int]]:
         """(requests, prompt tokens) waiting at each serving rank, for admission
         control (without a coordinator: what this front-end has in flight there)."""
+
+    def session_rank(self, key: str) -> int | None:
+        """The rank this front-end last sent session `key` to (None: not known here;
+        `dpserve.frontend.routing`)."""
 
     def request_state_sizes(self) -> dict[str, int]:
         """Entries of the client's per-request structures (leak checks)."""

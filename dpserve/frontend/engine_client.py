@@ -64,7 +64,7 @@ from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError
 from dpserve.frontend.lora import LoRAReplay
 from dpserve.frontend.migration import Evacuation, InFlightBook
 from dpserve.frontend.rank_table import EngineState, RankTable, StatusChange
-from dpserve.frontend.routing import Router
+from dpserve.frontend.routing import Router, sendable
 from dpserve.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -187,16 +187,14 @@ class AsyncEngineClient:
         """Send a request to an engine (`engine_of(request_id)` says which).
 
         The request's `client_index` is set to this client's, so that its
-        outputs come back here, and its `current_wave` to the wave it last heard of.
+        outputs come back here, its `current_wave` to the wave it last heard of, and
+        its session (which placed it) is not sent (`routing.sendable`).
         """
         self.check_alive()
-        if (request.client_index, request.current_wave) != (self.client_index,
-                                                            self.current_wave):
-            request = msgspec.structs.replace(request, client_index=self.client_index,
-                                              current_wave=self.current_wave)
         if request.request_id in self.book.flights:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         engine = self._choose_engine(request)
+        request = sendable(request, self.client_index, self.current_wave)
         await self.lora_replay.ensure(self, engine.rank, engine.status.incarnation,
                                       request.lora_name)  # N = 1: a restarted rank
         self.book.add(request, engine.rank)

@@ -115,6 +115,9 @@ class EngineClientCluster:
                                    if not f.generated))
                 for flights in (book.at(e.rank) for e in serving)]
 
+    def session_rank(self, key: str) -> int | None:
+        return self._client.table.router.session_rank(key)
+
     def request_state_sizes(self) -> dict[str, int]:
         return self._client.request_state_sizes()
 

@@ -17,8 +17,9 @@ Scope (IO-free: no sockets, no tasks, no clock; the engine client's shell,
 * Placement: only SERVING, uncordoned ranks get new work (`placeable`); a
   pinned request (`data_parallel_rank`) goes to its rank or fails
   (ValueError for a rank this client does not have, EngineUnavailableError for
-  one that is not serving or cordoned); otherwise the `Router`
-  (`dpserve.frontend.routing`) picks.
+  one that is not serving or cordoned; its session, if any, moves there);
+  otherwise the `Router` (`dpserve.frontend.routing`) picks: the request's
+  session's rank when it is placeable and not hot, else by its policy.
 * Resize (elastic scaling): the rank set is [0, size) as the coordinator says;
   removed ranks come back as changes to evacuate.
 

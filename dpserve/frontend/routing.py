@@ -68,6 +68,29 @@ heartbeats), then cached in host memory, then a rank with a free slot, then any;
 the prefix rule above picks among them (its record keyed by adapter too, as the
 engine's cache is). A hot rank yields as for prefixes.
 
+Sessions (every policy): a request may belong to a session (`EngineCoreRequest.
+session`: an `X-Session-ID` header, a Responses API chain, or the `user` field;
+`dpserve.server.sessions`). Its follow-ups should go where its prefix is. The
+session's rank is, in order: where its last turn ran as the request says
+(`Session.rank`: the Responses API's store, which every API server shares), this
+router's record (`SessionTable`: key -> the rank its last request went to, an LRU
+of `MAX_SESSIONS` hashed keys), or, for a session new here, the key's rendezvous
+rank over the live ranks (`rendezvous_rank`: the highest hash of key and rank;
+every API server computes the same without sharing anything, and a rank leaving
+moves only its own sessions). The request goes there when that rank is live
+(serving, not cordoned, not excluded: the `RankTable`'s `placeable`) and not hot
+(the rule and thresholds of `cache-aware` above, under every policy); otherwise
+the policy picks (with `cache-aware` and a host tier, preferably a rank that
+reaches the prefix through the tier, so the move costs a block load, not a
+prefill) and the session moves there. A pinned request (`data_parallel_rank`)
+wins over its session, which moves to the pinned rank. The session never reaches
+an engine (`sendable`); a request moved off a failed rank (`dpserve.frontend.
+migration`) is placed without it. With several API servers, an `X-Session-ID` or
+`user` session that moved (hot, cordoned, dead) is known moved only to the API
+servers that saw it move: a follow-up landing on another one goes to the key's
+rendezvous rank, or its own stale record, when that rank may take it (a prefix
+miss, nothing worse); a Responses follow-up carries its chain's rank from the store.
+
 Each front-end (API server) tracks only its own sends: with `--api-server-count
 N`, a session whose requests land on different API servers is learnt by each
 separately (a request routed by one does not teach the others), so affinity is
@@ -78,13 +101,16 @@ is not seen: the record is a hint, and a wrong one costs a cache miss, nothing e
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import msgspec
+
 from dpserve.engine.kv_cache import BlockHash, hash_block, root_hash
-from dpserve.protocol import EngineCoreRequest, EngineInfo, SchedulerStats
+from dpserve.protocol import EngineCoreRequest, EngineInfo, SchedulerStats, Session
 
 LOAD_BALANCE_POLICIES = ("least-loaded", "round-robin", "cache-aware")
 
@@ -93,6 +119,7 @@ DEFAULT_CAPACITY_BLOCKS = 1 << 16
 DEFAULT_MAX_LORAS = 4  # device slots assumed for a rank that has not reported its adapters
 # Adapter tiers of a rank (higher: warmer): resident, on the host, a free slot, none.
 RESIDENT, CACHED, FREE_SLOT, COLD = 3, 2, 1, 0
+MAX_SESSIONS = 65536  # session keys one router remembers (`SessionTable`, LRU)
 
 
 class RankLoad(Protocol):
@@ -215,6 +242,57 @@ class AdapterTracker:
         self._sent.pop(rank, None)
 
 
+def session_digest(key: str) -> bytes:
+    """A session key as the router keeps and hashes it (16 bytes, whatever its length)."""
+    return hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=16,
+                           person=b"dpserve-session").digest()
+
+
+def rendezvous_rank(key: str, ranks: Sequence[int]) -> int:
+    """The rank of `ranks` (non-empty) whose hash with the session key is highest: the
+    same in every process (no per-process salt), and removing a rank moves only the
+    keys that were on it."""
+    digest = session_digest(key)
+    return max(ranks, key=lambda r: hashlib.blake2b(
+        digest + r.to_bytes(4, "little"), digest_size=8).digest())
+
+
+class SessionTable:
+    """Session key -> the rank its last request went to: an LRU of `capacity` keys (as
+    digests: bounded memory whatever the keys' length). Pure bookkeeping."""
+
+    def __init__(self, capacity: int = MAX_SESSIONS) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._ranks: OrderedDict[bytes, int] = OrderedDict()
+
+    def get(self, key: str) -> int | None:
+        return self._ranks.get(session_digest(key))
+
+    def record(self, key: str, rank: int) -> None:
+        """The session's request went to `rank` (most recently used); the least recently
+        used key beyond `capacity` is forgotten."""
+        digest = session_digest(key)
+        self._ranks[digest] = rank
+        self._ranks.move_to_end(digest)
+        if len(self._ranks) > self.capacity:
+            self._ranks.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._ranks)
+
+
+def sendable(request: EngineCoreRequest, client_index: int, wave: int) -> EngineCoreRequest:
+    """The request as an engine gets it: this client's index and request wave, and no
+    session (front-end only)."""
+    if (request.client_index, request.current_wave, request.session) == (client_index, wave,
+                                                                         None):
+        return request
+    return msgspec.structs.replace(request, client_index=client_index, current_wave=wave,
+                                   session=None)
+
+
 class Router:
     """One front-end's engine choice (module docstring). `policy` is one of
     LOAD_BALANCE_POLICIES; `block_size` is the engines' KV block size; `kv_tier`: the
@@ -241,6 +319,9 @@ class Router:
         self.tier_routed = 0  # cache-aware + tier: placed where the host tier holds the prefix
         self.adapters = AdapterTracker()
         self.adapter_warm = 0  # cache-aware: LoRA requests placed where it was warm
+        self.sessions = SessionTable()
+        self.session_routed = 0  # requests placed on their session's rank
+        self.session_moved = 0  # requests whose session's rank could not take them
 
     @staticmethod
     def load(engine: RankLoad, balanced: bool) -> int:
@@ -251,7 +332,39 @@ class Router:
 
     def choose(self, live: Sequence[RankLoad], request: EngineCoreRequest, *,
                balanced: bool) -> RankLoad:
-        """The rank among `live` (non-empty) that gets `request`."""
+        """The rank among `live` (non-empty) that gets `request`: its session's rank when
+        that may take it, else the policy's choice (module docstring)."""
+        session = request.session
+        if session is not None:
+            stuck = self._session_rank(live, session, balanced)
+            if stuck is not None:
+                self.session_routed += 1
+                self.record(stuck, request=request)
+                return stuck
+        chosen = self._by_policy(live, request, balanced)
+        if session is not None:
+            self.sessions.record(session.key, chosen.rank)
+        return chosen
+
+    def session_rank(self, key: str) -> int | None:
+        """The rank this router last sent session `key` to (None: not known here)."""
+        return self.sessions.get(key)
+
+    def _session_rank(self, live: Sequence[RankLoad], session: Session, balanced: bool
+                      ) -> RankLoad | None:
+        """The session's rank (module docstring) if it is in `live` and not hot."""
+        rank = session.rank if session.rank is not None else self.sessions.get(session.key)
+        if rank is None:
+            rank = rendezvous_rank(session.key, [e.rank for e in live])
+        engine = next((e for e in live if e.rank == rank), None)
+        floor = self.load(self._least_loaded(live, balanced), balanced)
+        if engine is not None and not self._hot(self.load(engine, balanced), floor):
+            return engine
+        self.session_moved += 1
+        return None
+
+    def _by_policy(self, live: Sequence[RankLoad], request: EngineCoreRequest,
+                   balanced: bool) -> RankLoad:
         if self.policy == "round-robin":
             self._turn += 1
             return live[(self._turn - 1) % len(live)]
@@ -272,8 +385,11 @@ class Router:
 
     def record(self, engine: RankLoad, chain: Sequence[BlockHash] | None = None,
                request: EngineCoreRequest | None = None) -> None:
-        """Cache-aware: the rank gets this prompt (`chain`, or `request`'s), e.g. a
-        pinned request; other policies keep no record."""
+        """The rank gets `request` (e.g. a pinned one): its session (if any) moves there;
+        cache-aware: so does its prompt (`chain`, or `request`'s); other policies keep
+        no prompt record."""
+        if request is not None and request.session is not None:
+            self.sessions.record(request.session.key, engine.rank)
         if self.policy != "cache-aware":
             return
         if chain is None:

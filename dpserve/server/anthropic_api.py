@@ -7,7 +7,7 @@ Scope: `install_messages_api(app, async_llm, serving)` mounts
   template renders it (with the tools);
 
 as thin routes over `AnthropicServing` (the same strict parsing, drain 503,
-`X-data-parallel-rank` and disconnect handling as the OpenAI routes:
+`X-data-parallel-rank`, `X-Session-ID` and disconnect handling as the OpenAI routes:
 `dpserve.server.routes_v1`), and `AnthropicErrors`, an ASGI middleware that
 gives every error answered on these paths Anthropic's body, `{"type": "error",
 "error": {"type", "message"}}` (type by status: 400 invalid_request_error, 401
@@ -40,6 +40,7 @@ from dpserve.server.auth import route_path
 from dpserve.server.errors import to_api_error
 from dpserve.server.routes_v1 import dp_rank, drain_check, parse_body, respond
 from dpserve.server.serving import OpenAIServing
+from dpserve.server.sessions import header_session
 
 MESSAGES_PATH = "/v1/messages"
 _M = TypeVar("_M", bound=BaseModel)
@@ -59,7 +60,8 @@ def messages_router(async_llm: AsyncLLM, anthropic: AnthropicServing) -> APIRout
     async def messages(request: Request) -> Response:
         body = await _parse(request, MessagesRequest)
         return await respond(request, anthropic.create_message(
-            body, dp_rank(request), api_key_id=request.state.api_key_id))
+            body, dp_rank(request), api_key_id=request.state.api_key_id,
+            session=header_session(request)))
 
     @router.post("/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:

@@ -43,6 +43,7 @@ from contextlib import aclosing
 from typing import Any
 
 from dpserve.frontend.errors import RequestError
+from dpserve.protocol import Session
 from dpserve.server.anthropic_protocol import (
     ContentBlock,
     CountTokensRequest,
@@ -87,11 +88,13 @@ class AnthropicServing:
         self.chat = chat
 
     async def create_message(self, req: MessagesRequest, data_parallel_rank: int | None = None,
-                             api_key_id: str | None = None) -> Message | AsyncIterator[str]:
-        """The message, or its stream's SSE frames (`req.stream`)."""
+                             api_key_id: str | None = None, session: Session | None = None,
+                             ) -> Message | AsyncIterator[str]:
+        """The message, or its stream's SSE frames (`req.stream`); `session`: the
+        X-Session-ID header's (None: `metadata.user_id`'s, if any)."""
         try:
             run = await self.chat.start_chat(to_chat_request(req), data_parallel_rank,
-                                             api_key_id, id_prefix="msg_")
+                                             api_key_id, id_prefix="msg_", session=session)
         except (RequestError, APIError) as e:
             raise _renamed(e) from None
         stops = req.stop_sequences or []

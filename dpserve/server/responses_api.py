@@ -6,7 +6,9 @@ limits, tools, structured output, admission and engine streams as
 writes the stream's typed events). Stored responses (`store`, default true) live in
 the server's one `ResponseStore` (a SQLite file every API server shares), so a
 `previous_response_id`, a retrieve or a cancel works on whichever API server it
-lands, and after an API server restarts.
+lands, and after an API server restarts. A follow-up goes to the rank its chain's
+last response ran on (kept in its row) while that rank may take it: its prefix is
+there (`dpserve.server.sessions`).
 
 Lifecycle of a stored response: its row is written `in_progress` before it runs (a
 stream: once the chat request has passed validation), and its final object when it
@@ -28,17 +30,20 @@ Not here: the chat path itself (`dpserve.server.serving`), the SQL
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sqlite3
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from pydantic import RootModel, ValidationError
 
 from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.errors import RequestError
+from dpserve.protocol import Session
 from dpserve.server.errors import to_api_error
 from dpserve.server.protocol import APIError, ChatCompletionRequest, ChatCompletionResponse
 from dpserve.server.responses_protocol import (
@@ -52,10 +57,11 @@ from dpserve.server.responses_protocol import (
     usage,
     with_output,
 )
-from dpserve.server.responses_store import ResponseStore, TooLarge
+from dpserve.server.responses_store import ResponseStore, StoredResponse, TooLarge
 from dpserve.server.responses_stream import ResponseEvents
 from dpserve.server.routes_v1 import dp_rank, drain_check, parse_body, respond
 from dpserve.server.serving import OpenAIServing
+from dpserve.server.sessions import header_session, responses_chain_session, user_session
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +87,10 @@ class ResponsesServing:
     # ---- create --------------------------------------------------------------------
 
     async def create(self, req: ResponsesRequest, data_parallel_rank: int | None,
-                     api_key_id: str | None) -> JSONObject | AsyncIterator[str]:
+                     api_key_id: str | None, session: Session | None = None,
+                     ) -> JSONObject | AsyncIterator[str]:
+        """`session`: the X-Session-ID header's (None: the chain's or `user`'s,
+        `_session`)."""
         model = self.serving.check_model(req.model) or self.serving.model_name
         if req.background and not req.store:
             raise RequestError("background responses must be stored (store: true)",
@@ -90,20 +99,22 @@ class ResponsesServing:
             raise RequestError("streaming a background response is not supported",
                                param="stream")
         items = input_items(req.input)
-        history = await self._history(req.previous_response_id)
+        chain = await self._chain(req.previous_response_id)
+        history = [item for r in chain for item in (*r.input_items, *r.response["output"])]
         chat = _renamed(lambda: chat_body(req, [*history, *items]))
         skeleton = new_response(req, new_id("resp"), model, "in_progress")
+        session = _session(session, chain, skeleton["id"], req.user)
         if req.store:
             _checked_size(self.store, skeleton, items)
         if req.stream:
             return await self._stream(req, chat, skeleton, items, data_parallel_rank,
-                                      api_key_id)
+                                      api_key_id, session)
         if req.store:
             await self.store.put(skeleton, items, req.previous_response_id)
         cancelled = self._watch(skeleton["id"]) if req.store else asyncio.Event()
-        run = self._run(chat, skeleton, cancelled, data_parallel_rank, api_key_id)
+        run = self._run(chat, skeleton, cancelled, data_parallel_rank, api_key_id, session)
         if req.background:
-            task = asyncio.create_task(self._background(run, skeleton))
+            task = asyncio.create_task(self._background(run, skeleton, session))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             return JSONObject(skeleton)
@@ -116,25 +127,25 @@ class ResponsesServing:
         finally:
             self._running.pop(skeleton["id"], None)
         if req.store:
-            await self._finish(response)
+            await self._finish(response, session)
         return JSONObject(response)
 
-    async def _history(self, previous_id: str | None) -> list[dict[str, Any]]:
-        """The items of the chain ending at `previous_id` (inputs and outputs, in order)."""
+    async def _chain(self, previous_id: str | None) -> list[StoredResponse]:
+        """The stored chain ending at `previous_id`, oldest first (none: [])."""
         if previous_id is None:
             return []
         chain = await self.store.conversation(previous_id)
         if chain is None:
             raise APIError(404, f"Previous response with id '{previous_id}' not found.",
                            param="previous_response_id", code="previous_response_not_found")
-        return [item for r in chain for item in (*r.input_items, *r.response["output"])]
+        return chain
 
     async def _run(self, chat: ChatCompletionRequest, skeleton: dict[str, Any],
                    cancelled: asyncio.Event, data_parallel_rank: int | None,
-                   api_key_id: str | None) -> dict[str, Any]:
+                   api_key_id: str | None, session: Session) -> dict[str, Any]:
         """Run the chat request unless `cancelled` is set first: the final response."""
         work = asyncio.ensure_future(_renamed_async(self.serving.create_chat_completion(
-            chat, data_parallel_rank, api_key_id=api_key_id)))
+            chat, data_parallel_rank, api_key_id=api_key_id, session=session)))
         mark = asyncio.ensure_future(cancelled.wait())
         try:
             await asyncio.wait({work, mark}, return_when=asyncio.FIRST_COMPLETED)
@@ -152,7 +163,8 @@ class ResponsesServing:
         return with_output(skeleton, output_from_chat(choice.message), status,
                            incomplete_details=details, usage=usage(result.usage))
 
-    async def _background(self, run: Any, skeleton: dict[str, Any]) -> None:
+    async def _background(self, run: Any, skeleton: dict[str, Any], session: Session
+                          ) -> None:
         try:
             response = await run
         except Exception as e:  # noqa: BLE001 - a background failure is its status
@@ -161,16 +173,17 @@ class ResponsesServing:
                 "code": error.code or error.type, "message": error.message})
         finally:
             self._running.pop(skeleton["id"], None)
-        await self._finish(response)
+        await self._finish(response, session)
 
     async def _stream(self, req: ResponsesRequest, chat: ChatCompletionRequest,
                       skeleton: dict[str, Any], items: list[dict[str, Any]],
                       data_parallel_rank: int | None, api_key_id: str | None,
-                      ) -> AsyncIterator[str]:
+                      session: Session) -> AsyncIterator[str]:
         lines = await _renamed_async(self.serving.create_chat_completion(
-            chat, data_parallel_rank, api_key_id=api_key_id))
+            chat, data_parallel_rank, api_key_id=api_key_id, session=session))
         assert not isinstance(lines, ChatCompletionResponse)
-        events = ResponseEvents(skeleton, self._finish if req.store else _nothing)
+        events = ResponseEvents(skeleton, functools.partial(self._finish, session=session)
+                                if req.store else _nothing)
 
         async def run() -> AsyncIterator[str]:
             # Stored (and watched for cancel marks) once streaming starts: a stream that
@@ -188,14 +201,16 @@ class ResponsesServing:
 
         return run()
 
-    async def _finish(self, response: dict[str, Any]) -> None:
-        """The final write of a stored response (not over a cancel mark)."""
+    async def _finish(self, response: dict[str, Any], session: Session) -> None:
+        """The final write of a stored response (not over a cancel mark), with the rank
+        its session went to (where a follow-up finds its prefix)."""
+        rank = self.serving.llm.cluster.session_rank(session.key)
         try:
             try:
-                await self.store.finish(response)
+                await self.store.finish(response, rank)
             except TooLarge as e:  # stored as failed, saying why
                 await self.store.finish(with_output(response, [], "failed", error={
-                    "code": "response_too_large", "message": str(e)}))
+                    "code": "response_too_large", "message": str(e)}), rank)
         except sqlite3.Error as e:
             logger.warning("response %s was not stored: %s", response["id"], e)
 
@@ -280,7 +295,8 @@ def responses_router(async_llm: AsyncLLM, responses: ResponsesServing) -> APIRou
     async def create(request: Request) -> Response:
         body = await parse_body(request, ResponsesRequest)
         return await respond(request, responses.create(body, dp_rank(request),
-                                                        request.state.api_key_id))
+                                                        request.state.api_key_id,
+                                                        header_session(request)))
 
     @v1.get("/responses/{response_id}")
     async def retrieve(response_id: str) -> Response:
@@ -308,6 +324,19 @@ def _json(body: JSONObject) -> Response:
 def _not_found(response_id: str) -> APIError:
     return APIError(404, f"Response with id '{response_id}' not found.", param="response_id",
                     code="response_not_found")
+
+
+def _session(header: Session | None, chain: list[StoredResponse], own_id: str,
+             user: str | None) -> Session:
+    """The session a response continues (`dpserve.server.sessions`): the header's, else
+    its chain's (`previous_response_id`), else `user`'s, else the chain it starts; with
+    the rank the chain's last response ran on, when known."""
+    rank = chain[-1].rank if chain else None
+    if header is not None:
+        return msgspec.structs.replace(header, rank=rank)
+    if chain:
+        return responses_chain_session(chain[0].response["id"], rank)
+    return user_session(user) or responses_chain_session(own_id, None)
 
 
 def _checked_size(store: ResponseStore, skeleton: dict[str, Any],

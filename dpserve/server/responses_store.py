@@ -19,6 +19,10 @@ Rules, enforced here:
 * A conversation (`conversation(id)`) is the chain of responses back through
   `previous_response_id`, oldest first, read in one recursive query; a chain with a
   missing link (deleted or evicted) is reported as missing (None).
+* The rank a response ran on (`finish(response, rank)`) is kept with it: a
+  follow-up on any API server goes there while it may take it (sticky sessions,
+  `dpserve.server.sessions`). A file made before this column existed gets it
+  (NULL) when opened.
 * Cancel: `request_cancel` marks a queued / in-progress row cancelled; whoever runs
   it (any API server) sees `cancel_requested` and stops, and its final write
   (`finish`) does not overwrite the cancelled row.
@@ -65,7 +69,8 @@ CREATE TABLE IF NOT EXISTS responses (
     status TEXT NOT NULL,
     cancel_requested INTEGER NOT NULL DEFAULT 0,
     response TEXT NOT NULL,      -- the response object (JSON)
-    input_items TEXT NOT NULL    -- its own input items (JSON list), without the chain's
+    input_items TEXT NOT NULL,   -- its own input items (JSON list), without the chain's
+    dp_rank INTEGER              -- the DP rank it ran on (sticky sessions); NULL: unknown
 )
 """
 
@@ -80,6 +85,7 @@ class StoredResponse:
     input_items: list[dict[str, Any]]  # the items this request gave (not the chain's)
     previous_id: str | None
     cancel_requested: bool
+    rank: int | None = None  # the DP rank it ran on, as its API server last knew it
 
 
 @dataclass(frozen=True)
@@ -157,7 +163,7 @@ def init_store_file(path: str) -> None:
         db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S)
         try:
             db.execute("PRAGMA journal_mode=WAL")
-            db.execute(_SCHEMA)
+            _make_table(db)
         finally:
             db.close()
     except (OSError, sqlite3.Error) as e:
@@ -182,7 +188,7 @@ class ResponseStore:
             db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
             if self.path != MEMORY:
                 db.execute("PRAGMA journal_mode=WAL")
-            db.execute(_SCHEMA)
+            _make_table(db)
             self._db = db
         return self._db
 
@@ -231,15 +237,16 @@ class ResponseStore:
 
         await self._run(write)
 
-    async def finish(self, response: dict[str, Any]) -> bool:
-        """The final object of a response put earlier; False (nothing written) when it
-        was cancelled, deleted or evicted meanwhile."""
+    async def finish(self, response: dict[str, Any], rank: int | None = None) -> bool:
+        """The final object of a response put earlier, and the DP rank it ran on (None:
+        not known); False (nothing written) when it was cancelled, deleted or evicted
+        meanwhile."""
         body, _ = self.check_size(response, [])
 
         def write(db: sqlite3.Connection) -> bool:
-            cur = db.execute("UPDATE responses SET status = ?, response = ? WHERE id = ? "
-                             "AND cancel_requested = 0", (response["status"], body,
-                                                          response["id"]))
+            cur = db.execute("UPDATE responses SET status = ?, response = ?, dp_rank = ? "
+                             "WHERE id = ? AND cancel_requested = 0",
+                             (response["status"], body, rank, response["id"]))
             return cur.rowcount == 1
 
         return await self._run(write)
@@ -256,7 +263,8 @@ class ResponseStore:
                 response = {**row.response, "status": "cancelled"}
                 db.execute("UPDATE responses SET status = 'cancelled', cancel_requested = 1, "
                            "response = ? WHERE id = ?", (json.dumps(response), response_id))
-                return StoredResponse(response, row.input_items, row.previous_id, True)
+                return StoredResponse(response, row.input_items, row.previous_id, True,
+                                      row.rank)
 
         return await self._run(write)
 
@@ -290,8 +298,8 @@ class ResponseStore:
                 " SELECT id, previous_id, 0 FROM responses WHERE id = ?"
                 " UNION ALL SELECT r.id, r.previous_id, c.depth + 1 FROM responses r"
                 " JOIN chain c ON r.id = c.previous_id)"
-                " SELECT r.response, r.input_items, r.previous_id, r.cancel_requested"
-                " FROM chain c JOIN responses r ON r.id = c.id ORDER BY c.depth DESC",
+                " SELECT r.response, r.input_items, r.previous_id, r.cancel_requested,"
+                " r.dp_rank FROM chain c JOIN responses r ON r.id = c.id ORDER BY c.depth DESC",
                 (response_id,)).fetchall()
             chain = [_row(r) for r in rows]
             if not chain or chain[0].previous_id is not None:
@@ -306,10 +314,23 @@ class ResponseStore:
 
 
 def _get(db: sqlite3.Connection, response_id: str) -> StoredResponse | None:
-    row = db.execute("SELECT response, input_items, previous_id, cancel_requested FROM "
-                     "responses WHERE id = ?", (response_id,)).fetchone()
+    row = db.execute("SELECT response, input_items, previous_id, cancel_requested, dp_rank "
+                     "FROM responses WHERE id = ?", (response_id,)).fetchone()
     return None if row is None else _row(row)
 
 
-def _row(row: tuple[str, str, str | None, int]) -> StoredResponse:
-    return StoredResponse(json.loads(row[0]), json.loads(row[1]), row[2], bool(row[3]))
+def _row(row: tuple[str, str, str | None, int, int | None]) -> StoredResponse:
+    return StoredResponse(json.loads(row[0]), json.loads(row[1]), row[2], bool(row[3]),
+                          row[4])
+
+
+def _make_table(db: sqlite3.Connection) -> None:
+    """The table, and the `dp_rank` column in a file made before it existed."""
+    db.execute(_SCHEMA)
+    if "dp_rank" in {c[1] for c in db.execute("PRAGMA table_info(responses)")}:
+        return
+    try:
+        db.execute("ALTER TABLE responses ADD COLUMN dp_rank INTEGER")
+    except sqlite3.OperationalError as e:  # another API server added it first
+        if "duplicate column" not in str(e):
+            raise

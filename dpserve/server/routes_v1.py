@@ -11,7 +11,9 @@ cancelled, which aborts its requests in the engine), answer JSON or an SSE
 stream. While the server drains (`AsyncLLM.draining`, set on SIGTERM) every
 route answers 503 with `Retry-After` and code "server_draining"; requests
 already in flight go on. The `X-data-parallel-rank: k` header pins a request
-to engine k (a bad value is a 400).
+to engine k (a bad value is a 400); an `X-Session-ID` header (or the body's
+`user`) keeps a conversation on one engine while it may take it
+(`dpserve.server.sessions`; the pin wins).
 
 `parse_body`, `respond`, `drain_check` and `dp_rank` are shared with the
 routes of the other APIs on /v1 (`dpserve.server.anthropic_api`).
@@ -40,6 +42,7 @@ from dpserve.server.protocol import (
     ModelList,
 )
 from dpserve.server.serving import OpenAIServing
+from dpserve.server.sessions import header_session
 
 DP_RANK_HEADER = "X-data-parallel-rank"
 DRAIN_RETRY_AFTER_S = 5  # the Retry-After of a 503 while draining
@@ -55,13 +58,15 @@ def v1_router(async_llm: AsyncLLM, serving: OpenAIServing, names: Sequence[str]
     async def completions(request: Request) -> Response:
         body = await parse_body(request, CompletionRequest)
         return await respond(request, serving.create_completion(
-            body, dp_rank(request), api_key_id=request.state.api_key_id))
+            body, dp_rank(request), api_key_id=request.state.api_key_id,
+            session=header_session(request)))
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest)
         return await respond(request, serving.create_chat_completion(
-            body, dp_rank(request), api_key_id=request.state.api_key_id))
+            body, dp_rank(request), api_key_id=request.state.api_key_id,
+            session=header_session(request)))
 
     def card(name: str) -> ModelCard:
         """The base model by `name`, or the LoRA adapter `name` (its `parent`: the base)."""

@@ -11,7 +11,9 @@ Request limits (server/limits.py) are checked on the parsed request first;
 a structured-output spec is compiled for the tokenizer off the event loop under
 the compile deadline (server/grammar_check.py); with `--request-timeout` each
 engine stream ends with a 504 past it (aborted in the engine); `cache_salt` and,
-with --prefix-cache-salt-per-key, the API key's identity salt the prefix cache.
+with --prefix-cache-salt-per-key, the API key's identity salt the prefix cache; a
+session (the X-Session-ID header, else `user`: `dpserve.server.sessions`) keeps a
+conversation's turns on one rank.
 
 `start_chat` is the chat path up to the engine (checks, sampling parameters,
 tools, the rendered prompt, the streams): /v1/chat/completions formats its
@@ -39,6 +41,7 @@ from pydantic import BaseModel
 from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.errors import RequestError
 from dpserve.outputs import CompletionOutput, Logprob, RequestOutput
+from dpserve.protocol import Session
 from dpserve.sampling_params import SamplingParams
 from dpserve.server.grammar_check import GrammarChecker
 from dpserve.server.limits import (
@@ -69,6 +72,7 @@ from dpserve.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from dpserve.server.sessions import user_session
 from dpserve.server.streams import collect, sse, sse_lines, token_pairs
 from dpserve.server.structured import structured_from_request
 from dpserve.server.tool_serving import chat_tool_stream, history_message, tool_message
@@ -130,11 +134,12 @@ class OpenAIServing:
 
     async def create_completion(self, req: CompletionRequest,
                                 data_parallel_rank: int | None = None,
-                                api_key_id: str | None = None,
+                                api_key_id: str | None = None, session: Session | None = None,
                                 ) -> BaseModel | AsyncIterator[str]:
         """`data_parallel_rank` (the X-data-parallel-rank header) pins the engine;
         `api_key_id` (the auth layer's name of the key used) salts the prefix cache
-        with --prefix-cache-salt-per-key."""
+        with --prefix-cache-salt-per-key; `session` (the X-Session-ID header's, else
+        `user`'s: `dpserve.server.sessions`) places it with its session's turns."""
         deadline = self._deadline()
         lora_name = self._check_model(req.model)
         model = lora_name or self.model_name  # what the response says (vLLM's)
@@ -149,7 +154,8 @@ class OpenAIServing:
                    if isinstance(p, str) else (None, list(p)) for p in batch]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = self._start(request_id, prompts, params, data_parallel_rank,
-                              self._salt(req, api_key_id), deadline, lora_name)
+                              self._salt(req, api_key_id), deadline, lora_name,
+                              session or user_session(req.user))
         # echo: each choice starts with its prompt's text.
         echo = [(t if t is not None else self.llm.decode(ids)) if req.echo else ""
                 for t, ids in prompts]
@@ -203,8 +209,9 @@ class OpenAIServing:
     async def create_chat_completion(self, req: ChatCompletionRequest,
                                      data_parallel_rank: int | None = None,
                                      api_key_id: str | None = None,
+                                     session: Session | None = None,
                                      ) -> BaseModel | AsyncIterator[str]:
-        run = await self.start_chat(req, data_parallel_rank, api_key_id)
+        run = await self.start_chat(req, data_parallel_rank, api_key_id, session=session)
         request_id, streams, params, plan, model = (run.request_id, run.streams, run.params,
                                                     run.plan, run.model)
         if req.stream:
@@ -226,10 +233,12 @@ class OpenAIServing:
 
     async def start_chat(self, req: ChatCompletionRequest,
                          data_parallel_rank: int | None = None, api_key_id: str | None = None,
-                         id_prefix: str = "chatcmpl-") -> ChatRun:
+                         id_prefix: str = "chatcmpl-", session: Session | None = None
+                         ) -> ChatRun:
         """Check `req` in full, render its prompt and send it to the engine: the run that
         a response (this module's, or another API's built from a chat request) is made
-        from. Nothing reaches the engine when a check fails."""
+        from. Nothing reaches the engine when a check fails. `session`: as in
+        `create_completion` (None: `req.user`'s, if any)."""
         deadline = self._deadline()
         lora_name = self._check_model(req.model)
         check_chat(req, self.limits)
@@ -257,7 +266,7 @@ class OpenAIServing:
         try:
             streams = self._start(request_id, [(None, prompt_ids)], params,
                                   data_parallel_rank, self._salt(req, api_key_id), deadline,
-                                  lora_name)
+                                  lora_name, session or user_session(req.user))
         except RequestError as e:
             raise RequestError(str(e), "messages" if e.param == "prompt" else e.param,
                                e.code) from None
@@ -390,17 +399,18 @@ class OpenAIServing:
     def _start(self, request_id: str, prompts: Sequence[tuple[str | None, list[int]]],
                params: SamplingParams, data_parallel_rank: int | None = None,
                cache_salt: str | None = None, deadline: float | None = None,
-               lora_name: str | None = None) -> list[AsyncIterator[RequestOutput]]:
+               lora_name: str | None = None, session: Session | None = None,
+               ) -> list[AsyncIterator[RequestOutput]]:
         """Validate every prompt, then open one generate() stream per prompt (each ends
         with a 504 past `deadline`, loop time), with LoRA adapter `lora_name` (None:
-        the base model)."""
+        the base model), placed by `session` (all prompts alike)."""
         for _, ids in prompts:
             self.llm.validate(ids, params, data_parallel_rank)
         if self.admission is not None:  # paused / asleep / queues full
             self.admission([len(ids) for _, ids in prompts] * params.n)
         streams = [self.llm.generate(ids, params, f"{request_id}-{i}", text,
                                      data_parallel_rank, cache_salt=cache_salt,
-                                     lora_name=lora_name)
+                                     lora_name=lora_name, session=session)
                    for i, (text, ids) in enumerate(prompts)]
         if self.log_requests:
             streams = [logged_stream(s, f"{request_id}-{i}", len(ids), params)

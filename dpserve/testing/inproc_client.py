@@ -179,6 +179,9 @@ class InprocEngineClient:
     def queued(self) -> list[tuple[int, int]]:
         return []  # no queue figures: admission never answers 429
 
+    def session_rank(self, key: str) -> int | None:
+        return None  # one engine: no placement to remember
+
     def request_state_sizes(self) -> dict[str, int]:
         return {}  # the engine's own sizes come from its `request_state_sizes` utility
 
