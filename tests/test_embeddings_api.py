@@ -22,7 +22,14 @@ import numpy as np
 import openai
 import pytest
 import torch
-from helpers import metric_sum, offline_greedy_texts, running_on, serve, stream_completion
+from helpers import (
+    metric_sum,
+    offline_greedy_texts,
+    running_on,
+    serve,
+    stream_completion,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.procs]
 
@@ -86,6 +93,20 @@ def test_batched_inputs_equal_transformers(server) -> None:
     # finished in a step together with another).
     assert requests == len(TEXTS)
     assert steps < len(TEXTS), f"{len(TEXTS)} inputs took {steps} engine steps"
+    wait_until(lambda: not leftovers(url), 30, "no per-request state left")
+
+
+def leftovers(url: str) -> dict[str, dict[str, int]]:
+    """Per-request structures not empty, in the API server and each engine (KV blocks
+    may stay cached)."""
+    state = httpx.get(url + "/debug/request_state", timeout=15).json()
+    left = {"api_server": {k: v for k, v in state["api_server"].items() if v}}
+    for rank, sizes in state["engines"].items():
+        left[rank] = {k: v for k, v in sizes.items()
+                      if v and k not in ("kv_blocks", "kv_free", "kv_cached")}
+        if sizes["kv_free"] != sizes["kv_blocks"]:
+            left[rank]["kv_not_free"] = sizes["kv_blocks"] - sizes["kv_free"]
+    return {where: sizes for where, sizes in left.items() if sizes}
 
 
 def test_base64_and_the_clients_default_decode_to_the_floats(server) -> None:
