@@ -201,3 +201,35 @@ def test_embeddings_beside_streaming_generation_keep_its_greedy_tokens(server) -
     print(f"premise: rank 0 ran {before} streams before, {after} after the embeddings")
     assert after > 0, "premise did not hold: the streams had finished before the embeddings"
     assert texts == want
+
+
+def test_a_client_that_leaves_aborts_its_inputs_in_the_engine(server) -> None:
+    url, _, model = server
+    aborted = 'dpserve:request_success_total{finished_reason="abort"'
+    before = (metric_sum(url, "dpserve:pooling_requests_total"), abort_count(url, aborted))
+    # 16 inputs of 500 tokens on rank 0: 8000 tokens, over many 512-token steps.
+    body = {"model": model, "input": [[7 + i] * 500 for i in range(MAX_INPUTS)]}
+
+    async def leave_mid_way() -> int:
+        async with httpx.AsyncClient(timeout=60) as http:
+            call = asyncio.create_task(http.post(url + "/v1/embeddings", json=body,
+                                                 headers={"X-data-parallel-rank": "0"}))
+            deadline = time.monotonic() + 60
+            while not (running := await asyncio.to_thread(running_on, url, 0)):
+                assert time.monotonic() < deadline and not call.done(), (
+                    "premise did not hold: rank 0 never ran the inputs")
+            call.cancel()  # hang up
+            return running
+
+    held = asyncio.run(leave_mid_way())
+    print(f"premise: rank 0 ran {held} of the inputs when the client left")
+    wait_until(lambda: abort_count(url, aborted) > before[1], 30, "the inputs to be aborted")
+    wait_until(lambda: not leftovers(url), 30, "no per-request state left")
+    finished = metric_sum(url, "dpserve:pooling_requests_total") - before[0]
+    assert finished < MAX_INPUTS, "every input ran to the end: the hang-up aborted none"
+
+
+def abort_count(url: str, prefix: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(prefix))
