@@ -13,12 +13,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dpserve.lora_request import LoRARequest
-from dpserve.outputs import CompletionOutput, Logprob, RequestOutput
+from dpserve.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from dpserve.protocol import PoolingParams
 from dpserve.sampling_params import SamplingParams
 from dpserve.version import __version__
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "LoRARequest", "__version__"]
+           "LoRARequest", "PoolingParams", "EmbeddingRequestOutput", "__version__"]
 
 if TYPE_CHECKING:
     from dpserve.entrypoints.llm import LLM

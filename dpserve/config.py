@@ -29,6 +29,7 @@ from dpserve.engine_config import (
     EngineConfig,
     ModelConfig,
     ParallelConfig,
+    PoolerConfig,
     RequestLimitsConfig,
     SchedulerConfig,
     replace,
@@ -52,7 +53,8 @@ from dpserve.placement import (
 from dpserve.sampling_params import DEFAULT_MAX_LOGIT_BIAS, DEFAULT_MAX_STOP_TOKEN_IDS
 
 __all__ = ["AutoscaleConfig", "CacheConfig", "ConfigError", "EngineArgs", "EngineConfig",
-           "ModelConfig", "ParallelConfig", "RequestLimitsConfig", "SchedulerConfig",
+           "ModelConfig", "ParallelConfig", "PoolerConfig", "RequestLimitsConfig",
+           "SchedulerConfig",
            "parse_memory_size", "replace"]
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -130,6 +132,10 @@ class EngineArgs:
                                               "(default 512 on CPU, 2048 on GPU or with "
                                               "lockstep engines; at least max_num_seqs).")
     max_num_seqs: int = _opt(256, "Most requests running at once.")
+    pooler_config: str | dict | None = _opt(
+        None, 'How embeddings pool the final hidden states (/v1/embeddings, LLM.embed), as '
+        'JSON: {"pooling_type": "LAST" | "MEAN", "normalize": true | false}. Default: '
+        'LAST (the last prompt token), normalised.')
     enable_lora: bool = _opt(False, "Serve LoRA adapters: loaded at start (--lora-modules) "
                              "or at run time; a request names one (rows of one step may "
                              "use different adapters).")
@@ -365,7 +371,7 @@ class EngineArgs:
             max_model_len=max_model_len, seed=self.seed,
             enforce_eager=self.enforce_eager or os.environ.get("DPSERVE_ENFORCE_EAGER") == "1",
             generation_defaults=load_generation_defaults(self.generation_config, str(path)),
-            quantization=self.quantization)
+            quantization=self.quantization, pooler=PoolerConfig.parse(self.pooler_config))
         if self.quantization is not None:
             _check_quantization(self.quantization, device, dtype, arch)
         return model
@@ -415,23 +421,15 @@ class EngineArgs:
             raise ConfigError(f"enable_expert_parallel needs a mixture-of-experts model; "
                               f"{arch} has no experts")
         # Experts are spread over every worker: DP ranks x TP workers (as vLLM).
-        self._need_workers(self.data_parallel_size, "data_parallel_size", experts)
+        _need_workers(self.data_parallel_size, self.tensor_parallel_size, "data_parallel_size",
+                      experts)
         if self.engine_failure_policy == "isolate":
             raise ConfigError("engine_failure_policy 'isolate' cannot serve on without a "
                               "rank's experts under enable_expert_parallel; use restart or "
                               "stop")
         # Elastic EP: a change of the DP size re-shards the experts (up to one per rank).
-        self._need_workers(most, "data_parallel_size_max", experts)
+        _need_workers(most, self.tensor_parallel_size, "data_parallel_size_max", experts)
         return True
-
-    def _need_workers(self, dp: int, name: str, experts: int) -> None:
-        """Expert parallelism: `name` (a DP size) x tensor_parallel_size workers, each
-        holding at least one of the model's `experts`."""
-        tp = self.tensor_parallel_size
-        if dp * tp > experts:
-            raise ConfigError(f"{name} x tensor_parallel_size must not exceed the model's "
-                              f"{experts} experts with enable_expert_parallel, got {dp} x "
-                              f"{tp} = {dp * tp}")
 
     def _need(self, ok: bool, name: str, what: str) -> None:
         if not ok:
@@ -450,6 +448,7 @@ class EngineArgs:
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks",
              "must be at least 1")
         need(self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1")
+        PoolerConfig.parse(self.pooler_config)
         need(self.max_num_batched_tokens is None or self.max_num_batched_tokens
              >= self.max_num_seqs, "max_num_batched_tokens", "must be at least max_num_seqs")
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
@@ -486,6 +485,15 @@ class EngineArgs:
         if self.kv_cache_memory is not None:
             parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
         _kv_offload_bytes(self)
+
+
+def _need_workers(dp: int, tp: int, name: str, experts: int) -> None:
+    """Expert parallelism: `name` (a DP size) x `tp` (tensor_parallel_size) workers, each
+    holding at least one of the model's `experts`."""
+    if dp * tp > experts:
+        raise ConfigError(f"{name} x tensor_parallel_size must not exceed the model's "
+                          f"{experts} experts with enable_expert_parallel, got {dp} x "
+                          f"{tp} = {dp * tp}")
 
 
 def _kv_offload_bytes(args: EngineArgs) -> int | None:

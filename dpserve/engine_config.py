@@ -6,18 +6,59 @@ KV blocks, travel as explicit results). Every layer above reads these types;
 `dpserve.config` hands them on, so `from dpserve.config import EngineConfig`
 reads as before.
 
-Not here: the options and their checks (`dpserve.config`, `dpserve.placement`).
+Not here: the options and their checks (`dpserve.config`, `dpserve.placement`), but
+`PoolerConfig.parse` (one option's JSON).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
+from dpserve.errors import ConfigError
+from dpserve.protocol import POOLING_TYPES
 from dpserve.sampling_params import DEFAULT_MAX_LOGIT_BIAS, DEFAULT_MAX_STOP_TOKEN_IDS
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How pooling (embedding) requests pool by default: `--pooler-config`, vLLM's
+    option and JSON shape (`{"pooling_type": "LAST" | "MEAN", "normalize": bool}`);
+    /v1/embeddings and `LLM.embed` make each request's `PoolingParams` from it."""
+
+    pooling_type: str = "last"  # one of protocol.POOLING_TYPES
+    normalize: bool = True
+
+    @classmethod
+    def parse(cls, value: str | Mapping[str, Any] | None) -> PoolerConfig:
+        """The option's JSON text (or a dict; None: the defaults); ConfigError naming
+        the option and the key at fault."""
+        if value is None:
+            return cls()
+        given: Any = value
+        if isinstance(value, str):
+            try:
+                given = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"pooler_config must be a JSON object: {e}") from None
+        if not isinstance(given, Mapping):
+            raise ConfigError(f"pooler_config must be a JSON object, got {value!r}")
+        unknown = sorted(set(given) - {"pooling_type", "normalize"})
+        if unknown:
+            raise ConfigError(f"pooler_config: unknown key(s) {', '.join(unknown)} (known: "
+                              f"pooling_type, normalize)")
+        kind = given.get("pooling_type", "LAST")
+        if not isinstance(kind, str) or kind.lower() not in POOLING_TYPES:
+            raise ConfigError(f"pooler_config: pooling_type must be LAST or MEAN, got {kind!r}")
+        normalize = given.get("normalize", True)
+        if not isinstance(normalize, bool):
+            raise ConfigError(f"pooler_config: normalize must be true or false, got "
+                              f"{normalize!r}")
+        return cls(kind.lower(), normalize)
 
 
 @dataclass(frozen=True)
@@ -34,6 +75,7 @@ class ModelConfig:
     # (SamplingParams field, value) from generation_config.json (dpserve/generation_config.py)
     generation_defaults: tuple[tuple[str, Any], ...] = ()
     quantization: str | None = None  # "int8": dynamic int8 linears (dpserve.model.quant)
+    pooler: PoolerConfig = PoolerConfig()  # how embeddings pool (--pooler-config)
 
     def __reduce__(self):
         # MappingProxyType does not pickle; send a plain copy (spawned engines

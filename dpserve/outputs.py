@@ -43,3 +43,21 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: None for the first prompt token, then one
     # dict per prompt token (the token itself and the top-k there).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # A pooling (embedding) request's result once finished: little-endian float32
+    # bytes (`EngineCoreOutput.pooled`); None for a generation request.
+    pooled: bytes | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # the pooled (and, by default, normalised) hidden state
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One prompt's embedding, as vLLM's `LLM.embed` returns it."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

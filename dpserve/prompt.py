@@ -4,7 +4,8 @@ A prompt can run when it is not empty, every token id is in the vocabulary,
 and its tokens (with the tokens a moved request already generated) leave room
 for the completion: `prompt + prior + max_tokens <= max_model_len`, where an
 engine, which does not budget the completion, asks for one token (prompt +
-prior < max_model_len). The messages are the user-facing ones the HTTP server
+prior < max_model_len); a pooling request, which has no completion, passes
+`max_tokens=0`. The messages are the user-facing ones the HTTP server
 answers with (OpenAI's wording for the context length); `PromptError` is a
 `ValueError` that names the request field at fault (`param`) and a stable
 `code`.
@@ -32,7 +33,7 @@ def check_prompt(prompt_token_ids: Sequence[int], max_model_len: int, vocab_size
                  prior_token_ids: Sequence[int] = (), max_tokens: int | None = None) -> None:
     """Raise PromptError if the prompt can never run (module docstring). `prior_token_ids`:
     tokens generated before the request moved here; `max_tokens`: the completion's
-    budget (None: one token)."""
+    budget (None: one token; 0: none, a pooling request)."""
     n = len(prompt_token_ids)
     if n == 0:
         raise PromptError("the prompt must not be empty")
@@ -42,7 +43,7 @@ def check_prompt(prompt_token_ids: Sequence[int], max_model_len: int, vocab_size
         raise PromptError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size}) "
                           f"(token ids must be below the vocabulary size)")
     context = n + len(prior_token_ids)
-    completion = max_tokens or 1
+    completion = 1 if max_tokens is None else max_tokens
     if context + completion > max_model_len:
         prior = f", {len(prior_token_ids)} generated before" if prior_token_ids else ""
         raise PromptError(

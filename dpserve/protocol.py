@@ -49,6 +49,30 @@ class RequestType(bytes, enum.Enum):
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 
 
+POOLING_TYPES = ("last", "mean")
+
+
+class PoolingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A pooling (embedding) request, vLLM's `PoolingParams`: the engine computes the
+    prompt, samples nothing and finishes (reason stop) with its final hidden state
+    (after the final norm) pooled over the prompt: the last token's ("last") or the
+    mean of every position's ("mean"), in float32; `dimensions` keeps the first that
+    many values, then `normalize` scales it to unit L2 norm. ValueError on construction
+    (naming the field) for an unknown type or dimensions below 1."""
+
+    pooling_type: str = "last"  # one of POOLING_TYPES
+    normalize: bool = True
+    dimensions: int | None = None  # None: the model's hidden size
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got "
+                             f"{self.pooling_type!r}")
+        if self.dimensions is not None and (isinstance(self.dimensions, bool)
+                                            or self.dimensions < 1):
+            raise ValueError(f"dimensions must be at least 1, got {self.dimensions!r}")
+
+
 def engine_identity(rank: int) -> bytes:
     """The ZMQ identity of engine `rank`: its DP rank, 2 bytes little-endian."""
     return rank.to_bytes(2, "little")
@@ -85,6 +109,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     lora_name: str | None = None
     # Front-end only: the session it belongs to (routing); None on the wire (`sendable`).
     session: Session | None = None
+    # A pooling (embedding) request: no tokens are sampled, the output that finishes it
+    # carries `EngineCoreOutput.pooled`. None: a generation request.
+    pooling: PoolingParams | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
@@ -115,6 +142,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # engine client (no rank could take it over), or by an engine for a request it
     # could not start (its structured-output grammar failed or timed out).
     error: str | None = None
+    # A pooling request's result, on the output that finishes it (reason stop): the
+    # pooled vector as little-endian float32 bytes (PoolingParams says how it was made).
+    pooled: bytes | None = None
 
     @property
     def finished(self) -> bool:
@@ -143,6 +173,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # is down) and blocks it holds (routing sizes its record of the tier by the first).
     kv_tier_num_blocks: int = 0
     kv_tier_used_blocks: int = 0
+    # Pooling (embedding) requests finished, and steps that finished at least one,
+    # cumulative: requests batched into one step show as fewer steps than requests.
+    num_pooled_requests: int = 0
+    num_pooling_steps: int = 0
 
 
 class UtilityCall(msgspec.Struct, array_like=True, gc=False):

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from dpserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the launcher imports the engine's modules without torch
+    import numpy as np
     import torch
 
 
@@ -48,6 +49,9 @@ class ScheduledRequest:
     token_offset: int = 0  # the position of token_ids[0] (> 0 only in a trimmed copy)
     lora_id: int = 0  # the engine's id of the request's LoRA adapter (0: none)
     lora_slot: int = -1  # the device slot holding that adapter this step (-1: none)
+    # A pooling request ("last" | "mean", protocol.PoolingParams.pooling_type): its rows
+    # are pooled (model.pooler), never sampled (`sample` is False). None: generation.
+    pooling: str | None = None
 
     def tokens(self, first: int, end: int) -> list[int]:
         """The tokens at positions first .. end - 1 (those known, up to end)."""
@@ -105,6 +109,7 @@ class SchedulerOutput:
     finished_req_ids: list[str] = field(default_factory=list)  # freed since the last step
     lora: LoRAPlan | None = None  # adapters to put into slots first (None: nothing to do)
     kv_transfer: KVTransfer | None = None  # host-tier loads / saves (None: nothing to copy)
+    has_pooling: bool = False  # the engine holds pooling requests: the runner pools rows
 
     @property
     def is_empty(self) -> bool:
@@ -134,3 +139,7 @@ class ModelRunnerOutput:
     # req_id -> (first prompt position, its TokenLogprobs in position order), for
     # requests asking for prompt logprobs whose step computed prompt positions.
     prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
+    # req_id -> (first position of the step's chunk, [hidden] float32) for pooling
+    # requests: "mean": the sum of the chunk's final hidden states; "last": the last
+    # prompt token's, only from the chunk that reaches it (model.pooler).
+    pooled: dict[str, tuple[int, np.ndarray]] = field(default_factory=dict)

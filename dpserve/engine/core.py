@@ -90,7 +90,9 @@ class EngineCore:
         ids = request.prompt_token_ids
         prior = request.prior_output_token_ids or []
         check_prompt(ids, self.config.model.max_model_len, self.vocab_size,
-                     prior_token_ids=prior)
+                     prior_token_ids=prior, max_tokens=0 if request.pooling else None)
+        if request.pooling is not None:
+            self._check_pooling(request)
         limits, stops = self.config.limits, request.sampling_params.stop_token_ids
         # The front-end appends the model's extra end ids: they do not count.
         eos, extra = set(self.config.model.eos_token_ids), 0
@@ -103,13 +105,26 @@ class EngineCore:
             request.request_id, ids, request.sampling_params,
             eos_token_id=request.eos_token_id, arrival_time=request.arrival_time or None,
             prior_output_token_ids=prior, cache_salt=request.cache_salt,
-            lora_id=lora_id, lora_cache_key=lora_key)
+            lora_id=lora_id, lora_cache_key=lora_key, pooling=request.pooling)
         try:
             self._queue(req)
         except BaseException:
             if lora_id:  # the adapter this call acquired
                 self._release_lora([req.request_id])
             raise
+
+    def _check_pooling(self, request: EngineCoreRequest) -> None:
+        """ValueError for a pooling request that cannot run: more dimensions than the
+        hidden size, a structured-output constraint (nothing is sampled)."""
+        assert request.pooling is not None
+        hidden = int(self.config.model.hf_config["hidden_size"])
+        dims = request.pooling.dimensions
+        if dims is not None and dims > hidden:
+            raise ValueError(f"request {request.request_id!r}: dimensions {dims} exceeds "
+                             f"the model's hidden size ({hidden})")
+        if request.sampling_params.structured_outputs is not None:
+            raise ValueError(f"request {request.request_id!r}: a pooling request samples "
+                             f"nothing, so it takes no structured output")
 
     def _request_lora(self, request: EngineCoreRequest) -> tuple[int, str | None]:
         """(adapter id, prefix-cache key) of the adapter a request names: (0, None) for

@@ -295,8 +295,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached block-aligned prefix of `request`, and its token count."""
-        if not self.enable_prefix_caching or request.needs_prompt_logprobs:
-            return [], 0  # prompt logprobs need logits at every prompt position
+        if not self.enable_prefix_caching or request.needs_every_position:
+            return [], 0  # prompt logprobs (mean pooling) need every prompt position
         self.update_block_hashes(request)
         # Invariant: the last token is always recomputed, so at most
         # (num_tokens - 1) // block_size blocks can come from the cache.

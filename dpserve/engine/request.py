@@ -12,7 +12,8 @@ import enum
 import time
 from typing import Any
 
-from dpserve.protocol import FinishReason, TokenLogprobs
+from dpserve.engine.pooling import PoolingState
+from dpserve.protocol import EngineCoreOutput, FinishReason, PoolingParams, TokenLogprobs
 from dpserve.sampling_params import SamplingParams
 from dpserve.step import ScheduledRequest
 
@@ -59,6 +60,7 @@ class Request:
         cache_salt: str | None = None,
         lora_id: int = 0,
         lora_cache_key: str | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -96,6 +98,9 @@ class Request:
         # i + 1, filled chunk by chunk, sent once with the first output token.
         self.prompt_logprobs: list[TokenLogprobs] | None = (
             [] if sampling_params.prompt_logprobs is not None else None)
+        # A pooling (embedding) request: its pooled result so far (engine.pooling); it
+        # finishes when its prompt is computed, sampling nothing. None: generation.
+        self.pooling = PoolingState(pooling) if pooling is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -123,6 +128,32 @@ class Request:
         in full (no prefix-cache hit), so that every position has logits."""
         return self.prompt_logprobs is not None
 
+    @property
+    def needs_every_position(self) -> bool:
+        """True while every prompt position must be computed here (no prefix-cache or
+        host-tier hit): for prompt logprobs not yet sent, and for mean pooling."""
+        return self.prompt_logprobs is not None or (
+            self.pooling is not None and self.pooling.params.pooling_type == "mean")
+
+    def add_pooled(self, start: int, part: Any) -> bool:
+        """A step's share of this running pooling request (a chunk from `start` to
+        `num_computed_tokens`: engine.pooling); True when the step computed its last
+        prompt token: it is then finished (stop), `pooled_output` its last output."""
+        assert self.pooling is not None
+        self.pooling.add(start, self.num_computed_tokens, part)
+        if self.num_computed_tokens < self.num_tokens:
+            return False
+        self.status = RequestStatus.FINISHED_STOPPED
+        return True
+
+    def pooled_output(self, now: float) -> EngineCoreOutput:
+        """The output that finishes a pooling request: no tokens, its vector."""
+        assert self.pooling is not None
+        return EngineCoreOutput(self.request_id, [], finish_reason=self.finish_reason,
+                                num_cached_tokens=max(self.num_cached_tokens, 0),
+                                phase_times=self.phase_times(now),
+                                pooled=self.pooling.result(self.num_tokens))
+
     def add_prompt_logprobs(self, start: int, entries: list[TokenLogprobs]) -> None:
         """Entries for prompt tokens start+1, start+2, ... (one computed chunk). A chunk
         computed again after a preemption replaces what it covers."""
@@ -147,7 +178,8 @@ class Request:
         return ScheduledRequest(
             self.request_id, self.all_token_ids, len(self.prompt_token_ids), start,
             num_new_tokens, block_ids, sample, self.sampling_params, self.eos_token_id,
-            self.grammar, self.prompt_logprobs is not None, lora_id=self.lora_id)
+            self.grammar, self.prompt_logprobs is not None, lora_id=self.lora_id,
+            pooling=self.pooling.params.pooling_type if self.pooling is not None else None)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

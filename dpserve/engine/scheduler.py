@@ -18,10 +18,12 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from dpserve.config import CacheConfig, SchedulerConfig
 from dpserve.engine.kv_cache import KVCacheManager
 from dpserve.engine.kv_connector import KVConnector
+from dpserve.engine.pooling import PoolingCounts
 from dpserve.engine.request import Request, RequestStatus
 from dpserve.protocol import EngineCoreOutput, SchedulerStats, TokenLogprobs
 from dpserve.step import Logprobs, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -83,6 +85,9 @@ class Scheduler:
       stops, frees finished requests at once, and returns one
       `EngineCoreOutput` per request that got a token or finished. Rows for
       requests finished or aborted since `schedule()` are skipped.
+    * A pooling request (`Request.pooling`) runs like a prefill, never sampled: the step
+      computing its last prompt token finishes it (stop) with its vector (engine/pooling.py).
+      `SchedulerOutput.has_pooling` is set only while the engine holds one.
     * `finish_requests(ids, status)` finishes requests from outside (abort:
       FINISHED_ABORTED) and frees their blocks at once. It RETURNS their
       final `EngineCoreOutput`s (no tokens, finish_reason e.g. ABORT); no
@@ -124,6 +129,7 @@ class Scheduler:
         # the last TTFT_WINDOW_S: heartbeats carry it to the autoscaler and /engines.
         self.recent_ttft = RecentMean(TTFT_WINDOW_S)
         self.num_generated_tokens = 0  # output tokens sampled, cumulative (/engines tokens/s)
+        self.pooling = PoolingCounts()  # pooling requests held now, finished, their steps
 
     # ---- queues --------------------------------------------------------------
 
@@ -138,6 +144,7 @@ class Scheduler:
                              f"({self.max_model_len} tokens)")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.pooling.held += request.pooling is not None
 
     def finish_requests(self, request_ids: str | Iterable[str],
                         status: RequestStatus = RequestStatus.FINISHED_ABORTED,
@@ -194,7 +201,8 @@ class Scheduler:
             num_waiting=len(self.waiting), num_running=len(self.running),
             kv_cache_usage=kv.usage, prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits, num_preemptions=self.num_preemptions,
-            num_free_blocks=kv.num_free_blocks, num_generated_tokens=self.num_generated_tokens)
+            num_free_blocks=kv.num_free_blocks, num_generated_tokens=self.num_generated_tokens,
+            num_pooled_requests=self.pooling.requests, num_pooling_steps=self.pooling.steps)
         if self.kv_connector is not None:
             tier = self.kv_connector.counters
             stats.kv_tier_queries, stats.kv_tier_hits = tier.queries, tier.hits
@@ -226,7 +234,8 @@ class Scheduler:
         return SchedulerOutput(
             scheduled=decodes + others, num_decodes=len(decodes),
             total_num_tokens=sum(s.num_new_tokens for s in scheduled),
-            preempted_req_ids=preempted, finished_req_ids=finished, kv_transfer=transfer)
+            preempted_req_ids=preempted, finished_req_ids=finished, kv_transfer=transfer,
+            has_pooling=self.pooling.held > 0)
 
     def _schedule_running(self, scheduled: list[ScheduledRequest], preempted: list[str],
                           budget: int) -> int:
@@ -292,7 +301,7 @@ class Scheduler:
         """Tokens of the request's next full blocks (past its `num_hit_blocks` local
         hits) that the host tier holds, held there for it (0: no tier, or none).
         Invariant, as for local hits: the last token is always computed."""
-        if self.kv_connector is None or request.needs_prompt_logprobs:
+        if self.kv_connector is None or request.needs_every_position:
             return 0
         max_blocks = (request.num_tokens - 1) // self.kv_cache.block_size
         hashes = request.block_hashes[num_hit_blocks:max_blocks]
@@ -330,7 +339,8 @@ class Scheduler:
         start = request.num_computed_tokens
         request.num_computed_tokens = start + num_new
         return request.for_step(start, num_new, block_ids,
-                                sample=start + num_new == request.num_tokens)
+                                sample=start + num_new == request.num_tokens
+                                and request.pooling is None)
 
     def preempt_all(self) -> None:
         """Preempt every running request (a failed expert-parallel step)."""
@@ -390,9 +400,25 @@ class Scheduler:
             if finished:
                 self._free_request(request)
                 any_finished = True
+        if runner_output.pooled:
+            any_finished |= self._update_pooled(runner_output.pooled, outputs)
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
+
+    def _update_pooled(self, pooled: dict[str, tuple[int, Any]],
+                       outputs: list[EngineCoreOutput]) -> bool:
+        """Each running pooling request's share of the step (requests finished or aborted
+        since schedule() are skipped); those whose prompt is now computed finish (stop)
+        with their vector. True if any finished."""
+        done = [r for req_id, (start, part) in pooled.items()
+                if (r := self.requests.get(req_id)) is not None
+                and r.status == RequestStatus.RUNNING and r.add_pooled(start, part)]
+        for request in done:
+            outputs.append(request.pooled_output(time.monotonic()))
+            self._free_request(request)
+        self.pooling.count_finished(len(done))
+        return bool(done)
 
     def _check_stop(self, request: Request, token: int) -> bool:
         """Set a finished status if `token` ends the request; True if it did."""
@@ -426,6 +452,7 @@ class Scheduler:
         self.kv_cache.free(request)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
+        self.pooling.held -= request.pooling is not None
 
 
 def _logprob_rows(logprobs: Logprobs | None) -> tuple[list, list, list] | None:

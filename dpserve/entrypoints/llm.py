@@ -31,11 +31,13 @@ the engine processes are spawned, and spawning re-imports the main module.
 
 from __future__ import annotations
 
+import array
 import atexit
 import contextlib
 import itertools
 import logging
 import operator
+import sys
 import time
 import weakref
 from collections.abc import Sequence
@@ -48,8 +50,8 @@ from dpserve.frontend.tokenizer import apply_chat_template, eos_token_ids, load_
 from dpserve.generation_config import log_generation_defaults
 from dpserve.launch.host import launch_engines
 from dpserve.lora_request import LoRARequest
-from dpserve.outputs import RequestOutput
-from dpserve.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from dpserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from dpserve.protocol import EngineCoreOutput, EngineCoreRequest, PoolingParams, SchedulerStats
 from dpserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -168,6 +170,30 @@ class LLM:
                 ids.append(self._add(self.tokenizer.decode(token_ids), token_ids, p, rank))
         return self._run(ids, use_tqdm)
 
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
+              data_parallel_rank: int | Sequence[int | None] | None = None,
+              ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in order (vLLM's `LLM.embed`): the model's final
+        hidden state (after its final norm) pooled over the prompt as
+        `pooling_params` says (default: the `pooler_config` option's, e.g. the last
+        token's, normalised). The prompts run batched through the same engines as
+        `generate`."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        pooler = self.config.model.pooler
+        pooling = (pooling_params if pooling_params is not None
+                   else PoolingParams(pooler.pooling_type, pooler.normalize))
+        ranks = self._ranks_list(data_parallel_rank, len(prompts))
+        params = SamplingParams(max_tokens=1)  # nothing is sampled
+        ids: list[str] = []
+        with self._cleanup_on_error(ids):
+            for prompt, rank in zip(prompts, ranks):
+                text, token_ids = self._tokenize(prompt)
+                ids.append(self._add(text, token_ids, params, rank, pooling=pooling))
+        return [_embedding(out) for out in self._run(ids, use_tqdm)]
+
     def reset_prefix_cache(self) -> bool:
         """Forget cached prefixes (in every engine); False if requests still hold blocks."""
         return self._live_engine().reset_prefix_cache()
@@ -267,13 +293,14 @@ class LLM:
         self._loras[r.lora_name] = r.lora_path
 
     def _add(self, text: str | None, token_ids: list[int], params: SamplingParams,
-             data_parallel_rank: int | None = None, lora_name: str | None = None) -> str:
+             data_parallel_rank: int | None = None, lora_name: str | None = None,
+             pooling: PoolingParams | None = None) -> str:
         """Register one request with the output processor and send it to the engine."""
         engine = self._live_engine()
         request_id = str(next(self._counter))
         engine_requests = self._processor.add_request(
             request_id, text, token_ids, params, arrival_time=time.monotonic(),
-            data_parallel_rank=data_parallel_rank, lora_name=lora_name)
+            data_parallel_rank=data_parallel_rank, lora_name=lora_name, pooling=pooling)
         try:
             for req in engine_requests:
                 engine.add_request(req)
@@ -330,6 +357,19 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finished[r] for r in request_ids]
+
+
+def _embedding(out: RequestOutput) -> EmbeddingRequestOutput:
+    """A finished pooling request's output as vLLM's `EmbeddingRequestOutput`."""
+    if out.pooled is None:
+        reason = out.outputs[0].finish_reason if out.outputs else None
+        raise RuntimeError(f"request {out.request_id} ended without an embedding "
+                           f"(finish reason {reason})")
+    vector = array.array("f", out.pooled)  # little-endian float32 (every supported host)
+    if sys.byteorder != "little":
+        vector.byteswap()
+    return EmbeddingRequestOutput(out.request_id, EmbeddingOutput(vector.tolist()),
+                                  out.prompt_token_ids)
 
 
 def _check_offline_parallel(parallel: ParallelConfig) -> None:

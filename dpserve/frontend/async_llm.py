@@ -49,8 +49,13 @@ from dpserve.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+<<<<<<< HEAD
     SchedulerStats,
     Session,
+=======
+    PoolingParams,
+    SchedulerStats,
+>>>>>>> i28-embed
 )
 from dpserve.sampling_params import SamplingParams
 
@@ -192,8 +197,9 @@ class AsyncLLM:
         return self.tokenizer.decode(token_ids)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 data_parallel_rank: int | None = None) -> None:
-        """Raise RequestError if the engine could never run this request."""
+                 data_parallel_rank: int | None = None, pooling: bool = False) -> None:
+        """Raise RequestError if the engine could never run this request (`pooling`: a
+        pooling request, which needs no room for a completion)."""
         ranks = [r.rank for r in self.client.cluster.ranks()]
         if data_parallel_rank is not None and data_parallel_rank not in ranks:
             raise RequestError(f"data_parallel_rank {data_parallel_rank} is out of range: "
@@ -201,7 +207,7 @@ class AsyncLLM:
                                param="data_parallel_rank")
         try:
             check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size,
-                         max_tokens=params.max_tokens)
+                         max_tokens=0 if pooling else params.max_tokens)
         except PromptError as e:
             raise RequestError(str(e), param=e.param, code=e.code) from None
         if params.seed is not None and not -(2**63) <= params.seed <= 2**63 - params.n:
@@ -213,6 +219,7 @@ class AsyncLLM:
                        request_id: str, prompt_text: str | None = None,
                        data_parallel_rank: int | None = None,
                        cache_salt: str | None = None, lora_name: str | None = None,
+<<<<<<< HEAD
                        session: Session | None = None) -> AsyncIterator[RequestOutput]:
         """Stream DELTA RequestOutputs for one request until it finishes.
 
@@ -220,11 +227,20 @@ class AsyncLLM:
         it continues) places it with its earlier turns unless that rank cannot take it
         (`dpserve.frontend.routing`); `lora_name` names the LoRA
         adapter it runs with (None: the base model). Raises RequestError
+=======
+                       pooling: PoolingParams | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream DELTA RequestOutputs for one request until it finishes.
+
+        `data_parallel_rank` pins the engine that runs it; `lora_name` names the LoRA
+        adapter it runs with (None: the base model). `pooling`: a pooling (embedding)
+        request: one final output, its vector in `RequestOutput.pooled`. Raises RequestError
+>>>>>>> i28-embed
         (before anything is sent) for a request that can never run,
         EngineDeadError if the engine dies.
         """
         self._check_alive()
-        self.validate(prompt_token_ids, params, data_parallel_rank)
+        self.validate(prompt_token_ids, params, data_parallel_rank, pooling is not None)
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         self._start_output_task()
@@ -232,7 +248,11 @@ class AsyncLLM:
         engine_requests = self.processor.add_request(
             request_id, prompt_text, list(prompt_token_ids), params, kind=OutputKind.DELTA,
             arrival_time=arrival, data_parallel_rank=data_parallel_rank,
+<<<<<<< HEAD
             cache_salt=cache_salt, lora_name=lora_name, session=session)
+=======
+            cache_salt=cache_salt, lora_name=lora_name, pooling=pooling)
+>>>>>>> i28-embed
         tracked = _Tracked(asyncio.Queue(), len(prompt_token_ids), arrival)
         self._requests[request_id] = tracked
         finished = False

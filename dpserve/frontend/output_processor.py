@@ -15,7 +15,11 @@ from typing import Any
 
 from dpserve.frontend.detokenizer import IncrementalDetokenizer
 from dpserve.outputs import CompletionOutput, Logprob, RequestOutput
+<<<<<<< HEAD
 from dpserve.protocol import EngineCoreOutput, EngineCoreRequest, Session, TokenLogprobs
+=======
+from dpserve.protocol import EngineCoreOutput, EngineCoreRequest, PoolingParams, TokenLogprobs
+>>>>>>> i28-embed
 from dpserve.sampling_params import SamplingParams
 
 
@@ -48,6 +52,7 @@ class _RequestState:
     completions: list[_Completion]
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    pooled: bytes | None = None  # a pooling request's result (float32 LE)
 
     @property
     def finished(self) -> bool:
@@ -75,10 +80,19 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, kind: OutputKind = OutputKind.FINAL_ONLY,
                     arrival_time: float = 0.0, data_parallel_rank: int | None = None,
+<<<<<<< HEAD
                     cache_salt: str | None = None, lora_name: str | None = None,
                     session: Session | None = None) -> list[EngineCoreRequest]:
         """Register a request; returns the engine requests to send (n of them),
         pinned to engine `data_parallel_rank` when given, placed by `session` else."""
+=======
+                    cache_salt: str | None = None,
+                    lora_name: str | None = None,
+                    pooling: PoolingParams | None = None) -> list[EngineCoreRequest]:
+        """Register a request; returns the engine requests to send (n of them),
+        pinned to engine `data_parallel_rank` when given. `pooling`: a pooling
+        (embedding) request, whose output carries `RequestOutput.pooled`."""
+>>>>>>> i28-embed
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
         engine_params = params
@@ -101,7 +115,11 @@ class OutputProcessor:
             engine_requests.append(EngineCoreRequest(
                 child_id, prompt_token_ids, child_params, self.eos_token_id, arrival_time,
                 data_parallel_rank=data_parallel_rank, cache_salt=cache_salt,
+<<<<<<< HEAD
                 lora_name=lora_name, session=session))
+=======
+                lora_name=lora_name, pooling=pooling))
+>>>>>>> i28-embed
         state = _RequestState(request_id, prompt, prompt_token_ids, params, kind, completions)
         self._states[request_id] = state
         for c in completions:
@@ -144,6 +162,8 @@ class OutputProcessor:
                 # Every child (n > 1) and a migrated request's new engine send the same.
                 state.prompt_logprobs = [None, *map(self._convert_logprobs,
                                                     out.prompt_logprobs)]
+            if out.pooled is not None:
+                state.pooled = out.pooled
             if self._update_completion(comp, out):
                 to_abort.append(comp.engine_request_id)
             if comp.finish_reason is not None:
@@ -198,7 +218,8 @@ class OutputProcessor:
                 cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
                 logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs,
-                             finished, state.num_cached_tokens, state.prompt_logprobs)
+                             finished, state.num_cached_tokens, state.prompt_logprobs,
+                             pooled=state.pooled)
 
 
 def _with(params: SamplingParams, **changes: Any) -> SamplingParams:

@@ -9,7 +9,8 @@ One step:
 1. build inputs on the host with numpy (token ids, positions, slot mapping,
    block tables) and the AttentionMetadata, once for all layers;
 2. forward over the flattened tokens of every scheduled request;
-3. LM head only on the last token of requests that sample this step;
+3. LM head only on the last token of requests that sample this step (a pooling
+   request's rows are pooled instead: `model/pooler.py`);
 4. sample and return Python lists.
 """
 
@@ -32,6 +33,7 @@ from dpserve.model.attention import AttentionMetadata, build_attention_metadata,
 from dpserve.model.expert_parallel import ExpertParallel
 from dpserve.model.kv_copy import KVTierCopier
 from dpserve.model.lora import Adapter, LoRASlots, load_adapter, lora_layout
+from dpserve.model.pooler import pool_step
 from dpserve.model.prompt_logprobs import compute_prompt_logprobs
 from dpserve.model.registry import get_model_class
 from dpserve.model.sampler import Sampler, SamplingMetadata, make_generator
@@ -280,9 +282,12 @@ class ModelRunner:
         prompt_logprobs = (compute_prompt_logprobs(self.model, hidden, scheduler_output)
                            if any(s.needs_prompt_logprobs
                                   for s in scheduler_output.scheduled) else {})
+        # Pooling requests' rows (worker 0 answers for the group; never sampled).
+        pooled = (pool_step(hidden, scheduler_output)
+                  if scheduler_output.has_pooling and self.tp.rank == 0 else {})
         if not inputs.sampled:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[],
-                                     prompt_logprobs=prompt_logprobs)
+                                     prompt_logprobs=prompt_logprobs, pooled=pooled)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_index))
         if self.tp.rank != 0:  # worker 0 samples for the group
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -295,7 +300,7 @@ class ModelRunner:
         tokens, logprobs = self.sampler(logits, meta)
         return ModelRunnerOutput(req_ids=[r.req_id for r in inputs.sampled],
                                  sampled_token_ids=tokens.tolist(), logprobs=logprobs,
-                                 prompt_logprobs=prompt_logprobs)
+                                 prompt_logprobs=prompt_logprobs, pooled=pooled)
 
     def kv_tier_attach(self, name: str, size: int, generation: int) -> str | None:
         """Map the host tier's arena (`KVTierCopier.attach`). Returns the error (one

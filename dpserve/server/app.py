@@ -10,6 +10,8 @@ Routers, each a module of thin routes:
   Anthropic's shape (its middleware wraps the auth and body-limit ones).
 * responses (`dpserve.server.responses_api`): OpenAI's Responses API, its stored
   responses in the server's one `ResponseStore` (`response_store`).
+* embeddings (`dpserve.server.embeddings_api`): OpenAI's /v1/embeddings, pooling
+  requests through the same engines (`app.state.embeddings`: the batch runner's too).
 * ops (`dpserve.server.routes_ops`): /health, /ping, /metrics, /version,
   /debug/request_state, /debug/dp_state; /engines and /dashboard
   (`dpserve.server.engines`); /tokenize, /detokenize (`dpserve.server.extras`).
@@ -51,6 +53,7 @@ from dpserve.server.admission import Admission
 from dpserve.server.anthropic_api import install_messages_api
 from dpserve.server.auth import API_KEY_ENV, AuthMiddleware, AuthOptions
 from dpserve.server.bodies import BodyLimit, require_json
+from dpserve.server.embeddings_api import install_embeddings_api
 from dpserve.server.engines import engines_router
 from dpserve.server.errors import to_api_error
 from dpserve.server.extras import HTTPOptions, install_extras
@@ -114,6 +117,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
                                  (served_model_name, *http_options.model_aliases)))
     responses = ResponsesServing(serving, (response_store or ResponseStoreOptions()).open())
     app.include_router(responses_router(async_llm, responses))
+    install_embeddings_api(app, async_llm, serving)  # app.state.embeddings: batches too
     app.include_router(ops_router(async_llm, metrics))
     # Middleware, innermost first: body cap, API key, then (extras) counts and CORS.
     app.add_middleware(BodyLimit, limit=max_request_body_bytes)

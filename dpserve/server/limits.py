@@ -58,6 +58,7 @@ class RequestLimits:
     max_structured_outputs_bytes: int = 64 << 10  # one JSON schema, regex or grammar
     max_messages: int = 2048  # OpenAI's limit
     max_request_fanout: int = 128  # engine requests of one HTTP request: n x prompts
+    max_embedding_inputs: int = 2048  # inputs of one /v1/embeddings request (OpenAI's)
     max_cache_salt_length: int = 256  # characters
     structured_outputs_compile_timeout: float = 10.0  # seconds (EngineArgs)
     structured_outputs_compile_workers: int = 2  # compile processes of one API server
@@ -95,6 +96,7 @@ class RequestLimits:
 _SERVER_OPTIONS = ("max_stop_strings", "max_stop_string_length", "max_tools",
                    "max_tools_bytes", "max_structured_choices", "max_structured_choices_bytes",
                    "max_structured_outputs_bytes", "max_messages", "max_request_fanout",
+                   "max_embedding_inputs",
                    "max_cache_salt_length", "structured_outputs_compile_workers",
                    "request_timeout", "prefix_cache_salt_per_key")
 
@@ -125,6 +127,8 @@ def add_limit_args(group: argparse.ArgumentParser) -> None:
       help="Most messages of one chat request.")
     a("--max-request-fanout", type=int, default=d.max_request_fanout,
       help="Most engine requests one HTTP request becomes: n x the number of prompts.")
+    a("--max-embedding-inputs", type=int, default=d.max_embedding_inputs,
+      help="Most inputs of one /v1/embeddings request (each is one engine request).")
     a("--max-cache-salt-length", type=int, default=d.max_cache_salt_length,
       help="Longest cache_salt, in characters.")
     a("--structured-outputs-compile-workers", type=int,

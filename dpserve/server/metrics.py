@@ -70,6 +70,9 @@ _ENGINE_TOTALS = {
     "dpserve:prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
     "dpserve:prefix_cache_hits": "Prompt tokens found in the prefix cache.",
     "dpserve:num_preemptions": "Requests preempted.",
+    "dpserve:pooling_requests": "Pooling (embedding) requests finished by the engine.",
+    "dpserve:pooling_steps": "Engine steps that finished at least one pooling request "
+                             "(fewer than the requests: they were batched).",
 }
 _CUMULATIVE = ":engine_cumulative"
 
@@ -92,8 +95,9 @@ class ServerMetrics:
         self._decisions = [0, 0]  # (up, down) already counted
         self._moved = (0, 0, 0)  # (retries, migrations, recomputed tokens) already counted
         self._restarts: dict[int, int] = {}  # engine -> restarts already counted
-        # engine index -> last cumulative (queries, hits, preemptions) seen
-        self._last: dict[int, tuple[int, int, int]] = {}
+        # engine index -> last cumulative (queries, hits, preemptions, pooled, pooling
+        # steps) seen
+        self._last: dict[int, tuple[int, ...]] = {}
         self._export: CollectorRegistry | None = None
         if self.multiprocess_dir is not None:
             self._export = CollectorRegistry(auto_describe=False)
@@ -148,12 +152,13 @@ class ServerMetrics:
         self.prefix_hit_rate = Gauge("dpserve:prefix_cache_hit_rate", "Prompt tokens found "
                                      "in the prefix cache / tokens looked up, since start.",
                                      e, **latest)
-        # [3] prefix-cache queries, hits, preemptions: Counters, or "max" Gauges (multiprocess)
+        # [5] prefix-cache queries, hits, preemptions, pooling requests and steps: Counters,
+        # or "max" Gauges (multiprocess)
         self.engine_totals: list[Counter | Gauge] = [
             Counter(name, doc, e, registry=r) if self.multiprocess_dir is None else
             Gauge(name + _CUMULATIVE, doc, e, registry=r, multiprocess_mode="max")
             for name, doc in _ENGINE_TOTALS.items()]
-        self.prefix_queries, self.prefix_hits, self.preemptions = self.engine_totals
+        self.prefix_queries, self.prefix_hits, self.preemptions = self.engine_totals[:3]
         self.engine_finished = Counter("dpserve:engine_requests_finished", "Requests "
                                        "finished by an engine (one per completion).", e,
                                        registry=r)
@@ -214,12 +219,13 @@ class ServerMetrics:
         self.prefix_hit_rate.labels(*labels).set(s.prefix_cache_hits / queries if queries
                                                  else 0.0)
         self.kv_tier.record(labels, s)
-        now = (queries, s.prefix_cache_hits, s.num_preemptions)
+        now = (queries, s.prefix_cache_hits, s.num_preemptions, s.num_pooled_requests,
+               s.num_pooling_steps)
         if self.multiprocess_dir is not None:
             for gauge, value in zip(self.engine_totals, now):
                 gauge.labels(*labels).set(value)  # type: ignore[union-attr]
             return
-        last = self._last.get(engine_index, (0, 0, 0))
+        last = self._last.get(engine_index, (0,) * len(now))
         for counter, new, old in zip(self.engine_totals, now, last):
             # Cumulative in the engine; a restarted engine starts again from 0.
             counter.labels(*labels).inc(new - old if new >= old else new)
