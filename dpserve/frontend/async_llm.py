@@ -49,13 +49,9 @@ from dpserve.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-<<<<<<< HEAD
-    SchedulerStats,
-    Session,
-=======
     PoolingParams,
     SchedulerStats,
->>>>>>> i28-embed
+    Session,
 )
 from dpserve.sampling_params import SamplingParams
 
@@ -219,23 +215,16 @@ class AsyncLLM:
                        request_id: str, prompt_text: str | None = None,
                        data_parallel_rank: int | None = None,
                        cache_salt: str | None = None, lora_name: str | None = None,
-<<<<<<< HEAD
-                       session: Session | None = None) -> AsyncIterator[RequestOutput]:
+                       session: Session | None = None,
+                       pooling: PoolingParams | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream DELTA RequestOutputs for one request until it finishes.
 
         `data_parallel_rank` pins the engine that runs it; `session` (the conversation
         it continues) places it with its earlier turns unless that rank cannot take it
         (`dpserve.frontend.routing`); `lora_name` names the LoRA
-        adapter it runs with (None: the base model). Raises RequestError
-=======
-                       pooling: PoolingParams | None = None,
-                       ) -> AsyncIterator[RequestOutput]:
-        """Stream DELTA RequestOutputs for one request until it finishes.
-
-        `data_parallel_rank` pins the engine that runs it; `lora_name` names the LoRA
         adapter it runs with (None: the base model). `pooling`: a pooling (embedding)
         request: one final output, its vector in `RequestOutput.pooled`. Raises RequestError
->>>>>>> i28-embed
         (before anything is sent) for a request that can never run,
         EngineDeadError if the engine dies.
         """
@@ -248,11 +237,7 @@ class AsyncLLM:
         engine_requests = self.processor.add_request(
             request_id, prompt_text, list(prompt_token_ids), params, kind=OutputKind.DELTA,
             arrival_time=arrival, data_parallel_rank=data_parallel_rank,
-<<<<<<< HEAD
-            cache_salt=cache_salt, lora_name=lora_name, session=session)
-=======
-            cache_salt=cache_salt, lora_name=lora_name, pooling=pooling)
->>>>>>> i28-embed
+            cache_salt=cache_salt, lora_name=lora_name, session=session, pooling=pooling)
         tracked = _Tracked(asyncio.Queue(), len(prompt_token_ids), arrival)
         self._requests[request_id] = tracked
         finished = False

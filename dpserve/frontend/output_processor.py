@@ -15,11 +15,13 @@ from typing import Any
 
 from dpserve.frontend.detokenizer import IncrementalDetokenizer
 from dpserve.outputs import CompletionOutput, Logprob, RequestOutput
-<<<<<<< HEAD
-from dpserve.protocol import EngineCoreOutput, EngineCoreRequest, Session, TokenLogprobs
-=======
-from dpserve.protocol import EngineCoreOutput, EngineCoreRequest, PoolingParams, TokenLogprobs
->>>>>>> i28-embed
+from dpserve.protocol import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    PoolingParams,
+    Session,
+    TokenLogprobs,
+)
 from dpserve.sampling_params import SamplingParams
 
 
@@ -80,19 +82,13 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, kind: OutputKind = OutputKind.FINAL_ONLY,
                     arrival_time: float = 0.0, data_parallel_rank: int | None = None,
-<<<<<<< HEAD
                     cache_salt: str | None = None, lora_name: str | None = None,
-                    session: Session | None = None) -> list[EngineCoreRequest]:
-        """Register a request; returns the engine requests to send (n of them),
-        pinned to engine `data_parallel_rank` when given, placed by `session` else."""
-=======
-                    cache_salt: str | None = None,
-                    lora_name: str | None = None,
+                    session: Session | None = None,
                     pooling: PoolingParams | None = None) -> list[EngineCoreRequest]:
         """Register a request; returns the engine requests to send (n of them),
-        pinned to engine `data_parallel_rank` when given. `pooling`: a pooling
-        (embedding) request, whose output carries `RequestOutput.pooled`."""
->>>>>>> i28-embed
+        pinned to engine `data_parallel_rank` when given, placed by `session` else.
+        `pooling`: a pooling (embedding) request, whose output carries
+        `RequestOutput.pooled`."""
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
         engine_params = params
@@ -115,11 +111,7 @@ class OutputProcessor:
             engine_requests.append(EngineCoreRequest(
                 child_id, prompt_token_ids, child_params, self.eos_token_id, arrival_time,
                 data_parallel_rank=data_parallel_rank, cache_salt=cache_salt,
-<<<<<<< HEAD
-                lora_name=lora_name, session=session))
-=======
-                lora_name=lora_name, pooling=pooling))
->>>>>>> i28-embed
+                lora_name=lora_name, session=session, pooling=pooling))
         state = _RequestState(request_id, prompt, prompt_token_ids, params, kind, completions)
         self._states[request_id] = state
         for c in completions:
