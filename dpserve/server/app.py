@@ -10,6 +10,9 @@ Routers, each a module of thin routes:
   Anthropic's shape (its middleware wraps the auth and body-limit ones).
 * responses (`dpserve.server.responses_api`): OpenAI's Responses API, its stored
   responses in the server's one `ResponseStore` (`response_store`).
+* files and batches (`dpserve.server.files_api`, `dpserve.server.batches_api`, only
+  with a state directory: `batches`): uploads and OpenAI's Batch API, each API
+  server running batches in the background (`dpserve.server.batch_runner`).
 * ops (`dpserve.server.routes_ops`): /health, /ping, /metrics, /version,
   /debug/request_state, /debug/dp_state; /engines and /dashboard
   (`dpserve.server.engines`); /tokenize, /detokenize (`dpserve.server.extras`).
@@ -50,10 +53,13 @@ from dpserve.server.admin import admin_router
 from dpserve.server.admission import Admission
 from dpserve.server.anthropic_api import install_messages_api
 from dpserve.server.auth import API_KEY_ENV, AuthMiddleware, AuthOptions
+from dpserve.server.batch_options import BatchOptions
+from dpserve.server.batches_api import install_batches
 from dpserve.server.bodies import BodyLimit, require_json
 from dpserve.server.engines import engines_router
 from dpserve.server.errors import to_api_error
 from dpserve.server.extras import HTTPOptions, install_extras
+from dpserve.server.files_api import MULTIPART_SLACK
 from dpserve.server.limits import RequestLimits
 from dpserve.server.metrics import ServerMetrics
 from dpserve.server.protocol import APIError, ErrorInfo, ErrorResponse
@@ -77,7 +83,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
               http_options: HTTPOptions | None = None,
               log_requests: bool = False, auth: AuthOptions | None = None,
               request_limits: RequestLimits | None = None,
-              response_store: ResponseStoreOptions | None = None) -> FastAPI:
+              response_store: ResponseStoreOptions | None = None,
+              batches: BatchOptions | None = None) -> FastAPI:
     """An OpenAI-compatible app over `async_llm`.
 
     The app does not own `async_llm`: whoever built it shuts it down (and gave it
@@ -95,6 +102,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     `request_limits`: the "request limits" options (server/limits.py).
     `response_store`: the Responses API's store (its file: every API server of one
     server shares it); without it, an in-memory store of this process.
+    `batches`: /v1/files and /v1/batches over its state directory (the launcher's:
+    every API server of one server shares it); without one, those routes are absent.
     """
     if auth is None:
         auth = AuthOptions.from_key(api_key or os.environ.get(API_KEY_ENV))
@@ -115,8 +124,13 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     responses = ResponsesServing(serving, (response_store or ResponseStoreOptions()).open())
     app.include_router(responses_router(async_llm, responses))
     app.include_router(ops_router(async_llm, metrics))
+    uploads = {}
+    if batches is not None and batches.state_dir is not None:
+        install_batches(app, async_llm, serving, batches, api_server_index)
+        uploads["/v1/files"] = (batches.max_batch_file_bytes + MULTIPART_SLACK,
+                                "--max-batch-file-bytes")
     # Middleware, innermost first: body cap, API key, then (extras) counts and CORS.
-    app.add_middleware(BodyLimit, limit=max_request_body_bytes)
+    app.add_middleware(BodyLimit, limit=max_request_body_bytes, uploads=uploads)
     app.add_middleware(AuthMiddleware, options=auth)
     install_messages_api(app, async_llm, serving)  # Anthropic's; its error shape wraps these
     install_extras(app, async_llm, serving, metrics.registry, http_options)
