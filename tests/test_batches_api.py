@@ -13,6 +13,7 @@ exactly once; run-batch on a small file (the same answers as the server's).
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from helpers import output, serve, wait_until
+from helpers import metric_sum, output, serve, wait_until
 
 pytestmark = [pytest.mark.procs]
 
@@ -208,6 +209,7 @@ def test_batch_survives_sigterm_and_restart(tiny_llama, tmp_path) -> None:
                    120, "three lines answered")
         proc.terminate()
         assert proc.wait(60) == 0, output(proc)[-3000:]
+        assert re.search(rf"batch {batch.id}: .* \(stopped\)", output(proc))  # its runner's
     first = _runners(state, batch.id)
     assert len(first) == 1 and 3 <= sum(first.values()) < 24, first  # premise: mid-batch
     with sqlite3.connect(state / "batches.sqlite") as db:
@@ -218,6 +220,8 @@ def test_batch_survives_sigterm_and_restart(tiny_llama, tmp_path) -> None:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         done = _finished(client, batch.id)
         assert done.status == "completed"
+        # This server ran only the lines the first had not answered, each once.
+        assert metric_sum(url, "dpserve:request_success_total") == 24 - sum(first.values())
         assert done.request_counts.model_dump() == {"total": 24, "completed": 24, "failed": 0}
         results = _results(client, done.output_file_id)  # no custom_id twice
         assert set(results) == {f"r{i}" for i in range(24)}  # none missing

@@ -59,7 +59,6 @@ from dpserve.server.bodies import BodyLimit, require_json
 from dpserve.server.engines import engines_router
 from dpserve.server.errors import to_api_error
 from dpserve.server.extras import HTTPOptions, install_extras
-from dpserve.server.files_api import MULTIPART_SLACK
 from dpserve.server.limits import RequestLimits
 from dpserve.server.metrics import ServerMetrics
 from dpserve.server.protocol import APIError, ErrorInfo, ErrorResponse
@@ -79,8 +78,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               api_server_index: int = 0, enable_admin_api: bool = False,
               max_num_queued: tuple[int | None, int | None] = (None, None),
-              tool_call_parser: str | None = None,
-              http_options: HTTPOptions | None = None,
+              tool_call_parser: str | None = None, http_options: HTTPOptions | None = None,
               log_requests: bool = False, auth: AuthOptions | None = None,
               request_limits: RequestLimits | None = None,
               response_store: ResponseStoreOptions | None = None,
@@ -102,8 +100,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     `request_limits`: the "request limits" options (server/limits.py).
     `response_store`: the Responses API's store (its file: every API server of one
     server shares it); without it, an in-memory store of this process.
-    `batches`: /v1/files and /v1/batches over its state directory (the launcher's:
-    every API server of one server shares it); without one, those routes are absent.
+    `batches`: /v1/files and /v1/batches over its state directory (none: no such routes).
     """
     if auth is None:
         auth = AuthOptions.from_key(api_key or os.environ.get(API_KEY_ENV))
@@ -124,11 +121,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     responses = ResponsesServing(serving, (response_store or ResponseStoreOptions()).open())
     app.include_router(responses_router(async_llm, responses))
     app.include_router(ops_router(async_llm, metrics))
-    uploads = {}
-    if batches is not None and batches.state_dir is not None:
-        install_batches(app, async_llm, serving, batches, api_server_index)
-        uploads["/v1/files"] = (batches.max_batch_file_bytes + MULTIPART_SLACK,
-                                "--max-batch-file-bytes")
+    uploads = install_batches(app, async_llm, serving, batches, api_server_index)
     # Middleware, innermost first: body cap, API key, then (extras) counts and CORS.
     app.add_middleware(BodyLimit, limit=max_request_body_bytes, uploads=uploads)
     app.add_middleware(AuthMiddleware, options=auth)

@@ -39,7 +39,14 @@ from dpserve.server.batch_options import BatchOptions
 from dpserve.server.batch_runner import BatchHandler, BatchRunner
 from dpserve.server.batch_store import UNFINISHED, BatchStore, init_batch_state
 from dpserve.server.file_store import FileStore
-from dpserve.server.files_api import files_router, json_response, list_limit, list_page, not_found
+from dpserve.server.files_api import (
+    MULTIPART_SLACK,
+    files_router,
+    json_response,
+    list_limit,
+    list_page,
+    not_found,
+)
 from dpserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from dpserve.server.routes_v1 import drain_check, parse_body
 from dpserve.server.serving import OpenAIServing
@@ -167,13 +174,16 @@ def serving_handlers(serving: OpenAIServing) -> dict[str, BatchHandler]:
 
 
 def install_batches(app: FastAPI, async_llm: AsyncLLM, serving: OpenAIServing,
-                    options: BatchOptions, api_server_index: int = 0,
-                    handlers: Mapping[str, BatchHandler] | None = None) -> None:
+                    options: BatchOptions | None, api_server_index: int = 0,
+                    handlers: Mapping[str, BatchHandler] | None = None
+                    ) -> dict[str, tuple[int, str]]:
     """Mount /v1/files and /v1/batches over the state directory `options.state_dir`
     (opened now: a broken one fails the start) and run this API server's
-    `BatchRunner` while the app runs (its lifespan). `handlers`: more endpoints
-    (url -> serving function) than chat and completions."""
-    assert options.state_dir is not None
+    `BatchRunner` while the app runs (its lifespan); nothing without a state
+    directory. `handlers`: more endpoints (url -> serving function) than chat and
+    completions. The upload route's body cap, for `BodyLimit` (path -> (bytes, flag))."""
+    if options is None or options.state_dir is None:
+        return {}
     init_batch_state(options.state_dir, sweep=False)  # the launcher's did (and swept)
     db = StateDB(options.state_dir)
     db.connect()
@@ -197,6 +207,8 @@ def install_batches(app: FastAPI, async_llm: AsyncLLM, serving: OpenAIServing,
 
     app.include_router(files_router(async_llm, files, options.max_batch_file_bytes))
     app.include_router(batches_router(async_llm, BatchesServing(store, files), running))
+    return {"/v1/files": (options.max_batch_file_bytes + MULTIPART_SLACK,
+                          "--max-batch-file-bytes")}
 
 
 def _check_metadata(metadata: dict[str, str] | None) -> None:
