@@ -137,6 +137,19 @@ def test_bad_input_file_fails_validation_naming_lines(server) -> None:
     assert failed.output_file_id is None and failed.request_counts.completed == 0
 
 
+def test_embeddings_lines_without_the_endpoint_get_error_lines(server) -> None:
+    """Until this server serves /v1/embeddings, its lines are answered, each with an
+    error line (the batch completes). When embeddings land, this test goes."""
+    _, client, model, _ = server
+    f = _upload(client, [_line("e0", "/v1/embeddings", {"model": model, "input": "Hi"})])
+    batch = _finished(client, client.batches.create(
+        input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h").id)
+    assert batch.status == "completed" and batch.output_file_id is None
+    assert batch.request_counts.model_dump() == {"total": 1, "completed": 0, "failed": 1}
+    (line,) = _results(client, batch.error_file_id).values()
+    assert line["response"] is None and line["error"]["code"] == "unsupported_endpoint"
+
+
 def test_unknown_ids_bad_fields_and_oversized_files(server) -> None:
     _, client, model, _ = server
     for call in (lambda: client.batches.retrieve("batch_nope"),

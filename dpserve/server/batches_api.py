@@ -22,19 +22,20 @@ Not here: running batches (`dpserve.server.batch_runner`), the SQL
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from dpserve.frontend.async_llm import AsyncLLM
-from dpserve.server.batch_format import CHAT, COMPLETIONS, ENDPOINTS
+from dpserve.server.batch_format import CHAT, COMPLETIONS, EMBEDDINGS, ENDPOINTS
 from dpserve.server.batch_options import BatchOptions
 from dpserve.server.batch_runner import BatchHandler, BatchRunner
 from dpserve.server.batch_store import UNFINISHED, BatchStore, init_batch_state
@@ -173,6 +174,23 @@ def serving_handlers(serving: OpenAIServing) -> dict[str, BatchHandler]:
     return {CHAT: chat, COMPLETIONS: completions}
 
 
+class Embeddings(Protocol):
+    """What a batch's /v1/embeddings lines run through: the route's serving object."""
+
+    async def create_embedding(self, body: Any, data_parallel_rank: int | None = None,
+                               api_key_id: str | None = None) -> BaseModel: ...
+
+
+def embeddings_handler(embeddings: Embeddings) -> dict[str, BatchHandler]:
+    """The /v1/embeddings entry of `install_batches`' `handlers` (for the server's
+    embeddings serving object)."""
+    async def embed(body: bytes, api_key_id: str | None) -> BaseModel:
+        return await embeddings.create_embedding(json.loads(body), None,
+                                                 api_key_id=api_key_id)
+
+    return {EMBEDDINGS: embed}
+
+
 def install_batches(app: FastAPI, async_llm: AsyncLLM, serving: OpenAIServing,
                     options: BatchOptions | None, api_server_index: int = 0,
                     handlers: Mapping[str, BatchHandler] | None = None
@@ -181,7 +199,9 @@ def install_batches(app: FastAPI, async_llm: AsyncLLM, serving: OpenAIServing,
     (opened now: a broken one fails the start) and run this API server's
     `BatchRunner` while the app runs (its lifespan); nothing without a state
     directory. `handlers`: more endpoints (url -> serving function) than chat and
-    completions. The upload route's body cap, for `BodyLimit` (path -> (bytes, flag))."""
+    completions (`embeddings_handler`; a line whose url has none is answered with
+    an error line). The upload route's body cap, for `BodyLimit` (path -> (bytes,
+    flag))."""
     if options is None or options.state_dir is None:
         return {}
     init_batch_state(options.state_dir, sweep=False)  # the launcher's did (and swept)
