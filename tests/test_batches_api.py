@@ -206,6 +206,29 @@ def test_cancel_stops_a_batch_in_flight(server) -> None:
     assert e.value.status_code == 409
 
 
+def test_batch_yields_to_waiting_requests(tiny_llama) -> None:
+    """One request running and one waiting (--max-num-seqs 1): the batch starts no line
+    until they are gone, then completes."""
+    model = str(tiny_llama)
+    lines = [_line(f"r{i}", "/v1/completions", {"model": model, "prompt": p, **CHAT})
+             for i, p in enumerate(PROMPTS[:2])]
+    with serve(model, "--max-num-seqs", "1", *SERVER_ARGS) as (proc, url):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        long = dict(model=model, prompt="Once", max_tokens=900, temperature=0, stream=True,
+                    extra_body={"ignore_eos": True})
+        running = client.completions.create(**long)
+        next(iter(running))  # it runs: the next one waits
+        waiting = client.completions.create(**long)
+        batch = client.batches.create(input_file_id=_upload(client, lines).id,
+                                      endpoint="/v1/completions", completion_window="24h")
+        wait_until(lambda: f"batch {batch.id}: holding" in output(proc), 60, "the hold")
+        assert client.batches.retrieve(batch.id).request_counts.completed == 0
+        assert metric_sum(url, "dpserve:num_requests_waiting") >= 1  # premise: still waiting
+        running.close()  # both leave (aborted): the engine is free
+        waiting.close()
+        assert _finished(client, batch.id).request_counts.completed == 2
+
+
 def test_batch_survives_sigterm_and_restart(tiny_llama, tmp_path) -> None:
     """SIGTERM mid-batch, then a new server on the same --state-dir: the batch goes on
     where it stopped, and every line is answered exactly once."""

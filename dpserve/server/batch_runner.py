@@ -67,6 +67,7 @@ TURN_POLL_S = 0.05  # how often a runner waiting for its turn looks again
 WATCH_S = 1.0  # how often a running batch's lease is renewed and its cancel mark read
 RETRY_S = 1.0  # the wait before a line refused for load is sent again
 READ_LINES = 256  # input lines read per trip to a worker thread
+HOLD_LOG_S = 30.0  # a batch held for interactive work says so at most this often
 _RETRIED = ("too_many_requests", "server_paused", "server_sleeping", "engine_unavailable",
             "server_draining", "engine_dead")
 
@@ -136,6 +137,7 @@ class _BatchRun:
         self.cancelled = claimed.cancel_requested
         self.lost = False  # the lease went to another API server
         self.free_slots = runner.concurrency  # lines it may start now
+        self.hold_logged = -HOLD_LOG_S  # when a hold was last logged (monotonic)
 
     def halted(self) -> bool:
         """Stop starting lines: cancelled, lease lost, or the server stops."""
@@ -224,11 +226,21 @@ class _BatchRun:
         """Wait for a free slot while the engines have no waiting work (and take it);
         False when the run must stop instead."""
         while not self.halted():
-            if self.free_slots > 0 and not self.runner.engines_busy():
-                self.free_slots -= 1
-                return True
+            if self.free_slots > 0:
+                if not self.runner.engines_busy():
+                    self.free_slots -= 1
+                    return True
+                self._log_hold()
             await asyncio.sleep(TURN_POLL_S)
         return False
+
+    def _log_hold(self) -> None:
+        """A line held for interactive work: said at most every `HOLD_LOG_S`."""
+        now = time.monotonic()
+        if now - self.hold_logged >= HOLD_LOG_S:
+            self.hold_logged = now
+            logger.info("batch %s: holding its next line: an engine has requests waiting "
+                        "(or the server is paused)", self.id)
 
     def _line_done(self, tasks: set[asyncio.Task[None]]) -> Callable[[asyncio.Task[None]], None]:
         def done(task: asyncio.Task[None]) -> None:
