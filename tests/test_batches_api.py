@@ -238,11 +238,12 @@ def test_batch_survives_sigterm_and_restart(tiny_llama, tmp_path) -> None:
     """SIGTERM mid-batch, then a new server on the same --state-dir: the batch goes on
     where it stopped, and every line is answered exactly once."""
     model, state = str(tiny_llama), tmp_path / "state"
-    args = ("--state-dir", str(state), *SERVER_ARGS)
+    args = ("--data-parallel-size", "2", "--api-server-count", "2", "--state-dir", str(state),
+            *SERVER_ARGS)
     lines = [_line(f"r{i}", "/v1/chat/completions", {
         "model": model, "messages": [{"role": "user", "content": PROMPTS[i % 4]}],
         "max_tokens": 96, "ignore_eos": True, "temperature": 0}) for i in range(24)]
-    with serve(model, *args) as (proc, url):
+    with serve(model, *args, timeout=180) as (proc, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         batch = client.batches.create(input_file_id=_upload(client, lines).id,
                                       endpoint="/v1/chat/completions", completion_window="24h")
@@ -257,7 +258,7 @@ def test_batch_survives_sigterm_and_restart(tiny_llama, tmp_path) -> None:
         status, owner = db.execute("SELECT status, owner FROM batches WHERE id = ?",
                                    (batch.id,)).fetchone()
     assert status == "in_progress" and owner is None  # the lease was given back
-    with serve(model, *args) as (_, url):
+    with serve(model, *args, timeout=180) as (_, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         done = _finished(client, batch.id)
         assert done.status == "completed"
