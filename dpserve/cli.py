@@ -74,6 +74,15 @@ def _scale_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_scale)
 
 
+def _run_batch_parser(sub: argparse._SubParsersAction) -> None:
+    from dpserve.entrypoints.run_batch import add_run_batch_args, run_batch
+
+    p = sub.add_parser("run-batch", help="Run an OpenAI batch file (JSONL) offline.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_run_batch_args(p)
+    p.set_defaults(func=run_batch)
+
+
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
     from dpserve.benchmark import serve as bench_serve
 
@@ -101,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)
+    _run_batch_parser(sub)
     _bench_parser(sub)
     _scale_parser(sub)
     args = parser.parse_args(argv)

@@ -34,6 +34,8 @@ import pytest
 from fastapi import Request
 from helpers import free_port, output, serve, serve_app
 
+from dpserve.server.files_api import MULTIPART_SLACK
+
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(300)]
 
 KEYS = {"alice": "alice-key-0123456789", "bob": "bob-key-9876543210"}
@@ -41,7 +43,8 @@ AUTH = {"Authorization": f"Bearer {KEYS['alice']}"}
 BODY_LIMIT = 4096
 OPEN = {"/health", "/ping", "/version", "/metrics", "/dashboard", "/dashboard/{name}"}
 PARAMS = {"rank": "0", "action": "cordon", "model_id": "tiny", "name": "dashboard.js",
-          "response_id": "resp_0"}
+          "response_id": "resp_x", "file_id": "file-x", "batch_id": "batch_x"}
+UPLOAD_LIMIT = 1024  # --max-batch-file-bytes: /v1/files' own body cap (and the form's slack)
 ADMIN_POSTS = ["/pause", "/resume", "/sleep", "/wake_up", "/reset_prefix_cache",
                "/engines/0/cordon", "/scale_elastic_ep"]
 
@@ -91,11 +94,13 @@ async def _app(model: str, tmp: Path, auth: object):
     from dpserve.frontend.async_llm import AsyncLLM
     from dpserve.frontend.engine_client import AsyncEngineClient
     from dpserve.server.app import build_app
+    from dpserve.server.batch_options import BatchOptions
 
     config = EngineArgs(model=model).create_config()
     llm = AsyncLLM(config, AsyncEngineClient(f"ipc://{tmp}/in", f"ipc://{tmp}/out"))
     try:
-        yield build_app(llm, "tiny", enable_admin_api=True, auth=auth)
+        yield build_app(llm, "tiny", enable_admin_api=True, auth=auth,
+                        batches=BatchOptions(state_dir=str(tmp)))
     finally:
         llm.shutdown()
 
@@ -195,6 +200,7 @@ def server(tiny_llama, tmp_path_factory):
     keys.chmod(0o600)
     with serve(str(tiny_llama), "--served-model-name", "tiny", "--api-key-file", str(keys),
                "--enable-admin-api", "--max-request-body-bytes", str(BODY_LIMIT),
+               "--max-batch-file-bytes", str(UPLOAD_LIMIT),
                "--max-model-len", "256", "--threads-per-engine", "1") as (proc, url):
         yield proc, url
 
@@ -228,14 +234,17 @@ def test_an_oversized_body_gets_413_on_every_post_route(server) -> None:
     proc, url = server
     posts = _post_routes(url)
     assert {"/v1/completions", "/tokenize", "/detokenize", "/scale_elastic_ep",
-            "/pause", "/engines/0/cordon"} <= set(posts), posts
+            "/pause", "/engines/0/cordon", "/v1/files"} <= set(posts), posts
     big = b'{"prompt": "' + b"x" * BODY_LIMIT + b'"}'
     for path in posts:
-        r = httpx.post(url + path, content=big, timeout=30,
+        # The upload route's own cap: --max-batch-file-bytes and the form's slack.
+        flag, limit = (("--max-batch-file-bytes", UPLOAD_LIMIT + MULTIPART_SLACK)
+                       if path == "/v1/files" else ("--max-request-body-bytes", BODY_LIMIT))
+        r = httpx.post(url + path, content=big + b" " * (limit - BODY_LIMIT), timeout=30,
                        headers={**AUTH, "Content-Type": "application/json"})
         assert r.status_code == 413, (path, r.status_code, r.text)
         error = r.json()["error"]
-        assert f"--max-request-body-bytes ({BODY_LIMIT} bytes)" in error["message"], error
+        assert f"{flag} ({limit} bytes)" in error["message"], error
 
     def chunks():  # no Content-Length: counted as the route reads it
         for _ in range(8):

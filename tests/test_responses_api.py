@@ -297,7 +297,7 @@ def test_store_file_is_private(server) -> None:
     proc, _, client, model = server
     client.responses.create(model=model, input="Hi", **GREEDY)
     held = [{f.path for f in proc_named(descendants(proc.pid), f"APIServer_{i}").open_files()
-             if f.path.endswith(".sqlite")} for i in (0, 1)]
+             if f.path.endswith("responses.sqlite")} for i in (0, 1)]
     assert held[0] == held[1] and len(held[0]) == 1
     (path,) = held[0]
     STATE_DIRS.append(os.path.dirname(path))

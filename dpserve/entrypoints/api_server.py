@@ -78,6 +78,7 @@ from dpserve.launch.api_server_pipe import (
 from dpserve.logging_utils import name_process
 from dpserve.parent_watch import start_parent_watcher
 from dpserve.server.auth import AuthOptions
+from dpserve.server.batch_options import BatchOptions
 from dpserve.server.extras import HTTPOptions, uvicorn_kwargs
 from dpserve.server.limits import RequestLimits
 from dpserve.server.log_options import LogOptions, configure_access_log
@@ -120,6 +121,8 @@ class APIServerOptions:
     limits: RequestLimits = RequestLimits()  # the "request limits" group (server/limits.py)
     # The Responses API's store: its file (the launcher's, shared by all M), bounds.
     responses: ResponseStoreOptions = ResponseStoreOptions()
+    # /v1/files and /v1/batches: the state directory (the launcher's), their bounds.
+    batches: BatchOptions = BatchOptions()
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> APIServerOptions:
@@ -129,6 +132,7 @@ class APIServerOptions:
                    http=HTTPOptions.from_args(args), log=LogOptions.from_args(args),
                    auth=AuthOptions.from_args(args), limits=RequestLimits.from_args(args),
                    responses=ResponseStoreOptions.from_args(args),
+                   batches=BatchOptions.from_args(args),
                    max_request_body_bytes=args.max_request_body_bytes,
                    load_balance=args.load_balance, uvicorn_log_level=args.uvicorn_log_level,
                    enable_admin_api=getattr(args, "enable_admin_api", False),
@@ -197,7 +201,7 @@ async def serve_http(options: APIServerOptions, config: EngineConfig, spec: APIS
                                         options.max_num_queued_tokens),
                         tool_call_parser=options.tool_call_parser, http_options=options.http,
                         log_requests=options.log.log_requests, request_limits=options.limits,
-                        response_store=options.responses)
+                        response_store=options.responses, batches=options.batches)
         # log_config=None: uvicorn's loggers use ours, so its lines name the process too.
         server = DrainingServer(uvicorn.Config(
             app, log_level=options.uvicorn_log_level, log_config=None,

@@ -36,9 +36,10 @@ pass SIGTERM/SIGINT on to their engines as SIGTERM, which drain alike
 (`dpserve.engine.process`). Either way every child is shut down (terminate ->
 join -> kill tree), API servers first, before the launcher exits. With M > 1 the
 API servers' Prometheus values live in a private PROMETHEUS_MULTIPROC_DIR
-that the launcher removes at exit. The Responses API's stored responses live in one
-SQLite file all M API servers share (`--response-store`, else a private state
-directory the launcher makes and removes at exit: `dpserve.server.responses_store`).
+that the launcher removes at exit. The server's state (the Responses API's stored
+responses, /v1/files and /v1/batches) lives in one state directory all M API
+servers share (`--state-dir`, kept; else a private one the launcher makes and
+removes at exit: `dpserve.server.state_dir`).
 """
 
 from __future__ import annotations
@@ -67,10 +68,13 @@ from dpserve.launch.host import launch_engines
 from dpserve.launch.process import start_engine_forkserver, stop_engine_forkserver
 from dpserve.logging_utils import name_process, scrub_argv
 from dpserve.server.auth import add_auth_args, check_admin_exposure
+from dpserve.server.batch_options import add_batch_args
+from dpserve.server.batch_store import init_batch_state
 from dpserve.server.extras import HTTPOptions, add_http_args
 from dpserve.server.limits import RequestLimits, add_limit_args
 from dpserve.server.log_options import LogOptions, add_log_args
-from dpserve.server.responses_store import add_response_store_args, response_store_file
+from dpserve.server.responses_store import add_response_store_args, store_in
+from dpserve.server.state_dir import state_directory
 
 if TYPE_CHECKING:
     from dpserve.launch.host import EngineLaunch
@@ -132,6 +136,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_http_args(parser.add_argument_group("HTTP options"))
     add_log_args(parser.add_argument_group("logging options"))
     add_response_store_args(parser.add_argument_group("Responses API store"))
+    add_batch_args(parser.add_argument_group("state directory, files and batches"))
     limits = parser.add_argument_group("request limits")
     add_limit_args(limits)
     EngineArgs.add_cli_args(parser.add_argument_group("engine options"),
@@ -202,10 +207,14 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_args.check_options()  # a bad option fails before anything starts
     sock = _bind(args.host, args.port)  # before loading anything: fail fast, hold the port
     try:
-        # The Responses API's store file, for every API server (removed at exit
-        # unless the user named it: --response-store).
-        with response_store_file(options.responses) as store:
-            options = dataclasses.replace(options, responses=store)
+        # The state directory (removed at exit unless the user named it: --state-dir)
+        # with the Responses API's store file and the files and batches, for every
+        # API server.
+        with state_directory(options.batches.state_dir) as state_dir:
+            init_batch_state(state_dir)
+            options = dataclasses.replace(
+                options, responses=store_in(options.responses, state_dir),
+                batches=dataclasses.replace(options.batches, state_dir=state_dir))
             error = _launch_and_serve(args, engine_args, options, sock)
     finally:
         sock.close()

@@ -12,6 +12,9 @@ Routers, each a module of thin routes:
   responses in the server's one `ResponseStore` (`response_store`).
 * embeddings (`dpserve.server.embeddings_api`): OpenAI's /v1/embeddings, pooling
   requests through the same engines (`app.state.embeddings`: the batch runner's too).
+* files and batches (`dpserve.server.files_api`, `dpserve.server.batches_api`, only
+  with a state directory: `batches`): uploads and OpenAI's Batch API, each API
+  server running batches in the background (`dpserve.server.batch_runner`).
 * ops (`dpserve.server.routes_ops`): /health, /ping, /metrics, /version,
   /debug/request_state, /debug/dp_state; /engines and /dashboard
   (`dpserve.server.engines`); /tokenize, /detokenize (`dpserve.server.extras`).
@@ -52,6 +55,8 @@ from dpserve.server.admin import admin_router
 from dpserve.server.admission import Admission
 from dpserve.server.anthropic_api import install_messages_api
 from dpserve.server.auth import API_KEY_ENV, AuthMiddleware, AuthOptions
+from dpserve.server.batch_options import BatchOptions
+from dpserve.server.batches_api import install_batches
 from dpserve.server.bodies import BodyLimit, require_json
 from dpserve.server.embeddings_api import install_embeddings_api
 from dpserve.server.engines import engines_router
@@ -76,11 +81,11 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               api_server_index: int = 0, enable_admin_api: bool = False,
               max_num_queued: tuple[int | None, int | None] = (None, None),
-              tool_call_parser: str | None = None,
-              http_options: HTTPOptions | None = None,
+              tool_call_parser: str | None = None, http_options: HTTPOptions | None = None,
               log_requests: bool = False, auth: AuthOptions | None = None,
               request_limits: RequestLimits | None = None,
-              response_store: ResponseStoreOptions | None = None) -> FastAPI:
+              response_store: ResponseStoreOptions | None = None,
+              batches: BatchOptions | None = None) -> FastAPI:
     """An OpenAI-compatible app over `async_llm`.
 
     The app does not own `async_llm`: whoever built it shuts it down (and gave it
@@ -98,6 +103,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     `request_limits`: the "request limits" options (server/limits.py).
     `response_store`: the Responses API's store (its file: every API server of one
     server shares it); without it, an in-memory store of this process.
+    `batches`: /v1/files and /v1/batches over its state directory (none: no such routes).
     """
     if auth is None:
         auth = AuthOptions.from_key(api_key or os.environ.get(API_KEY_ENV))
@@ -119,8 +125,9 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     app.include_router(responses_router(async_llm, responses))
     install_embeddings_api(app, async_llm, serving)  # app.state.embeddings: batches too
     app.include_router(ops_router(async_llm, metrics))
+    uploads = install_batches(app, async_llm, serving, batches, api_server_index)
     # Middleware, innermost first: body cap, API key, then (extras) counts and CORS.
-    app.add_middleware(BodyLimit, limit=max_request_body_bytes)
+    app.add_middleware(BodyLimit, limit=max_request_body_bytes, uploads=uploads)
     app.add_middleware(AuthMiddleware, options=auth)
     install_messages_api(app, async_llm, serving)  # Anthropic's; its error shape wraps these
     install_extras(app, async_llm, serving, metrics.registry, http_options)

@@ -4,7 +4,8 @@ posts, bounded seconds.
 Scope:
 
 * `BodyLimit`, an ASGI middleware in front of every route: a request whose
-  Content-Length is over `--max-request-body-bytes` gets 413 at once; a body
+  Content-Length is over `--max-request-body-bytes` (an upload route's own cap:
+  /v1/files, `--max-batch-file-bytes`) gets 413 at once; a body
   sent without one (chunked) is counted as the route reads it, and the read
   that crosses the limit raises a 413 `APIError` (the app's error handler
   answers it). Every route reads its body through it (`request.body()`,
@@ -23,6 +24,7 @@ Not here: the API key (`dpserve.server.auth`), request-field limits.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from fastapi import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -33,25 +35,33 @@ from dpserve.server.protocol import APIError
 MAX_WAIT_S = 3600.0  # the largest ?timeout= a control route accepts
 
 
-def too_large(limit: int) -> APIError:
-    return APIError(413, f"request body larger than --max-request-body-bytes ({limit} bytes)",
+def too_large(limit: int, option: str = "--max-request-body-bytes") -> APIError:
+    return APIError(413, f"request body larger than {option} ({limit} bytes)",
                     code="request_too_large")
 
 
 class BodyLimit:
-    """Caps every request body at `limit` bytes (module docstring)."""
+    """Caps every request body at `limit` bytes (module docstring); `uploads`: the
+    POST routes (by path) with a cap of their own, path -> (bytes, the flag to name)."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int,
+                 uploads: Mapping[str, tuple[int, str]] | None = None) -> None:
         self.app = app
         self.limit = limit
+        self.uploads = dict(uploads or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit, option = self.limit, "--max-request-body-bytes"
+        path, root = scope["path"], scope.get("root_path", "")
+        path = path[len(root):] if root and path.startswith(root) else path
+        if scope["method"] == "POST" and path in self.uploads:
+            limit, option = self.uploads[path]
         length = dict(scope["headers"]).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.limit:
-            await send_error(send, too_large(self.limit))
+        if length.isdigit() and int(length) > limit:
+            await send_error(send, too_large(limit, option))
             return
         seen = 0
 
@@ -60,8 +70,8 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise too_large(self.limit)
+                if seen > limit:
+                    raise too_large(limit, option)
             return message
 
         await self.app(scope, limited, send)

@@ -27,11 +27,11 @@ Rules, enforced here:
   it (any API server) sees `cancel_requested` and stops, and its final write
   (`finish`) does not overwrite the cancelled row.
 
-Where the file is (`ResponseStoreOptions`, `response_store_file`): `--response-store
-PATH` names it (kept after the server exits: responses outlive a restart of the
-whole server); without it the launcher makes a private state directory
-(`dpserve-state-*` under $TMPDIR, mode 0700) before it starts the API servers and
-removes it when it exits. The API servers get the path in their options.
+Where the file is (`ResponseStoreOptions`, `store_in`): `--response-store PATH`
+names it (kept after the server exits: responses outlive a restart of the whole
+server); without it, `responses.sqlite` in the server's state directory
+(`--state-dir`, kept; else a private one the launcher makes and removes at exit:
+`dpserve.server.state_dir`). The API servers get the path in their options.
 Without a path at all (an app built in-process, as tests do) the store is an
 in-memory database of that one process.
 
@@ -127,8 +127,8 @@ def add_response_store_args(group: argparse.ArgumentParser) -> None:
     d = ResponseStoreOptions()
     group.add_argument("--response-store", default=None, metavar="PATH",
                        help="SQLite file of the Responses API's stored responses, shared by "
-                            "every API server and kept after exit (default: a private file "
-                            "removed when the server exits).")
+                            "every API server and kept after exit (default: responses.sqlite "
+                            "in --state-dir).")
     group.add_argument("--max-stored-responses", type=int, default=d.max_stored_responses,
                        help="Stored responses kept; past it the oldest are evicted.")
     group.add_argument("--max-stored-response-bytes", type=int,
@@ -144,14 +144,21 @@ def response_store_file(options: ResponseStoreOptions) -> Iterator[ResponseStore
     made = None
     if options.path is None:
         made = tempfile.mkdtemp(prefix="dpserve-state-")  # mode 0700
-        options = dataclasses.replace(options, path=os.path.join(made, STORE_FILE))
     try:
-        assert options.path is not None
-        init_store_file(options.path)
-        yield options
+        yield store_in(options, made or "")
     finally:
         if made is not None:
             shutil.rmtree(made, ignore_errors=True)
+
+
+def store_in(options: ResponseStoreOptions, state_dir: str) -> ResponseStoreOptions:
+    """The options with the store's file made: the user's --response-store, else
+    `STORE_FILE` in the server's state directory (`dpserve.server.state_dir`)."""
+    if options.path is None:
+        options = dataclasses.replace(options, path=os.path.join(state_dir, STORE_FILE))
+    assert options.path is not None
+    init_store_file(options.path)
+    return options
 
 
 def init_store_file(path: str) -> None:
