@@ -101,9 +101,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     `http_options`: CORS, model aliases (server/extras.py).
     `log_requests`: a log line per request arrival and finish (server/log_options.py).
     `request_limits`: the "request limits" options (server/limits.py).
-    `response_store`: the Responses API's store (its file: every API server of one
-    server shares it); without it, an in-memory store of this process.
-    `batches`: /v1/files and /v1/batches over its state directory (none: no such routes).
+    `response_store`: the Responses API's store (a file every API server shares; none:
+    in memory). `batches`: /v1/files and /v1/batches over its state directory.
     """
     if auth is None:
         auth = AuthOptions.from_key(api_key or os.environ.get(API_KEY_ENV))
