@@ -34,7 +34,8 @@ os.environ.setdefault("DPSERVE_CPU_BF16", "0")
 LONGEST_FILES = [
     "test_multinode.py", "test_faults.py", "test_elastic.py", "test_api_servers.py",
     "test_request_limits.py", "test_serve_process.py", "test_lora_serve.py",
-    "test_messages_api.py", "test_control.py", "test_responses_api.py", "test_tp_sharding.py",
+    "test_messages_api.py", "test_control.py", "test_responses_api.py", "test_batches_api.py",
+    "test_tp_sharding.py", "test_embeddings_api.py",
     "test_default_model.py", "test_kernel_cache_safety.py", "test_kv_tier_engine.py",
     "test_llm_data_parallel.py", "test_tensor_parallel.py", "test_http_extras.py",
     "test_kv_tier_serve.py", "test_dataplane_security.py", "test_cpu_kernels.py",
