@@ -32,9 +32,13 @@ $(STAMP): pyproject.toml
 # `alone` tests one at a time: Ray clusters, whose two engines progress too unevenly
 # beside another test for their "every stream under way" checks, and the drains,
 # whose 503 checks race a stream that keeps a server draining.
+# Bytecode first: where PYTHONDONTWRITEBYTECODE is set, every process (hundreds of
+# servers' API servers, coordinators, TP workers) would compile each dpserve module
+# it imports again; Python still reads bytecode that is there.
 # Each lane has a hang guard far above its run time here (about 11 and 3 minutes):
 # past it, SIGUSR1 dumps every thread's stack (tests/conftest.py), then SIGKILL.
 test: setup lint
+	$(PY) -m compileall -q dpserve tests bench >/dev/null
 	timeout -s USR1 -k 30 1800 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder \
 		-m "not alone" --durations=20; a=$$?; \
 	timeout -s USR1 -k 30 900 $(PY) -m pytest -q -m alone --durations=5; b=$$?; \
