@@ -97,6 +97,7 @@ class DPLink:
         self.ttft_s = 0.0  # ... and the recent mean time to first token (at `ttft_at`;
         self.ttft_at = 0.0  # an engine idle for a whole window reports 0)
         self.lora: LoRAReport | None = None  # ... and its LoRA adapters (LoRA on)
+        self.kv_store_address = ""  # its host's KV store's tcp:// address (heartbeats carry it)
         self._report_address = report_address
         self._secret = secret
         self._beats = threading.Event()  # set: heartbeats stop
@@ -182,7 +183,8 @@ class DPLink:
                                     < TTFT_WINDOW_S else 0.0,
                                     generated_tokens=self.generated_tokens, pid=pid,
                                     host=host, tp_workers=_workers(tp_workers),
-                                    lora=self.lora)
+                                    lora=self.lora,
+                                    kv_store_address=self.kv_store_address)
                 try:
                     sock.send(encoder.encode(beat), flags=zmq.NOBLOCK)
                 except zmq.Again:

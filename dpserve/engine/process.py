@@ -196,6 +196,7 @@ class EngineCoreProc:
         # starts them on READY, and the frames wait in our sockets till then.
         self._start_io_threads(init)
         if self.dp is not None:
+            self.dp.kv_store_address = self.config.cache.kv_tier_remote_address or ""
             self.dp.start_heartbeats(self.engine_core.tp_worker_info)
         return HandshakeReady(local=local, num_kv_blocks=self.engine_core.num_kv_blocks,
                               # capped to what the KV cache holds
