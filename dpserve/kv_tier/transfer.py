@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 FETCH_BLOCKS = 8  # blocks one Fetch asks for at most
 WINDOW = 4  # Fetch chunks in flight per pull
-MAX_PULLS = 4  # pulls in progress at one store; more are refused (the caller recomputes)
+MAX_PULLS = 8  # pulls in progress at one store; more are refused (the caller recomputes)
 MAX_PULL_S = 60.0  # a pull's deadline, at most, whatever its caller asks
 HEADROOM_BYTES = 64 << 10  # what a message holds besides its blocks (msgpack, hashes)
 FETCH_CLIENT = "\x00fetch"  # the source's read pins, while it copies a chunk
