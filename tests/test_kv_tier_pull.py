@@ -432,10 +432,10 @@ async def _front_end_sees_the_stores(model: str, rpc: int, headless) -> None:
                                    engine_ranks=launch.ranks,
                                    coordinator_address=launch.coordinator_address)
         deadline = time.monotonic() + 30
-        while None in (client.store_address_of(0), client.store_address_of(1)):
+        while None in (client.table.store_address_of(0), client.table.store_address_of(1)):
             assert time.monotonic() < deadline, "no store address in the heartbeats"
             await asyncio.sleep(0.1)
-        head, other = client.store_address_of(0), client.store_address_of(1)
+        head, other = client.table.store_address_of(0), client.table.store_address_of(1)
         assert head == launch.kv_store.remote_address and other != head
         remote_stores = [p for p in descendants(headless.pid) if p.name() == "dpserve::KVStore"]
         host, port = other.removeprefix("tcp://").rsplit(":", 1)

@@ -166,10 +166,10 @@ class EngineCoreProc:
             parallel = self.config.parallel
             self.dp = DPLink(self.rank, init.dp_size, report_address=init.coordinator_output,
                              publish_address=init.coordinator_input, secret=self.secret,
-                             lockstep=parallel.data_parallel_lockstep,
+                             lockstep=parallel.data_parallel_lockstep, incarnation=self.incarnation,
                              sync_interval=parallel.data_parallel_sync_interval,
                              master_ip=init.dp_master_ip, master_port=init.dp_master_port,
-                             incarnation=self.incarnation,
+                             kv_store_address=self.config.cache.kv_tier_remote_address,
                              collective_timeout=parallel.data_parallel_collective_timeout,
                              expert_parallel=parallel.enable_expert_parallel)
         place_engine(self.config, self.rank)
@@ -196,7 +196,6 @@ class EngineCoreProc:
         # starts them on READY, and the frames wait in our sockets till then.
         self._start_io_threads(init)
         if self.dp is not None:
-            self.dp.kv_store_address = self.config.cache.kv_tier_remote_address or ""
             self.dp.start_heartbeats(self.engine_core.tp_worker_info)
         return HandshakeReady(local=local, num_kv_blocks=self.engine_core.num_kv_blocks,
                               # capped to what the KV cache holds

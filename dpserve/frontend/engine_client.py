@@ -167,11 +167,6 @@ class AsyncEngineClient:
     def engines_running(self) -> bool:
         return self.news.running
 
-    def store_address_of(self, rank: int) -> str | None:
-        """`rank`'s host's KV store's tcp:// address, for `dpserve.kv_tier.pull` (None
-        when unknown: one host, no tier, not heard from yet)."""
-        return self.table.store_address_of(rank)
-
     def describe_ranks(self) -> str:
         """`rank 0 serving, rank 1 dead (exit code -9)`."""
         return self.table.describe()

@@ -11,7 +11,7 @@ problem: a refused, failed or unanswered pull returns what the destination said
 it holds (0 when it said nothing), and logs why.
 
 Not here: which stores (a front-end knows each rank's store address from its
-heartbeats: `EngineInfo.kv_store_address`, `store_address_of(rank)`), the
+heartbeats: `EngineInfo.kv_store_address`, `RankTable.store_address_of`), the
 transfer itself (`dpserve.kv_tier.transfer`).
 """
 
