@@ -27,7 +27,7 @@ import msgspec
 import psutil
 import pytest
 import zmq
-from helpers import descendants, dp_args, free_port, read_log, start_background, stop, wait_until
+from helpers import descendants, dp_args, free_port, start_background, stop, wait_until
 
 from dpserve.config import EngineArgs
 from dpserve.engine.core import EngineCore
@@ -416,7 +416,6 @@ def test_a_front_end_knows_each_ranks_store_on_a_head_and_headless_host(tiny_lla
         asyncio.run(_front_end_sees_the_stores(model, rpc, headless))
     finally:
         stop(headless, 15)
-        print(read_log(log)[-2000:])
         log.close()
 
 

@@ -196,16 +196,18 @@ class KVStoreServer:
                       caller=(sock, identity, seq), now=time.monotonic())
         if not job.start(self._ctx, self._secret):
             return job.finish()
-        assert job.sock is not None
+        assert job.sock is not None and job.monitor is not None
         self._jobs.append(job)
         self._poller.register(job.sock, zmq.POLLIN)
+        self._poller.register(job.monitor, zmq.POLLIN)
         return None
 
     def _step_jobs(self, ready: dict) -> None:
         """Feed each job the answers that came; end those done or past their deadline."""
         now = time.monotonic()
         for job in list(self._jobs):
-            if job.sock in ready and job.on_readable():
+            if (job.sock in ready and job.on_readable()) or (job.monitor in ready
+                                                              and job.on_monitor()):
                 self._end_job(job)
             elif now >= job.deadline:
                 job.expire()
@@ -214,6 +216,7 @@ class KVStoreServer:
     def _end_job(self, job: PullJob) -> None:
         self._jobs.remove(job)
         self._poller.unregister(job.sock)
+        self._poller.unregister(job.monitor)
         reply = job.finish()
         self._moved["pulled"] += job.pulled
         sock, identity, _ = job.caller
@@ -250,8 +253,7 @@ class KVStoreServer:
 
     def close(self) -> None:
         for job in self._jobs:  # their callers time out; their state goes with the store
-            if job.sock is not None:
-                job.sock.close(linger=0)
+            job.finish()
         self._sock.close(linger=0)
         if self._remote is not None:
             self._remote.close(linger=0)

@@ -16,8 +16,10 @@ Scope, one pull (a `Pull` from `dpserve.kv_tier.pull.pull` to the destination):
 3. Each answered chunk is written into the reserved slots and committed. A chunk
    answered short (the source lacks a block, or evicted it meanwhile) ends the
    pull there; so do a refusal (another layout), a malformed answer and the
-   deadline (`Pull.timeout_s`, capped at `MAX_PULL_S`: a dead or stopped source
-   is a pull that ends at its deadline).
+   deadline (`Pull.timeout_s`, capped at `MAX_PULL_S`: a stopped source is a
+   pull that ends there). A source whose connection drops or is refused (a dead
+   store, a peer that fails the CURVE handshake) ends it at once: the job watches
+   its socket's connection events.
 4. `finish`: the job's client is dropped (its pins released, its unwritten
    reservations freed) and the caller is told how many leading hashes the store
    holds now.
@@ -39,6 +41,7 @@ import time
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from dpserve.kv_tier.messages import Call, Fetch, Pull, Reply
 from dpserve.kv_tier.store import TierStore
@@ -52,6 +55,8 @@ MAX_PULLS = 8  # pulls in progress at one store; more are refused (the caller re
 MAX_PULL_S = 60.0  # a pull's deadline, at most, whatever its caller asks
 HEADROOM_BYTES = 64 << 10  # what a message holds besides its blocks (msgpack, hashes)
 FETCH_CLIENT = "\x00fetch"  # the source's read pins, while it copies a chunk
+# A connection to the source that drops, or cannot be made: the pull ends at once.
+_GONE_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 
 
 def chunk_blocks(slot_bytes: int) -> int:
@@ -99,6 +104,7 @@ class PullJob:
         self.started = now
         self.deadline = now + self.timeout_s
         self.sock: zmq.Socket | None = None
+        self.monitor: zmq.Socket | None = None  # `sock`'s connection events
         self.error: str | None = None
         self.pulled = 0  # blocks written and committed
         self._chunks: list[list[tuple[bytes, int]]] = []  # [chunk] of (hash, slot)
@@ -126,10 +132,11 @@ class PullJob:
         try:
             self.sock = secure(ctx.socket(zmq.DEALER), "client", secret)
             self.sock.setsockopt(zmq.LINGER, 0)
+            self.monitor = self.sock.get_monitor_socket(_GONE_EVENTS)
             self.sock.connect(self.source)
             self._fill()
         except zmq.ZMQError as e:
-            self.error = f"cannot reach the source {self.source}: {e}"
+            self.error = f"cannot reach the source: {e}"
             return False
         return True
 
@@ -168,7 +175,7 @@ class PullJob:
         """Write and commit one answered chunk; True when the pull is over."""
         assert self.store.layout is not None
         if reply.error is not None:
-            self.error = f"the source {self.source} refused: {reply.error}"
+            self.error = f"the source refused: {reply.error}"
             return True
         chunk = self._chunks[self._answered]
         size = self.store.layout.slot_bytes
@@ -186,9 +193,22 @@ class PullJob:
         self._fill()
         return False
 
+    def on_monitor(self) -> bool:
+        """`sock`'s connection to the source dropped or was refused: True (the pull
+        is over; a dead source ends it before its deadline)."""
+        assert self.monitor is not None
+        try:
+            event = recv_monitor_message(self.monitor, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        gone = event["event"] == zmq.EVENT_DISCONNECTED
+        what = "went away" if gone else "refused the connection"
+        self.error = f"the source {what} ({self.pulled} block(s) came)"
+        return True
+
     def expire(self) -> None:
         """The deadline passed: the pull ends with what came."""
-        self.error = (f"no answer from the source {self.source} within {self.timeout_s:g} s "
+        self.error = (f"no answer from the source within {self.timeout_s:g} s "
                       f"({self.pulled} block(s) came)")
 
     def finish(self) -> Reply:
@@ -196,6 +216,10 @@ class PullJob:
         to the caller (leading hashes held now, and why it ended early if it did)."""
         self.store.drop_client(self.name)
         if self.sock is not None:
+            if self.monitor is not None:
+                self.sock.disable_monitor()
+                self.monitor.close(linger=0)
+                self.monitor = None
             self.sock.close(linger=0)
             self.sock = None
         held = self.store.held(self.hashes)
