@@ -44,6 +44,7 @@ from dpserve.placement import (
     check_placement,
     check_tensor_parallel,
     cpu_groups,
+    data_parallel_roles,
     data_plane_secret,
     size_local,
     size_max,
@@ -194,6 +195,11 @@ class EngineArgs:
     data_parallel_hybrid_lb: bool = _opt(False, "Hybrid load balancing: each host's API "
                                          "servers balance over that host's engines only.",
                                          aliases=("-dph",))
+    data_parallel_roles: str | None = _opt(None, "Prefill/decode disaggregation, e.g. "
+                                           "prefill:1,decode:2 (adding up to the DP size): a "
+                                           "new request's prompt runs on a prefill rank, its "
+                                           "decode on a decode rank (needs "
+                                           "--kv-offload-memory). Default: every rank both.")
     data_parallel_backend: str = _opt("mp", "Run engines as local processes (mp) or Ray "
                                       "actors (ray; pip install dpserve[ray]).",
                                       choices=DP_BACKENDS, aliases=("-dpb",))
@@ -397,6 +403,7 @@ class EngineArgs:
             data_parallel_rpc_port=self.data_parallel_rpc_port,
             data_parallel_rank=self.data_parallel_rank,
             data_parallel_hybrid_lb=self.data_parallel_hybrid_lb,
+            data_parallel_roles=data_parallel_roles(self),
             data_parallel_backend=self.data_parallel_backend,
             data_parallel_pack_strategy=self.data_parallel_pack_strategy,
             data_parallel_secret=data_plane_secret(self),
