@@ -11,11 +11,12 @@ run as a task by the engine client for each first leg its book saw finish
    rank holds itself or reaches through its host's KV tier); no decode rank
    serving: any serving rank (the prefill rank goes on colocated, from its own
    prefix cache). No rank at all: the request fails (its error says why).
-2. Cross-host (the decode rank's host is not the prefill rank's, by
-   `EngineInfo.host`): the decode host's store pulls the prompt's blocks from
-   the prefill host's (`pull_prompt`, bounded by `PULL_TIMEOUT_S`); on any
-   failure it goes on anyway: the decode rank recomputes what its host lacks
-   (slower, never wrong).
+2. Cross-host (the two ranks' hosts run different KV stores, by the store
+   address each rank's heartbeats carry; two launchers on one machine count as
+   two hosts): the decode host's store pulls the prompt's blocks from the
+   prefill host's (`pull_prompt`, bounded by `PULL_TIMEOUT_S`); on any failure
+   it goes on anyway: the decode rank recomputes what its host lacks (slower,
+   never wrong).
 3. The book moves the flight (`commit_handoff`: unless it was aborted or moved
    by an evacuation meanwhile) and the client sends it like a migration.
 
@@ -36,7 +37,7 @@ from typing import Protocol
 from dpserve.frontend.errors import EngineUnavailableError
 from dpserve.frontend.migration import Evacuation, InFlightBook, ended
 from dpserve.frontend.rank_table import EngineState, RankTable
-from dpserve.frontend.routing import PrefixTracker, cache_root, host_of
+from dpserve.frontend.routing import PrefixTracker, cache_root
 from dpserve.protocol import EngineCoreOutputs, EngineCoreRequest
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ class HandoffSender:
                 client.put_output(ended(flight.rank, request_id,
                                         f"request {request_id} failed: {e}"))
             return
-        if source is not None and target is not source and host_of(source) != host_of(target):
+        if source is not None and target is not source:  # (same store: nothing to pull)
             block_size = table.router.tracker.block_size
             book.pulled_blocks += await pull_prompt(source, target, continuation, block_size,
                                                     self.pull_timeout)
@@ -105,15 +106,15 @@ def store_address(engine: EngineState) -> str:
 async def pull_prompt(source: EngineState, target: EngineState, request: EngineCoreRequest,
                       block_size: int, timeout: float) -> int:
     """Have the target's host store pull the request's blocks from the source's; how
-    many it holds now (leading). 0 on any failure, when a store's address is not
-    known, or when this build has no pull (`dpserve.kv_tier.pull`): the decode rank
-    then computes what its host lacks."""
+    many it holds now (leading). 0 when both use one store, on any failure, when a
+    store's address is not known, or when this build has no pull
+    (`dpserve.kv_tier.pull`): the decode rank then computes what its host lacks."""
+    src, dst = store_address(source), store_address(target)
+    if not src or not dst or src == dst:
+        return 0
     try:
         from dpserve.kv_tier import pull as kv_pull  # type: ignore[attr-defined]
     except ImportError:
-        return 0
-    src, dst = store_address(source), store_address(target)
-    if not src or not dst:
         return 0
     try:
         return int(await kv_pull.pull(dst, src, prompt_hashes(request, block_size), timeout))
