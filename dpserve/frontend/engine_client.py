@@ -120,7 +120,7 @@ class AsyncEngineClient:
         self.table = RankTable(engine_ranks, router, balanced=balanced, elastic=elastic,
                                fail_stop=fail_stop)
         self.book = InFlightBook(max_migrations)
-        self.handoffs = HandoffSender(self)
+        self.handoffs = HandoffSender(self, secret)
         self.dead = False
         self.dead_reason: str | None = None
         self._dead_event = asyncio.Event()

@@ -61,8 +61,10 @@ class HandoffClient(Protocol):
 class HandoffSender:
     """Sends the continuations of one engine client's first legs (module docstring)."""
 
-    def __init__(self, client: HandoffClient, pull_timeout: float = PULL_TIMEOUT_S) -> None:
+    def __init__(self, client: HandoffClient, secret: str | None = None,
+                 pull_timeout: float = PULL_TIMEOUT_S) -> None:
         self.client = client
+        self.secret = secret  # the data-plane secret (CURVE to the stores' tcp endpoints)
         self.pull_timeout = pull_timeout
 
     async def hand_off(self, request_id: str) -> None:
@@ -84,7 +86,7 @@ class HandoffSender:
         if source is not None and target is not source:  # (same store: nothing to pull)
             block_size = table.router.tracker.block_size
             book.pulled_blocks += await pull_prompt(source, target, continuation, block_size,
-                                                    self.pull_timeout)
+                                                    self.secret, self.pull_timeout)
         move = book.commit_handoff(request_id, target, table, client.current_wave)
         if move is not None:
             await client.send_moves(Evacuation(move.source, [], [move], [], logging.DEBUG),
@@ -104,7 +106,7 @@ def store_address(engine: EngineState) -> str:
 
 
 async def pull_prompt(source: EngineState, target: EngineState, request: EngineCoreRequest,
-                      block_size: int, timeout: float) -> int:
+                      block_size: int, secret: str | None, timeout: float) -> int:
     """Have the target's host store pull the request's blocks from the source's; how
     many it holds now (leading). 0 when both use one store, on any failure, when a
     store's address is not known, or when this build has no pull
@@ -117,7 +119,8 @@ async def pull_prompt(source: EngineState, target: EngineState, request: EngineC
     except ImportError:
         return 0
     try:
-        return int(await kv_pull.pull(dst, src, prompt_hashes(request, block_size), timeout))
+        return int(await kv_pull.pull(dst, src, prompt_hashes(request, block_size),
+                                      secret=secret, timeout=timeout))
     except Exception as e:  # noqa: BLE001 - a failed pull costs a recompute, never the request
         logger.warning("KV pull of %s from rank %d's host to rank %d's failed: %s",
                        request.request_id, source.rank, target.rank, e)
