@@ -74,23 +74,31 @@ class HandoffSender:
         if continuation is None:
             return  # aborted (a stop string in its first token) or moved meanwhile
         source = table.engines.get(book.flights[request_id].rank)
-        try:
-            target = table.choose(continuation)
-        except EngineUnavailableError as e:
-            flight = book.pop(request_id)
-            if flight is not None:
-                table.release(flight.rank)
-                client.put_output(ended(flight.rank, request_id,
-                                        f"request {request_id} failed: {e}"))
-            return
-        if source is not None and target is not source:  # (same store: nothing to pull)
-            block_size = table.router.tracker.block_size
+        target = self._place(request_id, continuation)
+        if target is not None and source is not None and target is not source:
+            block_size = table.router.tracker.block_size  # (same store: nothing to pull)
             book.pulled_blocks += await pull_prompt(source, target, continuation, block_size,
                                                     self.secret, self.pull_timeout)
-        move = book.commit_handoff(request_id, target, table, client.current_wave)
-        if move is not None:
+            if not target.placeable:  # it stopped serving meanwhile: place it again
+                target = self._place(request_id, continuation)
+        move = target and book.commit_handoff(request_id, target, table, client.current_wave)
+        if move:
             await client.send_moves(Evacuation(move.source, [], [move], [], logging.DEBUG),
                                     "a prefill rank (handoff)")
+
+    def _place(self, request_id: str, continuation: EngineCoreRequest) -> EngineState | None:
+        """The continuation's rank (`RankTable.choose`); None when no rank serves: the
+        request then fails (its error says why)."""
+        client = self.client
+        try:
+            return client.table.choose(continuation)  # type: ignore[return-value]
+        except EngineUnavailableError as e:
+            flight = client.book.pop(request_id)
+            if flight is not None:
+                client.table.release(flight.rank)
+                client.put_output(ended(flight.rank, request_id,
+                                        f"request {request_id} failed: {e}"))
+            return None
 
 
 def prompt_hashes(request: EngineCoreRequest, block_size: int) -> list[bytes]:
