@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from dpserve.frontend.errors import EngineUnavailableError
-from dpserve.frontend.migration import Evacuation, InFlightBook, ended
+from dpserve.frontend.migration import PENDING, Evacuation, InFlightBook, ended
 from dpserve.frontend.rank_table import EngineState, RankTable
 from dpserve.frontend.routing import PrefixTracker, cache_root
 from dpserve.protocol import EngineCoreOutputs, EngineCoreRequest
@@ -90,14 +90,15 @@ class HandoffSender:
         """The continuation's rank (`RankTable.choose`); None when no rank serves: the
         request then fails (its error says why)."""
         client = self.client
+        flight = client.book.flights.get(request_id)
+        if flight is None or flight.handoff != PENDING:
+            return None  # ended or moved meanwhile (an abort, an evacuation)
         try:
             return client.table.choose(continuation)  # type: ignore[return-value]
         except EngineUnavailableError as e:
-            flight = client.book.pop(request_id)
-            if flight is not None:
-                client.table.release(flight.rank)
-                client.put_output(ended(flight.rank, request_id,
-                                        f"request {request_id} failed: {e}"))
+            client.book.pop(request_id)
+            client.table.release(flight.rank)
+            client.put_output(ended(flight.rank, request_id, f"request {request_id} failed: {e}"))
             return None
 
 
