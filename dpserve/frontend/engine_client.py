@@ -51,7 +51,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing import connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -445,19 +445,8 @@ class AsyncEngineClient:
 
     def watch_processes(self, procs: Sequence[BaseProcess]) -> None:
         """Mark the client dead when any of these (local, spawned here) processes exits."""
-        by_sentinel = {p.sentinel: p for p in procs}
-
-        def watch() -> None:
-            while not self._watch_stop.is_set():
-                exited = connection.wait(list(by_sentinel), timeout=0.5)
-                if exited:
-                    p = by_sentinel[exited[0]]  # type: ignore[index]
-                    p.join(timeout=1.0)  # reap: its exit code becomes known
-                    self.mark_dead(f"process {p.name} (pid {p.pid}) exited with "
-                                   f"code {p.exitcode}")
-                    return
-
-        threading.Thread(target=watch, name="engine-process-watcher", daemon=True).start()
+        threading.Thread(target=_watch, args=(procs, self._watch_stop, self.mark_dead),
+                         name="engine-process-watcher", daemon=True).start()
 
     def check_alive(self) -> None:
         if self.dead:
@@ -487,6 +476,19 @@ class AsyncEngineClient:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.aclose()
+
+
+def _watch(procs: Sequence[BaseProcess], stop: threading.Event,
+           mark_dead: Callable[[str], None]) -> None:
+    """Until `stop`: when one of `procs` exits, reap it and `mark_dead(why)`."""
+    by_sentinel = {p.sentinel: p for p in procs}
+    while not stop.is_set():
+        exited = connection.wait(list(by_sentinel), timeout=0.5)
+        if exited:
+            p = by_sentinel[exited[0]]  # type: ignore[index]
+            p.join(timeout=1.0)  # reap: its exit code becomes known
+            mark_dead(f"process {p.name} (pid {p.pid}) exited with code {p.exitcode}")
+            return
 
 
 def from_config(config: EngineConfig, input_address: str | Sequence[str],
