@@ -195,11 +195,9 @@ class EngineArgs:
     data_parallel_hybrid_lb: bool = _opt(False, "Hybrid load balancing: each host's API "
                                          "servers balance over that host's engines only.",
                                          aliases=("-dph",))
-    data_parallel_roles: str | None = _opt(None, "Prefill/decode disaggregation, e.g. "
-                                           "prefill:1,decode:2 (adding up to the DP size): a "
-                                           "new request's prompt runs on a prefill rank, its "
-                                           "decode on a decode rank (needs "
-                                           "--kv-offload-memory). Default: every rank both.")
+    data_parallel_roles: str | None = _opt(None, "prefill:P,decode:D (P + D = the DP size, "
+                                           "needs --kv-offload-memory): prompts on ranks "
+                                           "0..P-1, decoding on the rest. Default: off.")
     data_parallel_backend: str = _opt("mp", "Run engines as local processes (mp) or Ray "
                                       "actors (ray; pip install dpserve[ray]).",
                                       choices=DP_BACKENDS, aliases=("-dpb",))

@@ -48,7 +48,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.errors import EngineDeadError
-from dpserve.frontend.roles import roles_of
 from dpserve.server.admin import admin_router
 from dpserve.server.admission import Admission
 from dpserve.server.anthropic_api import install_messages_api
@@ -60,7 +59,7 @@ from dpserve.server.errors import to_api_error
 from dpserve.server.extras import HTTPOptions, install_extras
 from dpserve.server.limits import RequestLimits
 from dpserve.server.metrics import ServerMetrics
-from dpserve.server.pd_metrics import PDMetrics
+from dpserve.server.pd_metrics import install_pd_metrics
 from dpserve.server.protocol import APIError, ErrorInfo, ErrorResponse
 from dpserve.server.responses_api import ResponsesServing, responses_router
 from dpserve.server.responses_store import ResponseStoreOptions
@@ -113,10 +112,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     async_llm.add_stats_listener(metrics)
     # Moves show in every engine message's wake: count them in this API server then.
     async_llm.add_stats_listener(MovedListener(metrics, async_llm.cluster))
-    roles = roles_of(async_llm.config.parallel.data_parallel_roles)
-    if roles is not None:  # --data-parallel-roles: handoffs, TTFT / ITL / queue per role
-        async_llm.add_stats_listener(PDMetrics(metrics.registry, served_model_name, roles,
-                                               async_llm.cluster))
+    install_pd_metrics(async_llm, metrics.registry, served_model_name)  # with roles only
     app = FastAPI(title="dpserve", version=__version__, docs_url=None, redoc_url=None)
     app.state.serving, app.state.metrics = serving, metrics
     app.include_router(v1_router(async_llm, serving,

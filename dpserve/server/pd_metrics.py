@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation metrics of an API server (`--data-parallel-roles`).
 
-Scope: `PDMetrics`, a stats listener of `AsyncLLM` (registered by the app only
+Scope: `PDMetrics`, a stats listener of `AsyncLLM` (`install_pd_metrics`: only
 when roles are on), in `ServerMetrics`' registry:
 
 * `dpserve:pd_handoffs` (counter): continuations this API server sent from a
@@ -34,14 +34,25 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dpserve.frontend.cluster import ClusterView
 from dpserve.frontend.migration import HandoffCounts
-from dpserve.frontend.roles import DECODE, PREFILL, Roles
+from dpserve.frontend.roles import DECODE, PREFILL, Roles, roles_of
 
 if TYPE_CHECKING:
-    from dpserve.frontend.async_llm import IterationStats
+    from dpserve.frontend.async_llm import AsyncLLM, IterationStats
     from dpserve.protocol import SchedulerStats
 
 _BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
             10.0, 20.0, 40.0)
+
+
+def install_pd_metrics(async_llm: AsyncLLM, registry: CollectorRegistry, model_name: str
+                       ) -> PDMetrics | None:
+    """With `--data-parallel-roles`: a `PDMetrics` listening to `async_llm`; else None."""
+    roles = roles_of(async_llm.config.parallel.data_parallel_roles)
+    if roles is None:
+        return None
+    listener = PDMetrics(registry, model_name, roles, async_llm.cluster)
+    async_llm.add_stats_listener(listener)
+    return listener
 
 
 class PDMetrics:
