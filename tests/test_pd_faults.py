@@ -32,12 +32,12 @@ pytestmark = [pytest.mark.procs, pytest.mark.slow]
 PD_ARGS = ("--data-parallel-size", "2", "--threads-per-engine", "1", "--max-model-len", "256",
            "--num-kv-blocks", "256", "--kv-offload-memory", "32MiB",
            "--data-parallel-roles", "prefill:1,decode:1", *FAULT_SEQS,
-           # small steps: a prompt's prefill takes several, so the prefill rank holds
-           # first legs long enough for the fault to find them
-           "--max-num-batched-tokens", "32")
+           # small steps: a prompt's prefill takes ~20, so the prefill rank holds first
+           # legs long enough for the fault to find them there
+           "--max-num-batched-tokens", "8")
 # Several full KV blocks each; distinct from the first block on (no prefix sharing).
-PROMPTS = [f"Tale {i}: " + "the quick brown fox jumps over the lazy dog. " * 4
-           for i in range(24)]
+PROMPTS = [f"Tale {i}: " + "the quick brown fox jumps over the lazy dog. " * 10
+           for i in range(24)]  # ~166 tokens each
 TOKENS = 48
 HANDOFFS = "dpserve:pd_handoffs_total"
 
