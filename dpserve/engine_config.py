@@ -107,6 +107,9 @@ class CacheConfig:
     # The host's KV store (ipc://), set by the launcher that started it before it spawns
     # its engines (dpserve.launch.kv_store); None: no tier.
     kv_tier_address: str | None = None
+    # ... and its tcp:// endpoint for other hosts' pulls (a server over several hosts;
+    # None on one host): the engine's heartbeats carry it to the front-ends.
+    kv_tier_remote_address: str | None = None
 
 
 @dataclass(frozen=True)

@@ -351,6 +351,7 @@ class EngineReport(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     host: str = ""
     tp_workers: list[TPWorkerInfo] = []  # heartbeat: the rank's TP workers (worker 0 first)
     lora: LoRAReport | None = None  # heartbeat: its LoRA adapters (None: LoRA off)
+    kv_store_address: str = ""  # heartbeat: its host's KV store's tcp:// address ("": none)
 
 
 class StartDPWave(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -387,6 +388,9 @@ class EngineInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ttft_s: float = 0.0  # mean time to first token in the engine over the last 10 s
     tp_workers: list[TPWorkerInfo] = []  # its tensor-parallel workers, at its last heartbeat
     lora: LoRAReport | None = None  # its LoRA adapters, at its last heartbeat
+    # Its host's KV store's tcp:// address, where other hosts' stores pull from and a
+    # front-end asks for pulls (a server over several hosts; "": none).
+    kv_store_address: str = ""
 
 
 class RestartRank(msgspec.Struct, array_like=True, gc=False):

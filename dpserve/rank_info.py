@@ -77,7 +77,8 @@ class RankInfoTable:
         self._set(rank, kv_cache_usage=round(report.kv_cache_usage, 4),
                   ttft_s=round(report.ttft_s, 3),
                   tokens_per_s=round(self._rates[rank].rate(now), 2), pid=report.pid,
-                  host=report.host, tp_workers=report.tp_workers, lora=report.lora)
+                  host=report.host, tp_workers=report.tp_workers, lora=report.lora,
+                  kv_store_address=report.kv_store_address)
 
     def on_wave(self, rank: int, wave: int) -> None:
         self._set(rank, wave=wave)

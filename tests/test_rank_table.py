@@ -204,3 +204,20 @@ def test_coordinator_news_keeps_the_latest_word():
     news.note(CoordinatorUpdate(counts=[[0, 0]], wave=4, running=False))  # wave news only
     assert (news.wave, news.running, news.autoscale_decisions) == (4, False, [1, 0])
     assert news.controls.state.seq == 2 and news.info_updates == 1
+
+
+def test_each_ranks_store_address_comes_from_the_coordinators_figures():
+    """A rank's heartbeat names its host's KV store (`EngineInfo.kv_store_address`):
+    what a front-end asks a pull of; None for a rank that named none and for no rank."""
+    from dpserve.protocol import EngineReport
+    from dpserve.rank_info import RankInfoTable
+
+    figures = RankInfoTable(2)
+    address = "tcp://10.0.0.1:20001"
+    figures.on_heartbeat(EngineReport(0, heartbeat=True, kv_store_address=address), 0.0)
+    figures.on_heartbeat(EngineReport(1, heartbeat=True), 0.0)
+    t = table(2)
+    assert t.store_address_of(0) is None  # not heard from yet
+    t.apply_update(CoordinatorUpdate(None, 0, True, engines=figures.take()))
+    assert t.store_address_of(0) == address
+    assert t.store_address_of(1) is None and t.store_address_of(7) is None

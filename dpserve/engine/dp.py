@@ -87,7 +87,8 @@ class DPLink:
                  *, lockstep: bool = False, sync_interval: int = 32,
                  master_ip: str = "127.0.0.1", master_port: int = 0,
                  secret: str | None = None, incarnation: int = 0,
-                 collective_timeout: float = 10.0, expert_parallel: bool = False) -> None:
+                 collective_timeout: float = 10.0, expert_parallel: bool = False,
+                 kv_store_address: str | None = None) -> None:
         self.rank = rank
         self.incarnation = incarnation  # which process of this rank (restarts count up)
         self.has_work = False  # set by the busy loop after each step, read by heartbeats
@@ -97,6 +98,9 @@ class DPLink:
         self.ttft_s = 0.0  # ... and the recent mean time to first token (at `ttft_at`;
         self.ttft_at = 0.0  # an engine idle for a whole window reports 0)
         self.lora: LoRAReport | None = None  # ... and its LoRA adapters (LoRA on)
+        # Its host's KV store's tcp:// address (a server over several hosts): heartbeats
+        # carry it to the front-ends, which ask that store for pulls.
+        self.kv_store_address = kv_store_address or ""
         self._report_address = report_address
         self._secret = secret
         self._beats = threading.Event()  # set: heartbeats stop
@@ -182,7 +186,8 @@ class DPLink:
                                     < TTFT_WINDOW_S else 0.0,
                                     generated_tokens=self.generated_tokens, pid=pid,
                                     host=host, tp_workers=_workers(tp_workers),
-                                    lora=self.lora)
+                                    lora=self.lora,
+                                    kv_store_address=self.kv_store_address)
                 try:
                     sock.send(encoder.encode(beat), flags=zmq.NOBLOCK)
                 except zmq.Again:

@@ -166,10 +166,10 @@ class EngineCoreProc:
             parallel = self.config.parallel
             self.dp = DPLink(self.rank, init.dp_size, report_address=init.coordinator_output,
                              publish_address=init.coordinator_input, secret=self.secret,
-                             lockstep=parallel.data_parallel_lockstep,
+                             lockstep=parallel.data_parallel_lockstep, incarnation=self.incarnation,
                              sync_interval=parallel.data_parallel_sync_interval,
                              master_ip=init.dp_master_ip, master_port=init.dp_master_port,
-                             incarnation=self.incarnation,
+                             kv_store_address=self.config.cache.kv_tier_remote_address,
                              collective_timeout=parallel.data_parallel_collective_timeout,
                              expert_parallel=parallel.enable_expert_parallel)
         place_engine(self.config, self.rank)

@@ -270,6 +270,14 @@ class RankTable:
                          + (f" ({e.status.reason})" if e.status.reason else "")
                          for e in self.engines.values())
 
+    def store_address_of(self, rank: int) -> str | None:
+        """The tcp:// address of `rank`'s host's KV store, as its heartbeats say (None:
+        a rank not heard from, on one host, or without a tier)."""
+        engine = self.engines.get(rank)
+        if engine is None:
+            return None
+        return engine.info.kv_store_address or None
+
     def choose(self, request: EngineCoreRequest, exclude: int | None = None) -> EngineState:
         """The pinned rank if any, else the router's choice among the placeable ranks."""
         if request.data_parallel_rank is None:

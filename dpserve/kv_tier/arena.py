@@ -5,8 +5,9 @@ generation and a random part, so no name is ever reused or guessable), the store
 creates it (`create_arena`: mode 0600, O_EXCL, its pages allocated up front so
 the budget is held and no later write can fault) and unlinks it on exit
 (`unlink_arena`; the launcher does the same after the store died). Engines and
-their TP workers map it with `attach_arena`: the mapping stays valid after the
-name is unlinked, so a copy in progress finishes from a dead store's arena.
+their TP workers map it with `attach_arena`, the store itself with `map_arena`
+(pulls between hosts' stores): the mapping stays valid after the name is
+unlinked, so a copy in progress finishes from a dead store's arena.
 
 Segments are files in /dev/shm (Linux); only this user's, mode 0600 files are
 mapped. `sweep_dead_arenas` (at a store's start) unlinks those whose launcher is
@@ -19,6 +20,7 @@ Not here: what lives in the arena (`dpserve.kv_tier.layout`), who uses which slo
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import secrets
 import stat
@@ -126,14 +128,10 @@ def _runs(pid: int) -> bool:
     return True
 
 
-def attach_arena(name: str, size: int) -> torch.Tensor:
-    """Map segment `name` (exactly `size` bytes, this user's, mode 0600): a uint8
-    tensor `[size]` over the shared pages. The mapping lives as long as the tensor
-    (and its views), also after the segment is unlinked."""
-    import mmap
-
-    import torch
-
+def map_arena(name: str, size: int) -> mmap.mmap:
+    """Map segment `name` (exactly `size` bytes, this user's, mode 0600) read-write;
+    the mapping stays valid after the name is unlinked. The store maps its own this
+    way (pulls write it, fetches read it)."""
     path = arena_path(name)
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
@@ -147,7 +145,15 @@ def attach_arena(name: str, size: int) -> torch.Tensor:
         if st.st_size != size:
             raise ArenaError(f"the KV tier arena {path} holds {st.st_size} bytes, "
                              f"expected {size}")
-        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    return torch.frombuffer(mapping, dtype=torch.uint8)  # holds `mapping` alive
+
+
+def attach_arena(name: str, size: int) -> torch.Tensor:
+    """Map segment `name` (as `map_arena`): a uint8 tensor `[size]` over the shared
+    pages. The mapping lives as long as the tensor (and its views), also after the
+    segment is unlinked."""
+    import torch
+
+    return torch.frombuffer(map_arena(name, size), dtype=torch.uint8)  # holds the mapping

@@ -7,6 +7,10 @@ call of each kind per step. A hash is a block's 32-byte sha256 (the engine's
 `request.block_hashes`); a slot is an index into the arena, in units of the
 layout's `slot_bytes`.
 
+Pull and Fetch move blocks between two hosts' stores (over their tcp://
+endpoints): a caller asks the destination to `Pull`; the destination asks the
+source for the bytes in `Fetch` chunks (`dpserve.kv_tier.transfer`).
+
 Not here: what the ops do (`dpserve.kv_tier.store`).
 """
 
@@ -52,7 +56,26 @@ class GetStats(msgspec.Struct, tag="stats", **_OP):
     pass
 
 
-Op = Hello | Lookup | Release | Reserve | Commit | Abort | GetStats
+class Pull(msgspec.Struct, tag="pull", **_OP):
+    """To a destination store: fetch the leading `hashes` it lacks from the store at
+    `source` (its tcp:// address), within `timeout_s`; the reply's `held` says how many
+    leading `hashes` it holds then (`dpserve.kv_tier.transfer`)."""
+
+    source: str
+    hashes: list[bytes]
+    timeout_s: float
+
+
+class Fetch(msgspec.Struct, tag="fetch", **_OP):
+    """Destination -> source store: the bytes of the leading `hashes` the source holds
+    (at most the chunk that fits one message); refused unless `layout` is the
+    source's."""
+
+    layout: TierLayout
+    hashes: list[bytes]
+
+
+Op = Hello | Lookup | Release | Reserve | Commit | Abort | GetStats | Pull | Fetch
 
 
 class Call(msgspec.Struct, array_like=True, gc=False):
@@ -82,6 +105,9 @@ class TierStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     hits: int = 0  # of them found (leading READY ones)
     saved: int = 0  # blocks committed
     evictions: int = 0  # READY blocks evicted for a reservation
+    pulled: int = 0  # blocks written by pulls from other stores
+    sent: int = 0  # blocks sent to other stores' pulls
+    pulls: int = 0  # pulls in progress here (destination side)
 
 
 class Reply(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -92,3 +118,5 @@ class Reply(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     reserved: list[tuple[bytes, int]] = []  # Reserve: (hash, slot) granted
     hello: HelloReply | None = None
     stats: TierStats | None = None
+    held: int = 0  # Pull: leading hashes the store holds now
+    blocks: list[bytes] = []  # Fetch: the leading held hashes' slot bytes, in order

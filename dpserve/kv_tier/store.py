@@ -18,6 +18,9 @@ Invariants (`check` asserts them; tests/test_kv_tier_store.py drives them):
   slots than asked (maybe none) when everything else is pinned or WRITING.
 * The first client's layout holds until the store restarts: a client with
   another layout key is refused (`LayoutError` names both keys).
+* A pull between stores (`dpserve.kv_tier.transfer`) is a client too
+  (`register`): it pins the leading blocks it holds, reserves the leading run it
+  lacks (`reserve(leading=True)`), and `drop_client` at its end leaves nothing.
 
 Not here: the process and its sockets (`dpserve.kv_tier.server`), the arena
 (`dpserve.kv_tier.arena`).
@@ -93,6 +96,13 @@ class TierStore:
         self._clients[client] = _Client()
         return self.num_slots
 
+    def register(self, client: str) -> None:
+        """Register `client` under the store's layout (a pull's own owner of pins and
+        reservations) unless it is known; LayoutError when no layout is set yet."""
+        if self.layout is None:
+            raise LayoutError("the KV tier has no layout yet (no engine has connected)")
+        self._clients.setdefault(client, _Client())
+
     def _set_layout(self, layout: TierLayout, num_slots: int) -> None:
         self.layout = layout
         self.num_slots = num_slots
@@ -125,12 +135,15 @@ class TierStore:
 
     # ---- ops -----------------------------------------------------------------
 
-    def lookup(self, client: str, hashes: Iterable[bytes]) -> list[int]:
-        """The slots of the leading READY `hashes`, each pinned for `client`."""
+    def lookup(self, client: str, hashes: Iterable[bytes], *, count: bool = True
+               ) -> list[int]:
+        """The slots of the leading READY `hashes`, each pinned for `client`; `count`:
+        in the queries and hits (an engine's lookups; not a pull's)."""
         owner = self._client(client)
         slots = []
+        queries = 0
         for h in hashes:
-            self._counts["queries"] += 1
+            queries += 1
             slot = self._slot_of.get(h)
             if slot is None or self._state[slot] is not SlotState.READY:
                 break
@@ -139,8 +152,20 @@ class TierStore:
             owner.pins[slot] += 1
             self._evictable.pop(slot, None)  # pinned: not evictable; MRU once released
             slots.append(slot)
-        self._counts["hits"] += len(slots)
+        if count:
+            self._counts["queries"] += queries
+            self._counts["hits"] += len(slots)
         return slots
+
+    def held(self, hashes: Iterable[bytes]) -> int:
+        """How many leading `hashes` are READY (no pin, no count, no LRU move)."""
+        n = 0
+        for h in hashes:
+            slot = self._slot_of.get(h)
+            if slot is None or self._state[slot] is not SlotState.READY:
+                break
+            n += 1
+        return n
 
     def release(self, client: str, slots: Iterable[int]) -> None:
         """Unpin `slots` that `client` pinned (others, e.g. from before its last
@@ -153,13 +178,17 @@ class TierStore:
                     del owner.pins[slot]
                 self._unpin(slot, 1)
 
-    def reserve(self, client: str, hashes: Iterable[bytes]) -> dict[bytes, int]:
+    def reserve(self, client: str, hashes: Iterable[bytes], *, leading: bool = False
+                ) -> dict[bytes, int]:
         """A WRITING slot for each of `hashes` the tier neither holds nor is writing,
-        while slots can be found (FREE, else the LRU READY unpinned one)."""
+        while slots can be found (FREE, else the LRU READY unpinned one). `leading`:
+        a hash the tier holds or is writing ends the run instead (a pull's)."""
         owner = self._client(client)
         granted: dict[bytes, int] = {}
         for h in hashes:
             if h in self._slot_of or h in granted:
+                if leading:
+                    break
                 continue
             slot = self._take_slot()
             if slot is None:

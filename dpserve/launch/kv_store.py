@@ -1,17 +1,19 @@
 """The launcher's handle on its host's KV store process (`dpserve::KVStore`).
 
 Scope: `start_kv_store` starts one for a config with --kv-offload-memory and
-returns the config the host's engines get (naming its address). `KVStore`
+returns the config the host's engines get (naming its addresses). `KVStore`
 first unlinks the arenas that dpserve processes SIGKILLed whole left in /dev/shm
 (`sweep_dead_arenas`) and checks that /dev/shm can hold the budget; it
-allocates the store's ipc:// address (in the launcher's
-private directory), names each start's arena (`new_arena_name`: a new one per
-start), spawns `run_kv_store` and waits until it answers (bounded; it watches
-the process, so a store that fails at start, e.g. /dev/shm too small, fails
-the launch at once). `restart()` replaces a dead store on the same address
-with a new generation and a new arena, after unlinking the dead one's; `close()`
-stops it (terminate -> join -> kill) and unlinks whatever arena is left, also
-when the handle is collected or the interpreter exits.
+allocates the store's ipc:// address (in the launcher's private directory) and,
+for a server that spans hosts, a tcp:// one on this host's address for other
+hosts' pulls (`store_host`; refused off loopback without a secret, as every
+tcp:// data-plane socket), names each start's arena (`new_arena_name`: a new one
+per start), spawns `run_kv_store` and waits until it answers (bounded; it
+watches the process, so a store that fails at start, e.g. /dev/shm too small,
+fails the launch at once). `restart()` replaces a dead store on the same
+addresses with a new generation and a new arena, after unlinking the dead one's;
+`close()` stops it (terminate -> join -> kill) and unlinks whatever arena is
+left, also when the handle is collected or the interpreter exits.
 
 Not here: what the store does (`dpserve.kv_tier.server`), when it is restarted
 (`dpserve.launch.supervisor`, `dpserve.launch.headless`).
@@ -37,10 +39,10 @@ from dpserve.kv_tier.arena import (
 )
 from dpserve.kv_tier.messages import Call, GetStats, Reply
 from dpserve.kv_tier.server import run_kv_store
-from dpserve.launch.addresses import AddressAllocator
+from dpserve.launch.addresses import AddressAllocator, host_towards, pick_port, url_host
 from dpserve.launch.engines import EngineStartupError
 from dpserve.launch.process import ProcessGroup, shutdown
-from dpserve.security import secure
+from dpserve.security import check_exposure, secure
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +58,7 @@ class KVStore:
     """See the module docstring. `start()` once, then `restart()` after each death."""
 
     def __init__(self, arena_bytes: int, allocator: AddressAllocator,
-                 secret: str | None = None) -> None:
+                 secret: str | None = None, remote_host: str | None = None) -> None:
         for name in sweep_dead_arenas():
             logger.warning("removed %s from /dev/shm: its dpserve is gone", name)
         free = shm_free_bytes()
@@ -65,6 +67,9 @@ class KVStore:
                               f"({'missing' if free is None else f'{free} bytes free'})")
         self.arena_bytes = arena_bytes
         self.address = allocator.new_address("kv-store")
+        # Other hosts' pulls (a server over several hosts): a port of this host's address.
+        self.remote_address = (f"tcp://{url_host(remote_host)}:{pick_port(remote_host)}"
+                               if remote_host is not None else None)
         self.secret = secret
         self.generation = -1
         self.arena_name: str | None = None
@@ -103,7 +108,8 @@ class KVStore:
         self._arenas.append(self.arena_name)
         return dict(address=self.address, arena_name=self.arena_name,
                     arena_bytes=self.arena_bytes, generation=self.generation,
-                    parent_pid=os.getpid(), secret=self.secret)
+                    parent_pid=os.getpid(), secret=self.secret,
+                    remote_address=self.remote_address)
 
     def _wait_ready(self, timeout: float) -> None:
         """Until the store answers a stats call; KVStoreError when it exits first or
@@ -135,18 +141,38 @@ class KVStore:
 def start_kv_store(config: EngineConfig, allocator: AddressAllocator
                    ) -> tuple[EngineConfig, KVStore | None]:
     """With --kv-offload-memory: start this host's KV store (its address from
-    `allocator`) and return the config its engines get, naming that address, and
-    the store; else (`config`, None). A store that fails to start is stopped."""
+    `allocator`; with a tcp:// endpoint for other hosts' pulls when the server spans
+    hosts: `store_host`) and return the config its engines get, naming both
+    addresses, and the store; else (`config`, None). A store that fails to start is
+    stopped."""
     if not config.cache.kv_offload_bytes:
         return config, None
+    p = config.parallel
+    host = store_host(config)
+    if host is not None:  # the rule of every tcp:// data-plane socket
+        check_exposure(host, p.data_parallel_secret, p.data_parallel_insecure)
     store = KVStore(config.cache.kv_offload_bytes, allocator,
-                    secret=config.parallel.data_parallel_secret)
+                    secret=p.data_parallel_secret, remote_host=host)
     try:
         store.start()
     except BaseException:
         store.close()
         raise
-    return replace(config, cache=replace(config.cache, kv_tier_address=store.address)), store
+    return replace(config, cache=replace(config.cache, kv_tier_address=store.address,
+                                         kv_tier_remote_address=store.remote_address)), store
+
+
+def store_host(config: EngineConfig) -> str | None:
+    """Where this host's store takes other hosts' pulls: None on one host (no tcp://
+    data plane); the head (or the local-LB leader, start rank 0) binds
+    --data-parallel-address, its own; another host binds its address that routes
+    to it."""
+    p = config.parallel
+    if not p.tcp_data_plane:
+        return None
+    if p.data_parallel_start_rank == 0:
+        return p.data_parallel_address
+    return host_towards(p.data_parallel_address)
 
 
 def _unlink(arenas: list[str]) -> None:
