@@ -38,6 +38,7 @@ from dpserve.frontend.errors import EngineUnavailableError
 from dpserve.frontend.migration import PENDING, Evacuation, InFlightBook, ended
 from dpserve.frontend.rank_table import EngineState, RankTable
 from dpserve.frontend.routing import PrefixTracker, cache_root
+from dpserve.kv_tier.pull import pull
 from dpserve.protocol import EngineCoreOutputs, EngineCoreRequest
 
 logger = logging.getLogger(__name__)
@@ -109,27 +110,19 @@ def prompt_hashes(request: EngineCoreRequest, block_size: int) -> list[bytes]:
     return PrefixTracker(block_size).hashes(tokens, cache_root(request))
 
 
-def store_address(engine: EngineState) -> str:
-    """The tcp address of the KV store of the rank's host ("" while unknown)."""
-    return str(getattr(engine.info, "kv_store_address", "") or "")
-
-
 async def pull_prompt(source: EngineState, target: EngineState, request: EngineCoreRequest,
                       block_size: int, secret: str | None, timeout: float) -> int:
     """Have the target's host store pull the request's blocks from the source's; how
-    many it holds now (leading). 0 when both use one store, on any failure, when a
-    store's address is not known, or when this build has no pull
-    (`dpserve.kv_tier.pull`): the decode rank then computes what its host lacks."""
-    src, dst = store_address(source), store_address(target)
+    many it holds now (leading). 0 when both use one store (one host), when a store's
+    address is not known yet (`EngineInfo.kv_store_address`, from heartbeats), or on
+    any failure (`dpserve.kv_tier.pull` logs why): the decode rank then computes what
+    its host lacks."""
+    src, dst = source.info.kv_store_address, target.info.kv_store_address
     if not src or not dst or src == dst:
         return 0
     try:
-        from dpserve.kv_tier import pull as kv_pull  # type: ignore[attr-defined]
-    except ImportError:
-        return 0
-    try:
-        return int(await kv_pull.pull(dst, src, prompt_hashes(request, block_size),
-                                      secret=secret, timeout=timeout))
+        return await pull(dst, src, prompt_hashes(request, block_size), secret=secret,
+                          timeout=timeout)
     except Exception as e:  # noqa: BLE001 - a failed pull costs a recompute, never the request
         logger.warning("KV pull of %s from rank %d's host to rank %d's failed: %s",
                        request.request_id, source.rank, target.rank, e)
