@@ -17,6 +17,7 @@ from helpers import (
     free_port,
     metric_sum,
     offline_greedy_texts,
+    output,
     read_log,
     serve,
     start_background,
@@ -37,7 +38,7 @@ def test_prefill_on_the_head_decode_on_a_headless_host(tiny_llama):
                                      "--data-parallel-start-rank", "1", *dp_args(2, rpc), *PD)
     try:
         with serve(model, "--data-parallel-size-local", "1", *dp_args(2, rpc), *PD) \
-                as (_, url):
+                as (head, url):
             # Handoffs pull only between known stores: wait for both ranks' heartbeats.
             wait_until(lambda: all(r["host"] for r in httpx.get(
                 url + "/engines", timeout=5).json()["engines"]), 30, "both ranks' heartbeats")
@@ -46,7 +47,8 @@ def test_prefill_on_the_head_decode_on_a_headless_host(tiny_llama):
             assert metric_sum(url, "dpserve:pd_handoffs_total") == len(PROMPTS)
             # The blocks crossed hosts, and rank 1 loaded them from its own host's store.
             pulled = metric_sum(url, "dpserve:pd_pulled_blocks_total")
-            assert pulled >= len(PROMPTS) * 3, pulled
+            assert pulled >= len(PROMPTS) * 3, (pulled, [
+                line for line in output(head).splitlines() if "pull" in line.lower()][-20:])
             assert per_engine(url, "external_prefix_cache_hits", 1) >= pulled * BLOCK
     finally:
         stop(headless, 15)

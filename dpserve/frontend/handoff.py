@@ -78,8 +78,9 @@ class HandoffSender:
         target = self._place(request_id, continuation)
         if target is not None and source is not None and target is not source:
             block_size = table.router.tracker.block_size  # (same store: nothing to pull)
-            book.pulled_blocks += await pull_prompt(source, target, continuation, block_size,
-                                                    self.secret, self.pull_timeout)
+            pulled = await pull_prompt(source, target, continuation, block_size,
+                                       self.secret, self.pull_timeout)
+            book.pulled_blocks += pulled  # (not `+= await`: pulls run side by side)
             if not target.placeable:  # it stopped serving meanwhile: place it again
                 target = self._place(request_id, continuation)
         move = target and book.commit_handoff(request_id, target, table, client.current_wave)
