@@ -189,3 +189,14 @@ def test_a_first_leg_lost_with_its_rank_is_re_sent_whole():
     [move] = plan.moves
     assert move.target == 1 and move.request.sampling_params.max_tokens == 8
     assert not move.request.do_remote_decode and book.flights["r"].handoff is None
+
+
+def test_roles_follow_elastic_scaling():
+    t = table(2, prefill=1)
+    t.resize(3)  # the new rank decodes
+    t.apply_status(2, RankStatus(RankState.SERVING, 0))
+    t.register(2)
+    assert [t.view(t.engines[r]).role for r in t.ranks] == ["prefill", "decode", "decode"]
+    t.resize(1)  # only the prefill rank is left: it serves colocated
+    assert not t.hands_off(request(), t.engines[0], 256)
+    assert t.choose(request()).rank == 0
