@@ -44,6 +44,7 @@ from dpserve.placement import (
     check_placement,
     check_tensor_parallel,
     cpu_groups,
+    data_parallel_roles,
     data_plane_secret,
     size_local,
     size_max,
@@ -194,6 +195,9 @@ class EngineArgs:
     data_parallel_hybrid_lb: bool = _opt(False, "Hybrid load balancing: each host's API "
                                          "servers balance over that host's engines only.",
                                          aliases=("-dph",))
+    data_parallel_roles: str | None = _opt(None, "prefill:P,decode:D (P + D = the DP size, "
+                                           "needs --kv-offload-memory): prompts on ranks "
+                                           "0..P-1, decoding on the rest. Default: off.")
     data_parallel_backend: str = _opt("mp", "Run engines as local processes (mp) or Ray "
                                       "actors (ray; pip install dpserve[ray]).",
                                       choices=DP_BACKENDS, aliases=("-dpb",))
@@ -397,6 +401,7 @@ class EngineArgs:
             data_parallel_rpc_port=self.data_parallel_rpc_port,
             data_parallel_rank=self.data_parallel_rank,
             data_parallel_hybrid_lb=self.data_parallel_hybrid_lb,
+            data_parallel_roles=data_parallel_roles(self),
             data_parallel_backend=self.data_parallel_backend,
             data_parallel_pack_strategy=self.data_parallel_pack_strategy,
             data_parallel_secret=data_plane_secret(self),

@@ -156,6 +156,9 @@ class ParallelConfig:
     data_parallel_rpc_port: int = 29550  # the head's handshake / rendezvous port
     data_parallel_rank: int | None = None  # external LB: this server fronts this rank only
     data_parallel_hybrid_lb: bool = False  # API servers balance over this host's engines
+    # --data-parallel-roles: (prefill, decode) rank counts at start; ranks [0, P) prefill,
+    # the rest decode (dpserve.frontend.handoff). None: every rank does both.
+    data_parallel_roles: tuple[int, int] | None = None
     data_parallel_backend: str = "mp"  # "mp": local processes; "ray": Ray actors
     data_parallel_pack_strategy: str = "strict"  # Ray: how ranks are packed onto nodes
     data_parallel_secret: str | None = field(default=None, repr=False)  # data-plane key

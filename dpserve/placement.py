@@ -5,7 +5,8 @@ cores (`threads_per_engine`, `cpu_groups`), how far the engine count may change
 at run time (`autoscale_config`, `size_max`), the data-plane secret and the
 exposure check (`data_plane_secret`), and the checks of the multi-host options
 (`check_placement`), and whether the model splits over each rank's
-tensor-parallel workers (`check_tensor_parallel`). `EngineArgs`
+tensor-parallel workers (`check_tensor_parallel`), and the prefill / decode
+roles of the ranks (`data_parallel_roles`). `EngineArgs`
 (dpserve.config) calls them with itself: they read the options that
 `PlacementArgs` lists.
 
@@ -57,6 +58,8 @@ class PlacementArgs(Protocol):
     autoscale_cooldown: float
     threads_per_engine: int | None
     cpu_bind: str
+    data_parallel_roles: str | None
+    kv_offload_memory: str | int | None
 
 
 def _need(args: PlacementArgs, ok: bool, name: str, what: str) -> None:
@@ -97,6 +100,7 @@ def check_placement(args: PlacementArgs) -> None:
              "'ray' places every rank itself (no --data-parallel-size-local, "
              "--data-parallel-start-rank, --data-parallel-rank or hybrid LB)")
     data_plane_secret(args)
+    data_parallel_roles(args)
 
 
 def check_tensor_parallel(args: PlacementArgs, hf_config: Mapping[str, Any], device: str,
@@ -246,6 +250,38 @@ def size_max(args: PlacementArgs, autoscale: AutoscaleConfig | None) -> int:
               "data_parallel_size_max",
               f"must be at least the autoscale MAX ({autoscale.max_size})")
     return args.data_parallel_size_max
+
+
+def data_parallel_roles(args: PlacementArgs) -> tuple[int, int] | None:
+    """--data-parallel-roles `prefill:P,decode:D` -> (P, D): ranks [0, P) prefill, the
+    other D decode (None: every rank does both). One-line ConfigErrors: a bad spec,
+    sizes that do not add up to data_parallel_size, no --kv-offload-memory (the
+    prompt's KV reaches the decode rank through the host tier), external or hybrid
+    load balancing (one API server must see both roles)."""
+    spec = args.data_parallel_roles
+    if spec is None:
+        return None
+    sizes: dict[str, int] = {}
+    for part in spec.split(","):
+        role, _, count = part.strip().partition(":")
+        if role not in ("prefill", "decode") or role in sizes or not count.strip().isdigit():
+            raise ConfigError(f"data_parallel_roles must be prefill:P,decode:D (e.g. "
+                              f"prefill:1,decode:1), got {spec!r}")
+        sizes[role] = int(count)
+    prefill, decode = sizes.get("prefill", 0), sizes.get("decode", 0)
+    need = functools.partial(_need, args)
+    need(prefill >= 1 and decode >= 1, "data_parallel_roles",
+         "needs at least one prefill and one decode rank")
+    need(prefill + decode == args.data_parallel_size, "data_parallel_roles",
+         f"must add up to data_parallel_size ({args.data_parallel_size}): "
+         f"{prefill} + {decode} = {prefill + decode}")
+    if args.kv_offload_memory in (None, 0, "0"):
+        raise ConfigError("data_parallel_roles needs --kv-offload-memory (the prompt's KV "
+                          "reaches the decode rank through the host's KV tier)")
+    need(args.data_parallel_rank is None and not args.data_parallel_hybrid_lb,
+         "data_parallel_roles", "cannot be combined with --data-parallel-rank or "
+         "--data-parallel-hybrid-lb (an API server must front both roles)")
+    return prefill, decode
 
 
 def data_plane_secret(args: PlacementArgs) -> str | None:

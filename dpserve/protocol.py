@@ -112,6 +112,11 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # A pooling (embedding) request: no tokens are sampled, the output that finishes it
     # carries `EngineCoreOutput.pooled`. None: a generation request.
     pooling: PoolingParams | None = None
+    # Prefill/decode disaggregation (vLLM's `do_remote_decode`): the first leg of a
+    # handoff (max_tokens 1). Its engine makes the prompt's full blocks visible in the
+    # host's KV tier before the output that finishes it leaves (tensor parallel:
+    # commits the step's saves first), so the decode rank loads them.
+    do_remote_decode: bool = False
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):

@@ -142,8 +142,8 @@ def book_with(t: RankTable, *flights: tuple[str, int | None, list[int]]) -> InFl
         engine = t.engines[pin] if pin is not None else t.engines[1]
         book.add(req, engine.rank)
         t.assign(engine, 3)
-        keep, finished = book.accept(engine.rank, EngineCoreOutput(rid, tokens))
-        assert keep and not finished
+        kept, finished = book.accept(engine.rank, EngineCoreOutput(rid, tokens))
+        assert kept is not None and not finished
     return book
 
 
@@ -163,8 +163,9 @@ def test_the_plan_moves_with_prior_tokens_and_fails_pinned_requests():
     assert (book.num_migrations, book.num_retries, book.recomputed_tokens) == (1, 1, 8)
     assert t.engines[1].num_requests == 0 and "pinned" not in book.flights
     # Outputs the old rank still sends are dropped; the new rank's are kept.
-    assert book.accept(1, EngineCoreOutput("mid", [9])) == (False, False)
-    assert book.accept(moved["mid"].target, EngineCoreOutput("mid", [9])) == (True, False)
+    assert book.accept(1, EngineCoreOutput("mid", [9])) == (None, False)
+    out = EngineCoreOutput("mid", [9])
+    assert book.accept(moved["mid"].target, out) == (out, False)
 
 
 def test_a_dead_rank_gets_no_abort_and_moves_are_bounded():

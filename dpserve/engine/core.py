@@ -79,6 +79,8 @@ class EngineCore:
             compile_timeout=config.limits.structured_outputs_compile_timeout)
         self.num_forward_passes = 0  # model executions by step(), cumulative
         self.ep_failure: str | None = None  # set when an expert-parallel collective failed
+        # First legs of prefill/decode handoffs (`do_remote_decode`) not finished yet.
+        self.handoffs: set[str] = set()
         logger.info("engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens)",
                     time.monotonic() - start, self.num_kv_blocks, config.cache.block_size,
                     self.num_kv_blocks * config.cache.block_size)
@@ -112,6 +114,8 @@ class EngineCore:
             if lora_id:  # the adapter this call acquired
                 self._release_lora([req.request_id])
             raise
+        if request.do_remote_decode:
+            self.handoffs.add(req.request_id)
 
     def _check_pooling(self, request: EngineCoreRequest) -> None:
         """ValueError for a pooling request that cannot run: more dimensions than the
@@ -161,6 +165,7 @@ class EngineCore:
         outputs += [EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ABORT)
                     for r in self.structured.abort(request_ids)]
         self._release_lora([o.request_id for o in outputs])
+        self.handoffs.difference_update(request_ids)
         self._forget_if_idle()
         return outputs
 
@@ -207,8 +212,20 @@ class EngineCore:
             self._release_lora([o.request_id for o in failed + outputs if o.finished])
         if scheduler_output.is_empty:  # no step comes to prove the host-tier saves copied
             self._commit_kv_saves()
+        if self.handoffs:
+            self._commit_for_handoffs(failed + outputs)
         self._forget_if_idle()
         return failed + outputs
+
+    def _commit_for_handoffs(self, outputs: list[EngineCoreOutput]) -> None:
+        """Invariant: the first leg of a handoff finishes only once its prompt's full
+        blocks are committed in the host's KV tier (the decode rank loads them as soon
+        as the front-end sees this output). One worker commits right after execute;
+        tensor parallel defers commits to the next step, so commit them now."""
+        done = [o.request_id for o in outputs if o.finished and o.request_id in self.handoffs]
+        if done:
+            self.handoffs.difference_update(done)
+            self._commit_kv_saves()
 
     def _admit_structured(self) -> list[EngineCoreOutput]:
         """0. Requests whose grammar is compiled go to the scheduler; with nothing else
@@ -272,6 +289,7 @@ class EngineCore:
         runner (leak checks: all 0, with every KV block free, once idle)."""
         return {**self.scheduler.state_sizes(), "generators": len(self.runner.generators),
                 "grammar_pending": len(self.structured.pending),
+                "handoffs": len(self.handoffs),
                 "lora_requests": len(self.lora.request_lora) if self.lora else 0}
 
     def sleep(self, level: int) -> None:

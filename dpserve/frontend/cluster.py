@@ -2,7 +2,7 @@
 
 Scope: the one typed surface `dpserve.server` uses of the engine side
 (`AsyncLLM.cluster`): the ranks and their states, the data-parallel size,
-pause / sleep and its state, scale requests, moved-request counts, utility
+pause / sleep and its state, scale requests, moved-request and handoff counts, utility
 calls (one rank, or every live one), per-rank operator controls, where a
 session last went, the LoRA adapter registry (`dpserve.frontend.lora`), the
 queues admission control reads, and death. Both engine clients provide it as
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from dpserve.frontend.migration import MovedCounts
+from dpserve.frontend.migration import HandoffCounts, MovedCounts
 from dpserve.frontend.rank_table import RankView
 from dpserve.protocol import ControlState, LoRAChange, ScaleStatus
 
@@ -52,6 +52,14 @@ class ClusterView(Protocol):
     @property
     def moved(self) -> MovedCounts:
         """Requests this front-end re-sent or migrated, and the tokens recomputed."""
+
+    @property
+    def handoffs(self) -> HandoffCounts:
+        """Prefill -> decode handoffs of this front-end (`--data-parallel-roles`)."""
+
+    def take_handoff_latencies(self) -> list[float]:
+        """Seconds from each handoff's first token to its decode rank's first output,
+        since the last call (the /metrics histogram takes them)."""
 
     def ranks(self) -> list[RankView]:
         """Every rank this front-end sends to, in rank order."""

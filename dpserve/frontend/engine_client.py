@@ -22,6 +22,10 @@ return:
   prior tokens, and which end with an error output (pinned, moved
   `max_migrations` times, or no serving rank left). `fail_stop=True`
   (`--engine-failure-policy stop`): a rank that dies kills the client instead.
+* Handoffs (`--data-parallel-roles`): a new request placed on a prefill rank goes
+  there as a first leg (`dpserve.frontend.roles.first_leg`); when the book sees it
+  done, a `HandoffSender` task (`dpserve.frontend.handoff`) sends its continuation
+  to a decode rank as a migration; an abort in between ends it here.
 * Waves: each request carries the wave this client last heard of from the
   coordinator. In lockstep mode (`lockstep=True`), a request sent while the
   coordinator said "paused" is followed by `WakeEngines(wave, engine)` so the
@@ -47,7 +51,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing import connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -61,15 +65,15 @@ from dpserve.frontend.coordinator_link import CoordinatorLink, CoordinatorNews
 from dpserve.frontend.engine_cluster import EngineClientCluster
 from dpserve.frontend.engine_sockets import EngineSockets, UtilityCallError, UtilityCalls
 from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError
+from dpserve.frontend.handoff import HandoffSender
 from dpserve.frontend.lora import LoRAReplay
-from dpserve.frontend.migration import Evacuation, InFlightBook
+from dpserve.frontend.migration import Evacuation, InFlightBook, ended
 from dpserve.frontend.rank_table import EngineState, RankTable, StatusChange
+from dpserve.frontend.roles import first_leg, roles_of
 from dpserve.frontend.routing import Router, sendable
 from dpserve.protocol import (
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-    FinishReason,
     RankState,
     RankStatus,
     RequestType,
@@ -116,6 +120,7 @@ class AsyncEngineClient:
         self.table = RankTable(engine_ranks, router, balanced=balanced, elastic=elastic,
                                fail_stop=fail_stop)
         self.book = InFlightBook(max_migrations)
+        self.handoffs = HandoffSender(self, secret)
         self.dead = False
         self.dead_reason: str | None = None
         self._dead_event = asyncio.Event()
@@ -197,10 +202,11 @@ class AsyncEngineClient:
         request = sendable(request, self.client_index, self.current_wave)
         await self.lora_replay.ensure(self, engine.rank, engine.status.incarnation,
                                       request.lora_name)  # N = 1: a restarted rank
-        self.book.add(request, engine.rank)
+        sent = self.book.add(request, engine.rank, first_leg(request) if self.table.hands_off(
+            request, engine, self.max_model_len) else None)  # a handoff's first leg
         self.table.assign(engine, len(request.prompt_token_ids))
         try:
-            await self._send(engine, RequestType.ADD, request)
+            await self._send(engine, RequestType.ADD, sent)
         except BaseException:
             self._forget(request.request_id)
             raise
@@ -224,11 +230,9 @@ class AsyncEngineClient:
         """
         if self.dead:
             return
-        by_rank: dict[int, list[str]] = {}
-        for rid in request_ids:
-            rank = self.engine_of(rid)
-            if rank is not None:
-                by_rank.setdefault(rank, []).append(rid)
+        by_rank, cancelled = self.book.abort_plan(request_ids, self.table)
+        for rid, rank in cancelled:  # mid-handoff: no engine holds them
+            self.put_output(ended(rank, rid))
         for rank, ids in by_rank.items():
             engine = self.engines.get(rank)  # None: removed (its requests are moving)
             with contextlib.suppress(EngineUnavailableError):  # gone: nothing to abort there
@@ -247,6 +251,9 @@ class AsyncEngineClient:
             self._outputs.put_nowait(_DEAD)  # for the next caller too
             raise EngineDeadError(self.dead_reason)
         return item
+
+    def put_output(self, outputs: EngineCoreOutputs) -> None:
+        self._outputs.put_nowait(outputs)
 
     def _forget(self, request_id: str) -> None:
         flight = self.book.pop(request_id)
@@ -353,20 +360,18 @@ class AsyncEngineClient:
                 await self._sockets.send(engine_identity(plan.rank), RequestType.ABORT,
                                          plan.abort, flags=zmq.NOBLOCK)
         for failure in plan.failures:
-            self._outputs.put_nowait(EngineCoreOutputs(engine_index=failure.rank, outputs=[
-                EngineCoreOutput(failure.request_id, [], finish_reason=FinishReason.ABORT,
-                                 error=failure.error)]))
-        await self._send_moves(plan, change.why)
+            self.put_output(ended(failure.rank, failure.request_id, failure.error))
+        await self.send_moves(plan, change.why)
 
-    async def _send_moves(self, plan: Evacuation, why: str) -> None:
+    async def send_moves(self, plan: Evacuation, why: str) -> None:
         for move in plan.moves:
             flight = self.book.flights.get(move.request_id)
             target = self.engines.get(move.target)
             if flight is None or flight.rank != move.target or target is None:
                 continue  # finished, or moved on again meanwhile
-            logger.info("front-end %d: %s %s from %s to rank %d (%d tokens so far)",
-                        self.client_index, "migrating" if move.num_tokens else "re-sending",
-                        move.request_id, why, move.target, move.num_tokens)
+            logger.log(plan.log_level, "front-end %d: %s %s from %s to rank %d (%d tokens "
+                       "so far)", self.client_index, "migrating" if move.num_tokens else
+                       "re-sending", move.request_id, why, move.target, move.num_tokens)
             try:
                 await self._send(target, RequestType.ADD, move.request)
                 await self._wake_if_paused(move.request, target)
@@ -411,15 +416,15 @@ class AsyncEngineClient:
         self._calls.resolve(outputs.utility_output)
         kept = []
         for out in outputs.outputs:
-            keep, finished = self.book.accept(outputs.engine_index, out)
+            passed, finished = self.book.accept(outputs.engine_index, out)
             if finished:
                 self._forget(out.request_id)
-            if keep:
-                kept.append(out)
+            if passed is not None:
+                kept.append(passed)
         if kept:
-            if len(kept) != len(outputs.outputs):
-                outputs = msgspec.structs.replace(outputs, outputs=kept)
-            self._outputs.put_nowait(outputs)
+            self._outputs.put_nowait(msgspec.structs.replace(outputs, outputs=kept))
+        for request_id in self.book.take_pending():  # first legs done: continue elsewhere
+            self._spawn(self.handoffs.hand_off(request_id))
 
     # ---- death and closing ---------------------------------------------------------------
 
@@ -440,19 +445,8 @@ class AsyncEngineClient:
 
     def watch_processes(self, procs: Sequence[BaseProcess]) -> None:
         """Mark the client dead when any of these (local, spawned here) processes exits."""
-        by_sentinel = {p.sentinel: p for p in procs}
-
-        def watch() -> None:
-            while not self._watch_stop.is_set():
-                exited = connection.wait(list(by_sentinel), timeout=0.5)
-                if exited:
-                    p = by_sentinel[exited[0]]  # type: ignore[index]
-                    p.join(timeout=1.0)  # reap: its exit code becomes known
-                    self.mark_dead(f"process {p.name} (pid {p.pid}) exited with "
-                                   f"code {p.exitcode}")
-                    return
-
-        threading.Thread(target=watch, name="engine-process-watcher", daemon=True).start()
+        threading.Thread(target=_watch, args=(procs, self._watch_stop, self.mark_dead),
+                         name="engine-process-watcher", daemon=True).start()
 
     def check_alive(self) -> None:
         if self.dead:
@@ -484,17 +478,31 @@ class AsyncEngineClient:
         await self.aclose()
 
 
+def _watch(procs: Sequence[BaseProcess], stop: threading.Event,
+           mark_dead: Callable[[str], None]) -> None:
+    """Until `stop`: when one of `procs` exits, reap it and `mark_dead(why)`."""
+    by_sentinel = {p.sentinel: p for p in procs}
+    while not stop.is_set():
+        exited = connection.wait(list(by_sentinel), timeout=0.5)
+        if exited:
+            p = by_sentinel[exited[0]]  # type: ignore[index]
+            p.join(timeout=1.0)  # reap: its exit code becomes known
+            mark_dead(f"process {p.name} (pid {p.pid}) exited with code {p.exitcode}")
+            return
+
+
 def from_config(config: EngineConfig, input_address: str | Sequence[str],
                       output_address: str | Sequence[str], *, engine_ranks: Sequence[int],
                       client_index: int = 0, max_model_len: int | None = None,
                       coordinator_address: str | None = None,
                       load_balance: str = "least-loaded") -> AsyncEngineClient:
     """The engine client of one front-end, its policies taken from `config` (lockstep,
-    secret, migrations, failure policy, elastic, KV block size and host tier, LoRA); the
+    secret, migrations, failure policy, elastic, KV block size and host tier, LoRA,
+    prefill / decode roles); the
     one place both the API server and the offline LLM build it. Call inside the loop it
     will use."""
     parallel = config.parallel
-    return AsyncEngineClient(input_address, output_address, engine_ranks=engine_ranks,
+    client = AsyncEngineClient(input_address, output_address, engine_ranks=engine_ranks,
                              client_index=client_index, max_model_len=max_model_len,
                              coordinator_address=coordinator_address,
                              load_balance=load_balance,
@@ -505,3 +513,5 @@ def from_config(config: EngineConfig, input_address: str | Sequence[str],
                              elastic=parallel.elastic, block_size=config.cache.block_size,
                              loras=dict(config.lora.modules) if config.lora else None,
                              kv_tier=bool(config.cache.kv_offload_bytes))
+    client.table.roles = roles_of(parallel.data_parallel_roles)  # --data-parallel-roles
+    return client

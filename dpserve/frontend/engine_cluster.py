@@ -13,13 +13,14 @@ Not here: the request path and the sockets (`dpserve.frontend.engine_client`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any, Protocol
 
 from dpserve.frontend.cluster import DEFAULT_CONTROL_TIMEOUT_S
 from dpserve.frontend.control import ControlView, change_control
 from dpserve.frontend.coordinator_link import CoordinatorLink, CoordinatorNews
 from dpserve.frontend.errors import EngineUnavailableError
-from dpserve.frontend.migration import InFlightBook, MovedCounts
+from dpserve.frontend.migration import HandoffCounts, InFlightBook, MovedCounts
 from dpserve.frontend.rank_table import RankTable, RankView
 from dpserve.protocol import (
     ControlChange,
@@ -97,9 +98,20 @@ class EngineClientCluster:
     def moved(self) -> MovedCounts:
         return self._client.book.moved
 
+    @property
+    def handoffs(self) -> HandoffCounts:
+        return self._client.book.handoffs
+
+    def take_handoff_latencies(self) -> list[float]:
+        latencies = self._client.book.latencies
+        taken = list(latencies)
+        latencies.clear()
+        return taken
+
     def ranks(self) -> list[RankView]:
-        table = self._client.table
-        return [table.view(table.engines[r]) for r in table.ranks]
+        table, book = self._client.table, self._client.book
+        return [dataclasses.replace(table.view(table.engines[r]), handoffs=book.handoffs_at(r))
+                for r in table.ranks]
 
     def queued(self) -> list[tuple[int, int]]:
         """(requests, prompt tokens) waiting at each serving rank, for admission control:

@@ -14,6 +14,15 @@ Scope (IO-free: the engine client's shell sends what the plan says):
   the ids to ABORT at the rank first (when it may still run: no duplicates when
   it recovers), the moves and the failures; the book and the table already
   account for them when it returns.
+* Handoffs (prefill/decode disaggregation, `dpserve.frontend.handoff`): a flight
+  whose first leg (max_tokens 1) runs at a prefill rank is `PREFILL`; the output
+  that finishes that leg by length is passed on unfinished and the flight turns
+  `PENDING` (`take_pending`: the shell sends its continuation); `commit_handoff`
+  moves it to the decode rank as a migration does (the tokens so far as
+  `prior_output_token_ids`), `SENT` until that rank's first output comes (the
+  handoff latency). An evacuation turns any of them into an ordinary flight (a
+  first leg is re-sent whole: it runs colocated); an abort of a `PENDING` flight
+  ends it here (`abort_plan`: no engine holds it).
 
 Not here: sending (`dpserve.frontend.engine_client`), rank states
 (`dpserve.frontend.rank_table`).
@@ -21,13 +30,20 @@ Not here: sending (`dpserve.frontend.engine_client`), rank states
 
 from __future__ import annotations
 
+import collections
+import logging
+import time
 from dataclasses import dataclass, field
 
 import msgspec
 
 from dpserve.frontend.errors import EngineUnavailableError
 from dpserve.frontend.rank_table import EngineState, RankTable
-from dpserve.protocol import EngineCoreOutput, EngineCoreRequest
+from dpserve.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+
+# A flight's handoff phase (module docstring); None: an ordinary flight.
+PREFILL, PENDING, SENT = "prefill", "pending", "sent"
+MAX_LATENCIES = 4096  # handoff latencies kept until the metrics take them
 
 
 @dataclass
@@ -38,6 +54,10 @@ class InFlight:
     rank: int  # the engine that runs it now
     generated: list[int] = field(default_factory=list)  # every token received so far
     moves: int = 0  # times it was re-sent to another rank
+    handoff: str | None = None  # PREFILL | PENDING | SENT (module docstring); None: none
+    handoff_from: int | None = None  # the prefill rank, from PENDING until the handoff ends
+    handoff_at: float = 0.0  # when the first leg's token came (monotonic s)
+    handed_off: bool = False  # it continued on a decode rank (whose cache hits it hides)
 
 
 @dataclass(frozen=True)
@@ -68,6 +88,7 @@ class Evacuation:
     abort: list[str]  # ids to ABORT at the rank first ([]: it is dead, or held none)
     moves: list[Move]
     failures: list[Failure]
+    log_level: int = logging.INFO  # of each move's line (a handoff's: DEBUG)
 
 
 @dataclass(frozen=True)
@@ -79,6 +100,23 @@ class MovedCounts:
     recomputed_tokens: int = 0  # prompt + generated tokens prefilled again by moves
 
 
+@dataclass(frozen=True)
+class HandoffCounts:
+    """Prefill -> decode handoffs of this client (the /metrics figures)."""
+
+    handoffs: int = 0  # continuations sent to another rank
+    colocated: int = 0  # first legs that went on where they were (no other rank serving)
+    in_flight: int = 0  # first token in, the continuation's first output not yet
+    pulled_blocks: int = 0  # blocks pulled into a decode rank's host store (cross-host)
+
+
+def ended(rank: int, request_id: str, error: str | None = None) -> EngineCoreOutputs:
+    """The message that ends a request no engine will end (finish reason ABORT; with
+    `error`: it failed)."""
+    return EngineCoreOutputs(engine_index=rank, outputs=[EngineCoreOutput(
+        request_id, [], finish_reason=FinishReason.ABORT, error=error)])
+
+
 class InFlightBook:
     """Requests in flight from one front-end (module docstring)."""
 
@@ -88,15 +126,36 @@ class InFlightBook:
         self.num_retries = 0
         self.num_migrations = 0
         self.recomputed_tokens = 0
+        self.num_handoffs = 0
+        self.num_colocated = 0
+        self.pulled_blocks = 0
+        self.pending: list[str] = []  # first legs done since `take_pending`
+        self.latencies: collections.deque[float] = collections.deque(maxlen=MAX_LATENCIES)
 
     @property
     def moved(self) -> MovedCounts:
         return MovedCounts(self.num_retries, self.num_migrations, self.recomputed_tokens)
 
-    def add(self, request: EngineCoreRequest, rank: int) -> None:
+    @property
+    def handoffs(self) -> HandoffCounts:
+        in_flight = sum(f.handoff in (PENDING, SENT) for f in self.flights.values())
+        return HandoffCounts(self.num_handoffs, self.num_colocated, in_flight,
+                             self.pulled_blocks)
+
+    def handoffs_at(self, rank: int) -> int:
+        """Handoffs in flight from or to `rank`."""
+        return sum(f.handoff in (PENDING, SENT) and rank in (f.rank, f.handoff_from)
+                   for f in self.flights.values())
+
+    def add(self, request: EngineCoreRequest, rank: int, first_leg: EngineCoreRequest |
+            None = None) -> EngineCoreRequest:
+        """Keep `request` (as first sent) at `rank`; `first_leg`: what goes to the rank
+        instead (a handoff's first leg). Returns what to send."""
         if request.request_id in self.flights:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
-        self.flights[request.request_id] = InFlight(request, rank)
+        self.flights[request.request_id] = InFlight(
+            request, rank, handoff=PREFILL if first_leg is not None else None)
+        return first_leg if first_leg is not None else request
 
     def pop(self, request_id: str) -> InFlight | None:
         return self.flights.pop(request_id, None)
@@ -108,16 +167,79 @@ class InFlightBook:
     def at(self, rank: int) -> list[InFlight]:
         return [f for f in self.flights.values() if f.rank == rank]
 
-    def accept(self, engine_index: int, out: EngineCoreOutput) -> tuple[bool, bool]:
-        """An output from `engine_index`: (keep it, the request finished here). Outputs
-        from a rank the request has left are dropped (it goes on elsewhere)."""
+    def accept(self, engine_index: int, out: EngineCoreOutput
+               ) -> tuple[EngineCoreOutput | None, bool]:
+        """An output from `engine_index`: (what to pass on, None: drop it; the request
+        finished here). Outputs from a rank the request has left are dropped (it goes
+        on elsewhere); a handoff's first leg that ends by length goes on unfinished."""
         flight = self.flights.get(out.request_id)
         if flight is None:
-            return True, False
-        if flight.rank != engine_index:
-            return False, False
+            return out, False
+        if flight.rank != engine_index or flight.handoff == PENDING:
+            return None, False
         flight.generated.extend(out.new_token_ids)
-        return True, out.finished
+        if flight.handed_off and out.num_cached_tokens:  # usage as colocated: the prefill
+            out = msgspec.structs.replace(out, num_cached_tokens=0)  # rank's hits count
+        if flight.handoff == SENT:  # the decode rank's first output: the handoff is done
+            self.latencies.append(time.monotonic() - flight.handoff_at)
+            flight.handoff = flight.handoff_from = None
+        elif flight.handoff == PREFILL and out.finished:
+            flight.handoff = None
+            if out.finish_reason is FinishReason.LENGTH and out.error is None:
+                flight.handoff, flight.handoff_at = PENDING, time.monotonic()
+                flight.handoff_from = flight.rank
+                self.pending.append(out.request_id)
+                return msgspec.structs.replace(out, finish_reason=None, stop_reason=None,
+                                               phase_times=None), False
+        return out, out.finished
+
+    def take_pending(self) -> list[str]:
+        """The first legs done since the last call (their continuations are due)."""
+        pending, self.pending = self.pending, []
+        return pending
+
+    def continuation(self, request_id: str, wave: int) -> EngineCoreRequest | None:
+        """What a `PENDING` flight's decode rank gets: the request with the tokens so
+        far (None: the flight ended or moved meanwhile)."""
+        flight = self.flights.get(request_id)
+        if flight is None or flight.handoff != PENDING:
+            return None
+        return msgspec.structs.replace(flight.request, current_wave=wave,
+                                       prior_output_token_ids=list(flight.generated))
+
+    def commit_handoff(self, request_id: str, target: EngineState, table: RankTable,
+                       wave: int) -> Move | None:
+        """Move a `PENDING` flight to `target` (None: it ended or moved meanwhile); the
+        same rank (no other serving) goes on colocated, counted apart."""
+        moved = self.continuation(request_id, wave)
+        if moved is None:
+            return None
+        flight = self.flights[request_id]
+        source = flight.rank
+        table.release(source)
+        table.assign(target)
+        flight.rank, flight.handoff, flight.handed_off = target.rank, SENT, True
+        if target.rank == source:
+            self.num_colocated += 1
+        else:
+            self.num_handoffs += 1
+        return Move(request_id, moved, source, target.rank, len(flight.generated))
+
+    def abort_plan(self, request_ids: list[str] | tuple[str, ...], table: RankTable
+                   ) -> tuple[dict[int, list[str]], list[tuple[str, int]]]:
+        """The ids to ABORT at each rank, and the (id, rank) of those mid-handoff that no
+        engine holds: forgotten here (their ABORT output is the caller's to make)."""
+        by_rank: dict[int, list[str]] = {}
+        cancelled: list[tuple[str, int]] = []
+        for rid in request_ids:
+            flight = self.flights.get(rid)
+            if flight is not None and flight.handoff == PENDING:
+                del self.flights[rid]
+                table.release(flight.rank)
+                cancelled.append((rid, flight.rank))
+            elif flight is not None:
+                by_rank.setdefault(flight.rank, []).append(rid)
+        return by_rank, cancelled
 
     def plan_evacuation(self, rank: int, why: str, abort: bool, table: RankTable,
                         wave: int) -> Evacuation:
@@ -141,6 +263,7 @@ class InFlightBook:
                 continue
             flight.moves += 1
             flight.rank = target.rank
+            flight.handoff = flight.handoff_from = None  # it runs to the end there
             table.assign(target)
             self._count(moved, len(flight.generated))
             moves.append(Move(rid, moved, rank, target.rank, len(flight.generated)))

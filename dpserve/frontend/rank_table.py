@@ -22,6 +22,12 @@ Scope (IO-free: no sockets, no tasks, no clock; the engine client's shell,
   session's rank when it is placeable and not hot, else by its policy.
 * Resize (elastic scaling): the rank set is [0, size) as the coordinator says;
   removed ranks come back as changes to evacuate.
+* Roles (`--data-parallel-roles`, `dpserve.frontend.roles`): the router
+  picks among the placeable ranks of the role a request wants (a new request:
+  prefill; one with tokens already, a continuation or a migration: decode), or
+  among all placeable ranks when none of that role is (colocated fallback);
+  `hands_off` says whether a request placed on a prefill rank runs there as a
+  handoff's first leg (a decode rank serves, and the request qualifies).
 
 Not here: moving the requests (`dpserve.frontend.migration` plans it), sockets.
 """
@@ -32,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dpserve.frontend.errors import EngineUnavailableError
+from dpserve.frontend.roles import BOTH, DECODE, PREFILL, Roles, can_hand_off
 from dpserve.frontend.routing import Router
 from dpserve.protocol import (
     CoordinatorUpdate,
@@ -109,6 +116,8 @@ class RankView:
     running: int = 0
     info: EngineInfo = field(default_factory=EngineInfo)
     stats: SchedulerStats | None = None  # the last figures it sent this API server
+    role: str = BOTH  # prefill | decode | both (--data-parallel-roles)
+    handoffs: int = 0  # handoffs in flight from or to it (this API server's)
 
     @property
     def serving(self) -> bool:
@@ -128,6 +137,7 @@ class RankTable:
         self.elastic = elastic and balanced
         self.fail_stop = fail_stop
         self.early: set[int] = set()  # elastic: ranks that registered before we heard of them
+        self.roles: Roles | None = None  # --data-parallel-roles (None: every rank both)
 
     @property
     def ranks(self) -> list[int]:
@@ -136,7 +146,11 @@ class RankTable:
     def view(self, engine: EngineState) -> RankView:
         return RankView(engine.rank, engine.status.state, engine.status.incarnation,
                         engine.status.reason, engine.cordoned, engine.num_requests,
-                        engine.waiting, engine.running, engine.info, engine.stats)
+                        engine.waiting, engine.running, engine.info, engine.stats,
+                        self.role_of(engine.rank))
+
+    def role_of(self, rank: int) -> str:
+        return self.roles.role_of(rank) if self.roles is not None else BOTH
 
     # ---- news ---------------------------------------------------------------------
 
@@ -267,8 +281,8 @@ class RankTable:
     def choose(self, request: EngineCoreRequest, exclude: int | None = None) -> EngineState:
         """The pinned rank if any, else the router's choice among the placeable ranks."""
         if request.data_parallel_rank is None:
-            return self.router.choose(self.placeable(exclude), request,  # type: ignore
-                                      balanced=self.balanced)
+            return self.router.choose(self._of_role(self.placeable(exclude), request),
+                                      request, balanced=self.balanced)  # type: ignore
         engine = self.engines.get(request.data_parallel_rank)
         if engine is None:
             raise ValueError(f"data_parallel_rank {request.data_parallel_rank} is out of "
@@ -282,6 +296,22 @@ class RankTable:
                                          f"(an operator took it out of placement)")
         self.router.record(engine, request=request)
         return engine
+
+    def _of_role(self, live: list[EngineState], request: EngineCoreRequest
+                 ) -> list[EngineState]:
+        """The ranks of `live` of the role `request` wants; all of them when none is."""
+        if self.roles is None:
+            return live
+        wanted = DECODE if request.prior_output_token_ids else PREFILL
+        return [e for e in live if self.role_of(e.rank) == wanted] or live
+
+    def hands_off(self, request: EngineCoreRequest, engine: EngineState,
+                  max_model_len: int | None) -> bool:
+        """Whether `request`, placed on `engine`, runs there as a handoff's first leg."""
+        return (self.roles is not None and self.role_of(engine.rank) == PREFILL
+                and can_hand_off(request, max_model_len)
+                and any(e.placeable and self.role_of(e.rank) == DECODE
+                        for e in self.engines.values()))
 
     def assign(self, engine: EngineState, prompt_tokens: int = 0) -> None:
         """A request goes to `engine`: count it in its loads."""

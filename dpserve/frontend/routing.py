@@ -371,7 +371,7 @@ class Router:
         least = self._least_loaded(live, balanced)
         if self.policy == "least-loaded":
             return least
-        chain = self.tracker.hashes(request.prompt_token_ids, _cache_root(request))
+        chain = self.tracker.hashes(request.prompt_token_ids, cache_root(request))
         candidates = live
         if request.lora_name is not None:
             candidates = self._warmest(live, request.lora_name, least, balanced)
@@ -394,7 +394,7 @@ class Router:
             return
         if chain is None:
             chain = self.tracker.hashes(request.prompt_token_ids if request else [],
-                                        _cache_root(request) if request else None)
+                                        cache_root(request) if request else None)
         if request is not None and request.lora_name is not None:
             self.adapters.record(engine, request.lora_name)
         capacity = kv_capacity_blocks(engine.stats) or self.default_capacity
@@ -502,7 +502,7 @@ def host_of(engine: RankLoad) -> str:
     return engine.info.host or f"\x00rank {engine.rank}"
 
 
-def _cache_root(request: EngineCoreRequest) -> str | None:
+def cache_root(request: EngineCoreRequest) -> str | None:
     """What roots a request's block chain in the record: its salt and, as the engine's
     cache does, its adapter (two adapters never share blocks)."""
     if request.lora_name is None:

@@ -294,7 +294,8 @@ class ModelRunner:
         for req in inputs.sampled:
             seed = req.sampling_params.seed
             if seed is not None and req.req_id not in self.generators:
-                self.generators[req.req_id] = make_generator(seed, self.device)
+                self.generators[req.req_id] = make_generator(  # moved: draws go on
+                    seed, self.device, skip=req.num_output_tokens)
         meta = SamplingMetadata.from_requests(inputs.sampled, self.generators, self.vocab_size,
                                               self.device)
         tokens, logprobs = self.sampler(logits, meta)

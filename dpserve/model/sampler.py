@@ -158,9 +158,14 @@ def _logit_bias(params: Sequence, vocab_size: int, device: torch.device,
             torch.tensor(biases, dtype=torch.float32, device=device))
 
 
-def make_generator(seed: int, device: torch.device) -> torch.Generator:
+def make_generator(seed: int, device: torch.device, skip: int = 0) -> torch.Generator:
+    """A seeded generator, advanced past `skip` uniform draws (one per token a seeded
+    random row sampled before: a request that moved to this engine with its tokens
+    goes on with the draws it would have made where it was)."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
+    for _ in range(skip):
+        torch.rand(1, generator=gen, device=device)
     return gen
 
 

@@ -64,6 +64,7 @@ from dpserve.server.errors import to_api_error
 from dpserve.server.extras import HTTPOptions, install_extras
 from dpserve.server.limits import RequestLimits
 from dpserve.server.metrics import ServerMetrics
+from dpserve.server.pd_metrics import install_pd_metrics
 from dpserve.server.protocol import APIError, ErrorInfo, ErrorResponse
 from dpserve.server.responses_api import ResponsesServing, responses_router
 from dpserve.server.responses_store import ResponseStoreOptions
@@ -116,6 +117,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     async_llm.add_stats_listener(metrics)
     # Moves show in every engine message's wake: count them in this API server then.
     async_llm.add_stats_listener(MovedListener(metrics, async_llm.cluster))
+    install_pd_metrics(async_llm, metrics.registry, served_model_name)  # with roles only
     app = FastAPI(title="dpserve", version=__version__, docs_url=None, redoc_url=None)
     app.state.serving, app.state.metrics = serving, metrics
     app.include_router(v1_router(async_llm, serving,

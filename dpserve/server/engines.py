@@ -12,7 +12,8 @@ with:
      "pid", "ttft_s", "tp_workers": [{"tp_rank", "pid", "device", "rss_bytes"},
      ...], "lora": null | {"resident", "cached", "loads", "evictions",
      "max_loras"}, "kv_tier": null | {"hits", "queries", "loaded_bytes",
-     "saved_bytes", "load_seconds", "used_blocks", "num_blocks"}}, ...]}
+     "saved_bytes", "load_seconds", "used_blocks", "num_blocks"}, "role",
+     "handoffs"}, ...]}
 
 Where the figures come from: with a DP coordinator (N > 1) everything is
 what the coordinator last published to every API server (counts from the
@@ -33,6 +34,9 @@ seconds loading), and the store's blocks held / it can hold (`num_blocks` 0: the
 store is down). From the last `SchedulerStats` the rank sent with outputs to this
 API server (N = 1: `get_stats`), so null until it sent some, and with several API
 servers each shows its own last copy.
+`role` (--data-parallel-roles): "prefill", "decode", or "both" (no roles);
+`handoffs`: requests this API server has mid-handoff from or to the rank (first
+token in, the decode rank's first output not yet).
 
 The dashboard is one HTML page with its script and style sheet, shipped in
 `dpserve/server/static/` (package data; no build step, nothing from a CDN);
@@ -109,13 +113,18 @@ async def engine_rows(async_llm: AsyncLLM, rates: dict[int, TokenRate] | None = 
                       ) -> list[dict[str, Any]]:
     """One row per rank this API server sends to (module docstring)."""
     cluster = async_llm.cluster
+    views = cluster.ranks()
     if not cluster.has_coordinator:
-        return await _local_rows(cluster, rates if rates is not None else {})
-    return [_row(r.rank, r.state.value, r.incarnation, r.waiting, r.running,
-                 r.info.kv_cache_usage, r.info.tokens_per_s, r.info.wave, r.info.cordoned,
-                 r.info.host, r.info.pid, r.info.ttft_s, r.info.tp_workers, r.info.lora,
-                 r.stats)
-            for r in cluster.ranks()]
+        rows = await _local_rows(cluster, rates if rates is not None else {})
+    else:
+        rows = [_row(r.rank, r.state.value, r.incarnation, r.waiting, r.running,
+                     r.info.kv_cache_usage, r.info.tokens_per_s, r.info.wave,
+                     r.info.cordoned, r.info.host, r.info.pid, r.info.ttft_s,
+                     r.info.tp_workers, r.info.lora, r.stats)
+                for r in views]
+    for row, view in zip(rows, views):
+        row.update(role=view.role, handoffs=view.handoffs)
+    return rows
 
 
 async def _local_rows(cluster: ClusterView, rates: dict[int, TokenRate]

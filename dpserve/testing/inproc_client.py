@@ -33,7 +33,7 @@ import msgspec
 from dpserve.config import EngineConfig
 from dpserve.engine.core import UTILITY_METHODS, EngineCore
 from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError
-from dpserve.frontend.migration import MovedCounts
+from dpserve.frontend.migration import HandoffCounts, MovedCounts
 from dpserve.frontend.rank_table import RankView
 from dpserve.protocol import (
     ControlState,
@@ -172,6 +172,13 @@ class InprocEngineClient:
     @property
     def moved(self) -> MovedCounts:
         return MovedCounts()  # one engine: nowhere to move a request
+
+    @property
+    def handoffs(self) -> HandoffCounts:
+        return HandoffCounts()  # one engine: no roles
+
+    def take_handoff_latencies(self) -> list[float]:
+        return []
 
     def ranks(self) -> list[RankView]:
         return [RankView(0, RankState.SERVING)]

@@ -55,6 +55,7 @@ function makeTile(rank) {
     '<div class="where" data-field="workers"></div>' +
     '<div class="where" data-field="lora"></div>' +
     '<div class="where" data-field="tier"></div>' +
+    '<div class="where" data-field="role"></div>' +
     '<div class="buttons" hidden>' +
     '<button type="button" data-action="cordon">Cordon</button>' +
     '<button type="button" data-action="uncordon">Uncordon</button>' +
@@ -110,6 +111,9 @@ function render(data) {
     // Its use of the host's KV tier (--kv-offload-memory): the store's fill, the
     // prompt tokens found there of those looked up, bytes moved and load time.
     field(tile, "tier", e.kv_tier ? tierLine(e.kv_tier) : "");
+    // Its role (--data-parallel-roles) and the handoffs in flight from or to it.
+    field(tile, "role", e.role && e.role !== "both" ?
+          e.role + " rank · " + (e.handoffs || 0) + " handoffs in flight" : "");
     tile.querySelector("[data-bar=kv]").style.width =
         Math.min(100, 100 * e.kv_cache_usage).toFixed(1) + "%";
     tile.querySelector(".buttons").hidden = !data.admin;
