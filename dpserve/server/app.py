@@ -114,8 +114,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
                             admission=admission, model_aliases=http_options.model_aliases,
                             log_requests=log_requests)
     metrics = ServerMetrics(served_model_name, api_server_index=api_server_index)
-    async_llm.add_stats_listener(metrics)
-    # Moves show in every engine message's wake: count them in this API server then.
+    async_llm.add_stats_listener(metrics)  # and moves, in every engine message's wake:
     async_llm.add_stats_listener(MovedListener(metrics, async_llm.cluster))
     install_pd_metrics(async_llm, metrics.registry, served_model_name)  # with roles only
     app = FastAPI(title="dpserve", version=__version__, docs_url=None, redoc_url=None)
