@@ -51,7 +51,7 @@ from pathlib import Path
 
 import httpx
 from dp_scaling import ServeProcess, _bench, _free_port, _log, machine
-from prefix_routing import _pct, _s, run_bench, run_measured
+from prefix_routing import _pct, _s, add_run_options, run_bench, run_measured
 
 from dpserve.benchmark.serve import BenchConfig, BenchResult
 
@@ -251,14 +251,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows", default=",".join(ROWS),
                    help=f"comma-separated, from {', '.join(ROWS)} (default: both)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and order")
-    p.add_argument("--warmup", type=int, default=4, help="random warm-up requests per row")
-    p.add_argument("--max-duration", type=float, default=600.0,
-                   help="seconds one row's measured load may take")
-    p.add_argument("--serve-arg", action="append", default=[],
-                   help="an extra `dpserve serve` argument for every row (repeatable)")
-    p.add_argument("--port", type=int, default=0, help="port (default: a free one per row)")
-    p.add_argument("--start-timeout", type=float, default=300.0,
-                   help="seconds a server may take to answer /health")
+    add_run_options(p, max_duration=600.0)
     p.add_argument("--smoke", action="store_true",
                    help="a tiny load (4 requests a row, short prompts): checks that the "
                         "script runs, measures nothing")

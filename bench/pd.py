@@ -43,7 +43,7 @@ from pathlib import Path
 
 import httpx
 from dp_scaling import ServeProcess, _bench, _free_port, _log, machine
-from prefix_routing import _s, run_bench, run_measured
+from prefix_routing import _s, add_run_options, run_bench, run_measured
 
 from dpserve.benchmark.serve import BenchConfig, BenchResult, Latency
 
@@ -219,14 +219,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma-separated, from {', '.join(ROWS)} (pd: "
                         f"--data-parallel-roles {ROLES}; default: both)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
-    p.add_argument("--warmup", type=int, default=4, help="random warm-up requests per row")
-    p.add_argument("--max-duration", type=float, default=900.0,
-                   help="seconds one row's measured load may take")
-    p.add_argument("--serve-arg", action="append", default=[],
-                   help="an extra `dpserve serve` argument for every row (repeatable)")
-    p.add_argument("--port", type=int, default=0, help="port (default: a free one per row)")
-    p.add_argument("--start-timeout", type=float, default=300.0,
-                   help="seconds a server may take to answer /health")
+    add_run_options(p, max_duration=900.0)
     p.add_argument("--smoke", action="store_true",
                    help="a tiny load (4 requests a row, short prompts): checks that the "
                         "script runs, measures nothing")

@@ -225,6 +225,20 @@ def markdown(args: argparse.Namespace, outcomes: list[Outcome]) -> str:
 # ---------------------------------------------------------------- main
 
 
+def add_run_options(p: argparse.ArgumentParser, max_duration: float) -> None:
+    """The options of how each row runs, shared by the session benchmarks (this one,
+    kv_tier.py, pd.py): warm-up, the row's time limit, extra serve arguments, port,
+    start-up limit."""
+    p.add_argument("--warmup", type=int, default=4, help="random warm-up requests per row")
+    p.add_argument("--max-duration", type=float, default=max_duration,
+                   help="seconds one row's measured load may take")
+    p.add_argument("--serve-arg", action="append", default=[],
+                   help="an extra `dpserve serve` argument for every row (repeatable)")
+    p.add_argument("--port", type=int, default=0, help="port (default: a free one per row)")
+    p.add_argument("--start-timeout", type=float, default=300.0,
+                   help="seconds a server may take to answer /health")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -240,14 +254,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policies", default=",".join(POLICIES),
                    help=f"comma-separated --load-balance values (default: {','.join(POLICIES)})")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and order")
-    p.add_argument("--warmup", type=int, default=4, help="random warm-up requests per row")
-    p.add_argument("--max-duration", type=float, default=900.0,
-                   help="seconds one row's measured load may take")
-    p.add_argument("--serve-arg", action="append", default=[],
-                   help="an extra `dpserve serve` argument for every row (repeatable)")
-    p.add_argument("--port", type=int, default=0, help="port (default: a free one per row)")
-    p.add_argument("--start-timeout", type=float, default=300.0,
-                   help="seconds a server may take to answer /health")
+    add_run_options(p, max_duration=900.0)
     p.add_argument("--out", metavar="FILE", help="also append the markdown to FILE")
     args = p.parse_args(argv)
     for name in ("sessions", "prefix_len", "turns", "turn_len", "output_len", "concurrency"):
