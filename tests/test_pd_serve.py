@@ -26,6 +26,10 @@ PROMPTS = [f"Story {i}: the quick brown fox jumps over the lazy dog and then it 
            f"away into the dark forest where the owls sing at night, {i * 7}" for i in range(4)]
 # Shares the first prompt's first blocks: a prefix hit on the prefill rank.
 PREFIX_HIT = PROMPTS[0][:100] + " and nothing else happened that day, or so they said."
+# The second test's own prompts: pytest-randomly runs the two in either order and
+# neither may find the other's blocks cached.
+OTHER_PROMPTS = [f"Tale {i}: a small red hen walks along the river bank and then she finds "
+                 f"a bag of grain under the old mill by the bridge, {i * 11}" for i in range(3)]
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +78,32 @@ def per_engine(url: str, name: str, engine: int) -> float:
     return labelled(url, f"dpserve:{name}_total", f'engine="{engine}"')
 
 
+ENGINE_COUNTERS = [("prefix_cache_queries", 0), ("prefix_cache_hits", 0),
+                   ("kv_offload_store_bytes", 0), ("external_prefix_cache_hits", 0),
+                   ("external_prefix_cache_hits", 1)]
+TTFT = "dpserve:pd_time_to_first_token_seconds_count"
+
+
+def counters(url: str) -> dict[tuple[str, int | str], float]:
+    """The counters the tests compare before and after their requests (the module's
+    servers are shared and the tests run in any order)."""
+    got: dict[tuple[str, int | str], float] = {
+        key: per_engine(url, *key) for key in ENGINE_COUNTERS}
+    got[(HANDOFFS, "")] = metric_sum(url, HANDOFFS)
+    got[("dpserve:pd_handoff_latency_seconds_count", "")] = metric_sum(
+        url, "dpserve:pd_handoff_latency_seconds_count")
+    for role in ("prefill", "decode"):
+        got[(TTFT, role)] = labelled(url, TTFT, f'role="{role}"')
+    return got
+
+
+def grown(before: dict, after: dict) -> dict:
+    return {key: after[key] - before[key] for key in before}
+
+
 def test_greedy_text_equals_colocated_streamed_and_not_with_a_prefix_hit(servers):
     model, colocated, pd = servers
+    before = {url: counters(url) for url in (colocated, pd)}
     got = {}
     for name, url in (("colocated", colocated), ("pd", pd)):
         got[name] = [complete(url, model, PROMPTS[0]), complete(url, model, PROMPTS[1]),
@@ -89,13 +117,15 @@ def test_greedy_text_equals_colocated_streamed_and_not_with_a_prefix_hit(servers
     # every prompt up, hit the shared prefix in its own cache and saved the prompts to
     # the tier; the decode rank (1) loaded the four distinct prompts' full blocks from
     # the tier instead of computing them.
-    assert metric_sum(pd, HANDOFFS) == 5 and metric_sum(colocated, HANDOFFS) == 0
-    assert per_engine(pd, "prefix_cache_queries", 0) >= sum(lengths) - len(lengths)
-    assert per_engine(pd, "prefix_cache_hits", 0) >= BLOCK  # the prefix hit
-    assert per_engine(pd, "kv_offload_store_bytes", 0) > 0
-    tier_hits = per_engine(pd, "external_prefix_cache_hits", 1)
+    new = grown(before[pd], counters(pd))
+    assert new[(HANDOFFS, "")] == 5
+    assert grown(before[colocated], counters(colocated))[(HANDOFFS, "")] == 0
+    assert new[("prefix_cache_queries", 0)] >= sum(lengths) - len(lengths)
+    assert new[("prefix_cache_hits", 0)] >= BLOCK  # the prefix hit
+    assert new[("kv_offload_store_bytes", 0)] > 0
+    tier_hits = new[("external_prefix_cache_hits", 1)]
     assert tier_hits >= sum(n // BLOCK * BLOCK for n in lengths[:4]), (tier_hits, lengths)
-    assert per_engine(pd, "external_prefix_cache_hits", 0) == 0
+    assert new[("external_prefix_cache_hits", 0)] == 0
     rows = httpx.get(pd + "/engines", timeout=5).json()["engines"]
     assert [(r["role"], r["handoffs"]) for r in rows] == [("prefill", 0), ("decode", 0)]
     rows = httpx.get(colocated + "/engines", timeout=5).json()["engines"]
@@ -104,25 +134,26 @@ def test_greedy_text_equals_colocated_streamed_and_not_with_a_prefix_hit(servers
 
 def test_structured_output_and_seeded_n2_equal_colocated(servers):
     model, colocated, pd = servers
-    before = metric_sum(pd, HANDOFFS)
+    before = counters(pd)
     got = {}
     for name, url in (("colocated", colocated), ("pd", pd)):
         got[name] = [
-            complete(url, model, PROMPTS[1] + " code:", ignore_eos=False,
+            complete(url, model, OTHER_PROMPTS[0] + " code:", ignore_eos=False,
                      structured_outputs={"regex": "[0-9]{3}-[xy]{2}"}),
             # Sampled, seeded: the decode rank's draws go on where the prefill rank's
             # stopped (one per token), so the text is the colocated one.
-            complete(url, model, PROMPTS[2], n=2, temperature=1.0, seed=1234),
-            complete(url, model, PROMPTS[3], stream=True, n=2, temperature=0.8, seed=7),
+            complete(url, model, OTHER_PROMPTS[1], n=2, temperature=1.0, seed=1234),
+            complete(url, model, OTHER_PROMPTS[2], stream=True, n=2, temperature=0.8, seed=7),
         ]
     assert got["pd"] == got["colocated"]
     [code], _ = got["pd"][0]
     assert len(code) == 6 and code[3] == "-", code
-    assert metric_sum(pd, HANDOFFS) - before == 5  # 1 + 2 + 2 completions
-    latency_count = metric_sum(pd, "dpserve:pd_handoff_latency_seconds_count")
-    assert latency_count == metric_sum(pd, HANDOFFS)  # every handoff reached its decode rank
+    new = grown(before, counters(pd))
+    assert new[(HANDOFFS, "")] == 5  # 1 + 2 + 2 completions
+    # Every handoff reached its decode rank.
+    assert new[("dpserve:pd_handoff_latency_seconds_count", "")] == 5
     assert metric_sum(pd, "dpserve:pd_handoffs_in_flight") == 0
-    # Every first token came from the prefill rank, every later one from the decode rank.
-    ttft = "dpserve:pd_time_to_first_token_seconds_count"
-    assert labelled(pd, ttft, 'role="prefill"') >= 8 and labelled(pd, ttft, 'role="decode"') == 0
+    # Every first token came from the prefill rank (one per request), every later one
+    # from the decode rank.
+    assert new[(TTFT, "prefill")] == 3 and new[(TTFT, "decode")] == 0
     assert labelled(pd, "dpserve:pd_inter_token_latency_seconds_count", 'role="decode"') > 0
