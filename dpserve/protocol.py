@@ -87,6 +87,18 @@ class Session(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, fro
     rank: int | None = None  # where its last turn ran, when known (the Responses store)
 
 
+class RequestTags(msgspec.Struct, frozen=True, gc=False):
+    """What an API request asks of the scheduling of its engine requests (front-end
+    side; every EngineCoreRequest of it carries the same three fields)."""
+
+    priority: int = 0  # vLLM's: lower runs first
+    tenant: str | None = None  # whose share of the server it uses (None: nobody's)
+    trace_headers: dict[str, str] | None = None  # W3C trace context (traceparent, ...)
+
+
+NO_TAGS = RequestTags()
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """A tokenised request, ready for the scheduler."""
 
@@ -117,6 +129,11 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # host's KV tier before the output that finishes it leaves (tensor parallel:
     # commits the step's saves first), so the decode rank loads them.
     do_remote_decode: bool = False
+    # Scheduling (RequestTags): the priority (lower runs first), the tenant whose share
+    # it uses, and the W3C trace context of the API request it belongs to.
+    priority: int = 0
+    tenant: str | None = None
+    trace_headers: dict[str, str] | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):

@@ -46,10 +46,12 @@ from dpserve.frontend.tokenizer import apply_chat_template, eos_token_ids, load_
 from dpserve.outputs import RequestOutput
 from dpserve.prompt import PromptError, check_prompt
 from dpserve.protocol import (
+    NO_TAGS,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     PoolingParams,
+    RequestTags,
     SchedulerStats,
     Session,
 )
@@ -216,14 +218,15 @@ class AsyncLLM:
                        data_parallel_rank: int | None = None,
                        cache_salt: str | None = None, lora_name: str | None = None,
                        session: Session | None = None,
-                       pooling: PoolingParams | None = None,
+                       pooling: PoolingParams | None = None, tags: RequestTags = NO_TAGS,
                        ) -> AsyncIterator[RequestOutput]:
         """Stream DELTA RequestOutputs for one request until it finishes.
 
         `data_parallel_rank` pins the engine that runs it; `session` (the conversation
         it continues) places it with its earlier turns unless that rank cannot take it
         (`dpserve.frontend.routing`); `lora_name` names the LoRA
-        adapter it runs with (None: the base model). `pooling`: a pooling (embedding)
+        adapter it runs with (None: the base model); `tags`: its priority, tenant and trace
+        context (every engine request carries them). `pooling`: a pooling (embedding)
         request: one final output, its vector in `RequestOutput.pooled`. Raises RequestError
         (before anything is sent) for a request that can never run,
         EngineDeadError if the engine dies.
@@ -237,7 +240,8 @@ class AsyncLLM:
         engine_requests = self.processor.add_request(
             request_id, prompt_text, list(prompt_token_ids), params, kind=OutputKind.DELTA,
             arrival_time=arrival, data_parallel_rank=data_parallel_rank,
-            cache_salt=cache_salt, lora_name=lora_name, session=session, pooling=pooling)
+            cache_salt=cache_salt, lora_name=lora_name, session=session, pooling=pooling,
+            tags=tags)
         tracked = _Tracked(asyncio.Queue(), len(prompt_token_ids), arrival)
         self._requests[request_id] = tracked
         finished = False

@@ -16,9 +16,11 @@ from typing import Any
 from dpserve.frontend.detokenizer import IncrementalDetokenizer
 from dpserve.outputs import CompletionOutput, Logprob, RequestOutput
 from dpserve.protocol import (
+    NO_TAGS,
     EngineCoreOutput,
     EngineCoreRequest,
     PoolingParams,
+    RequestTags,
     Session,
     TokenLogprobs,
 )
@@ -84,7 +86,8 @@ class OutputProcessor:
                     arrival_time: float = 0.0, data_parallel_rank: int | None = None,
                     cache_salt: str | None = None, lora_name: str | None = None,
                     session: Session | None = None,
-                    pooling: PoolingParams | None = None) -> list[EngineCoreRequest]:
+                    pooling: PoolingParams | None = None,
+                    tags: RequestTags = NO_TAGS) -> list[EngineCoreRequest]:
         """Register a request; returns the engine requests to send (n of them),
         pinned to engine `data_parallel_rank` when given, placed by `session` else.
         `pooling`: a pooling (embedding) request, whose output carries
@@ -111,7 +114,8 @@ class OutputProcessor:
             engine_requests.append(EngineCoreRequest(
                 child_id, prompt_token_ids, child_params, self.eos_token_id, arrival_time,
                 data_parallel_rank=data_parallel_rank, cache_salt=cache_salt,
-                lora_name=lora_name, session=session, pooling=pooling))
+                lora_name=lora_name, session=session, pooling=pooling,
+                priority=tags.priority, tenant=tags.tenant, trace_headers=tags.trace_headers))
         state = _RequestState(request_id, prompt, prompt_token_ids, params, kind, completions)
         self._states[request_id] = state
         for c in completions:

@@ -37,10 +37,10 @@ from dpserve.frontend.errors import RequestError
 from dpserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest, error_body
 from dpserve.server.anthropic_serving import AnthropicServing
 from dpserve.server.auth import route_path
+from dpserve.server.caller import caller_of
 from dpserve.server.errors import to_api_error
-from dpserve.server.routes_v1 import dp_rank, drain_check, parse_body, respond
+from dpserve.server.routes_v1 import drain_check, parse_body, respond
 from dpserve.server.serving import OpenAIServing
-from dpserve.server.sessions import header_session
 
 MESSAGES_PATH = "/v1/messages"
 _M = TypeVar("_M", bound=BaseModel)
@@ -60,8 +60,7 @@ def messages_router(async_llm: AsyncLLM, anthropic: AnthropicServing) -> APIRout
     async def messages(request: Request) -> Response:
         body = await _parse(request, MessagesRequest)
         return await respond(request, anthropic.create_message(
-            body, dp_rank(request), api_key_id=request.state.api_key_id,
-            session=header_session(request)))
+            body, caller_of(request)))
 
     @router.post("/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:

@@ -43,7 +43,6 @@ from contextlib import aclosing
 from typing import Any
 
 from dpserve.frontend.errors import RequestError
-from dpserve.protocol import Session
 from dpserve.server.anthropic_protocol import (
     ContentBlock,
     CountTokensRequest,
@@ -63,6 +62,7 @@ from dpserve.server.anthropic_protocol import (
     message_stop,
     text_delta,
 )
+from dpserve.server.caller import ANONYMOUS, Caller
 from dpserve.server.errors import to_api_error
 from dpserve.server.protocol import (
     APIError,
@@ -87,14 +87,12 @@ class AnthropicServing:
     def __init__(self, chat: OpenAIServing) -> None:
         self.chat = chat
 
-    async def create_message(self, req: MessagesRequest, data_parallel_rank: int | None = None,
-                             api_key_id: str | None = None, session: Session | None = None,
+    async def create_message(self, req: MessagesRequest, caller: Caller = ANONYMOUS,
                              ) -> Message | AsyncIterator[str]:
-        """The message, or its stream's SSE frames (`req.stream`); `session`: the
-        X-Session-ID header's (None: `metadata.user_id`'s, if any)."""
+        """The message, or its stream's SSE frames (`req.stream`); `caller`: as in
+        `OpenAIServing.create_completion` (no session: `metadata.user_id`'s, if any)."""
         try:
-            run = await self.chat.start_chat(to_chat_request(req), data_parallel_rank,
-                                             api_key_id, id_prefix="msg_", session=session)
+            run = await self.chat.start_chat(to_chat_request(req), caller, id_prefix="msg_")
         except (RequestError, APIError) as e:
             raise _renamed(e) from None
         stops = req.stop_sequences or []

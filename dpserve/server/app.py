@@ -58,6 +58,7 @@ from dpserve.server.auth import API_KEY_ENV, AuthMiddleware, AuthOptions
 from dpserve.server.batch_options import BatchOptions
 from dpserve.server.batches_api import install_batches
 from dpserve.server.bodies import BodyLimit, require_json
+from dpserve.server.caller import DP_RANK_HEADER
 from dpserve.server.embeddings_api import install_embeddings_api
 from dpserve.server.engines import engines_router
 from dpserve.server.errors import to_api_error
@@ -69,7 +70,7 @@ from dpserve.server.protocol import APIError, ErrorInfo, ErrorResponse
 from dpserve.server.responses_api import ResponsesServing, responses_router
 from dpserve.server.responses_store import ResponseStoreOptions
 from dpserve.server.routes_ops import MovedListener, ops_router
-from dpserve.server.routes_v1 import DP_RANK_HEADER, v1_router
+from dpserve.server.routes_v1 import v1_router
 from dpserve.server.serving import OpenAIServing
 from dpserve.version import __version__
 

@@ -39,6 +39,7 @@ from dpserve.server.batch_format import CHAT, COMPLETIONS, EMBEDDINGS, ENDPOINTS
 from dpserve.server.batch_options import BatchOptions
 from dpserve.server.batch_runner import BatchHandler, BatchRunner
 from dpserve.server.batch_store import UNFINISHED, BatchStore, init_batch_state
+from dpserve.server.caller import ANONYMOUS, Caller, key_caller
 from dpserve.server.file_store import FileStore
 from dpserve.server.files_api import (
     MULTIPART_SLACK,
@@ -161,13 +162,13 @@ def serving_handlers(serving: OpenAIServing) -> dict[str, BatchHandler]:
     line's body parsed as the route parses it."""
     async def chat(body: bytes, api_key_id: str | None) -> BaseModel:
         req = ChatCompletionRequest.model_validate_json(body, strict=True)
-        answer = await serving.create_chat_completion(req, None, api_key_id=api_key_id)
+        answer = await serving.create_chat_completion(req, key_caller(api_key_id))
         assert isinstance(answer, BaseModel)  # a batch line never streams
         return answer
 
     async def completions(body: bytes, api_key_id: str | None) -> BaseModel:
         req = CompletionRequest.model_validate_json(body, strict=True)
-        answer = await serving.create_completion(req, None, api_key_id=api_key_id)
+        answer = await serving.create_completion(req, key_caller(api_key_id))
         assert isinstance(answer, BaseModel)
         return answer
 
@@ -177,16 +178,14 @@ def serving_handlers(serving: OpenAIServing) -> dict[str, BatchHandler]:
 class Embeddings(Protocol):
     """What a batch's /v1/embeddings lines run through: the route's serving object."""
 
-    async def create_embedding(self, body: Any, data_parallel_rank: int | None = None,
-                               api_key_id: str | None = None) -> BaseModel: ...
+    async def create_embedding(self, body: Any, caller: Caller = ANONYMOUS) -> BaseModel: ...
 
 
 def embeddings_handler(embeddings: Embeddings) -> dict[str, BatchHandler]:
     """The /v1/embeddings entry of `install_batches`' `handlers` (for the server's
     embeddings serving object)."""
     async def embed(body: bytes, api_key_id: str | None) -> BaseModel:
-        return await embeddings.create_embedding(json.loads(body), None,
-                                                 api_key_id=api_key_id)
+        return await embeddings.create_embedding(json.loads(body), key_caller(api_key_id))
 
     return {EMBEDDINGS: embed}
 

@@ -14,9 +14,10 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
 
 from dpserve.frontend.async_llm import AsyncLLM
+from dpserve.server.caller import caller_of
 from dpserve.server.embeddings_protocol import EmbeddingRequest
 from dpserve.server.embeddings_serving import EmbeddingServing
-from dpserve.server.routes_v1 import dp_rank, drain_check, parse_body, respond
+from dpserve.server.routes_v1 import drain_check, parse_body, respond
 from dpserve.server.serving import OpenAIServing
 
 
@@ -34,6 +35,6 @@ def embeddings_router(async_llm: AsyncLLM, embeddings: EmbeddingServing) -> APIR
     async def create_embedding(request: Request) -> Response:
         body = await parse_body(request, EmbeddingRequest)
         return await respond(request, embeddings.create_embedding(
-            body, dp_rank(request), api_key_id=request.state.api_key_id))
+            body, caller_of(request)))
 
     return router

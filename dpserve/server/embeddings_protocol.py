@@ -17,6 +17,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from dpserve.server.protocol import MAX_ABS_PRIORITY
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -28,6 +30,8 @@ class EmbeddingRequest(_Model):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None  # accepted, as OpenAI does; not used
+    # Scheduling priority (vLLM's field): lower runs first.
+    priority: int = Field(0, ge=-MAX_ABS_PRIORITY, le=MAX_ABS_PRIORITY)
 
     @field_validator("input")
     @classmethod

@@ -35,8 +35,9 @@ from typing import Any
 
 from dpserve.frontend.errors import RequestError
 from dpserve.outputs import RequestOutput
-from dpserve.protocol import PoolingParams
+from dpserve.protocol import PoolingParams, RequestTags
 from dpserve.sampling_params import SamplingParams
+from dpserve.server.caller import ANONYMOUS, Caller, caller_tags
 from dpserve.server.embeddings_protocol import (
     EmbeddingData,
     EmbeddingRequest,
@@ -62,11 +63,10 @@ class EmbeddingServing:
         self.hidden_size = int(self.llm.config.model.hf_config["hidden_size"])
 
     async def create_embedding(self, body: EmbeddingRequest | dict[str, Any],
-                               data_parallel_rank: int | None = None,
-                               api_key_id: str | None = None) -> EmbeddingResponse:
-        """The embeddings of `body`'s inputs, in order (module docstring).
-        `data_parallel_rank` pins the engine; `api_key_id` salts the prefix cache
-        with --prefix-cache-salt-per-key."""
+                               caller: Caller = ANONYMOUS) -> EmbeddingResponse:
+        """The embeddings of `body`'s inputs, in order (module docstring). `caller`:
+        its pinned engine, its key (salts the prefix cache with
+        --prefix-cache-salt-per-key), its tenant and trace context."""
         req = (body if isinstance(body, EmbeddingRequest)
                else EmbeddingRequest.model_validate(body, strict=True))
         timeout = self.serving.limits.request_timeout  # --request-timeout: 504 past it
@@ -75,10 +75,8 @@ class EmbeddingServing:
         pooling = self._pooling(req)
         prompts = await self._prompts(req)
         request_id = f"embd-{uuid.uuid4().hex}"
-        streams = self._start(request_id, prompts, pooling, data_parallel_rank,
-                              request_salt(None, api_key_id,
-                                           self.serving.limits.prefix_cache_salt_per_key),
-                              deadline, lora_name)
+        streams = self._start(request_id, prompts, pooling, caller,
+                              caller_tags(caller, req.priority), deadline, lora_name)
         outputs: list[RequestOutput | None] = [None] * len(prompts)
         async with aclosing(merge(streams)) as merged:
             async for index, out in merged:
@@ -125,22 +123,25 @@ class EmbeddingServing:
         return prompts
 
     def _start(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
-               pooling: PoolingParams, data_parallel_rank: int | None,
-               cache_salt: str | None, deadline: float | None,
-               lora_name: str | None) -> list[AsyncIterator[RequestOutput]]:
+               pooling: PoolingParams, caller: Caller, tags: RequestTags,
+               deadline: float | None, lora_name: str | None,
+               ) -> list[AsyncIterator[RequestOutput]]:
         """Validate every input, admit them, then open one pooling stream per input."""
+        rank = caller.data_parallel_rank
         for i, (_, ids) in enumerate(prompts):
             try:
-                self.llm.validate(ids, _PARAMS, data_parallel_rank, pooling=True)
+                self.llm.validate(ids, _PARAMS, rank, pooling=True)
             except RequestError as e:
                 where = "input" if len(prompts) == 1 else f"input[{i}]"
                 param = "input" if e.param == "prompt" else e.param
                 raise RequestError(f"{where}: {e}", param, e.code) from None
         if self.serving.admission is not None:  # paused / asleep / queues full
             self.serving.admission([len(ids) for _, ids in prompts])
-        streams = [self.llm.generate(ids, _PARAMS, f"{request_id}-{i}", text,
-                                     data_parallel_rank, cache_salt=cache_salt,
-                                     lora_name=lora_name, pooling=pooling)
+        salt = request_salt(None, caller.api_key_id,
+                            self.serving.limits.prefix_cache_salt_per_key)
+        streams = [self.llm.generate(ids, _PARAMS, f"{request_id}-{i}", text, rank,
+                                     cache_salt=salt, lora_name=lora_name, pooling=pooling,
+                                     tags=tags)
                    for i, (text, ids) in enumerate(prompts)]
         if deadline is not None:
             timeout = self.serving.limits.request_timeout or 0.0

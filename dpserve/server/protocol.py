@@ -22,6 +22,7 @@ from pydantic_core import PydanticCustomError
 
 MAX_N = 16
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
+MAX_ABS_PRIORITY = 2**31 - 1  # `priority` is a signed 32-bit integer
 
 
 class _Model(BaseModel):
@@ -103,6 +104,8 @@ class SamplingRequest(_Model):
     # Prefix-cache isolation (vLLM's field): requests share cached prompt blocks only
     # when their salts are equal (none = the unsalted cache).
     cache_salt: str | None = None
+    # Scheduling priority (vLLM's field): lower runs first, in every engine's queue.
+    priority: int = Field(0, ge=-MAX_ABS_PRIORITY, le=MAX_ABS_PRIORITY)
 
     @field_validator("stop")
     @classmethod

@@ -30,6 +30,7 @@ Not here: the chat path itself (`dpserve.server.serving`), the SQL
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import sqlite3
@@ -44,6 +45,7 @@ from pydantic import RootModel, ValidationError
 from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.errors import RequestError
 from dpserve.protocol import Session
+from dpserve.server.caller import ANONYMOUS, Caller, caller_of
 from dpserve.server.errors import to_api_error
 from dpserve.server.protocol import APIError, ChatCompletionRequest, ChatCompletionResponse
 from dpserve.server.responses_protocol import (
@@ -59,9 +61,9 @@ from dpserve.server.responses_protocol import (
 )
 from dpserve.server.responses_store import ResponseStore, StoredResponse, TooLarge
 from dpserve.server.responses_stream import ResponseEvents
-from dpserve.server.routes_v1 import dp_rank, drain_check, parse_body, respond
+from dpserve.server.routes_v1 import drain_check, parse_body, respond
 from dpserve.server.serving import OpenAIServing
-from dpserve.server.sessions import header_session, responses_chain_session, user_session
+from dpserve.server.sessions import responses_chain_session, user_session
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +88,10 @@ class ResponsesServing:
 
     # ---- create --------------------------------------------------------------------
 
-    async def create(self, req: ResponsesRequest, data_parallel_rank: int | None,
-                     api_key_id: str | None, session: Session | None = None,
+    async def create(self, req: ResponsesRequest, caller: Caller = ANONYMOUS,
                      ) -> JSONObject | AsyncIterator[str]:
-        """`session`: the X-Session-ID header's (None: the chain's or `user`'s,
-        `_session`)."""
+        """`caller`: as in `OpenAIServing.create_completion`; its session is the
+        X-Session-ID header's (None: the chain's or `user`'s, `_session`)."""
         model = self.serving.check_model(req.model) or self.serving.model_name
         if req.background and not req.store:
             raise RequestError("background responses must be stored (store: true)",
@@ -103,16 +104,16 @@ class ResponsesServing:
         history = [item for r in chain for item in (*r.input_items, *r.response["output"])]
         chat = _renamed(lambda: chat_body(req, [*history, *items]))
         skeleton = new_response(req, new_id("resp"), model, "in_progress")
-        session = _session(session, chain, skeleton["id"], req.user)
+        session = _session(caller.session, chain, skeleton["id"], req.user)
+        caller = dataclasses.replace(caller, session=session)
         if req.store:
             _checked_size(self.store, skeleton, items)
         if req.stream:
-            return await self._stream(req, chat, skeleton, items, data_parallel_rank,
-                                      api_key_id, session)
+            return await self._stream(req, chat, skeleton, items, caller, session)
         if req.store:
             await self.store.put(skeleton, items, req.previous_response_id)
         cancelled = self._watch(skeleton["id"]) if req.store else asyncio.Event()
-        run = self._run(chat, skeleton, cancelled, data_parallel_rank, api_key_id, session)
+        run = self._run(chat, skeleton, cancelled, caller)
         if req.background:
             task = asyncio.create_task(self._background(run, skeleton, session))
             self._tasks.add(task)
@@ -141,11 +142,10 @@ class ResponsesServing:
         return chain
 
     async def _run(self, chat: ChatCompletionRequest, skeleton: dict[str, Any],
-                   cancelled: asyncio.Event, data_parallel_rank: int | None,
-                   api_key_id: str | None, session: Session) -> dict[str, Any]:
+                   cancelled: asyncio.Event, caller: Caller) -> dict[str, Any]:
         """Run the chat request unless `cancelled` is set first: the final response."""
         work = asyncio.ensure_future(_renamed_async(self.serving.create_chat_completion(
-            chat, data_parallel_rank, api_key_id=api_key_id, session=session)))
+            chat, caller)))
         mark = asyncio.ensure_future(cancelled.wait())
         try:
             await asyncio.wait({work, mark}, return_when=asyncio.FIRST_COMPLETED)
@@ -177,10 +177,8 @@ class ResponsesServing:
 
     async def _stream(self, req: ResponsesRequest, chat: ChatCompletionRequest,
                       skeleton: dict[str, Any], items: list[dict[str, Any]],
-                      data_parallel_rank: int | None, api_key_id: str | None,
-                      session: Session) -> AsyncIterator[str]:
-        lines = await _renamed_async(self.serving.create_chat_completion(
-            chat, data_parallel_rank, api_key_id=api_key_id, session=session))
+                      caller: Caller, session: Session) -> AsyncIterator[str]:
+        lines = await _renamed_async(self.serving.create_chat_completion(chat, caller))
         assert not isinstance(lines, ChatCompletionResponse)
         events = ResponseEvents(skeleton, functools.partial(self._finish, session=session)
                                 if req.store else _nothing)
@@ -294,9 +292,7 @@ def responses_router(async_llm: AsyncLLM, responses: ResponsesServing) -> APIRou
     @v1.post("/responses")
     async def create(request: Request) -> Response:
         body = await parse_body(request, ResponsesRequest)
-        return await respond(request, responses.create(body, dp_rank(request),
-                                                        request.state.api_key_id,
-                                                        header_session(request)))
+        return await respond(request, responses.create(body, caller_of(request)))
 
     @v1.get("/responses/{response_id}")
     async def retrieve(response_id: str) -> Response:

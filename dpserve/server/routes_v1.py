@@ -10,12 +10,12 @@ body strictly, run the serving call unless the client leaves first (then it is
 cancelled, which aborts its requests in the engine), answer JSON or an SSE
 stream. While the server drains (`AsyncLLM.draining`, set on SIGTERM) every
 route answers 503 with `Retry-After` and code "server_draining"; requests
-already in flight go on. The `X-data-parallel-rank: k` header pins a request
-to engine k (a bad value is a 400); an `X-Session-ID` header (or the body's
-`user`) keeps a conversation on one engine while it may take it
-(`dpserve.server.sessions`; the pin wins).
+already in flight go on. Each route reads its `Caller` (`dpserve.server.caller`):
+the `X-data-parallel-rank: k` header pins a request to engine k (a bad value is
+a 400); an `X-Session-ID` header (or the body's `user`) keeps a conversation on
+one engine while it may take it (`dpserve.server.sessions`; the pin wins).
 
-`parse_body`, `respond`, `drain_check` and `dp_rank` are shared with the
+`parse_body`, `respond` and `drain_check` are shared with the
 routes of the other APIs on /v1 (`dpserve.server.anthropic_api`).
 
 Not here: the serving logic (`dpserve.server.serving`), /tokenize and
@@ -34,6 +34,7 @@ from pydantic import BaseModel
 from starlette.types import Send
 
 from dpserve.frontend.async_llm import AsyncLLM
+from dpserve.server.caller import caller_of
 from dpserve.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -42,9 +43,7 @@ from dpserve.server.protocol import (
     ModelList,
 )
 from dpserve.server.serving import OpenAIServing
-from dpserve.server.sessions import header_session
 
-DP_RANK_HEADER = "X-data-parallel-rank"
 DRAIN_RETRY_AFTER_S = 5  # the Retry-After of a 503 while draining
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -58,15 +57,13 @@ def v1_router(async_llm: AsyncLLM, serving: OpenAIServing, names: Sequence[str]
     async def completions(request: Request) -> Response:
         body = await parse_body(request, CompletionRequest)
         return await respond(request, serving.create_completion(
-            body, dp_rank(request), api_key_id=request.state.api_key_id,
-            session=header_session(request)))
+            body, caller_of(request)))
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest)
         return await respond(request, serving.create_chat_completion(
-            body, dp_rank(request), api_key_id=request.state.api_key_id,
-            session=header_session(request)))
+            body, caller_of(request)))
 
     def card(name: str) -> ModelCard:
         """The base model by `name`, or the LoRA adapter `name` (its `parent`: the base)."""
@@ -105,18 +102,6 @@ def drain_check(async_llm: AsyncLLM) -> Any:
             raise draining_error()
 
     return check
-
-
-def dp_rank(request: Request) -> int | None:
-    """The engine a request pins with `X-data-parallel-rank` (None: any engine)."""
-    value = request.headers.get(DP_RANK_HEADER)
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise APIError(400, f"{DP_RANK_HEADER} must be an integer engine rank, got "
-                       f"{value!r}", param=DP_RANK_HEADER) from None
 
 
 async def parse_body(request: Request, model: type[_M]) -> _M:

@@ -41,8 +41,8 @@ from pydantic import BaseModel
 from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.errors import RequestError
 from dpserve.outputs import CompletionOutput, Logprob, RequestOutput
-from dpserve.protocol import Session
 from dpserve.sampling_params import SamplingParams
+from dpserve.server.caller import ANONYMOUS, Caller, caller_tags
 from dpserve.server.grammar_check import GrammarChecker
 from dpserve.server.limits import (
     RequestLimits,
@@ -132,14 +132,12 @@ class OpenAIServing:
 
     # ---- /v1/completions -----------------------------------------------------------
 
-    async def create_completion(self, req: CompletionRequest,
-                                data_parallel_rank: int | None = None,
-                                api_key_id: str | None = None, session: Session | None = None,
+    async def create_completion(self, req: CompletionRequest, caller: Caller = ANONYMOUS,
                                 ) -> BaseModel | AsyncIterator[str]:
-        """`data_parallel_rank` (the X-data-parallel-rank header) pins the engine;
-        `api_key_id` (the auth layer's name of the key used) salts the prefix cache
-        with --prefix-cache-salt-per-key; `session` (the X-Session-ID header's, else
-        `user`'s: `dpserve.server.sessions`) places it with its session's turns."""
+        """`caller` (`dpserve.server.caller`): its pinned engine, its key's id (salts
+        the prefix cache with --prefix-cache-salt-per-key), its session (else
+        `user`'s: `dpserve.server.sessions`, placed with the session's turns), its
+        tenant and trace context (carried to the engines with `req.priority`)."""
         deadline = self._deadline()
         lora_name = self._check_model(req.model)
         model = lora_name or self.model_name  # what the response says (vLLM's)
@@ -153,9 +151,7 @@ class OpenAIServing:
         prompts = [(p, await self.llm.in_tokenizer_thread(self.llm.encode, p))
                    if isinstance(p, str) else (None, list(p)) for p in batch]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = self._start(request_id, prompts, params, data_parallel_rank,
-                              self._salt(req, api_key_id), deadline, lora_name,
-                              session or user_session(req.user))
+        streams = self._start(request_id, prompts, params, req, caller, deadline, lora_name)
         # echo: each choice starts with its prompt's text.
         echo = [(t if t is not None else self.llm.decode(ids)) if req.echo else ""
                 for t, ids in prompts]
@@ -207,11 +203,9 @@ class OpenAIServing:
     # ---- /v1/chat/completions ------------------------------------------------------
 
     async def create_chat_completion(self, req: ChatCompletionRequest,
-                                     data_parallel_rank: int | None = None,
-                                     api_key_id: str | None = None,
-                                     session: Session | None = None,
+                                     caller: Caller = ANONYMOUS,
                                      ) -> BaseModel | AsyncIterator[str]:
-        run = await self.start_chat(req, data_parallel_rank, api_key_id, session=session)
+        run = await self.start_chat(req, caller)
         request_id, streams, params, plan, model = (run.request_id, run.streams, run.params,
                                                     run.plan, run.model)
         if req.stream:
@@ -231,14 +225,12 @@ class OpenAIServing:
                                       choices=out, prompt_logprobs=self._prompt_logprobs(
                                           choices[0].prompt_logprobs))
 
-    async def start_chat(self, req: ChatCompletionRequest,
-                         data_parallel_rank: int | None = None, api_key_id: str | None = None,
-                         id_prefix: str = "chatcmpl-", session: Session | None = None
-                         ) -> ChatRun:
+    async def start_chat(self, req: ChatCompletionRequest, caller: Caller = ANONYMOUS,
+                         id_prefix: str = "chatcmpl-") -> ChatRun:
         """Check `req` in full, render its prompt and send it to the engine: the run that
         a response (this module's, or another API's built from a chat request) is made
-        from. Nothing reaches the engine when a check fails. `session`: as in
-        `create_completion` (None: `req.user`'s, if any)."""
+        from. Nothing reaches the engine when a check fails. `caller`: as in
+        `create_completion`."""
         deadline = self._deadline()
         lora_name = self._check_model(req.model)
         check_chat(req, self.limits)
@@ -264,9 +256,8 @@ class OpenAIServing:
         prompt_ids = await self.llm.in_tokenizer_thread(self._render_chat, req, plan)
         request_id = f"{id_prefix}{uuid.uuid4().hex}"
         try:
-            streams = self._start(request_id, [(None, prompt_ids)], params,
-                                  data_parallel_rank, self._salt(req, api_key_id), deadline,
-                                  lora_name, session or user_session(req.user))
+            streams = self._start(request_id, [(None, prompt_ids)], params, req, caller,
+                                  deadline, lora_name)
         except RequestError as e:
             raise RequestError(str(e), "messages" if e.param == "prompt" else e.param,
                                e.code) from None
@@ -345,9 +336,6 @@ class OpenAIServing:
         timeout = self.limits.request_timeout
         return None if timeout is None else asyncio.get_running_loop().time() + timeout
 
-    def _salt(self, req: SamplingRequest, api_key_id: str | None) -> str | None:
-        return request_salt(req.cache_salt, api_key_id, self.limits.prefix_cache_salt_per_key)
-
     async def _structured(self, req: SamplingRequest) -> StructuredOutputs | None:
         """The request's constraint, compiled in time (grammar_check) or a 400."""
         found = structured_from_request(req)
@@ -397,20 +385,25 @@ class OpenAIServing:
         return bias
 
     def _start(self, request_id: str, prompts: Sequence[tuple[str | None, list[int]]],
-               params: SamplingParams, data_parallel_rank: int | None = None,
-               cache_salt: str | None = None, deadline: float | None = None,
-               lora_name: str | None = None, session: Session | None = None,
+               params: SamplingParams, req: SamplingRequest, caller: Caller,
+               deadline: float | None, lora_name: str | None,
                ) -> list[AsyncIterator[RequestOutput]]:
         """Validate every prompt, then open one generate() stream per prompt (each ends
         with a 504 past `deadline`, loop time), with LoRA adapter `lora_name` (None:
-        the base model), placed by `session` (all prompts alike)."""
+        the base model); the caller's session (else `req.user`'s) places them all
+        alike, its key salts their prefix cache and its tags go with them."""
+        rank = caller.data_parallel_rank
         for _, ids in prompts:
-            self.llm.validate(ids, params, data_parallel_rank)
+            self.llm.validate(ids, params, rank)
         if self.admission is not None:  # paused / asleep / queues full
             self.admission([len(ids) for _, ids in prompts] * params.n)
-        streams = [self.llm.generate(ids, params, f"{request_id}-{i}", text,
-                                     data_parallel_rank, cache_salt=cache_salt,
-                                     lora_name=lora_name, session=session)
+        salt = request_salt(req.cache_salt, caller.api_key_id,
+                            self.limits.prefix_cache_salt_per_key)
+        session = caller.session or user_session(req.user)
+        tags = caller_tags(caller, req.priority)
+        streams = [self.llm.generate(ids, params, f"{request_id}-{i}", text, rank,
+                                     cache_salt=salt, lora_name=lora_name, session=session,
+                                     tags=tags)
                    for i, (text, ids) in enumerate(prompts)]
         if self.log_requests:
             streams = [logged_stream(s, f"{request_id}-{i}", len(ids), params)

@@ -1,0 +1,73 @@
+"""Who sent an API request and what its headers ask of the engines: the `Caller`.
+
+Scope: `Caller`, read once per HTTP request by `caller_of` from its headers and
+what the auth layer left in `request.state`, and handed to the serving layer
+(`dpserve.server.serving` and the APIs built on it) in place of loose
+arguments: the pinned engine (`X-data-parallel-rank`), the API key's id (prefix
+cache salting), the session (`X-Session-ID`), the tenant (the key's name, the
+unit of fairness and limits) and the W3C trace context headers.
+`key_caller` is the caller of a batch's lines (its creator's key);
+`caller_tags` turns a caller and a request's priority into the `RequestTags`
+every engine request of it carries.
+
+Not here: checking the key (`dpserve.server.auth`), what a session is
+(`dpserve.server.sessions`), the body's own fields (`dpserve.server.protocol`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from dpserve.protocol import RequestTags, Session
+from dpserve.server.protocol import APIError
+from dpserve.server.sessions import header_session
+
+DP_RANK_HEADER = "X-data-parallel-rank"
+
+
+@dataclass(frozen=True)
+class Caller:
+    """What one API request's headers and credentials say (all None: an anonymous
+    request with no headers of ours, e.g. a batch line run by the server itself)."""
+
+    data_parallel_rank: int | None = None  # the engine it pins (None: any)
+    api_key_id: str | None = None  # the auth layer's non-secret name of the key used
+    session: Session | None = None  # the conversation it continues (X-Session-ID)
+    tenant: str | None = None  # whose share of the server it uses
+    trace_headers: dict[str, str] | None = None  # W3C trace context (traceparent, ...)
+
+
+ANONYMOUS = Caller()
+
+
+def caller_of(request: Request) -> Caller:
+    """The caller of an HTTP request (a 400 for a malformed header of ours)."""
+    key_id = getattr(request.state, "api_key_id", None)
+    return Caller(data_parallel_rank=dp_rank(request), api_key_id=key_id,
+                  session=header_session(request), tenant=key_id)
+
+
+def key_caller(api_key_id: str | None) -> Caller:
+    """The caller of work the server runs for a key with no HTTP request of its own
+    (a batch's lines run as the key that created the batch)."""
+    return Caller(api_key_id=api_key_id, tenant=api_key_id)
+
+
+def caller_tags(caller: Caller, priority: int = 0) -> RequestTags:
+    """The tags every engine request of this caller's request carries."""
+    return RequestTags(priority=priority, tenant=caller.tenant,
+                       trace_headers=caller.trace_headers)
+
+
+def dp_rank(request: Request) -> int | None:
+    """The engine a request pins with `X-data-parallel-rank` (None: any engine)."""
+    value = request.headers.get(DP_RANK_HEADER)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise APIError(400, f"{DP_RANK_HEADER} must be an integer engine rank, got "
+                       f"{value!r}", param=DP_RANK_HEADER) from None
