@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -173,6 +174,27 @@ def test_bad_model_path_fails_with_one_line_and_leaves_no_process(tmp_path):
     assert not left, [p.info for p in left]
     lines = err.read_text().strip().splitlines()
     assert len(lines) == 1 and "missing-model" in lines[0], lines
+
+
+@pytest.mark.parametrize("api_servers", [1, 2])
+def test_the_process_group_is_empty_when_the_main_process_exits(tiny_llama, api_servers):
+    """A supervisor that checks the server's process group the moment its main
+    process exits (after a SIGTERM drain, exit 0) finds nothing: the engines, the
+    forkserver they came from, multiprocessing's resource tracker, the coordinator
+    and the API servers are all gone and reaped by then."""
+    with serve(str(tiny_llama), "--data-parallel-size", "2", "--threads-per-engine", "1",
+               "--api-server-count", str(api_servers), new_session=True) as (proc, url):
+        children = descendants(proc.pid)
+        names = " ".join(" ".join(p.cmdline()) for p in children)
+        # The premise: the helpers this test is about were running under the server.
+        assert "forkserver" in names and "resource_tracker" in names, names
+        httpx.post(url + "/v1/completions", json={"model": str(tiny_llama), "prompt": "Hi",
+                                                  "max_tokens": 4}, timeout=30)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+        left = [p for p in psutil.process_iter(["pid", "cmdline"]) if _pgid(p.pid) == proc.pid]
+    assert code == 0
+    assert not left, [p.info for p in left]
 
 
 def _pgid(pid: int) -> int | None:

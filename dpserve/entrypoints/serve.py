@@ -251,8 +251,10 @@ def _launch_and_serve(args: argparse.Namespace, engine_args: EngineArgs,
     finally:
         if launch is not None:
             launch.close()
-        else:  # failed before the engines (the model, say): the forkserver goes too
-            stop_engine_forkserver()
+        # Then the forkserver (an idle one, or one still importing torch when the
+        # start-up failed before the engines) and the resource tracker: nothing of
+        # dpserve is left in the process group when this process exits.
+        stop_engine_forkserver()
 
 
 def _serve(options: APIServerOptions, config: EngineConfig, sock: socket.socket,

@@ -70,24 +70,22 @@ def start_engine_forkserver() -> None:
 
 
 def stop_engine_forkserver() -> None:
-    """Stop the engines' forkserver at once (a start-up that failed before its first
-    engine): it may still be importing torch, seconds more, and nothing of dpserve
-    may outlive it. A no-op when none was started."""
-    if not _forkserver_chosen:
-        return
-    from multiprocessing import forkserver
+    """Stop the engines' forkserver and multiprocessing's resource tracker now, and
+    reap them: at the end of `dpserve serve` (its engines are gone), or after a
+    start-up that failed before its first engine (the forkserver may still be
+    importing torch, seconds more). Left alone, both exit only after the main
+    process, seen as leftovers in its process group by a supervisor that checks it
+    then. A no-op for what was never started."""
+    from multiprocessing import forkserver, resource_tracker
 
-    server = forkserver._forkserver  # the module's one ForkServer
+    server = forkserver._forkserver  # the module's one ForkServer (no public stop)
     pid = getattr(server, "_forkserver_pid", None)
-    if pid is None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    server._stop()  # closes its pipe, reaps it, forgets it (a later start makes a new one)
-    # The resource tracker it was started with (no engine used it yet): reaped here,
-    # not left to exit after us.
-    from multiprocessing import resource_tracker
-
+    if _forkserver_chosen and pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        server._stop()  # closes its pipe, reaps it, forgets it (a later start makes anew)
+    # Its resource tracker (shared with spawned children): closing its pipe makes it
+    # exit, `_stop` reaps it. Nothing of ours registers with it after this point.
     resource_tracker._resource_tracker._stop()
 
 
