@@ -29,7 +29,8 @@ Where the figures come from:
 A counter that went down between polls (a restarted API server) counts from 0:
 the rate is its new value over the time (Prometheus' `rate()` does the same).
 Text from the server (states, roles, tenant names, label values) is shown without
-control characters and cut to `_MAX_TEXT`: a tenant name is the client's to pick.
+control characters and cut to `_MAX_TEXT` (the model's name: `_MAX_MODEL`): a
+tenant name may be the client's to pick.
 
 Not here: HTTP, the terminal, the clock (`dpserve.entrypoints.top`).
 """
@@ -47,7 +48,8 @@ from rich.table import Table
 from rich.text import Text
 
 TENANT_PREFIX = "dpserve:tenant_"
-_MAX_TEXT = 40  # characters of any server-given text shown
+_MAX_TEXT = 40  # characters of any server-given text shown (but the model's name)
+_MAX_MODEL = 120
 _MAX_TENANTS = 50  # rows of the tenants table (the rest are counted)
 _HIDDEN_LABELS = ("tenant", "model_name", "le", "quantile")  # not part of a column's name
 
@@ -162,7 +164,7 @@ def view_of(url: str, previous: Poll | None, current: Poll) -> View:
 
     start = m.total("process_start_time_seconds")
     rows = [_rank_row(e, m, before, dt) for e in current.engines.get("engines", [])]
-    return View(url=url, model=_clean(m.label("model_name")) or None,
+    return View(url=url, model=_clean(m.label("model_name"), _MAX_MODEL) or None,
                 uptime_s=current.wall - start if start else None,
                 data_parallel_size=int(current.engines.get("data_parallel_size", len(rows))),
                 running=sum(r.running for r in rows), waiting=sum(r.waiting for r in rows),
@@ -195,7 +197,7 @@ def tenant_table(m: Metrics) -> TenantTable | None:
     cells: dict[str, dict[str, float | None]] = defaultdict(dict)  # tenant -> column -> value
     columns: list[str] = []
     for family, kind in sorted(m.types.items()):
-        if not family.startswith(TENANT_PREFIX):
+        if not family.startswith(TENANT_PREFIX) or family.endswith("_created"):
             continue
         short = family[len(TENANT_PREFIX):]
         for (tenant, extra), value in _tenant_values(m, family, kind).items():
@@ -205,6 +207,7 @@ def tenant_table(m: Metrics) -> TenantTable | None:
             cells[tenant][column] = value
     if not columns:
         return None
+    columns.sort()
     tenants = sorted(cells)
     rows = [(t, [cells[t].get(c) for c in columns]) for t in tenants[:_MAX_TENANTS]]
     return TenantTable(columns, rows, max(0, len(tenants) - _MAX_TENANTS))
@@ -228,10 +231,10 @@ def _tenant_values(m: Metrics, family: str, kind: str
     return dict(by_series(family + "_total" if kind == "counter" else family))
 
 
-def _clean(text: Any) -> str:
-    """Server-given text, fit to show: printable characters only, at most _MAX_TEXT."""
+def _clean(text: Any, most: int = _MAX_TEXT) -> str:
+    """Server-given text, fit to show: printable characters only, at most `most`."""
     shown = "".join(c if c.isprintable() else "?" for c in str(text or ""))
-    return shown if len(shown) <= _MAX_TEXT else shown[:_MAX_TEXT - 1] + "~"
+    return shown if len(shown) <= most else shown[:most - 1] + "~"
 
 
 def render(view: View | None, status: str | None, boxed: bool) -> RenderableType:
