@@ -195,11 +195,18 @@ def test_once_shows_each_rank_and_the_requests_sent(dp2):
 
 @pytest.mark.procs
 def test_api_key_server_without_the_key_is_one_line_and_exit_1(tiny_llama):
+    no_key = {"DPSERVE_API_KEY": ""}
     with serve(str(tiny_llama), "--max-model-len", "256", "--api-key", KEY) as (_, url):
-        refused = _top("--url", url, "--once", "--interval", "0.1",
-                       env={"DPSERVE_API_KEY": ""})
+        refused = _top("--url", url, "--once", "--interval", "0.1", env=no_key)
         shown = _top("--url", url, "--once", "--interval", "0.1",
                      env={"DPSERVE_API_KEY": KEY})
+        term = Terminal("--url", url, "--interval", "0.1", env=no_key)  # live: the same
+        try:
+            assert term.wait() == 1
+            assert b"pass the server's key with --api-key" in term.screen
+            assert termios.tcgetattr(term.slave) == term.settings
+        finally:
+            term.close()
     assert refused.returncode == 1 and refused.stdout == ""
     err = refused.stderr.strip()
     assert "\n" not in err and "401" in err and "--api-key" in err, err
@@ -224,12 +231,12 @@ class Terminal:
     (so Ctrl-C typed there signals it); this side keeps both ends open, so it can
     read the terminal's settings after the process exits."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         self.master, self.slave = os.openpty()
         fcntl.ioctl(self.slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 180, 0, 0))
         self.settings = termios.tcgetattr(self.slave)
         argv = [sys.executable, "-m", "dpserve.cli", "top", *args]
-        env = {**os.environ, "TERM": "xterm-256color"}
+        env = {**os.environ, "TERM": "xterm-256color", **(env or {})}
         self.pid = os.fork()
         if self.pid == 0:  # the child: only system calls until exec
             try:
@@ -280,13 +287,16 @@ def _draws(marker: bytes, count: int):
 
 
 @pytest.mark.procs
-@pytest.mark.parametrize("key", [b"q", b"\x03"], ids=["q", "ctrl-c"])
+@pytest.mark.parametrize("key", [b"q", b"\x03", None], ids=["q", "ctrl-c", "sigterm"])
 def test_live_view_redraws_and_quits_cleanly(dp2, key):
     url, _ = dp2
     term = Terminal("--url", url, "--interval", "0.2")
     try:
         term.read_until(_draws(b"finished/s", 3))  # the rank table, drawn three times
-        os.write(term.master, key)
+        if key is None:
+            os.kill(term.pid, signal.SIGTERM)
+        else:
+            os.write(term.master, key)
         assert term.wait() == 0
         assert b"serving" in term.screen and url.encode() in term.screen
         assert term.screen.rstrip().endswith(b"\x1b[?1049l")  # alternate screen left

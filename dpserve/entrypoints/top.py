@@ -7,7 +7,7 @@ row per DP rank; a row per tenant when the server has `dpserve:tenant_*` series.
 
 * Live (the default): a rich `Live` screen (the terminal's alternate screen),
   redrawn after every poll. `q` (stdin a terminal: read in cbreak mode, restored
-  on the way out) or Ctrl-C ends it with exit 0. A server that cannot be reached,
+  on the way out), Ctrl-C or SIGTERM ends it with exit 0. A server that cannot be reached,
   or answers 5xx, leaves the last screen up with a "reconnecting" line; polls go on.
 * `--once`: two polls `--interval` apart (so rates exist), one plain-text
   snapshot on stdout, exit 0: for scripts and tests.
@@ -28,6 +28,7 @@ import contextlib
 import os
 import select
 import shutil
+import signal
 import sys
 import termios
 import time
@@ -133,10 +134,10 @@ def _once(client: httpx.Client, url: str, interval: float) -> int:
 
 
 def _live(client: httpx.Client, url: str, interval: float) -> int:
-    """Redraw after every poll until `q` or Ctrl-C (exit 0) or a fatal error (raised,
-    after the terminal is restored)."""
+    """Redraw after every poll until `q`, Ctrl-C or SIGTERM (exit 0) or a fatal error
+    (raised, after the terminal is restored)."""
     try:
-        with _keys() as pressed_q, Live(console=Console(), screen=True,
+        with _sigterm_interrupts(), _keys() as pressed_q, Live(console=Console(), screen=True,
                                         auto_refresh=False) as live:
             previous: Poll | None = None
             view: View | None = None
@@ -155,6 +156,19 @@ def _live(client: httpx.Client, url: str, interval: float) -> int:
                     return 0
     except KeyboardInterrupt:
         return 0
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM ends the live view as Ctrl-C does (the terminal restored on the way out)."""
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager
