@@ -74,6 +74,16 @@ def _scale_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_scale)
 
 
+def _top_parser(sub: argparse._SubParsersAction) -> None:
+    from dpserve.entrypoints.top import add_top_args, run_top
+
+    p = sub.add_parser("top", help="Watch a running server's ranks, queues, tokens/s and "
+                                   "tenants in the terminal.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_top_args(p)
+    p.set_defaults(func=run_top)
+
+
 def _run_batch_parser(sub: argparse._SubParsersAction) -> None:
     from dpserve.entrypoints.run_batch import add_run_batch_args, run_batch
 
@@ -113,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     _run_batch_parser(sub)
     _bench_parser(sub)
     _scale_parser(sub)
+    _top_parser(sub)
     args = parser.parse_args(argv)
     setup_logging()
     try:
