@@ -36,14 +36,34 @@ class Pet(BaseModel):
     kind: Literal["cat", "dog"]
 
 
+# A tool-trained chat template (Hermes style, as Qwen2.5's): it shows the model the
+# tools and writes calls in <tool_call> tags, so "auto" needs no flag.
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>\n{% for t in tools %}{{ t | tojson }}\n"
+    "{% endfor %}</tools>\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": ..."
+    "}</tool_call>.<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}"
+    "\n{{ m['content'] or '' }}{% for c in m.get('tool_calls') or [] %}<tool_call>"
+    "{{ c['function'] | tojson }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# A template that renders tools in a format no parser knows: "auto" is refused.
+UNKNOWN_TOOLS_TEMPLATE = (
+    "{% if tools %}Functions: {{ tools | tojson }}\n{% endif %}{% for m in messages %}"
+    "{{ m['role'] }}: {{ m['content'] or '' }}\n{% endfor %}assistant:")
+
+
 @pytest.fixture(scope="module")
-def servers(tiny_llama):
-    """The shared server and the property test's (small KV caches), started at once
-    (their start-ups overlap)."""
+def servers(tiny_llama, tmp_path_factory):
+    """The shared server (a tool-trained template, no tool flags) and the property
+    test's (small KV caches; a template with tools in an unknown format), started at
+    once (their start-ups overlap)."""
     model = str(tiny_llama)
+    templates = tmp_path_factory.mktemp("templates")
+    (templates / "hermes.jinja").write_text(HERMES_TEMPLATE)
+    (templates / "unknown.jinja").write_text(UNKNOWN_TOOLS_TEMPLATE)
     with serve_all([model, "--data-parallel-size", "2", "--num-kv-blocks", "64",
-                    "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-                   [model, "--data-parallel-size", "2", "--num-kv-blocks", "24"],
+                    "--chat-template", str(templates / "hermes.jinja")],
+                   [model, "--data-parallel-size", "2", "--num-kv-blocks", "24",
+                    "--chat-template", str(templates / "unknown.jinja")],
                    timeout=180) as started:
         yield dict(zip(("shared", "small_kv"), started))
 
@@ -183,7 +203,7 @@ def test_generated_schemas_validate_under_preemption(servers) -> None:
     with stopping(servers["small_kv"]) as (_, url):
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         _generated_schemas(url, model)
-        _auto_needs_the_server_flags(openai.OpenAI(base_url=url + "/v1", api_key="unused",
+        _auto_needs_a_known_call_format(openai.OpenAI(base_url=url + "/v1", api_key="unused",
                                                    max_retries=0, timeout=60), model)
 
 
@@ -291,17 +311,18 @@ def test_required_streamed_one_call(server) -> None:
     jsonschema.validate(json.loads(args[0]), TOOLS[names[0]])
 
 
-def _auto_needs_the_server_flags(client: openai.OpenAI, model: str) -> None:
-    """(On a server started without --enable-auto-tool-choice.)"""
+def _auto_needs_a_known_call_format(client: openai.OpenAI, model: str) -> None:
+    """(On a server whose chat template renders tools in a format no parser knows,
+    started without --tool-call-parser.)"""
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}],
                                        tools=[SMALL], tool_choice="auto", max_tokens=5)
-    assert "--enable-auto-tool-choice" in e.value.message
+    assert "--tool-call-parser" in e.value.message
     with pytest.raises(openai.BadRequestError, match="not in tools"):
         client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "x"}], tools=[SMALL],
             tool_choice={"type": "function", "function": {"name": "nope"}}, max_tokens=5)
-    # Without tool_choice and without the flags the tools are shown, nothing is parsed.
+    # Without tool_choice and without a parser the tools are shown, nothing is parsed.
     out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}],
                                          tools=[SMALL], max_tokens=5)
     assert out.choices[0].message.tool_calls is None
@@ -312,7 +333,8 @@ HERMES_CALL = (r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "[a-
 
 
 def test_auto_tool_choice_parses_hermes_calls(server) -> None:
-    """The model is made to write a Hermes call (a regex) or plain text; auto parses."""
+    """On a server started with no tool flags, whose chat template writes Hermes calls:
+    the model is made to write a Hermes call (a regex) or plain text; auto parses."""
     _, client, model = server
     messages = [{"role": "user", "content": "Weather?"}]
     out = client.chat.completions.create(

@@ -11,6 +11,7 @@ import pytest
 
 from dpserve.frontend.errors import RequestError
 from dpserve.server.tools import (
+    detect_tool_parser,
     parse_tool_calls,
     plan_tools,
     render_messages,
@@ -35,7 +36,7 @@ def test_plans() -> None:
     named = plan_tools(_req([WEATHER, CLOCK], {"type": "function",
                                                "function": {"name": "get_time"}}), None)
     assert (named.mode, named.name) == ("named", "get_time")
-    for bad, message in [(_req([WEATHER], "auto"), "--enable-auto-tool-choice"),
+    for bad, message in [(_req([WEATHER], "auto"), "--tool-call-parser"),
                          (_req([WEATHER], {"function": {"name": "x"}}), "not in tools"),
                          (_req([WEATHER], "sometimes"), "tool_choice must be"),
                          (_req(None, "required"), "needs tools"),
@@ -74,6 +75,41 @@ def test_parsers() -> None:
     single = plan_tools(_req([WEATHER], parallel_tool_calls=False), "llama3_json")
     assert len(parse_tool_calls(single, '{"name": "a", "parameters": {}}; '
                                         '{"name": "b", "parameters": {}}')[1]) == 1
+
+
+# The parts of chat templates that say how a model writes its calls (as in Qwen2.5 /
+# Hermes, Mistral and Llama 3.1 templates), each inside a template that renders tools.
+TOOLS_LOOP = "{% if tools %}{% for t in tools %}{{ t | tojson }}{% endfor %}{% endif %}"
+
+
+def test_the_parser_is_the_chat_templates_format() -> None:
+    assert detect_tool_parser(TOOLS_LOOP + "<tool_call>\n{...}\n</tool_call>")[0] == "hermes"
+    assert detect_tool_parser(TOOLS_LOOP + "{{ '[TOOL_CALLS]' }}")[0] == "mistral"
+    assert detect_tool_parser(TOOLS_LOOP + "<|python_tag|>")[0] == "llama3_json"
+    assert detect_tool_parser(TOOLS_LOOP + "ipython ... \"parameters\"")[0] == "llama3_json"
+    # No tools in the template: dpserve renders them Hermes-style itself.
+    assert detect_tool_parser("{% for m in messages %}{{ m.content }}{% endfor %}")[0] \
+        == "hermes"
+    assert detect_tool_parser(None)[0] == "hermes"
+    parser, why = detect_tool_parser(TOOLS_LOOP + "<function_call>")  # unknown: refused
+    assert parser is None and "--tool-call-parser" in why
+    with pytest.raises(RequestError, match="--tool-call-parser"):
+        plan_tools(_req([WEATHER], "auto"), parser)
+    assert plan_tools(_req([WEATHER]), parser).mode == "none"  # left out: shown only
+
+
+def test_mistral_calls() -> None:
+    mistral = plan_tools(_req([WEATHER, CLOCK]), "mistral")
+    array = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, ' \
+            '{"name": "get_time", "arguments": {}}]'
+    for text in (array, "[TOOL_CALLS]" + array,
+                 '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS]{}'):
+        content, calls = parse_tool_calls(mistral, text)
+        assert content is None and calls == [
+            {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+            {"name": "get_time", "arguments": "{}"}], text
+    for text in ("[1, 2]", "plain [text]", "[TOOL_CALLS]get_weather[ARGS]{broken"):
+        assert parse_tool_calls(mistral, text) == (text, []), text
 
 
 def test_fallback_rendering() -> None:

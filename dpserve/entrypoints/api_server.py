@@ -115,7 +115,7 @@ class APIServerOptions:
     enable_admin_api: bool = False  # the admin routes (pause, sleep, /engines/{rank}/...)
     max_num_queued_requests: int | None = None  # admission control (429)
     max_num_queued_tokens: int | None = None
-    tool_call_parser: str | None = None  # set: tool_choice "auto" parses calls
+    tool_call_parser: str | None = None  # --tool-call-parser (None: the template's format)
     http: HTTPOptions = HTTPOptions()  # CORS, TLS, root path, chat template, aliases
     log: LogOptions = LogOptions()  # request log, access log, stats line
     limits: RequestLimits = RequestLimits()  # the "request limits" group (server/limits.py)
@@ -138,8 +138,7 @@ class APIServerOptions:
                    enable_admin_api=getattr(args, "enable_admin_api", False),
                    max_num_queued_requests=getattr(args, "max_num_queued_requests", None),
                    max_num_queued_tokens=getattr(args, "max_num_queued_tokens", None),
-                   tool_call_parser=getattr(args, "tool_call_parser", None)
-                   if getattr(args, "enable_auto_tool_choice", False) else None)
+                   tool_call_parser=getattr(args, "tool_call_parser", None))
 
 
 class DrainingServer(uvicorn.Server):

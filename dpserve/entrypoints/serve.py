@@ -75,6 +75,7 @@ from dpserve.server.limits import RequestLimits, add_limit_args
 from dpserve.server.log_options import LogOptions, add_log_args
 from dpserve.server.responses_store import add_response_store_args, store_in
 from dpserve.server.state_dir import state_directory
+from dpserve.server.tools import PARSERS as TOOL_PARSERS
 
 if TYPE_CHECKING:
     from dpserve.launch.host import EngineLaunch
@@ -104,13 +105,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="Model name(s) clients use; the first is reported (default: "
                              "the model argument, or SmolLM2-135M-Instruct).")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
-                        help='Parse tool calls from the output for tool_choice "auto" (with '
-                             "--tool-call-parser). \"required\" and named tool choices need "
-                             "no flag: the output is constrained to the tools' schema.")
-    parser.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
-                        help="How tool calls are written in the model's output: hermes "
-                             "(<tool_call>{...}</tool_call>), llama3_json ({\"name\": ..., "
-                             "\"parameters\": ...}).")
+                        help='Accepted for vLLM compatibility: tool_choice "auto" is on '
+                             "whenever a parser is known (--tool-call-parser, else the chat "
+                             "template's format).")
+    parser.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS),
+                        help="How tool calls are written in the model's output, for "
+                             "tool_choice \"auto\": hermes (<tool_call>{...}</tool_call>), "
+                             "llama3_json ({\"name\": ..., \"parameters\": ...}), mistral "
+                             "([TOOL_CALLS][...]). Default: the format the chat template "
+                             "shows (hermes for a template that does not render tools).")
     parser.add_argument("--engine-ready-timeout", type=float, default=600.0,
                         help="Seconds to wait for the engines to load the model.")
     parser.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
@@ -154,9 +157,6 @@ def _check_args(args: argparse.Namespace) -> APIServerOptions | None:
     if args.max_request_body_bytes < 1024:
         raise ConfigError(f"--max-request-body-bytes must be at least 1024, got "
                           f"{args.max_request_body_bytes}")
-    if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
-        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser "
-                          "(hermes or llama3_json)")
     for option in ("max_num_queued_requests", "max_num_queued_tokens"):
         value = getattr(args, option, None)
         if value is not None and value < 1:

@@ -12,7 +12,7 @@ Translation (`to_chat_request`):
   `tool_calls` (arguments: `input` as JSON).
 * `tools` (`name`, `description`, `input_schema`) -> function tools; `tool_choice`
   auto / any / tool {name} / none -> "auto" / "required" / the named function /
-  "none" (auto needs `--enable-auto-tool-choice`, as on the chat endpoint; left
+  "none" (auto parses the chat template's call format, as on the chat endpoint; left
   out, it is the chat default), `disable_parallel_tool_use` -> parallel_tool_calls.
 * `max_tokens`, `stop_sequences` -> stop, `temperature`, `top_p`, `top_k`,
   `metadata.user_id` -> user, `output_config.format` (json_schema) ->

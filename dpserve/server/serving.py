@@ -78,6 +78,7 @@ from dpserve.server.structured import structured_from_request
 from dpserve.server.tool_serving import chat_tool_stream, history_message, tool_message
 from dpserve.server.tools import (
     ToolPlan,
+    detect_tool_parser,
     plan_tools,
     render_messages,
     template_supports_tools,
@@ -110,7 +111,9 @@ class OpenAIServing:
                  limits: RequestLimits | None = None, *,
                  admission: Callable[[list[int]], None] | None = None,
                  model_aliases: Sequence[str] = (), log_requests: bool = False) -> None:
-        """`admission`: called with a request's prompt lengths before it is sent;
+        """`tool_call_parser`: --tool-call-parser (None: from the chat template,
+        `dpserve.server.tools.detect_tool_parser`). `admission`: called with a
+        request's prompt lengths before it is sent;
         raises to refuse it (`dpserve.server.admission`). `model_aliases`: more
         names clients may use (--served-model-name). `log_requests`: a line per
         arrival and finish (--enable-log-requests)."""
@@ -119,7 +122,13 @@ class OpenAIServing:
         self.model_aliases = tuple(model_aliases)
         self.log_requests = log_requests
         self.admission = admission
-        self.tool_call_parser = tool_call_parser  # None: tool_choice "auto" is refused
+        # tool_choice "auto": --tool-call-parser, else what the chat template implies
+        # (None: "auto" is refused, naming the flag).
+        self.tool_call_parser, why = ((tool_call_parser, "--tool-call-parser")
+                                      if tool_call_parser else
+                                      detect_tool_parser(llm.chat_template))
+        logger.info('tool_choice "auto": %s (%s)', f"parser {self.tool_call_parser}"
+                    if self.tool_call_parser else "refused", why)
         self.limits = limits or RequestLimits.from_engine(llm.config.limits)
         self.grammar_checker = GrammarChecker(
             llm.config.model.tokenizer, llm.vocab_size,

@@ -1,11 +1,17 @@
 """Tool calling for /v1/chat/completions: plans, constraints, rendering, parsing.
 
+* `detect_tool_parser(template)`: which parser reads the model's calls, from the
+  chat template (the format it shows the model): `<tool_call>` tags -> hermes,
+  `[TOOL_CALLS]` -> mistral, `<|python_tag|>` / ipython with `parameters` ->
+  llama3_json; a template that does not render tools gets dpserve's own Hermes-style
+  rendering (below), so hermes; a template that renders tools some other way: none.
+  `--tool-call-parser NAME` overrides it.
 * `plan_tools(req, parser)`: `tools` + `tool_choice` -> a `ToolPlan`: `none` (the
-  tools are shown to the model, nothing is parsed), `auto` (needs the server's
-  `--enable-auto-tool-choice --tool-call-parser NAME`; the text is parsed for
-  calls), `required` and a named function (the output is constrained by a JSON
-  schema built from the tools, so they work with any model and need no flag).
-  `tool_choice` left out means `auto` when the server parses calls, else `none`.
+  tools are shown to the model, nothing is parsed), `auto` (the text is parsed for
+  calls; refused, naming `--tool-call-parser`, when no parser is known), `required`
+  and a named function (the output is constrained by a JSON schema built from the
+  tools, so they work with any model and parser). `tool_choice` left out means
+  `auto` when the server has a parser, else `none`.
 * `tool_constraint(plan)`: `required` -> an array of `{"name", "arguments"}` objects,
   one per call (exactly one when `parallel_tool_calls` is false); named -> the
   function's `parameters` (the output is the arguments object).
@@ -28,7 +34,7 @@ from typing import Any
 from dpserve.frontend.errors import RequestError
 from dpserve.structured.spec import StructuredOutputs
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "mistral")
 
 
 @dataclass
@@ -37,7 +43,7 @@ class ToolPlan:
     tools: list[dict[str, Any]]  # the `function` objects: name, description, parameters
     name: str | None = None  # the named function
     parallel: bool = True
-    parser: str | None = None  # auto: hermes | llama3_json
+    parser: str | None = None  # auto: one of PARSERS
     ids: list[str] = field(default_factory=list)
 
 
@@ -56,9 +62,10 @@ def plan_tools(req: Any, parser: str | None) -> ToolPlan | None:
         return ToolPlan("none", tools)
     if choice == "auto":
         if not parser:
-            raise RequestError('"auto" tool choice requires the server to be started with '
-                               "--enable-auto-tool-choice and --tool-call-parser",
-                               param="tool_choice")
+            raise RequestError('"auto" tool choice needs a tool-call parser, and the chat '
+                               "template writes calls in a format this server does not "
+                               "recognise: start it with --tool-call-parser (one of "
+                               f"{', '.join(PARSERS)})", param="tool_choice")
         return ToolPlan("auto", tools, parallel=parallel, parser=parser)
     if choice == "required":
         return ToolPlan("required", tools, parallel=parallel)
@@ -70,6 +77,23 @@ def plan_tools(req: Any, parser: str | None) -> ToolPlan | None:
         raise RequestError(f"tool_choice names {name!r}, which is not in tools",
                            param="tool_choice")
     return ToolPlan("named", tools, name=name, parallel=False)
+
+
+def detect_tool_parser(template: str | None) -> tuple[str | None, str]:
+    """The parser for tool_choice "auto" that `template` implies, and why (a phrase
+    for the start-up log); None: the template renders tools in a format not known."""
+    if not template_supports_tools(template):
+        return "hermes", "the chat template does not render tools: dpserve shows them " \
+                         "Hermes-style (<tool_call> tags)"
+    assert template is not None
+    if "<tool_call>" in template:
+        return "hermes", "the chat template writes <tool_call> tags"
+    if "[TOOL_CALLS]" in template:
+        return "mistral", "the chat template writes [TOOL_CALLS]"
+    if "<|python_tag|>" in template or ("ipython" in template and "parameters" in template):
+        return "llama3_json", "the chat template writes Llama 3 JSON calls"
+    return None, "the chat template renders tools in a format not recognised " \
+                 "(--tool-call-parser names one)"
 
 
 def _function(tool: Any, i: int) -> dict[str, Any]:
@@ -172,7 +196,7 @@ def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[s
             calls = [c for c in parsed if isinstance(c, dict) and "name" in c]
             content = None if calls else text
     elif plan.mode == "auto":
-        content, calls = (_hermes(text) if plan.parser == "hermes" else _llama3_json(text))
+        content, calls = _PARSE[plan.parser or "hermes"](text)
         calls = calls if plan.parallel else calls[:1]  # parallel_tool_calls=false
     return content, [{"name": c["name"], "arguments": json.dumps(
         c.get("arguments", c.get("parameters", {})))} for c in calls]
@@ -209,3 +233,39 @@ def _llama3_json(text: str) -> tuple[str | None, list[dict[str, Any]]]:
         while pos < len(body) and body[pos] in " \n;":
             pos += 1
     return None, calls
+
+
+_MISTRAL_NAMED = re.compile(r"\s*([A-Za-z0-9_.-]+)\[ARGS\]")
+
+
+def _mistral(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """Mistral's calls: `[TOOL_CALLS]` (a special token: absent from the text when
+    special tokens are skipped) then a JSON array of {"name", "arguments"}, or, in
+    newer templates, `name[ARGS]{...}` once per call."""
+    body = text.strip()
+    marked = body.startswith("[TOOL_CALLS]")
+    body = body.removeprefix("[TOOL_CALLS]").strip()
+    if body.startswith("["):
+        calls = loads_or_text(body)
+        if isinstance(calls, list) and calls and all(
+                isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+            return None, calls
+        return text, []
+    if not marked:
+        return text, []
+    calls, pos, decoder = [], 0, json.JSONDecoder()
+    while pos < len(body):
+        named = _MISTRAL_NAMED.match(body, pos)
+        if named is None:
+            return text, []
+        try:
+            arguments, pos = decoder.raw_decode(body, named.end())
+        except json.JSONDecodeError:
+            return text, []
+        calls.append({"name": named.group(1), "arguments": arguments})
+        while body.startswith(("[TOOL_CALLS]", " ", "\n"), pos):  # to the next call
+            pos += len("[TOOL_CALLS]") if body.startswith("[TOOL_CALLS]", pos) else 1
+    return (None, calls) if calls else (text, [])
+
+
+_PARSE = {"hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral}
