@@ -109,11 +109,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "whenever a parser is known (--tool-call-parser, else the chat "
                              "template's format).")
     parser.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS),
-                        help="How tool calls are written in the model's output, for "
-                             "tool_choice \"auto\": hermes (<tool_call>{...}</tool_call>), "
-                             "llama3_json ({\"name\": ..., \"parameters\": ...}), mistral "
-                             "([TOOL_CALLS][...]). Default: the format the chat template "
-                             "shows (hermes for a template that does not render tools).")
+                        help="How the model writes tool calls, for tool_choice \"auto\": "
+                             "hermes (<tool_call> tags), llama3_json, mistral ([TOOL_CALLS]). "
+                             "Default: the chat template's format (hermes if it shows none).")
     parser.add_argument("--engine-ready-timeout", type=float, default=600.0,
                         help="Seconds to wait for the engines to load the model.")
     parser.add_argument("--max-request-body-bytes", type=int, default=4 << 20,

@@ -10,9 +10,9 @@ them resolves any id, and the rows outlive an API server's restart.
 Rules, enforced here:
 
 * The file is SQLite in WAL mode (readers never block the one writer; writers wait
-  up to `BUSY_TIMEOUT_S` for each other) and created with mode 0600 inside a 0700
+  up to `state_db.BUSY_TIMEOUT_S` for each other) and created with mode 0600 inside a 0700
   directory. All access runs on one worker thread per process (sqlite3 calls block),
-  never on the event loop.
+  never on the event loop (`dpserve.server.state_db.SQLiteThread`).
 * Bounded: at most `max_responses` rows; a write past it evicts the oldest
   (by insertion order). One response (its object plus its input items, as JSON)
   may take at most `max_bytes`; a larger one is refused (`TooLarge`).
@@ -41,25 +41,21 @@ Not here: the HTTP routes and the translation to chat (`dpserve.server.responses
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import os
 import shutil
 import sqlite3
 import tempfile
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from dpserve.errors import ConfigError
+from dpserve.server.state_db import MEMORY, SQLiteThread, open_sqlite
 
-BUSY_TIMEOUT_S = 10.0
 STORE_FILE = "responses.sqlite"
-MEMORY = ":memory:"
-_T = TypeVar("_T")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -165,14 +161,7 @@ def init_store_file(path: str) -> None:
     """Create the file (0600), switch it to WAL and make the table, before any API
     server opens it; ConfigError when it is not a usable SQLite file."""
     try:
-        if not os.path.exists(path):
-            os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
-        db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S)
-        try:
-            db.execute("PRAGMA journal_mode=WAL")
-            _make_table(db)
-        finally:
-            db.close()
+        open_sqlite(path, _make_table).close()
     except (OSError, sqlite3.Error) as e:
         raise ConfigError(f"--response-store {path}: {e}") from None
 
@@ -185,36 +174,10 @@ class ResponseStore:
         self.path = path
         self.max_responses = max_responses
         self.max_bytes = max_bytes
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="response-store")
-        self._db: sqlite3.Connection | None = None
-
-    def _conn(self) -> sqlite3.Connection:
-        if self._db is None:  # opened on the store's thread, used only there
-            if self.path != MEMORY and not os.path.exists(self.path):
-                os.close(os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600))
-            db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
-            if self.path != MEMORY:
-                db.execute("PRAGMA journal_mode=WAL")
-            _make_table(db)
-            self._db = db
-        return self._db
-
-    async def _run(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, lambda: fn(self._conn()))
-
-    def close(self) -> None:
-        def shut() -> None:
-            if self._db is not None:
-                self._db.close()
-                self._db = None
-
-        self._executor.submit(shut).result(timeout=BUSY_TIMEOUT_S)
-        self._executor.shutdown(wait=False)
-
-    def connect(self) -> None:
-        """Open the file on the store's thread now (blocks; for start-up)."""
-        self._executor.submit(self._conn).result(timeout=BUSY_TIMEOUT_S)
+        self._db = SQLiteThread(path, _make_table, "response-store")
+        self._run = self._db.run
+        self.close = self._db.close
+        self.connect = self._db.connect  # open the file now (blocks; for start-up)
 
     # ---- writes ------------------------------------------------------------------
 

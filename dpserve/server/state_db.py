@@ -14,7 +14,8 @@ Rules, enforced here:
   is committed (synchronous=FULL: on disk before the commit returns) before it
   counts anywhere, so a server killed at any moment has lost no answered line.
 * All access runs on one worker thread per process (sqlite3 calls block), never
-  on the event loop.
+  on the event loop: `SQLiteThread`, which the Responses API's store
+  (`dpserve.server.responses_store`) uses for its own file too.
 
 Not here: what the rows mean (`dpserve.server.file_store`,
 `dpserve.server.batch_store`), where the directory is (`dpserve.server.state_dir`).
@@ -33,6 +34,7 @@ from dpserve.errors import ConfigError
 
 BUSY_TIMEOUT_S = 10.0
 DB_FILE = "batches.sqlite"
+MEMORY = ":memory:"  # `open_sqlite`'s private in-memory database
 _T = TypeVar("_T")
 
 _SCHEMA = """
@@ -75,38 +77,50 @@ def init_state_db(state_dir: str) -> None:
     ConfigError when it is not a usable SQLite file."""
     path = db_path(state_dir)
     try:
-        db = _connect(path)
-        db.close()
+        open_sqlite(path, _make_tables, durable=True).close()
     except (OSError, sqlite3.Error) as e:
         raise ConfigError(f"--state-dir {state_dir}: {path}: {e}") from None
 
 
-def _connect(path: str) -> sqlite3.Connection:
-    if not os.path.exists(path):
+def _make_tables(db: sqlite3.Connection) -> None:
+    db.executescript(_SCHEMA)
+
+
+def open_sqlite(path: str, setup: Callable[[sqlite3.Connection], None],
+                durable: bool = False) -> sqlite3.Connection:
+    """A connection to `path` (created 0600 if missing; `MEMORY`: a private in-memory
+    database), in WAL mode, autocommit, after `setup` made its tables. `durable`:
+    synchronous=FULL (a commit is on disk when it returns)."""
+    if path != MEMORY and not os.path.exists(path):
         os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
     db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
-    db.execute("PRAGMA journal_mode=WAL")
-    db.execute("PRAGMA synchronous=FULL")
-    db.executescript(_SCHEMA)
+    if path != MEMORY:
+        db.execute("PRAGMA journal_mode=WAL")
+    if durable:
+        db.execute("PRAGMA synchronous=FULL")
+    setup(db)
     return db
 
 
-class StateDB:
-    """One connection to the file, used only on its own thread (module docstring)."""
+class SQLiteThread:
+    """One connection to an SQLite file, opened and used only on its own thread
+    (sqlite3 calls block: never on the event loop)."""
 
-    def __init__(self, state_dir: str) -> None:
-        self.state_dir = state_dir
-        self.path = db_path(state_dir)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="batch-store")
+    def __init__(self, path: str, setup: Callable[[sqlite3.Connection], None],
+                 name: str, durable: bool = False) -> None:
+        self.path = path
+        self._setup = setup
+        self._durable = durable
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=name)
         self._db: sqlite3.Connection | None = None
 
     def _conn(self) -> sqlite3.Connection:
-        if self._db is None:  # opened on the store's thread, used only there
-            self._db = _connect(self.path)
+        if self._db is None:  # opened on this thread, used only here
+            self._db = open_sqlite(self.path, self._setup, self._durable)
         return self._db
 
     async def run(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
-        """`fn(connection)` on the store's thread."""
+        """`fn(connection)` on the connection's thread."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, lambda: fn(self._conn()))
 
@@ -122,3 +136,11 @@ class StateDB:
 
         self._executor.submit(shut).result(timeout=BUSY_TIMEOUT_S)
         self._executor.shutdown(wait=False)
+
+
+class StateDB(SQLiteThread):
+    """The state directory's file (module docstring)."""
+
+    def __init__(self, state_dir: str) -> None:
+        super().__init__(db_path(state_dir), _make_tables, "batch-store", durable=True)
+        self.state_dir = state_dir
