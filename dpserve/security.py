@@ -16,6 +16,9 @@ Not here: what travels (no pickle, ever: `dpserve.protocol`); gloo's own TCP
 pairs of lockstep all-reduces (bound to one address, never all interfaces,
 but neither authenticated nor encrypted: `dpserve.engine.dp_store`).
 
+`address_towards(host)` is the address a listener that `host` must reach binds
+to (the DP group's gloo pairs, the KV tier's cross-host pulls).
+
 Every socket factory in dpserve calls `secure(sock, role, secret)` before
 bind/connect; `role` is "server" for a bind, "client" for a connect.
 """
@@ -123,6 +126,16 @@ def is_loopback(host: str) -> bool:
         return False  # unresolvable: it will fail later anyway; not loopback
     return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback
                                for i in infos)
+
+
+def address_towards(host: str) -> str:
+    """This host's address on the interface that routes to `host` (a UDP connect
+    picks the route; no packet is sent): what a listener reachable from `host`
+    binds to, never all interfaces."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host.strip("[]"), 9))
+        return s.getsockname()[0]
 
 
 def check_exposure(address: str, secret: str | None, insecure: bool) -> None:

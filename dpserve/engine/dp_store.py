@@ -31,7 +31,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 import threading
 import time
 from typing import Any
@@ -40,7 +39,7 @@ import msgspec
 import torch.distributed as dist
 import zmq
 
-from dpserve.security import secure
+from dpserve.security import address_towards, secure
 
 logger = logging.getLogger(__name__)
 
@@ -270,19 +269,10 @@ def _as_bytes(value: Any) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
 
-def local_address_towards(host: str) -> str:
-    """The address of this host's interface that routes to `host` (no packet is sent:
-    a UDP connect only picks the route); 127.0.0.1 for a loopback `host`."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        s.connect((host.strip("[]"), 9))
-        return s.getsockname()[0]
-
-
 def gloo_device(master_ip: str) -> Any:
     """The gloo device of a DP group: its listener binds to the interface that reaches
     the store's host (or $GLOO_SOCKET_IFNAME's, when the operator names one)."""
     interface = os.environ.get("GLOO_SOCKET_IFNAME")
     if interface:
         return dist.ProcessGroupGloo.create_device(interface=interface)
-    return dist.ProcessGroupGloo.create_device(hostname=local_address_towards(master_ip))
+    return dist.ProcessGroupGloo.create_device(hostname=address_towards(master_ip))

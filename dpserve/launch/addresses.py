@@ -200,15 +200,6 @@ def _bindable(family: int, host: str, port: int) -> bool:
     return True
 
 
-def host_towards(host: str) -> str:
-    """This host's address on the interface that routes to `host` (a UDP connect picks
-    the route; no packet is sent)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        s.connect((host.strip("[]"), 9))
-        return s.getsockname()[0]
-
-
 def url_host(host: str) -> str:
     """`host` as it goes in a tcp:// URL (IPv6 literals in brackets)."""
     return f"[{host}]" if ":" in host else host

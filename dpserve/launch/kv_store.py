@@ -39,10 +39,10 @@ from dpserve.kv_tier.arena import (
 )
 from dpserve.kv_tier.messages import Call, GetStats, Reply
 from dpserve.kv_tier.server import run_kv_store
-from dpserve.launch.addresses import AddressAllocator, host_towards, pick_port, url_host
+from dpserve.launch.addresses import AddressAllocator, pick_port, url_host
 from dpserve.launch.engines import EngineStartupError
 from dpserve.launch.process import ProcessGroup, shutdown
-from dpserve.security import check_exposure, secure
+from dpserve.security import address_towards, check_exposure, secure
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ def store_host(config: EngineConfig) -> str | None:
         return None
     if p.data_parallel_start_rank == 0:
         return p.data_parallel_address
-    return host_towards(p.data_parallel_address)
+    return address_towards(p.data_parallel_address)
 
 
 def _unlink(arenas: list[str]) -> None:
