@@ -42,8 +42,11 @@ Not here: starting uvicorn or the engine (`dpserve serve` does that).
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
@@ -150,12 +153,22 @@ def install_tenants(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics
     over the coordinator's ledger (`tenants.ledger_address`) or one in this process,
     closed when the app shuts down."""
     tenant_metrics = TenantMetrics(metrics.registry, metrics.model_name, [
-        *(key.id for key in auth.keys), *(tenants.limits.names if tenants.limits else ())])
+        *(key.id for key in auth.keys), *(tenants.limits.names if tenants.limits else ())],
+        metrics.api_server_index)
     serving.llm.add_stats_listener(tenant_metrics)
     app.state.tenant_header = tenants.header
     if tenants.limits is not None:
         serving.tenants = TenantGate(tenants.limits, tenants.ledger(), tenant_metrics.rejected)
-        app.add_event_handler("shutdown", serving.tenants.close)
+        gate = serving.tenants
+
+        @asynccontextmanager
+        async def closing(_: Any) -> AsyncIterator[None]:
+            try:
+                yield
+            finally:
+                gate.close()
+
+        app.include_router(APIRouter(lifespan=closing))
 
 
 async def _error_response(request: Request, exc: Exception) -> JSONResponse:

@@ -7,7 +7,8 @@ like the other counters):
     dpserve:tenant_requests_total{tenant}           requests finished (one per prompt)
     dpserve:tenant_prompt_tokens_total{tenant}      their prompt tokens
     dpserve:tenant_generation_tokens_total{tenant}  their generated tokens
-    dpserve:tenant_rejections_total{tenant,limit}   429s over a --tenant-limits limit
+    dpserve:tenant_rejections_total{tenant,limit,api_server}
+                                                    429s over a --tenant-limits limit
     dpserve:tenant_queue_time_seconds{tenant}       arrival in the engine to first
                                                     scheduled (the engine's phase_times)
 
@@ -41,9 +42,10 @@ _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0
 class TenantMetrics:
     """The `dpserve:tenant_*` series (module docstring)."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str,
-                 names: Iterable[str]) -> None:
+    def __init__(self, registry: CollectorRegistry, model_name: str, names: Iterable[str],
+                 api_server_index: int = 0) -> None:
         self.model_name = model_name
+        self.api_server = str(api_server_index)  # which API server refused
         self.names = frozenset(names) | {DEFAULT}
         labels, r = ["model_name", "tenant"], registry
         self.requests = Counter("dpserve:tenant_requests", "Requests finished, by tenant "
@@ -54,7 +56,7 @@ class TenantMetrics:
                                          "tokens, by tenant.", labels, registry=r)
         self.rejections = Counter("dpserve:tenant_rejections", "Requests refused (429) over "
                                   "a --tenant-limits limit, by tenant and limit.",
-                                  labels + ["limit"], registry=r)
+                                  labels + ["limit", "api_server"], registry=r)
         self.queue_time = Histogram("dpserve:tenant_queue_time_seconds", "Arrival in the "
                                     "engine to first scheduled, by tenant.", labels,
                                     buckets=_QUEUE_BUCKETS, registry=r)
@@ -80,4 +82,5 @@ class TenantMetrics:
 
     def rejected(self, tenant: str, limit: str) -> None:
         assert limit in LIMIT_NAMES, limit
-        self.rejections.labels(self.model_name, self.label(tenant), limit).inc()
+        self.rejections.labels(self.model_name, self.label(tenant), limit,
+                               self.api_server).inc()
