@@ -16,7 +16,7 @@ import zmq
 
 from dpserve.errors import ConfigError
 from dpserve.launch.coordinator.tenants import TenantDesk
-from dpserve.tenancy.ledger import Ledger
+from dpserve.tenancy.ledger import Ledger, Refusal
 from dpserve.tenancy.limits import TenantLimit, TenantLimits, load_tenant_limits
 from dpserve.tenancy.messages import (
     SESSION_TIMEOUT_S,
@@ -225,3 +225,31 @@ def test_desk_forgets_a_silent_api_server(desk):
     assert alive.admit(desk, "r2", "a").refusal is not None
     desk.expire(time.monotonic() + SESSION_TIMEOUT_S + 1)  # "dead" said nothing since
     assert alive.admit(desk, "r2", "a").refusal is None
+
+
+# ---- the 429 -------------------------------------------------------------------------
+
+
+def test_the_429_names_the_limit_and_carries_the_headers_that_apply():
+    from dpserve.server.tenants import refusal_error
+
+    flight = refusal_error("alice", Refusal("max_requests_in_flight", 2, 0, 1, 1, 0))
+    assert (flight.status_code, flight.type, flight.code, flight.param) == (
+        429, "rate_limit_error", "max_requests_in_flight", None)
+    assert "'alice'" in flight.message and "--tenant-limits" in flight.message
+    assert flight.headers == {
+        "Retry-After": "1", "RateLimit-Limit": "2", "RateLimit-Remaining": "0",
+        "RateLimit-Reset": "1", "x-ratelimit-limit-requests": "2",
+        "x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": "1s"}
+    tokens = refusal_error("bob", Refusal("tokens_per_minute", 100, 40, 60, 12, 30))
+    assert tokens.param is None  # it fits once the window moves: worth retrying
+    assert {k: v for k, v in tokens.headers.items() if k.startswith("x-")} == {
+        "x-ratelimit-limit-tokens": "100", "x-ratelimit-remaining-tokens": "40",
+        "x-ratelimit-reset-tokens": "30s"}
+    assert tokens.headers["Retry-After"] == "12" and tokens.headers["RateLimit-Reset"] == "30"
+    queued = refusal_error("q", Refusal("max_queued_tokens", 10, 4, 6, 1, 0))
+    assert not any(k.startswith("x-") for k in queued.headers)
+    # Alone over the limit: it never fits; the field to shrink is named.
+    alone = refusal_error("bob", Refusal("tokens_per_minute", 100, 100, 130, 60, 0))
+    assert alone.param == "max_tokens" and "never fit" in alone.message
+    assert refusal_error("q", Refusal("max_queued_tokens", 10, 10, 11, 1, 0)).param == "prompt"

@@ -176,6 +176,31 @@ def test_per_tenant_series_and_unnamed_tenants_are_other(one_server):
     assert 'tenant="zed-not-named"' not in text
 
 
+def test_batch_lines_over_a_limit_wait_their_turn(one_server):
+    """alice (one request in flight) runs a batch of 4 lines, up to 4 at once: the
+    lines refused for her limit are retried, so every line is answered 200."""
+    _, url, model = one_server
+    client = _client(url, "alice")
+    before = _series(url, "dpserve:tenant_rejections_total", tenant="alice",
+                     limit="max_requests_in_flight")
+    lines = [{"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions", "body": {
+        "model": model, "prompt": PROMPT, "max_tokens": 48, "ignore_eos": True}}
+        for i in range(4)]
+    upload = client.files.create(file=("in.jsonl", "\n".join(json.dumps(x) for x in lines)
+                                       .encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
+                                  completion_window="24h")
+    done = wait_until(lambda: (b := client.batches.retrieve(batch.id)).status in (
+        "completed", "failed", "cancelled") and b, 120, "the batch to end")
+    assert done.status == "completed", done
+    out = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    assert sorted(x["custom_id"] for x in out) == ["l0", "l1", "l2", "l3"]
+    assert all(x["response"]["status_code"] == 200 for x in out), out
+    # The premise: her limit refused some line at least once (then it was retried).
+    assert _series(url, "dpserve:tenant_rejections_total", tenant="alice",
+                   limit="max_requests_in_flight") > before
+
+
 # ---- two API servers: the ledger in the DP coordinator -----------------------------
 
 

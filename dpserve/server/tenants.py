@@ -7,7 +7,9 @@ request: `meter` wraps its engine streams and tells the ledger when its first
 token comes and when the last stream ends, with the tokens it generated),
 `LocalLedger` (the ledger in this process: no DP coordinator) and
 `refusal_error` (the 429: OpenAI's shape, `rate_limit_error`, the limit as its
-code, `Retry-After`, IETF `RateLimit-*` and OpenAI's `x-ratelimit-*` headers).
+code, `Retry-After`, IETF `RateLimit-*` and OpenAI's `x-ratelimit-*` headers; a
+request that alone is over the limit, and so can never fit, names the field to
+shrink as its `param`: a batch line retries the others, not it).
 
 Where the ledger lives: in the DP coordinator whenever there is one (every API
 server asks it: `dpserve.server.tenant_link.LedgerLink`), else here. A tenant
@@ -205,6 +207,10 @@ def refusal_error(tenant: str, refusal: Refusal) -> APIError:
             "tokens_per_minute": f"this request may use {r.cost} token(s) (prompt + "
                                  f"max_tokens) and {r.remaining} are left in the last "
                                  f"minute"}[r.limit]
+    alone = r.cost > r.value  # this request can never fit: the field to shrink is named
+    if alone:
+        what = (f"this request alone needs {r.cost} (prompt" + (" + max_tokens" if r.limit ==
+                "tokens_per_minute" else "") + "), more than the limit: it can never fit")
     message = (f"Rate limit reached: tenant {tenant!r} is at its {r.limit} limit of "
                f"{r.value} (--tenant-limits): {what}; retry in {r.retry_after_s} s.")
     reset = r.reset_s or r.retry_after_s
@@ -218,4 +224,6 @@ def refusal_error(tenant: str, refusal: Refusal) -> APIError:
         headers |= {"x-ratelimit-limit-tokens": str(r.value),
                     "x-ratelimit-remaining-tokens": str(r.remaining),
                     "x-ratelimit-reset-tokens": f"{reset}s"}
-    return APIError(429, message, type="rate_limit_error", code=r.limit, headers=headers)
+    param = None if not alone else "max_tokens" if r.limit == "tokens_per_minute" else "prompt"
+    return APIError(429, message, type="rate_limit_error", param=param, code=r.limit,
+                    headers=headers)
