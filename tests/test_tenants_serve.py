@@ -278,17 +278,20 @@ def test_a_frozen_coordinator_means_503_for_limited_tenants_only(two_servers):
 # ---- the command line ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("option, value, words", [
-    ("--tenant-limits", '{"alice": {"tpm": 5}}', ["--tenant-limits", "'alice'", "'tpm'"]),
-    ("--tenant-limits", "{", ["--tenant-limits", "not valid JSON"]),
-    ("--tenant-header", "Authorization", ["--tenant-header", "'Authorization'"]),
+@pytest.mark.parametrize("option, value, extra, words", [
+    ("--tenant-limits", '{"alice": {"tpm": 5}}', (), ["--tenant-limits", "'alice'", "'tpm'"]),
+    ("--tenant-limits", "{", (), ["--tenant-limits", "not valid JSON"]),
+    ("--tenant-limits", '{"a": {"tokens_per_minute": 9}}', ("--data-parallel-size", "2",
+                                                            "--data-parallel-hybrid-lb"),
+     ["--tenant-limits", "hybrid"]),
+    ("--tenant-header", "Authorization", (), ["--tenant-header", "'Authorization'"]),
 ])
-def test_bad_tenant_options_are_one_line(tmp_path, option, value, words):
+def test_bad_tenant_options_are_one_line(tmp_path, option, value, extra, words):
     if option == "--tenant-limits":
         path = tmp_path / "limits.json"
         path.write_text(value)
         value = str(path)
-    proc = subprocess.run([sys.executable, "-m", "dpserve.cli", "serve", option, value],
+    proc = subprocess.run([sys.executable, "-m", "dpserve.cli", "serve", option, value, *extra],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
