@@ -12,6 +12,7 @@ that header's value (1 to 64 of [A-Za-z0-9._-], else a 400 naming the header);
 without the header, or without the option, the API key's name (its name in
 `--api-key-file`, else "key-" + 12 hex digits); with no key configured,
 "default".
+
 `key_caller` is the caller of a batch's lines (its creator's key);
 `caller_tags` turns a caller and a request's priority into the `RequestTags`
 every engine request of it carries.
