@@ -238,24 +238,40 @@ def test_in_flight_limit_is_refused_by_every_api_server_while_others_are_served(
                "alice to be admitted once her request ended")
 
 
-def test_tokens_per_minute_holds_over_both_api_servers(two_servers):
-    _, url, model, _ = two_servers
-    before = _series(url, "dpserve:tenant_requests_total", tenant="shared")
-    rejected = _answers_by_server(url, "shared", "tokens_per_minute")
+def _tokens_per_minute_holds_over_both(url: str, model: str, tenant: str) -> None:
+    """`tenant` (24 tokens a minute) over fresh connections until both API servers have
+    refused it: together they served exactly what the limit allows."""
+    before = _series(url, "dpserve:tenant_requests_total", tenant=tenant)
+    rejected = _answers_by_server(url, tenant, "tokens_per_minute")
     served = 0
     for _ in range(60):  # fresh connections: whichever API server accepts answers
-        resp = _complete(url, model, _auth("bob", "shared"))
+        resp = _complete(url, model, _auth("bob", tenant))
         if resp.status_code == 200:
             served += 1
         else:
             _assert_429(resp, "tokens_per_minute", 24)
-        now = _answers_by_server(url, "shared", "tokens_per_minute")
+        now = _answers_by_server(url, tenant, "tokens_per_minute")
         if all(now[s] > rejected[s] for s in now):
             break
-    # Both API servers refused, and together they served exactly what the limit allows.
     assert all(now[s] > rejected[s] for s in now), now
     assert served == 3
-    assert _series(url, "dpserve:tenant_requests_total", tenant="shared") == before + 3
+    assert _series(url, "dpserve:tenant_requests_total", tenant=tenant) == before + 3
+
+
+def test_tokens_per_minute_holds_over_both_api_servers(two_servers):
+    _, url, model, _ = two_servers
+    _tokens_per_minute_holds_over_both(url, model, "shared")
+
+
+def test_one_engine_and_two_api_servers_share_a_coordinator_ledger(tiny_llama,
+                                                                  tmp_path_factory):
+    """One engine needs no coordinator, but two API servers with limits start one for
+    the ledger."""
+    keys, limits = _files(tmp_path_factory)
+    with serve(str(tiny_llama), *ARGS, "--api-server-count", "2", "--api-key-file", keys,
+               "--tenant-limits", limits, "--tenant-header", "X-Tenant-ID") as (proc, url):
+        proc_named(descendants(proc.pid), "DPCoordinator")
+        _tokens_per_minute_holds_over_both(url, str(tiny_llama), "shared")
 
 
 def test_a_frozen_coordinator_means_503_for_limited_tenants_only(two_servers):
