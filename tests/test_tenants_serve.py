@@ -37,6 +37,7 @@ LIMITS = {"alice": {"max_requests_in_flight": 1},
           "shared": {"tokens_per_minute": 24},
           "tiny": {"tokens_per_minute": 1},  # any request is over it
           "held": {"max_requests_in_flight": 50},
+          "solo": {"max_requests_in_flight": 1},
           "metered": {"max_requests_in_flight": 50}}
 
 
@@ -272,6 +273,41 @@ def test_one_engine_and_two_api_servers_share_a_coordinator_ledger(tiny_llama,
                "--tenant-limits", limits, "--tenant-header", "X-Tenant-ID") as (proc, url):
         proc_named(descendants(proc.pid), "DPCoordinator")
         _tokens_per_minute_holds_over_both(url, str(tiny_llama), "shared")
+
+
+def _api_server_of(children, client_port: int):
+    """The API-server process that holds the connection from our `client_port`."""
+    found = [p for p in children if p.is_running() and p.name().startswith(
+        "dpserve::APIServer_") and any(c.raddr and c.raddr.port == client_port
+                                       for c in p.net_connections("tcp"))]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_a_killed_api_server_does_not_pin_its_tenants(two_servers):
+    """solo's one request in flight is held (its engine stopped) by an API server that
+    is then SIGKILLed: the coordinator forgets what the silent API server held, so
+    solo is admitted again (by the survivor or the restarted one)."""
+    proc, url, model, children = two_servers
+    engine = proc_named(children, "EngineCore_1")
+    held = httpx.Client(timeout=120)
+    os.kill(engine.pid, signal.SIGSTOP)
+    try:
+        with held.stream("POST", url + "/v1/completions", headers=_auth("alice", "solo") | {
+                "X-data-parallel-rank": "1"}, json={"model": model, "prompt": PROMPT,
+                                                     "max_tokens": 4, "stream": True}) as resp:
+            assert resp.status_code == 200  # admitted: its headers came
+            port = resp.extensions["network_stream"].get_extra_info("client_addr")[1]
+            _assert_429(_complete(url, model, _auth("alice", "solo")),
+                        "max_requests_in_flight", 1)
+            _api_server_of(children, port).kill()
+    except (httpx.RemoteProtocolError, httpx.ReadError):
+        pass  # the stream broke with its API server
+    finally:
+        os.kill(engine.pid, signal.SIGCONT)
+        held.close()
+    wait_until(lambda: _complete(url, model, _auth("alice", "solo")).status_code == 200, 60,
+               "solo to be admitted once its API server was gone")
 
 
 def test_a_frozen_coordinator_means_503_for_limited_tenants_only(two_servers):
