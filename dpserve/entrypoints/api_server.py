@@ -84,6 +84,7 @@ from dpserve.server.limits import RequestLimits
 from dpserve.server.log_options import LogOptions, configure_access_log
 from dpserve.server.responses_store import ResponseStoreOptions
 from dpserve.server.stats_log import log_stats_every
+from dpserve.server.tenants import TenantOptions
 
 if TYPE_CHECKING:
     import socket
@@ -123,6 +124,7 @@ class APIServerOptions:
     responses: ResponseStoreOptions = ResponseStoreOptions()
     # /v1/files and /v1/batches: the state directory (the launcher's), their bounds.
     batches: BatchOptions = BatchOptions()
+    tenants: TenantOptions = TenantOptions()  # --tenant-limits, --tenant-header
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> APIServerOptions:
@@ -133,6 +135,7 @@ class APIServerOptions:
                    auth=AuthOptions.from_args(args), limits=RequestLimits.from_args(args),
                    responses=ResponseStoreOptions.from_args(args),
                    batches=BatchOptions.from_args(args),
+                   tenants=TenantOptions.from_args(args),
                    max_request_body_bytes=args.max_request_body_bytes,
                    load_balance=args.load_balance, uvicorn_log_level=args.uvicorn_log_level,
                    enable_admin_api=getattr(args, "enable_admin_api", False),
@@ -200,7 +203,9 @@ async def serve_http(options: APIServerOptions, config: EngineConfig, spec: APIS
                                         options.max_num_queued_tokens),
                         tool_call_parser=options.tool_call_parser, http_options=options.http,
                         log_requests=options.log.log_requests, request_limits=options.limits,
-                        response_store=options.responses, batches=options.batches)
+                        response_store=options.responses, batches=options.batches,
+                        tenants=options.tenants.at(spec.tenant_address,
+                                                   config.parallel.data_parallel_secret))
         # log_config=None: uvicorn's loggers use ours, so its lines name the process too.
         server = DrainingServer(uvicorn.Config(
             app, log_level=options.uvicorn_log_level, log_config=None,

@@ -75,6 +75,7 @@ from dpserve.server.limits import RequestLimits, add_limit_args
 from dpserve.server.log_options import LogOptions, add_log_args
 from dpserve.server.responses_store import add_response_store_args, store_in
 from dpserve.server.state_dir import state_directory
+from dpserve.server.tenants import add_tenant_args
 from dpserve.server.tools import PARSERS as TOOL_PARSERS
 
 if TYPE_CHECKING:
@@ -138,6 +139,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_log_args(parser.add_argument_group("logging options"))
     add_response_store_args(parser.add_argument_group("Responses API store"))
     add_batch_args(parser.add_argument_group("state directory, files and batches"))
+    add_tenant_args(parser.add_argument_group("tenants"))
     limits = parser.add_argument_group("request limits")
     add_limit_args(limits)
     EngineArgs.add_cli_args(parser.add_argument_group("engine options"),
@@ -169,6 +171,12 @@ def _check_args(args: argparse.Namespace) -> APIServerOptions | None:
         return None
     options = APIServerOptions.from_args(args)  # HTTP, log, auth and limit options
     check_admin_exposure(args, options.auth)
+    if options.tenants.limits is not None and (
+            getattr(args, "data_parallel_rank", None) is not None
+            or getattr(args, "data_parallel_hybrid_lb", False)):
+        raise ConfigError("--tenant-limits cannot be used with external or hybrid load "
+                          "balancing (--data-parallel-rank, --data-parallel-hybrid-lb): "
+                          "each host would keep its own ledger")
     return options
 
 
@@ -240,7 +248,8 @@ def _launch_and_serve(args: argparse.Namespace, engine_args: EngineArgs,
             from dpserve.frontend.tokenizer import preload_tokenizer
 
             preload_tokenizer(config.model.tokenizer)
-        launch = launch_engines(config, num_api_servers, ready_timeout=args.engine_ready_timeout)
+        launch = launch_engines(config, num_api_servers, ready_timeout=args.engine_ready_timeout,
+                                tenant_limits=options.tenants.limits)
         return _serve(options, config, sock, launch, num_api_servers)
     except EngineStartupError as e:
         return f"engine failed to start: {e}"
@@ -260,7 +269,8 @@ def _serve(options: APIServerOptions, config: EngineConfig, sock: socket.socket,
     """Serve over the engines `launch` started: in this process (M == 1), or through
     M API-server processes (`dpserve.launch.api_server_watch`)."""
     specs = [APIServerSpec(i, launch.input_binds(i), launch.output_binds(i), launch.ranks,
-                           launch.max_model_len, launch.coordinator_address)
+                           launch.max_model_len, launch.coordinator_address,
+                           launch.tenant_address)
              for i in range(num_api_servers)]
     if num_api_servers == 1:
         return _serve_in_process(options, config, specs[0], sock, launch)

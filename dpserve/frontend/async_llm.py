@@ -106,6 +106,9 @@ class IterationStats:
     finished: list[FinishedRequestStats] = field(default_factory=list)
     # [queued, prefill, decode] seconds of each completion its engine finished
     phase_times: list[list[float]] = field(default_factory=list)
+    phase_tenants: list[str | None] = field(default_factory=list)  # beside phase_times
+    # (tenant, prompt tokens, generated tokens) of each request finished
+    tenant_tokens: list[tuple[str | None, int, int]] = field(default_factory=list)
 
 
 class StatsListener(Protocol):
@@ -126,6 +129,7 @@ class _Tracked:
     first_token: float | None = None
     last_token: float = 0.0
     num_generated: int = 0
+    tenant: str | None = None  # RequestTags.tenant (per-tenant metrics)
 
 
 class AsyncLLM:
@@ -242,7 +246,7 @@ class AsyncLLM:
             arrival_time=arrival, data_parallel_rank=data_parallel_rank,
             cache_salt=cache_salt, lora_name=lora_name, session=session, pooling=pooling,
             tags=tags)
-        tracked = _Tracked(asyncio.Queue(), len(prompt_token_ids), arrival)
+        tracked = _Tracked(asyncio.Queue(), len(prompt_token_ids), arrival, tenant=tags.tenant)
         self._requests[request_id] = tracked
         finished = False
         try:
@@ -324,10 +328,13 @@ class AsyncLLM:
             self._fail_requests(failed)
             outputs = msgspec.structs.replace(
                 outputs, outputs=[o for o in outputs.outputs if o.error is None])
+        phased = [o for o in outputs.outputs if o.phase_times is not None]
+        tenants = [self._tenant_of(o.request_id) for o in phased]  # before they finish
         processed = self.processor.process_outputs(outputs.outputs)
         now = time.monotonic()
-        iteration = IterationStats(phase_times=[o.phase_times for o in outputs.outputs
-                                                if o.phase_times is not None])
+        iteration = IterationStats(phase_times=[o.phase_times for o in phased
+                                                if o.phase_times is not None],
+                                   phase_tenants=tenants)
         for out in processed.request_outputs:
             tracked = self._requests.get(out.request_id)
             if tracked is None:
@@ -340,6 +347,10 @@ class AsyncLLM:
             self.scheduler_stats[outputs.engine_index] = outputs.scheduler_stats
         self._notify(outputs.engine_index, outputs.scheduler_stats, iteration)
         return processed.reqs_to_abort
+
+    def _tenant_of(self, engine_request_id: str) -> str | None:
+        tracked = self._requests.get(self.processor.parent_of(engine_request_id) or "")
+        return tracked.tenant if tracked is not None else None
 
     @staticmethod
     def _account(tracked: _Tracked, out: RequestOutput, now: float,
@@ -356,6 +367,8 @@ class AsyncLLM:
             tracked.num_generated += new_tokens
             iteration.num_generation_tokens += new_tokens
         if out.finished:  # n > 1: tokens are the request's, over all completions
+            iteration.tenant_tokens.append((tracked.tenant, tracked.num_prompt_tokens,
+                                            tracked.num_generated))
             for c in out.outputs:
                 iteration.finished.append(FinishedRequestStats(
                     c.finish_reason or "abort", tracked.num_prompt_tokens,

@@ -30,6 +30,7 @@ class APIServerSpec:
     engine_ranks: tuple[int, ...]
     max_model_len: int  # the engines' limit (min over their READY)
     coordinator_address: str | None  # the DP coordinator's front XPUB (None: no coordinator)
+    tenant_address: str | None = None  # the coordinator's tenant ledger (None: in-process)
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ from dpserve.protocol import (
     RendezvousRequest,
 )
 from dpserve.security import warn_plain_tcp
+from dpserve.tenancy.limits import TenantLimits
 
 if TYPE_CHECKING:
     from dpserve.launch.coordinator import DPCoordinator
@@ -74,6 +75,8 @@ class EngineLaunch:
     scaler: Scaler | None = None  # carries out changes of the engine count (elastic)
     rejoin: RejoinServer | None = None  # the head's handshake for restarted remote engines
     kv_store: KVStore | None = None  # this host's KV tier (--kv-offload-memory)
+    tenant_limits: TenantLimits | None = None  # --tenant-limits: the coordinator's ledger
+    tenant_address: str | None = None  # ... where the API servers reach it (None: none)
 
     @property
     def processes(self) -> list[BaseProcess]:
@@ -157,8 +160,13 @@ class EngineLaunch:
 
 
 def launch_engines(config: EngineConfig, num_clients: int = 1,
-                   ready_timeout: float = 600.0) -> EngineLaunch:
+                   ready_timeout: float = 600.0,
+                   tenant_limits: TenantLimits | None = None) -> EngineLaunch:
     """Start this host's part (see the module docstring) and wait for READY.
+
+    `tenant_limits` (--tenant-limits; not with external / hybrid LB): the
+    coordinator holds the tenant ledger (`EngineLaunch.tenant_address`), and one is
+    started for it when several API servers share the engines (`num_clients` > 1).
 
     Raises `EngineStartupError` when a process dies or `ready_timeout`
     passes; on any failure (Ctrl-C included) everything started is stopped.
@@ -169,7 +177,12 @@ def launch_engines(config: EngineConfig, num_clients: int = 1,
                           f"--headless (engines for a head) or --data-parallel-hybrid-lb")
     if p.tcp_data_plane:
         warn_plain_tcp(p.data_parallel_address, p.data_parallel_secret)
-    launch = EngineLaunch(AddressAllocator(), ready_timeout=ready_timeout)
+    if tenant_limits is not None and p.local_lb:
+        raise ConfigError("--tenant-limits cannot be used with external or hybrid load "
+                          "balancing (--data-parallel-rank, --data-parallel-hybrid-lb): "
+                          "each host would keep its own ledger")
+    launch = EngineLaunch(AddressAllocator(), ready_timeout=ready_timeout,
+                          tenant_limits=tenant_limits)
     try:
         config, launch.kv_store = start_kv_store(config, launch.allocator)
         if p.data_parallel_backend == "ray":
@@ -184,12 +197,14 @@ def launch_engines(config: EngineConfig, num_clients: int = 1,
     return launch
 
 
-def _needs_coordinator(config: EngineConfig, num_clients: int) -> bool:
-    """Several engines, elastic DP, or LoRA with several API servers (the coordinator
-    holds the adapter registry that every API server must see)."""
+def _needs_coordinator(config: EngineConfig, num_clients: int,
+                       tenants: bool = False) -> bool:
+    """Several engines, elastic DP, or LoRA or tenant limits with several API servers
+    (the coordinator holds the adapter registry and the tenant ledger that every API
+    server must see)."""
     p = config.parallel
-    return p.data_parallel_size > 1 or p.elastic or (config.lora is not None
-                                                     and num_clients > 1)
+    return p.data_parallel_size > 1 or p.elastic or (
+        (config.lora is not None or tenants) and num_clients > 1)
 
 
 def _start_coordinator(launch: EngineLaunch, config: EngineConfig, ready_timeout: float, *,
@@ -213,10 +228,12 @@ def _start_coordinator(launch: EngineLaunch, config: EngineConfig, ready_timeout
                                 size_max=p.data_parallel_size_max if p.elastic else None,
                                 autoscale=p.autoscale if p.elastic else None,
                                 # the LoRA registry starts with --lora-modules
-                                loras=dict(config.lora.modules) if config.lora else None)
+                                loras=dict(config.lora.modules) if config.lora else None,
+                                tenant_limits=launch.tenant_limits)
     launch.coordinator = coordinator
     coordinator.start()
     launch.coordinator_address = coordinator.front_publish_address
+    launch.tenant_address = coordinator.tenant_address
     return coordinator
 
 
@@ -229,7 +246,8 @@ def _launch_head(launch: EngineLaunch, config: EngineConfig, num_clients: int,
     addrs = launch.allocator.engine_addresses(
         num_clients, remote_host=p.data_parallel_address if remote else None,
         rpc_port=p.data_parallel_rpc_port)
-    if _needs_coordinator(config, num_clients):  # first: engines connect while loading
+    tenants = launch.tenant_limits is not None
+    if _needs_coordinator(config, num_clients, tenants):  # first: engines connect while loading
         addrs = addrs.with_coordinator(_start_coordinator(
             launch, config, ready_timeout, remote=remote,
             dp_store=(addrs.dp_master_ip, addrs.dp_master_port)))
@@ -307,7 +325,8 @@ def _launch_ray(launch: EngineLaunch, config: EngineConfig, num_clients: int,
     size = p.data_parallel_size
     addrs = launch.allocator.engine_addresses(
         num_clients, remote_host=p.data_parallel_address, rpc_port=p.data_parallel_rpc_port)
-    if _needs_coordinator(config, num_clients):  # first: engines connect while loading
+    tenants = launch.tenant_limits is not None
+    if _needs_coordinator(config, num_clients, tenants):  # first: engines connect while loading
         addrs = addrs.with_coordinator(_start_coordinator(
             launch, config, ready_timeout, remote=True,
             dp_store=(addrs.dp_master_ip, addrs.dp_master_port)))

@@ -42,8 +42,11 @@ Not here: starting uvicorn or the engine (`dpserve serve` does that).
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
@@ -72,6 +75,8 @@ from dpserve.server.responses_store import ResponseStoreOptions
 from dpserve.server.routes_ops import MovedListener, ops_router
 from dpserve.server.routes_v1 import v1_router
 from dpserve.server.serving import OpenAIServing
+from dpserve.server.tenant_metrics import TenantMetrics
+from dpserve.server.tenants import TenantGate, TenantOptions
 from dpserve.version import __version__
 
 __all__ = ["DEFAULT_MAX_REQUEST_BODY_BYTES", "DP_RANK_HEADER", "build_app"]
@@ -85,7 +90,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
               max_num_queued: tuple[int | None, int | None] = (None, None),
               tool_call_parser: str | None = None, http_options: HTTPOptions | None = None,
               log_requests: bool = False, auth: AuthOptions | None = None,
-              request_limits: RequestLimits | None = None,
+              request_limits: RequestLimits | None = None, tenants: TenantOptions | None = None,
               response_store: ResponseStoreOptions | None = None,
               batches: BatchOptions | None = None) -> FastAPI:
     """An OpenAI-compatible app over `async_llm`.
@@ -99,15 +104,14 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     it its routes do not exist (404). The refusal of an admin API without a key
     is the command line's (`check_admin_exposure`).
     `max_num_queued`: (requests, prompt tokens) waiting per engine before a 429.
-    `tool_call_parser`: parse tool calls for tool_choice "auto".
-    `http_options`: CORS, model aliases (server/extras.py).
-    `log_requests`: a log line per request arrival and finish (server/log_options.py).
-    `request_limits`: the "request limits" options (server/limits.py).
-    `response_store`: the Responses API's store (a file every API server shares; none:
-    in memory). `batches`: /v1/files and /v1/batches over its state directory.
+    `tool_call_parser`: parse tool calls for tool_choice "auto". `http_options`: CORS,
+    model aliases (server/extras.py). `log_requests`: a log line per request arrival
+    and finish (server/log_options.py). `request_limits`: the "request limits" options
+    (server/limits.py). `response_store`: the Responses API's store (a file every API
+    server shares; none: in memory). `batches`: /v1/files and /v1/batches over its
+    state directory. `tenants`: tenants and their limits (`install_tenants`).
     """
-    if auth is None:
-        auth = AuthOptions.from_key(api_key or os.environ.get(API_KEY_ENV))
+    auth = auth or AuthOptions.from_key(api_key or os.environ.get(API_KEY_ENV))
     http_options = http_options or HTTPOptions()
     admission = Admission(async_llm.cluster, *max_num_queued,
                           max_num_seqs=async_llm.config.scheduler.max_num_seqs)
@@ -120,6 +124,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     install_pd_metrics(async_llm, metrics.registry, served_model_name)  # with roles only
     app = FastAPI(title="dpserve", version=__version__, docs_url=None, redoc_url=None)
     app.state.serving, app.state.metrics = serving, metrics
+    install_tenants(app, serving, metrics, auth, tenants or TenantOptions())
     app.include_router(v1_router(async_llm, serving,
                                  (served_model_name, *http_options.model_aliases)))
     responses = ResponsesServing(serving, (response_store or ResponseStoreOptions()).open())
@@ -139,6 +144,31 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
                      EngineDeadError, StarletteHTTPException, Exception):
         app.add_exception_handler(exc_type, _error_response)
     return app
+
+
+def install_tenants(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics,
+                    auth: AuthOptions, tenants: TenantOptions) -> None:
+    """The per-tenant series (labels: the keys' and the limits file's names), the
+    --tenant-header the callers read, and the gate of --tenant-limits in `serving`
+    over the coordinator's ledger (`tenants.ledger_address`) or one in this process,
+    closed when the app shuts down."""
+    tenant_metrics = TenantMetrics(metrics.registry, metrics.model_name, [
+        *(key.id for key in auth.keys), *(tenants.limits.names if tenants.limits else ())],
+        metrics.api_server_index)
+    serving.llm.add_stats_listener(tenant_metrics)
+    app.state.tenant_header = tenants.header
+    if tenants.limits is not None:
+        serving.tenants = TenantGate(tenants.limits, tenants.ledger(), tenant_metrics.rejected)
+        gate = serving.tenants
+
+        @asynccontextmanager
+        async def closing(_: Any) -> AsyncIterator[None]:
+            try:
+                yield
+            finally:
+                gate.close()
+
+        app.include_router(APIRouter(lifespan=closing))
 
 
 async def _error_response(request: Request, exc: Exception) -> JSONResponse:

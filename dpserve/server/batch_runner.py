@@ -18,7 +18,8 @@ API server runs a given batch; any of them shows its progress) and runs it:
 Lowest priority: no new line starts while an engine has requests waiting (the DP
 coordinator's counts; without one, this API server's requests past
 `max_num_seqs`) or while the server is paused or asleep; a line refused for load
-(429, 503) is retried, not answered.
+(429, 503) is retried, not answered; so is one over its tenant's --tenant-limits,
+unless it alone is over a limit (the error names a `param`: it can never fit).
 
 Stopping: when the server drains (or its engines die) or the lease is lost, the
 lines in flight are cancelled (their engine requests aborted) and nothing more is
@@ -68,8 +69,9 @@ WATCH_S = 1.0  # how often a running batch's lease is renewed and its cancel mar
 RETRY_S = 1.0  # the wait before a line refused for load is sent again
 READ_LINES = 256  # input lines read per trip to a worker thread
 HOLD_LOG_S = 30.0  # a batch held for interactive work says so at most this often
+_TENANT_LIMITS = ("max_requests_in_flight", "max_queued_tokens", "tokens_per_minute")
 _RETRIED = ("too_many_requests", "server_paused", "server_sleeping", "engine_unavailable",
-            "server_draining", "engine_dead")
+            "server_draining", "engine_dead", "tenant_ledger_unavailable")
 
 
 class BatchRunner:
@@ -292,7 +294,7 @@ class _BatchRun:
             raise
         except Exception as e:  # noqa: BLE001 - the line's answer is the error
             error = to_api_error(e)
-            if error.code in _RETRIED:
+            if error.code in _RETRIED or (error.code in _TENANT_LIMITS and error.param is None):
                 return None
             return False, output_line(line.custom_id, error.status_code, None, error_body(
                 error.message, error.type, error.param, error.code))

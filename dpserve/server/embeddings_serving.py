@@ -77,6 +77,8 @@ class EmbeddingServing:
         request_id = f"embd-{uuid.uuid4().hex}"
         streams = self._start(request_id, prompts, pooling, caller,
                               caller_tags(caller, req.priority), deadline, lora_name)
+        streams = await self.serving.metered(request_id, caller, streams,
+                                             sum(len(ids) for _, ids in prompts), 0)
         outputs: list[RequestOutput | None] = [None] * len(prompts)
         async with aclosing(merge(streams)) as merged:
             async for index, out in merged:

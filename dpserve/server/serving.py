@@ -13,7 +13,9 @@ the compile deadline (server/grammar_check.py); with `--request-timeout` each
 engine stream ends with a 504 past it (aborted in the engine); `cache_salt` and,
 with --prefix-cache-salt-per-key, the API key's identity salt the prefix cache; a
 session (the X-Session-ID header, else `user`: `dpserve.server.sessions`) keeps a
-conversation's turns on one rank.
+conversation's turns on one rank. With --tenant-limits, a request is admitted
+against its tenant's limits once checked, before anything reaches an engine
+(`metered`: a 429 over one; `dpserve.server.tenants`).
 
 `start_chat` is the chat path up to the engine (checks, sampling parameters,
 tools, the rendered prompt, the streams): /v1/chat/completions formats its
@@ -75,6 +77,7 @@ from dpserve.server.protocol import (
 from dpserve.server.sessions import user_session
 from dpserve.server.streams import collect, sse, sse_lines, token_pairs
 from dpserve.server.structured import structured_from_request
+from dpserve.server.tenants import TenantGate
 from dpserve.server.tool_serving import chat_tool_stream, history_message, tool_message
 from dpserve.server.tools import (
     ToolPlan,
@@ -85,6 +88,7 @@ from dpserve.server.tools import (
     tool_constraint,
 )
 from dpserve.structured.spec import StructuredOutputs
+from dpserve.tenancy.limits import DEFAULT
 
 logger = logging.getLogger(__name__)
 
@@ -110,11 +114,13 @@ class OpenAIServing:
                  tool_call_parser: str | None = None,
                  limits: RequestLimits | None = None, *,
                  admission: Callable[[list[int]], None] | None = None,
-                 model_aliases: Sequence[str] = (), log_requests: bool = False) -> None:
+                 model_aliases: Sequence[str] = (), log_requests: bool = False,
+                 tenants: TenantGate | None = None) -> None:
         """`tool_call_parser`: --tool-call-parser (None: from the chat template,
         `dpserve.server.tools.detect_tool_parser`). `admission`: called with a
-        request's prompt lengths before it is sent;
-        raises to refuse it (`dpserve.server.admission`). `model_aliases`: more
+        request's prompt lengths before it is sent; raises to refuse it
+        (`dpserve.server.admission`). `tenants`: the tenants' limits
+        (--tenant-limits; `dpserve.server.tenants`). `model_aliases`: more
         names clients may use (--served-model-name). `log_requests`: a line per
         arrival and finish (--enable-log-requests)."""
         self.llm = llm
@@ -122,6 +128,7 @@ class OpenAIServing:
         self.model_aliases = tuple(model_aliases)
         self.log_requests = log_requests
         self.admission = admission
+        self.tenants = tenants
         # tool_choice "auto": --tool-call-parser, else what the chat template implies
         # (None: "auto" is refused, naming the flag).
         self.tool_call_parser, why = ((tool_call_parser, "--tool-call-parser")
@@ -161,6 +168,7 @@ class OpenAIServing:
                    if isinstance(p, str) else (None, list(p)) for p in batch]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = self._start(request_id, prompts, params, req, caller, deadline, lora_name)
+        streams = await self.metered(request_id, caller, streams, *self._cost(prompts, params))
         # echo: each choice starts with its prompt's text.
         echo = [(t if t is not None else self.llm.decode(ids)) if req.echo else ""
                 for t, ids in prompts]
@@ -270,6 +278,8 @@ class OpenAIServing:
         except RequestError as e:
             raise RequestError(str(e), "messages" if e.param == "prompt" else e.param,
                                e.code) from None
+        streams = await self.metered(request_id, caller, streams,
+                                     *self._cost([(None, prompt_ids)], params))
         return ChatRun(request_id, lora_name or self.model_name, streams, params, plan,
                        len(prompt_ids))
 
@@ -421,6 +431,25 @@ class OpenAIServing:
             timeout = self.limits.request_timeout or 0.0
             streams = [with_deadline(s, deadline, timeout) for s in streams]
         return streams
+
+    async def metered(self, request_id: str, caller: Caller,
+                      streams: list[AsyncIterator[RequestOutput]], prompt_tokens: int,
+                      max_tokens: int) -> list[AsyncIterator[RequestOutput]]:
+        """Admit a request whose engine streams are `streams` (not yet iterated: nothing
+        was sent) against its tenant's --tenant-limits (a 429 over one), and meter
+        them for the ledger; `streams` as they are without limits."""
+        if self.tenants is None:
+            return streams
+        ticket = await self.tenants.admit(caller.tenant or DEFAULT, request_id,
+                                          prompt_tokens, max_tokens)
+        return streams if ticket is None else [ticket.meter(s) for s in streams]
+
+    def _cost(self, prompts: Sequence[tuple[str | None, list[int]]],
+              params: SamplingParams) -> tuple[int, int]:
+        """(prompt tokens, most tokens generated) of a request, over its n completions."""
+        room = sum(params.max_tokens or max(0, self.llm.max_model_len - len(ids))
+                   for _, ids in prompts)
+        return sum(len(ids) for _, ids in prompts) * params.n, room * params.n
 
     def _completion_logprobs(self, pairs: list[tuple[int, dict[int, Logprob]]],
                              num: int | None, offset: int = 0) -> Logprobs | None:

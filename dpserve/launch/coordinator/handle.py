@@ -17,6 +17,7 @@ from dpserve.config import AutoscaleConfig
 from dpserve.launch.addresses import AddressAllocator
 from dpserve.launch.coordinator.proc import run_coordinator
 from dpserve.launch.process import ProcessGroup
+from dpserve.tenancy.limits import TenantLimits
 
 
 class DPCoordinator:
@@ -27,6 +28,8 @@ class DPCoordinator:
     With `remote_host`, each socket also binds a tcp:// address on that host
     (the `remote_*` attributes) for engines and front-ends on other hosts.
     `publish_counts=False` (external LB) publishes wave news only.
+    `tenant_limits` (--tenant-limits): the coordinator hosts the tenant ledger at
+    `tenant_address` (ipc: every API server runs on this host).
     `close()`, garbage collection and interpreter exit stop the process once.
     """
 
@@ -37,7 +40,8 @@ class DPCoordinator:
                  heartbeat_timeout_s: float = 3.0, stall_timeout_s: float = 30.0,
                  dp_store: tuple[str, int] | None = None, size_max: int | None = None,
                  autoscale: AutoscaleConfig | None = None,
-                 loras: dict[str, str] | None = None) -> None:
+                 loras: dict[str, str] | None = None,
+                 tenant_limits: TenantLimits | None = None) -> None:
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         owned = allocator is None
@@ -46,6 +50,8 @@ class DPCoordinator:
         self.front_publish_address = allocator.new_address("coord-front")
         self.engine_report_address = allocator.new_address("coord-report")
         self.engine_publish_address = allocator.new_address("coord-engines")
+        self.tenant_address = (allocator.new_address("coord-tenants")
+                               if tenant_limits is not None else None)
         tcp = AddressAllocator(local_only=False, host=remote_host) if remote_host else None
         self.remote_front_publish_address = tcp.new_address("") if tcp else None
         self.remote_engine_report_address = tcp.new_address("") if tcp else None
@@ -56,7 +62,9 @@ class DPCoordinator:
                               startup_timeout_s=startup_timeout_s,
                               heartbeat_timeout_s=heartbeat_timeout_s,
                               stall_timeout_s=stall_timeout_s, dp_store=dp_store,
-                              size_max=size_max, autoscale=autoscale, loras=loras)
+                              size_max=size_max, autoscale=autoscale, loras=loras,
+                              tenant_address=self.tenant_address,
+                              tenant_limits=tenant_limits)
         self.proc: BaseProcess | None = None
         self._group = ProcessGroup(self, on_close=allocator.cleanup if owned else None)
 

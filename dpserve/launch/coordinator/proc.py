@@ -31,6 +31,9 @@ Scope:
   READY to each engine (the second frame), so a restarted, added or Ray rank
   loads what it lacks before it serves. A restarted coordinator publishes no
   registry until an engine's heartbeat lists its adapters (paths included).
+* Tenants (`tenant_address` given: --tenant-limits): hosts the one tenant
+  ledger every API server asks before it sends a request
+  (`dpserve.launch.coordinator.tenants.TenantDesk`: admit / started / finished).
 * Lockstep DP group (`dp_store` given): hosts the engines' rendezvous store
   (`dpserve.engine.dp_store.DPStoreServer`: ZMQ, CURVE with the secret; here, so
   that any rank may die) and decides each group generation (`DPGroup`): the
@@ -51,6 +54,8 @@ Sockets (all bound here; the wire format is in `dpserve.protocol`):
     engine_publish_address  XPUB  -> COORDINATOR_READY, then START_DP_WAVE and
                                   REGROUP_DP (SUB)
     dp_store (lockstep)     ROUTER at tcp://host:port <- StoreRequest (gloo's rendezvous)
+    tenant_address          ROUTER <-> TenantAdmit / TenantVerdict, ... (API servers'
+                                  DEALERs; `dpserve.tenancy.messages`)
 
 The process exits on SIGTERM (it ignores Ctrl-C's SIGINT: the parent stops
 it), when its parent dies (polled every second), or with exit code 1 when not
@@ -74,6 +79,7 @@ from dpserve.control import next_state
 from dpserve.launch.coordinator.autoscale import ScaleBook
 from dpserve.launch.coordinator.dp_group import DPGroup
 from dpserve.launch.coordinator.tables import HealthTable, LoadTable
+from dpserve.launch.coordinator.tenants import TenantDesk
 from dpserve.logging_utils import name_process
 from dpserve.parent_watch import start_parent_watcher
 from dpserve.protocol import (
@@ -96,6 +102,7 @@ from dpserve.protocol import (
 )
 from dpserve.rank_info import INFO_PUBLISH_S, RankInfoTable
 from dpserve.security import secure
+from dpserve.tenancy.limits import TenantLimits
 
 logger = logging.getLogger("dpserve.launch.coordinator")
 
@@ -117,7 +124,8 @@ class DPCoordinatorProc:
                  stall_timeout_s: float = 30.0,
                  dp_store: tuple[str, int] | None = None, size_max: int | None = None,
                  autoscale: AutoscaleConfig | None = None,
-                 loras: dict[str, str] | None = None) -> None:
+                 loras: dict[str, str] | None = None, tenant_address: str | None = None,
+                 tenant_limits: TenantLimits | None = None) -> None:
         self.loras = dict(loras) if loras is not None else None  # LoRA registry (None: off)
         # Published once confirmed: by a change, or by the first engine heartbeat (its
         # adapters: a restarted coordinator learns what was loaded at run time).
@@ -150,6 +158,7 @@ class DPCoordinatorProc:
         # engine is counted and each new front-end gets the state at once.
         self.front.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.engines.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self.tenants = _tenant_desk(self.ctx, tenant_address, tenant_limits, secret)
         self._wake_r, wake_w = os.pipe()  # signal handlers wake the poller through it
         os.set_blocking(wake_w, False)
         signal.set_wakeup_fd(wake_w)
@@ -199,7 +208,8 @@ class DPCoordinatorProc:
 
     def run(self) -> None:
         poller = zmq.Poller()
-        for sock in (self.front, self.reports, self.engines):
+        tenants = [self.tenants.socket] if self.tenants is not None else []
+        for sock in (self.front, self.reports, self.engines, *tenants):
             poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         while not self._should_exit():
@@ -219,6 +229,8 @@ class DPCoordinatorProc:
             #    engine): it waits for READY, which running engines ignore.
             if self.engines in events:
                 self._on_late_engine_frame(self.engines.recv())
+            if self.tenants is not None and self.tenants.socket in events:
+                self.tenants.on_frames()  # 4b. tenant admissions (answered at once), ends
             # 5. Ranks that stopped beating or stepping: unhealthy, published at once.
             if self.health.check(time.monotonic()):
                 self._publish_counts()
@@ -500,6 +512,14 @@ class DPCoordinatorProc:
                                    loras=self.loras if self._loras_heard else None)
         self.front.send(msgspec.msgpack.encode(update))
         self._last_publish = time.monotonic()
+
+
+def _tenant_desk(ctx: zmq.Context, address: str | None, limits: TenantLimits | None,
+                 secret: str | None) -> TenantDesk | None:
+    """The tenant ledger's desk at `address` (None: no --tenant-limits)."""
+    if address is None:
+        return None
+    return TenantDesk(ctx, address, limits or TenantLimits(), secret)
 
 
 def _host_store(host: str, port: int, secret: str | None) -> Any:
