@@ -236,7 +236,10 @@ class Terminal:
         fcntl.ioctl(self.slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 180, 0, 0))
         self.settings = termios.tcgetattr(self.slave)
         argv = [sys.executable, "-m", "dpserve.cli", "top", *args]
-        env = {**os.environ, "TERM": "xterm-256color", **(env or {})}
+        # The window's size, also where rich looks first (a COLUMNS=80 inherited from
+        # a test runner would narrow the table below its column names).
+        env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "180", "LINES": "50",
+               **(env or {})}
         self.pid = os.fork()
         if self.pid == 0:  # the child: only system calls until exec
             try:
