@@ -30,6 +30,8 @@ from dpserve.engine_config import (
     ModelConfig,
     ParallelConfig,
     PoolerConfig,
+    SCHEDULING_HELP,
+    SCHEDULING_POLICIES,
     RequestLimitsConfig,
     SchedulerConfig,
     replace,
@@ -133,6 +135,7 @@ class EngineArgs:
                                               "(default 512 on CPU, 2048 on GPU or with "
                                               "lockstep engines; at least max_num_seqs).")
     max_num_seqs: int = _opt(256, "Most requests running at once.")
+    scheduling_policy: str = _opt("priority", SCHEDULING_HELP, choices=SCHEDULING_POLICIES)
     pooler_config: str | dict | None = _opt(
         None, 'How embeddings pool the final hidden states (/v1/embeddings, LLM.embed), as '
         'JSON: {"pooling_type": "LAST" | "MEAN", "normalize": true | false}. Default: '
@@ -341,7 +344,8 @@ class EngineArgs:
             _DEFAULT_CPU_BUDGET if small else _DEFAULT_BUDGET, self.max_num_seqs)
         scheduler = SchedulerConfig(max_num_batched_tokens=budget,
                                     max_num_seqs=self.max_num_seqs,
-                                    max_model_len=model.max_model_len)
+                                    max_model_len=model.max_model_len,
+                                    policy=self.scheduling_policy)
         limits = RequestLimitsConfig(
             max_stop_token_ids=self.max_stop_token_ids, max_logit_bias=self.max_logit_bias,
             structured_outputs_compile_timeout=float(self.structured_outputs_compile_timeout))

@@ -112,11 +112,27 @@ class CacheConfig:
     kv_tier_remote_address: str | None = None
 
 
+# --scheduling-policy (vLLM's flag and values; dpserve.engine.waiting_queue).
+SCHEDULING_POLICIES = ("priority", "fcfs")
+SCHEDULING_HELP = (
+    "How each engine orders its waiting requests: 'priority' runs requests with a lower "
+    "`priority` field first (preempting less urgent running ones when blocks or slots "
+    "run out), shares each priority between tenants (deficit round robin over prompt + "
+    "max_tokens), then arrival; with every priority 0 and one tenant that is FCFS. "
+    "'fcfs': arrival order only, and a request with a non-zero priority gets 400.")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int  # token budget of one step
     max_num_seqs: int  # requests running at once
     max_model_len: int
+    policy: str = "priority"  # --scheduling-policy: one of SCHEDULING_POLICIES
+
+    def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduling_policy must be one of "
+                              f"{', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
 
 
 @dataclass(frozen=True)
