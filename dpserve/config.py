@@ -24,14 +24,14 @@ from types import MappingProxyType
 from typing import Any
 
 from dpserve.engine_config import (
+    SCHEDULING_HELP,
+    SCHEDULING_POLICIES,
     AutoscaleConfig,
     CacheConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     PoolerConfig,
-    SCHEDULING_HELP,
-    SCHEDULING_POLICIES,
     RequestLimitsConfig,
     SchedulerConfig,
     replace,

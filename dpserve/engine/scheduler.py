@@ -300,6 +300,8 @@ class Scheduler:
                     self.waiting.priority(self.running[step.done]) <= priority:
                 turn = True
                 break
+            if request.request_id in step.preempted:
+                break  # made room for a more urgent one: back next step, not this one
             if (request.lora_id and request.lora_id not in loras
                     and self.lora_fits is not None
                     and not self.lora_fits(loras | {request.lora_id})):
