@@ -24,6 +24,8 @@ from types import MappingProxyType
 from typing import Any
 
 from dpserve.engine_config import (
+    SCHEDULING_HELP,
+    SCHEDULING_POLICIES,
     AutoscaleConfig,
     CacheConfig,
     EngineConfig,
@@ -61,13 +63,6 @@ __all__ = ["AutoscaleConfig", "CacheConfig", "ConfigError", "EngineArgs", "Engin
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _DEFAULT_CPU_KV_BYTES = 2 << 30
-# A step's token budget. On CPU a GEMM reaches its peak by ~16-64 rows, so a larger
-# budget buys no throughput, while a burst of prompts prefilled in one step holds
-# every first token (and every running decode) for that whole step: on the default
-# model, 16 prompts of 128 tokens, TTFT p50 1.64 s at 2048 and 0.70 s at 512, with
-# output tok/s equal or higher (256 lost 15% of it): BENCHMARKS.md.
-_DEFAULT_CPU_BUDGET = 512
-_DEFAULT_BUDGET = 2048  # GPU engines, and lockstep engines anywhere
 _FAILURE_POLICIES = ("restart", "isolate", "stop")
 _LIMITS = "request limits"  # the `dpserve serve` argument group of these options
 
@@ -133,6 +128,7 @@ class EngineArgs:
                                               "(default 512 on CPU, 2048 on GPU or with "
                                               "lockstep engines; at least max_num_seqs).")
     max_num_seqs: int = _opt(256, "Most requests running at once.")
+    scheduling_policy: str = _opt("priority", SCHEDULING_HELP, choices=SCHEDULING_POLICIES)
     pooler_config: str | dict | None = _opt(
         None, 'How embeddings pool the final hidden states (/v1/embeddings, LLM.embed), as '
         'JSON: {"pooling_type": "LAST" | "MEAN", "normalize": true | false}. Default: '
@@ -333,15 +329,9 @@ class EngineArgs:
             kv_offload_bytes=_kv_offload_bytes(self))
         parallel = self._parallel_config(device, model.hf_config, model.architecture)
         check_tensor_parallel(self, model.hf_config, device, parallel.enable_expert_parallel)
-        # Lockstep engines pay a collective every step (every MoE layer's, under
-        # expert parallelism): fewer, larger steps there (a 2 -> 3 -> 1 rescale
-        # under streams took 41 s at 512, 25 s at 2048).
-        small = device == "cpu" and not parallel.data_parallel_lockstep
-        budget = self.max_num_batched_tokens or max(
-            _DEFAULT_CPU_BUDGET if small else _DEFAULT_BUDGET, self.max_num_seqs)
-        scheduler = SchedulerConfig(max_num_batched_tokens=budget,
-                                    max_num_seqs=self.max_num_seqs,
-                                    max_model_len=model.max_model_len)
+        scheduler = SchedulerConfig.resolve(
+            self.max_num_batched_tokens, self.max_num_seqs, model.max_model_len,
+            self.scheduling_policy, small=device == "cpu" and not parallel.data_parallel_lockstep)
         limits = RequestLimitsConfig(
             max_stop_token_ids=self.max_stop_token_ids, max_logit_bias=self.max_logit_bias,
             structured_outputs_compile_timeout=float(self.structured_outputs_compile_timeout))

@@ -112,11 +112,45 @@ class CacheConfig:
     kv_tier_remote_address: str | None = None
 
 
+# A step's token budget. On CPU a GEMM reaches its peak by ~16-64 rows, so a larger
+# budget buys no throughput, while a burst of prompts prefilled in one step holds
+# every first token (and every running decode) for that whole step: on the default
+# model, 16 prompts of 128 tokens, TTFT p50 1.64 s at 2048 and 0.70 s at 512, with
+# output tok/s equal or higher (256 lost 15% of it): BENCHMARKS.md.
+DEFAULT_CPU_BUDGET = 512
+DEFAULT_BUDGET = 2048  # GPU engines, and lockstep engines anywhere
+# --scheduling-policy (vLLM's flag and values; dpserve.engine.waiting_queue).
+SCHEDULING_POLICIES = ("priority", "fcfs")
+SCHEDULING_HELP = (
+    "How each engine orders its waiting requests: 'priority' runs requests with a lower "
+    "`priority` field first (preempting less urgent running ones when blocks or slots "
+    "run out), shares each priority between tenants (deficit round robin over prompt + "
+    "max_tokens), then arrival; with every priority 0 and one tenant that is FCFS. "
+    "'fcfs': arrival order only, and a request with a non-zero priority gets 400.")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int  # token budget of one step
     max_num_seqs: int  # requests running at once
     max_model_len: int
+    policy: str = "priority"  # --scheduling-policy: one of SCHEDULING_POLICIES
+
+    @classmethod
+    def resolve(cls, max_num_batched_tokens: int | None, max_num_seqs: int,
+                max_model_len: int, policy: str, small: bool) -> SchedulerConfig:
+        """The options with the step's token budget resolved: `small` is a CPU engine
+        that steps alone (lockstep engines pay a collective every step, every MoE
+        layer's under expert parallelism: fewer, larger steps there; a 2 -> 3 -> 1
+        rescale under streams took 41 s at 512, 25 s at 2048)."""
+        budget = max_num_batched_tokens or max(
+            DEFAULT_CPU_BUDGET if small else DEFAULT_BUDGET, max_num_seqs)
+        return cls(budget, max_num_seqs, max_model_len, policy)
+
+    def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduling_policy must be one of "
+                              f"{', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
 
 
 @dataclass(frozen=True)

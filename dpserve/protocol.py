@@ -199,6 +199,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # cumulative: requests batched into one step show as fewer steps than requests.
     num_pooled_requests: int = 0
     num_pooling_steps: int = 0
+    # Waiting requests by priority, [[priority, count], ...] most urgent first; empty
+    # (and off the wire) while every waiting request has priority 0 (engine.waiting_queue).
+    waiting_by_priority: list[list[int]] = []
 
 
 class UtilityCall(msgspec.Struct, array_like=True, gc=False):

@@ -137,7 +137,7 @@ def test_preemption_when_blocks_run_out_and_full_recompute_on_resume():
     for _ in range(5):  # prefill + 4 decodes: each holds 2 blocks, 8 computed, 9 known
         step(sched)
     out, _ = step(sched, {"a": 40})  # a needs a 3rd block: b is preempted
-    b = sched.waiting[0]
+    b = sched.waiting.peek()  # the front of the queue
     assert out.preempted_req_ids == ["b"] and shape(out) == [("a", 8, 1)]
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert b.num_preemptions == 1 and sched.make_stats().num_preemptions == 1

@@ -107,7 +107,8 @@ class EngineCore:
             request.request_id, ids, request.sampling_params,
             eos_token_id=request.eos_token_id, arrival_time=request.arrival_time or None,
             prior_output_token_ids=prior, cache_salt=request.cache_salt,
-            lora_id=lora_id, lora_cache_key=lora_key, pooling=request.pooling)
+            lora_id=lora_id, lora_cache_key=lora_key, pooling=request.pooling,
+            priority=request.priority, tenant=request.tenant)
         try:
             self._queue(req)
         except BaseException:

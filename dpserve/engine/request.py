@@ -61,6 +61,8 @@ class Request:
         lora_id: int = 0,
         lora_cache_key: str | None = None,
         pooling: PoolingParams | None = None,
+        priority: int = 0,
+        tenant: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -70,6 +72,10 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.engine_arrival = time.monotonic()  # this engine's clock (arrival_time may not be)
+        # Scheduling (--scheduling-policy priority, engine.waiting_queue): lower runs first;
+        # requests of one priority are shared out between tenants (None: one tenant).
+        self.priority = priority
+        self.tenant = tenant
         self.first_token_at: float | None = None  # when this engine sampled its first token
         self.scheduled_at: float | None = None  # when this engine first scheduled it
 

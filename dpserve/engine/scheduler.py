@@ -18,6 +18,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from dpserve.config import CacheConfig, SchedulerConfig
@@ -25,6 +26,7 @@ from dpserve.engine.kv_cache import KVCacheManager
 from dpserve.engine.kv_connector import KVConnector
 from dpserve.engine.pooling import PoolingCounts
 from dpserve.engine.request import Request, RequestStatus
+from dpserve.engine.waiting_queue import WaitingQueue
 from dpserve.protocol import EngineCoreOutput, SchedulerStats, TokenLogprobs
 from dpserve.step import Logprobs, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -54,27 +56,45 @@ class RecentMean:
             self._values.popleft()
 
 
+@dataclass
+class _Step:
+    """What `schedule()` has decided so far this step."""
+
+    budget: int  # tokens left
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # request ids
+    done: int = 0  # running[:done] had their turn (scheduled, or not for want of budget)
+    ran_out: bool = False  # a running request needed blocks only preemption gave
+
+
 class Scheduler:
     """Continuous batching under a token budget, with chunked prefill and preemption.
 
     Contract:
 
-    * `add_request(request)` queues a new request (FCFS). An id that is
+    * `add_request(request)` queues a new request (`WaitingQueue`: under
+      `--scheduling-policy priority` by priority, then tenants in turn, then
+      arrival; `fcfs`: arrival; engine/waiting_queue.py). An id that is
       still unfinished, or a prompt longer than `max_model_len`, raises
       ValueError (callers should validate earlier).
       Here `max_model_len` is the config's, capped to what the whole KV cache
       holds (`num_blocks * block_size`): a request reaching it finishes with
       LENGTH, so a small cache shortens requests rather than stalling them.
-    * `schedule()` picks this step's work. Running requests go first, in
-      order; each gets min(tokens it still needs, budget left). When blocks
-      run out, the LAST running request is preempted (blocks freed, status
-      PREEMPTED, put at the front of the waiting queue; it later recomputes
-      prompt + outputs, possibly from the prefix cache). Waiting requests are
-      admitted FCFS only in steps that preempted nothing (with LoRA, a request
-      whose adapter does not fit the slots beside the running requests' waits,
-      keeping its place, and those behind it may go), under
-      `max_num_seqs`, with their prefill chunked to the budget left.
-      `num_computed_tokens` advances here, at schedule time.
+    * `schedule()` picks this step's work, priority level by priority level
+      (fcfs: one level): at each, the running requests first, in order; each
+      gets min(tokens it still needs, budget left); then the waiting ones.
+      `running` stays ordered by priority, then admission. When blocks run
+      out, the LAST running request (the least urgent, latest admitted) is
+      preempted (blocks freed, status PREEMPTED, back at the front of its
+      tenant's waiting queue; it later recomputes prompt + outputs, possibly
+      from the prefix cache), and nothing is admitted in that step. Waiting
+      requests are admitted in the queue's order (with LoRA, a request whose
+      adapter does not fit the slots beside the running requests' waits,
+      keeping its place, and those behind it may go), under `max_num_seqs`,
+      with their prefill chunked to the budget left; when the next one lacks
+      blocks or a slot, running requests of a strictly less urgent priority
+      that had no turn yet are preempted for it (vLLM's priority policy), else
+      nobody behind it goes. `num_computed_tokens` advances here.
     * With a KV connector (the host tier): a waiting request's blocks past its
       local prefix hits are looked up there (still leaving the last token to
       compute); the hits get blocks, are loaded at the start of the step and
@@ -121,7 +141,7 @@ class Scheduler:
             assert cache_config.enable_prefix_caching, "the tier names blocks by their hashes"
             self.kv_cache.new_full_blocks = []
         self.requests: dict[str, Request] = {}  # request_id -> unfinished request
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(config.policy == "priority", self.max_model_len)
         self.running: list[Request] = []
         self._finished_ids: list[str] = []  # finished since the last schedule()
         self.num_preemptions = 0
@@ -143,7 +163,7 @@ class Scheduler:
                              f"{request.num_tokens} tokens exceeds {limit} "
                              f"({self.max_model_len} tokens)")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
         self.pooling.held += request.pooling is not None
 
     def finish_requests(self, request_ids: str | Iterable[str],
@@ -165,7 +185,7 @@ class Scheduler:
                 num_cached_tokens=max(request.num_cached_tokens, 0)))
         if outputs:
             # One O(n) pass per call, not one removal per id.
-            self.waiting = deque(r for r in self.waiting if not r.is_finished)
+            self.waiting.remove_finished()
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
 
@@ -202,7 +222,8 @@ class Scheduler:
             kv_cache_usage=kv.usage, prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits, num_preemptions=self.num_preemptions,
             num_free_blocks=kv.num_free_blocks, num_generated_tokens=self.num_generated_tokens,
-            num_pooled_requests=self.pooling.requests, num_pooling_steps=self.pooling.steps)
+            num_pooled_requests=self.pooling.requests, num_pooling_steps=self.pooling.steps,
+            waiting_by_priority=self.waiting.counts_by_priority())
         if self.kv_connector is not None:
             tier = self.kv_connector.counters
             stats.kv_tier_queries, stats.kv_tier_hits = tier.queries, tier.hits
@@ -213,18 +234,22 @@ class Scheduler:
     # ---- schedule ------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's tokens: running requests first, then waiting ones."""
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        preempted: list[str] = []
-        # 1. Running requests, in order; preempt from the back when blocks run out.
-        budget = self._schedule_running(scheduled, preempted, budget)
-        # 2. Admit waiting requests, unless this step already had to preempt.
-        if not preempted:
-            self._schedule_waiting(scheduled, budget)
+        """Pick this step's tokens, level by level: running requests, then waiting ones."""
+        step = _Step(self.config.max_num_batched_tokens)
+        admit = True
+        while True:
+            # 1. Running requests at least as urgent as the first waiting one (all of
+            #    them once admission is over); preempt the last when blocks run out.
+            limit = self.waiting.first_priority() if admit and not step.ran_out else None
+            self._schedule_running(step, limit)
+            if limit is None or step.budget <= 0:
+                break
+            # 2. Waiting requests more urgent than the next running one (none in a step
+            #    that ran out of blocks); again from 1. when that one's turn comes.
+            admit = not step.ran_out and self._schedule_waiting(step)
         # 3. Decode-shaped entries first, as the model runner expects.
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
-        others = [s for s in scheduled if s.num_new_tokens != 1]
+        decodes = [s for s in step.scheduled if s.num_new_tokens == 1]
+        others = [s for s in step.scheduled if s.num_new_tokens != 1]
         finished = self.take_finished_ids()
         # 4. Host tier: offer the blocks this step makes full; the step's copies.
         transfer = None
@@ -233,94 +258,102 @@ class Scheduler:
             transfer = self.kv_connector.build_transfer()
         return SchedulerOutput(
             scheduled=decodes + others, num_decodes=len(decodes),
-            total_num_tokens=sum(s.num_new_tokens for s in scheduled),
-            preempted_req_ids=preempted, finished_req_ids=finished, kv_transfer=transfer,
+            total_num_tokens=sum(s.num_new_tokens for s in step.scheduled),
+            preempted_req_ids=step.preempted, finished_req_ids=finished, kv_transfer=transfer,
             has_pooling=self.pooling.held > 0)
 
-    def _schedule_running(self, scheduled: list[ScheduledRequest], preempted: list[str],
-                          budget: int) -> int:
+    def _schedule_running(self, step: _Step, limit: int | None) -> None:
+        """Running requests from `step.done` on, up to the first less urgent than `limit`
+        (None: to the end) or the end of the budget."""
         running = self.running
-        i = 0
-        while i < len(running) and budget > 0:
-            request = running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        while step.done < len(running) and step.budget > 0:
+            request = running[step.done]
+            if limit is not None and self.waiting.priority(request) > limit:
+                return
+            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
             assert num_new > 0, f"{request} is running with nothing to compute"
             block_ids = self.kv_cache.allocate_slots(request, num_new)
             while block_ids is None:
-                victim = running.pop()  # index > i, or request itself: never scheduled yet
+                victim = running.pop()  # after `done`, or request itself: no turn yet
                 self._preempt(victim)
-                preempted.append(victim.request_id)
+                step.preempted.append(victim.request_id)
+                step.ran_out = True
                 if victim is request:
-                    break
+                    return  # the request itself was the last one left to preempt
                 block_ids = self.kv_cache.allocate_slots(request, num_new)
-            if block_ids is None:
-                break  # the request itself was the last one left to preempt
-            scheduled.append(self._scheduled(request, num_new, block_ids))
-            budget -= num_new
-            i += 1
-        return budget
+            step.scheduled.append(_scheduled(request, num_new, block_ids))
+            step.budget -= num_new
+            step.done += 1
 
-    def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> None:
-        max_seqs = self.config.max_num_seqs
+    def _schedule_waiting(self, step: _Step) -> bool:
+        """Admit waiting requests in the queue's order; True when it stopped because
+        the next running request is at least as urgent as the next waiting one."""
         # LoRA: a request whose adapter does not fit the slots beside the running
         # requests' adapters waits (set aside, its place in the queue kept); the
         # requests behind it may go.
         loras = {r.lora_id for r in self.running if r.lora_id}
         set_aside: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < max_seqs:
-            request = self.waiting[0]
+        turn = False
+        while step.budget > 0 and (request := self.waiting.peek()) is not None:
+            priority = self.waiting.priority(request)
+            if step.done < len(self.running) and \
+                    self.waiting.priority(self.running[step.done]) <= priority:
+                turn = True
+                break
+            if request.request_id in step.preempted:
+                break  # made room for a more urgent one: back next step, not this one
             if (request.lora_id and request.lora_id not in loras
                     and self.lora_fits is not None
                     and not self.lora_fits(loras | {request.lora_id})):
-                set_aside.append(self.waiting.popleft())
+                self.waiting.pop(request, charge=False)
+                set_aside.append(request)
                 continue
-            hit_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
-            num_loaded = self._tier_lookup(request, len(hit_blocks))
-            num_new = min(request.num_tokens - num_hit - num_loaded, budget)
-            block_ids = self.kv_cache.allocate_slots(request, num_loaded + num_new, hit_blocks)
-            if block_ids is None:
-                self._tier_admitted(request, None, 0, num_loaded)  # its hits let go
-                break  # FCFS: nobody jumps the queue
-            self.waiting.popleft()
-            assert request.num_computed_tokens == 0
-            self._tier_admitted(request, block_ids, len(hit_blocks), num_loaded)
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit + num_loaded
-            if request.scheduled_at is None:
-                request.scheduled_at = time.monotonic()
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit + num_loaded
-            self.running.append(request)
-            scheduled.append(self._scheduled(request, num_new, block_ids))
-            budget -= num_new
+            if len(self.running) >= self.config.max_num_seqs or not self._admit(step, request):
+                if self._make_room(step, priority):
+                    continue
+                break  # nobody jumps the queue
             if request.lora_id:
                 loras.add(request.lora_id)
-        self.waiting.extendleft(reversed(set_aside))
+        for request in reversed(set_aside):
+            self.waiting.push_front(request)
+        return turn
 
-    def _tier_lookup(self, request: Request, num_hit_blocks: int) -> int:
-        """Tokens of the request's next full blocks (past its `num_hit_blocks` local
-        hits) that the host tier holds, held there for it (0: no tier, or none).
-        Invariant, as for local hits: the last token is always computed."""
-        if self.kv_connector is None or request.needs_every_position:
-            return 0
-        max_blocks = (request.num_tokens - 1) // self.kv_cache.block_size
-        hashes = request.block_hashes[num_hit_blocks:max_blocks]
-        if not hashes:
-            return 0
-        return self.kv_connector.lookup(request.request_id, hashes) * self.kv_cache.block_size
-
-    def _tier_admitted(self, request: Request, block_ids: list[int] | None, first: int,
-                       num_loaded: int) -> None:
-        """After a tier hit of `num_loaded` tokens: their blocks (from `first` in the
-        request's table) are loaded before this step's forward; or, not admitted
-        (`block_ids` None), the hits are let go."""
-        if not num_loaded or self.kv_connector is None:
-            return
+    def _admit(self, step: _Step, request: Request) -> bool:
+        """Start the waiting `request` (the queue's next) if its first chunk gets blocks:
+        into `running` at `step.done`, its chunk scheduled. False: no blocks."""
+        hit_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
+        tier, block_size = self.kv_connector, self.kv_cache.block_size
+        num_loaded = _tier_lookup(tier, block_size, request, len(hit_blocks))
+        num_new = min(request.num_tokens - num_hit - num_loaded, step.budget)
+        block_ids = self.kv_cache.allocate_slots(request, num_loaded + num_new, hit_blocks)
         if block_ids is None:
-            self.kv_connector.cancel(request.request_id)
-            return
-        self.kv_connector.load(request.request_id,
-                               block_ids[first:first + num_loaded // self.kv_cache.block_size])
+            _tier_admitted(tier, block_size, request, None, 0, num_loaded)  # hits let go
+            return False
+        self.waiting.pop(request)
+        assert request.num_computed_tokens == 0
+        _tier_admitted(tier, block_size, request, block_ids, len(hit_blocks), num_loaded)
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit + num_loaded
+        if request.scheduled_at is None:
+            request.scheduled_at = time.monotonic()
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit + num_loaded
+        self.running.insert(step.done, request)  # after the as urgent, before the less
+        step.done += 1
+        step.scheduled.append(_scheduled(request, num_new, block_ids))
+        step.budget -= num_new
+        return True
+
+    def _make_room(self, step: _Step, priority: int) -> bool:
+        """Preempt the last running request for a waiting one of `priority` that lacks
+        blocks or a slot, if it is strictly less urgent and had no turn this step."""
+        running = self.running
+        if step.done >= len(running) or self.waiting.priority(running[-1]) <= priority:
+            return False
+        victim = running.pop()
+        self._preempt(victim)
+        step.preempted.append(victim.request_id)
+        return True
 
     def kv_step_done(self, scheduler_output: SchedulerOutput) -> None:
         """The step's execute returned: the tier's read pins go, saves are committed
@@ -334,14 +367,6 @@ class Scheduler:
         if self.kv_connector is not None:
             self.kv_connector.step_failed(scheduler_output.kv_transfer)
 
-    @staticmethod
-    def _scheduled(request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
-        start = request.num_computed_tokens
-        request.num_computed_tokens = start + num_new
-        return request.for_step(start, num_new, block_ids,
-                                sample=start + num_new == request.num_tokens
-                                and request.pooling is None)
-
     def preempt_all(self) -> None:
         """Preempt every running request (a failed expert-parallel step)."""
         while self.running:
@@ -354,7 +379,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.push_front(request)
 
     # ---- update --------------------------------------------------------------
 
@@ -386,7 +411,7 @@ class Scheduler:
                 request.first_token_at = now = time.monotonic()
                 self.recent_ttft.add(now, now - request.engine_arrival)
             self.kv_cache.update_block_hashes(request)
-            finished = self._check_stop(request, token)
+            finished = _check_stop(request, token, self.max_model_len)
             new_logprobs = None
             num_logprobs = request.sampling_params.logprobs
             if num_logprobs is not None and logprob_rows is not None:
@@ -420,31 +445,6 @@ class Scheduler:
         self.pooling.count_finished(len(done))
         return bool(done)
 
-    def _check_stop(self, request: Request, token: int) -> bool:
-        """Set a finished status if `token` ends the request; True if it did."""
-        params = request.sampling_params
-        num_out = request.num_output_tokens
-        # 0. A grammar that took its stop token is complete.
-        if request.grammar is not None and request.grammar.terminated:
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
-        # 1. Below min_tokens only the length limits below can stop a request.
-        if num_out >= params.min_tokens:
-            # 2. EOS, 3. stop token ids.
-            if token == request.eos_token_id and not params.ignore_eos:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if token in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token
-                return True
-        # 4. Length limits.
-        max_tokens = self.max_model_len if params.max_tokens is None else params.max_tokens
-        if num_out >= max_tokens or request.num_tokens >= self.max_model_len:
-            request.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
-
     def _free_request(self, request: Request) -> None:
         """Forget a finished request: free its blocks and tell the runner next step.
         The caller removes it from the waiting/running queues."""
@@ -453,6 +453,67 @@ class Scheduler:
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
         self.pooling.held -= request.pooling is not None
+
+
+def _scheduled(request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
+    start = request.num_computed_tokens
+    request.num_computed_tokens = start + num_new
+    return request.for_step(start, num_new, block_ids,
+                            sample=start + num_new == request.num_tokens
+                            and request.pooling is None)
+
+
+def _tier_lookup(connector: KVConnector | None, block_size: int, request: Request,
+                 num_hit_blocks: int) -> int:
+    """Tokens of the request's next full blocks (past its `num_hit_blocks` local
+    hits) that the host tier holds, held there for it (0: no tier, or none).
+    Invariant, as for local hits: the last token is always computed."""
+    if connector is None or request.needs_every_position:
+        return 0
+    max_blocks = (request.num_tokens - 1) // block_size
+    hashes = request.block_hashes[num_hit_blocks:max_blocks]
+    if not hashes:
+        return 0
+    return connector.lookup(request.request_id, hashes) * block_size
+
+def _tier_admitted(connector: KVConnector | None, block_size: int, request: Request,
+                   block_ids: list[int] | None, first: int, num_loaded: int) -> None:
+    """After a tier hit of `num_loaded` tokens: their blocks (from `first` in the
+    request's table) are loaded before this step's forward; or, not admitted
+    (`block_ids` None), the hits are let go."""
+    if not num_loaded or connector is None:
+        return
+    if block_ids is None:
+        connector.cancel(request.request_id)
+        return
+    connector.load(request.request_id,
+                           block_ids[first:first + num_loaded // block_size])
+
+
+def _check_stop(request: Request, token: int, max_model_len: int) -> bool:
+    """Set a finished status if `token` ends the request; True if it did."""
+    params = request.sampling_params
+    num_out = request.num_output_tokens
+    # 0. A grammar that took its stop token is complete.
+    if request.grammar is not None and request.grammar.terminated:
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
+    # 1. Below min_tokens only the length limits below can stop a request.
+    if num_out >= params.min_tokens:
+        # 2. EOS, 3. stop token ids.
+        if token == request.eos_token_id and not params.ignore_eos:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if token in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token
+            return True
+    # 4. Length limits.
+    max_tokens = max_model_len if params.max_tokens is None else params.max_tokens
+    if num_out >= max_tokens or request.num_tokens >= max_model_len:
+        request.status = RequestStatus.FINISHED_LENGTH
+        return True
+    return False
 
 
 def _logprob_rows(logprobs: Logprobs | None) -> tuple[list, list, list] | None:

@@ -10,7 +10,14 @@ says may take new work (serving, not cordoned, not excluded). Pinned requests
 A rank's load (`Router.load`): with a DP coordinator (`balanced`), its
 `4*waiting + running` from the coordinator's last publish, where what this
 client sent it since that publish counts as waiting (so bursts spread);
-without one, the requests this client has in flight there.
+without one, the requests this client has in flight there. Priorities
+(`--scheduling-policy priority`): for a request of priority p, the rank's
+waiting requests of a priority after p (a higher number: they will not run
+before it) do not count, by the rank's last `SchedulerStats.waiting_by_priority`
+to this front-end (empty while all are 0), so an urgent request goes where
+fewer urgent requests wait, whatever the backlog of less urgent ones. Every
+policy that reads loads (least-loaded, cache-aware, the hot rule of sessions)
+sees that count.
 
 Policies (`LOAD_BALANCE_POLICIES`):
 
@@ -132,6 +139,22 @@ class RankLoad(Protocol):
     sent_since_publish: int  # requests this client sent it since that publish
     stats: SchedulerStats | None  # its last figures (KV capacity)
     info: EngineInfo  # the coordinator's figures (LoRA adapters, from heartbeats)
+
+
+@dataclass(frozen=True)
+class LoadView:
+    """How loads are read for one request: from the coordinator's counts (`balanced`)
+    or this client's, counting only waiting requests of `priority` or more urgent."""
+
+    balanced: bool
+    priority: int = 0
+
+
+def less_urgent_waiting(stats: SchedulerStats | None, priority: int) -> int:
+    """Requests waiting at a rank with a priority after `priority` (its last figures)."""
+    if stats is None or not stats.waiting_by_priority:
+        return 0
+    return sum(n for p, n in stats.waiting_by_priority if p > priority)
 
 
 @dataclass(frozen=True)
@@ -324,24 +347,27 @@ class Router:
         self.session_moved = 0  # requests whose session's rank could not take them
 
     @staticmethod
-    def load(engine: RankLoad, balanced: bool) -> int:
+    def load(engine: RankLoad, view: LoadView) -> int:
         """The rank's load in the units the thresholds use (module docstring)."""
-        if balanced:
-            return 4 * (engine.waiting + engine.sent_since_publish) + engine.running
-        return engine.num_requests
+        later = less_urgent_waiting(engine.stats, view.priority)
+        if view.balanced:
+            waiting = max(engine.waiting - later, 0)
+            return 4 * (waiting + engine.sent_since_publish) + engine.running
+        return max(engine.num_requests - later, 0)
 
     def choose(self, live: Sequence[RankLoad], request: EngineCoreRequest, *,
                balanced: bool) -> RankLoad:
         """The rank among `live` (non-empty) that gets `request`: its session's rank when
         that may take it, else the policy's choice (module docstring)."""
+        view = LoadView(balanced, request.priority)
         session = request.session
         if session is not None:
-            stuck = self._session_rank(live, session, balanced)
+            stuck = self._session_rank(live, session, view)
             if stuck is not None:
                 self.session_routed += 1
                 self.record(stuck, request=request)
                 return stuck
-        chosen = self._by_policy(live, request, balanced)
+        chosen = self._by_policy(live, request, view)
         if session is not None:
             self.sessions.record(session.key, chosen.rank)
         return chosen
@@ -350,33 +376,33 @@ class Router:
         """The rank this router last sent session `key` to (None: not known here)."""
         return self.sessions.get(key)
 
-    def _session_rank(self, live: Sequence[RankLoad], session: Session, balanced: bool
+    def _session_rank(self, live: Sequence[RankLoad], session: Session, view: LoadView
                       ) -> RankLoad | None:
         """The session's rank (module docstring) if it is in `live` and not hot."""
         rank = session.rank if session.rank is not None else self.sessions.get(session.key)
         if rank is None:
             rank = rendezvous_rank(session.key, [e.rank for e in live])
         engine = next((e for e in live if e.rank == rank), None)
-        floor = self.load(self._least_loaded(live, balanced), balanced)
-        if engine is not None and not self._hot(self.load(engine, balanced), floor):
+        floor = self.load(self._least_loaded(live, view), view)
+        if engine is not None and not self._hot(self.load(engine, view), floor):
             return engine
         self.session_moved += 1
         return None
 
     def _by_policy(self, live: Sequence[RankLoad], request: EngineCoreRequest,
-                   balanced: bool) -> RankLoad:
+                   view: LoadView) -> RankLoad:
         if self.policy == "round-robin":
             self._turn += 1
             return live[(self._turn - 1) % len(live)]
-        least = self._least_loaded(live, balanced)
+        least = self._least_loaded(live, view)
         if self.policy == "least-loaded":
             return least
         chain = self.tracker.hashes(request.prompt_token_ids, cache_root(request))
         candidates = live
         if request.lora_name is not None:
-            candidates = self._warmest(live, request.lora_name, least, balanced)
+            candidates = self._warmest(live, request.lora_name, least, view)
         chosen = self._cache_aware(candidates, chain, len(request.prompt_token_ids), least,
-                                   balanced)
+                                   view)
         self.record(chosen, chain)
         if request.lora_name is not None:
             self.adapter_warm += self.adapters.tier(chosen, request.lora_name) >= CACHED
@@ -410,22 +436,22 @@ class Router:
         self.tracker.forget(rank)
         self.adapters.forget(rank)
 
-    def _least_loaded(self, live: Sequence[RankLoad], balanced: bool) -> RankLoad:
-        if not balanced:
-            return min(live, key=lambda e: (e.num_requests, e.rank))
+    def _least_loaded(self, live: Sequence[RankLoad], view: LoadView) -> RankLoad:
+        if not view.balanced:
+            return min(live, key=lambda e: (self.load(e, view), e.rank))
         start = self.client_index % len(live)
         best, best_load = live[start], None
         for engine in [*live[start:], *live[:start]]:
-            load = self.load(engine, balanced)
+            load = self.load(engine, view)
             if best_load is None or load < best_load:
                 best, best_load = engine, load
         return best
 
     def _warmest(self, live: Sequence[RankLoad], name: str, least: RankLoad,
-                 balanced: bool) -> list[RankLoad]:
+                 view: LoadView) -> list[RankLoad]:
         """The ranks, not hot, where adapter `name` is warmest (module docstring)."""
-        floor = self.load(least, balanced)
-        cool = [e for e in live if not self._hot(self.load(e, balanced), floor)]
+        floor = self.load(least, view)
+        cool = [e for e in live if not self._hot(self.load(e, view), floor)]
         tiers = {e.rank: self.adapters.tier(e, name) for e in cool}
         best = max(tiers.values())
         return [e for e in cool if tiers[e.rank] == best]
@@ -435,12 +461,12 @@ class Router:
         return load - floor > opts.balance_abs and load > floor * opts.balance_rel
 
     def _cache_aware(self, live: Sequence[RankLoad], chain: Sequence[BlockHash],
-                     num_tokens: int, least: RankLoad, balanced: bool) -> RankLoad:
+                     num_tokens: int, least: RankLoad, view: LoadView) -> RankLoad:
         """The rank with the longest remembered prefix (ties: the least loaded) if it
         covers `cache_threshold` of the prompt and is not hot; else the rule for new
         prefixes or hot ranks (module docstring)."""
-        floor = self.load(least, balanced)
-        loads = {engine.rank: self.load(engine, balanced) for engine in live}
+        floor = self.load(least, view)
+        loads = {engine.rank: self.load(engine, view) for engine in live}
         matched = {engine.rank: self.tracker.matched_blocks(engine.rank, chain)
                    for engine in live}
         best = min(live, key=lambda e: (-matched[e.rank], loads[e.rank], self._scan(e)))

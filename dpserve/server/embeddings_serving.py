@@ -37,7 +37,7 @@ from dpserve.frontend.errors import RequestError
 from dpserve.outputs import RequestOutput
 from dpserve.protocol import PoolingParams, RequestTags
 from dpserve.sampling_params import SamplingParams
-from dpserve.server.caller import ANONYMOUS, Caller, caller_tags
+from dpserve.server.caller import ANONYMOUS, Caller
 from dpserve.server.embeddings_protocol import (
     EmbeddingData,
     EmbeddingRequest,
@@ -71,12 +71,13 @@ class EmbeddingServing:
                else EmbeddingRequest.model_validate(body, strict=True))
         timeout = self.serving.limits.request_timeout  # --request-timeout: 504 past it
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        tags = self.serving.tags(caller, req.priority)  # fcfs: 400 for a priority
         lora_name = self.serving.check_model(req.model)
         pooling = self._pooling(req)
         prompts = await self._prompts(req)
         request_id = f"embd-{uuid.uuid4().hex}"
-        streams = self._start(request_id, prompts, pooling, caller,
-                              caller_tags(caller, req.priority), deadline, lora_name)
+        streams = self._start(request_id, prompts, pooling, caller, tags, deadline,
+                              lora_name)
         streams = await self.serving.metered(request_id, caller, streams,
                                              sum(len(ids) for _, ids in prompts), 0)
         outputs: list[RequestOutput | None] = [None] * len(prompts)

@@ -43,6 +43,7 @@ from pydantic import BaseModel
 from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.errors import RequestError
 from dpserve.outputs import CompletionOutput, Logprob, RequestOutput
+from dpserve.protocol import RequestTags
 from dpserve.sampling_params import SamplingParams
 from dpserve.server.caller import ANONYMOUS, Caller, caller_tags
 from dpserve.server.grammar_check import GrammarChecker
@@ -337,6 +338,16 @@ class OpenAIServing:
 
     # ---- shared --------------------------------------------------------------------
 
+    def tags(self, caller: Caller, priority: int) -> RequestTags:
+        """The tags of the caller's request; a non-zero `priority` is a 400 under
+        --scheduling-policy fcfs (vLLM's behaviour), before anything reaches an engine."""
+        policy = self.llm.config.scheduler.policy
+        if priority != 0 and policy != "priority":
+            raise RequestError(f"priority {priority} needs --scheduling-policy priority "
+                               f"(this server runs --scheduling-policy {policy})",
+                               param="priority")
+        return caller_tags(caller, priority)
+
     def check_model(self, model: str | None) -> str | None:
         return self._check_model(model)
 
@@ -411,6 +422,7 @@ class OpenAIServing:
         with a 504 past `deadline`, loop time), with LoRA adapter `lora_name` (None:
         the base model); the caller's session (else `req.user`'s) places them all
         alike, its key salts their prefix cache and its tags go with them."""
+        tags = self.tags(caller, req.priority)
         rank = caller.data_parallel_rank
         for _, ids in prompts:
             self.llm.validate(ids, params, rank)
@@ -419,7 +431,6 @@ class OpenAIServing:
         salt = request_salt(req.cache_salt, caller.api_key_id,
                             self.limits.prefix_cache_salt_per_key)
         session = caller.session or user_session(req.user)
-        tags = caller_tags(caller, req.priority)
         streams = [self.llm.generate(ids, params, f"{request_id}-{i}", text, rank,
                                      cache_salt=salt, lora_name=lora_name, session=session,
                                      tags=tags)

@@ -1,0 +1,43 @@
+"""bench/priority.py --smoke on the tiny model: the script the lead runs for issue 29's
+benchmark starts its five rows (DP=2 servers under --scheduling-policy priority and
+fcfs, with a key file of four tenants), sends each its load and writes the
+BENCHMARKS.md section with every urgent request complete and tokens counted for both
+tenants of the fairness rows. Measures nothing (no timing asserts): it checks that the
+script runs."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.procs, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_priority_benchmark_runs_in_smoke_mode(tiny_llama, tmp_path):
+    out = tmp_path / "benchmarks.md"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "priority.py"), "--smoke",
+                           "--model", str(tiny_llama), "--out", str(out)],
+                          capture_output=True, text=True, timeout=600,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    text = out.read_text()
+    assert text.strip() == proc.stdout.strip()  # the section, printed and appended
+    assert "## Priorities and tenant fairness at DP=2 (bench/priority.py)" in text
+    assert "--scheduling-policy priority" in text and "--api-key-file KEYS" in text
+    rows = {m.group(1): [c.strip() for c in m.group(0).strip("|").split("|")]
+            for m in re.finditer(r"^\| (idle|priority|fcfs|fair|fair fcfs) \|.*$", text,
+                                 re.M)}
+    assert set(rows) == {"idle", "priority", "fcfs", "fair", "fair fcfs"}, text
+    for name in ("idle", "priority", "fcfs"):
+        assert rows[name][3] == "3 ok", rows[name]  # every urgent request completed
+        assert rows[name][1].endswith(" s"), rows[name]  # a TTFT p50
+    assert int(rows["priority"][4]) > 0 and int(rows["fcfs"][4]) > 0  # batch load ran
+    for name in ("fair", "fair fcfs"):
+        assert int(rows[name][1]) > 0 and int(rows[name][2]) > 0, rows[name]
+    assert "urgent TTFT p50 **" in text and "(target >= 5x)" in text
