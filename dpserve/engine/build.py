@@ -19,6 +19,7 @@ from dpserve.config import EngineConfig
 from dpserve.engine.tp_worker import bind_cpus, worker_cpus, worker_device
 
 if TYPE_CHECKING:
+    from dpserve import tracing
     from dpserve.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ def build_engine_core(config: EngineConfig, rank: int, incarnation: int,
     (from another thread) when a tensor-parallel worker of the rank dies."""
     from dpserve.engine.core import EngineCore
 
+    tracing.install(config.tracing, "engine", rank)  # flushed by EngineCore.shutdown
     _maybe_hold_start(rank, incarnation)
     engine_core = EngineCore(config, dp_rank=rank)
     engine_core.executor.on_failure = on_failure

@@ -5,7 +5,10 @@ what the auth layer left in `request.state`, and handed to the serving layer
 (`dpserve.server.serving` and the APIs built on it) in place of loose
 arguments: the pinned engine (`X-data-parallel-rank`), the API key's id (prefix
 cache salting), the session (`X-Session-ID`), the tenant (the key's name, the
-unit of fairness and limits) and the W3C trace context headers.
+unit of fairness and limits) and the W3C trace context headers (when this API server
+traces: its root span's, which `dpserve.server.trace_http` made a child of the
+client's `traceparent` and left in `request.state`; None otherwise, whatever the
+client sent).
 `key_caller` is the caller of a batch's lines (its creator's key);
 `caller_tags` turns a caller and a request's priority into the `RequestTags`
 every engine request of it carries.
@@ -46,7 +49,8 @@ def caller_of(request: Request) -> Caller:
     """The caller of an HTTP request (a 400 for a malformed header of ours)."""
     key_id = getattr(request.state, "api_key_id", None)
     return Caller(data_parallel_rank=dp_rank(request), api_key_id=key_id,
-                  session=header_session(request), tenant=key_id)
+                  session=header_session(request), tenant=key_id,
+                  trace_headers=getattr(request.state, "trace_headers", None))
 
 
 def key_caller(api_key_id: str | None) -> Caller:

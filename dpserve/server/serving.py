@@ -84,6 +84,7 @@ from dpserve.server.tools import (
     tool_constraint,
 )
 from dpserve.structured.spec import StructuredOutputs
+from dpserve.tracing import child_span
 
 logger = logging.getLogger(__name__)
 
@@ -148,8 +149,9 @@ class OpenAIServing:
                                        structured=await self._structured(req))
         prompt = req.prompt
         batch = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
-        prompts = [(p, await self.llm.in_tokenizer_thread(self.llm.encode, p))
-                   if isinstance(p, str) else (None, list(p)) for p in batch]
+        with child_span("tokenize", caller.trace_headers):
+            prompts = [(p, await self.llm.in_tokenizer_thread(self.llm.encode, p))
+                       if isinstance(p, str) else (None, list(p)) for p in batch]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = self._start(request_id, prompts, params, req, caller, deadline, lora_name)
         # echo: each choice starts with its prompt's text.
@@ -253,7 +255,8 @@ class OpenAIServing:
                                    param="tool_choice")
             await self.grammar_checker.check(constraint, "tools")
             params = msgspec.structs.replace(params, structured_outputs=constraint)
-        prompt_ids = await self.llm.in_tokenizer_thread(self._render_chat, req, plan)
+        with child_span("chat_template", caller.trace_headers):  # rendered and tokenised
+            prompt_ids = await self.llm.in_tokenizer_thread(self._render_chat, req, plan)
         request_id = f"{id_prefix}{uuid.uuid4().hex}"
         try:
             streams = self._start(request_id, [(None, prompt_ids)], params, req, caller,
@@ -393,10 +396,11 @@ class OpenAIServing:
         the base model); the caller's session (else `req.user`'s) places them all
         alike, its key salts their prefix cache and its tags go with them."""
         rank = caller.data_parallel_rank
-        for _, ids in prompts:
-            self.llm.validate(ids, params, rank)
-        if self.admission is not None:  # paused / asleep / queues full
-            self.admission([len(ids) for _, ids in prompts] * params.n)
+        with child_span("admit", caller.trace_headers):
+            for _, ids in prompts:
+                self.llm.validate(ids, params, rank)
+            if self.admission is not None:  # paused / asleep / queues full
+                self.admission([len(ids) for _, ids in prompts] * params.n)
         salt = request_salt(req.cache_salt, caller.api_key_id,
                             self.limits.prefix_cache_salt_per_key)
         session = caller.session or user_session(req.user)
