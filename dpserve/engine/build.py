@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from dpserve import tracing
 from dpserve.config import EngineConfig
 from dpserve.engine.tp_worker import bind_cpus, worker_cpus, worker_device
 

@@ -2,9 +2,12 @@
 
 Scope: `make_provider` (a resource naming the service, one BatchSpanProcessor per
 destination: the OTLP/HTTP exporter for `--otlp-traces-endpoint`, `JsonlSpanExporter`
-for `--trace-file`), and `JsonlSpanExporter`: one JSON object per span per line,
-appended to a file every dpserve process shares (opened O_APPEND, each batch written
-with one write(), so lines of two processes never interleave).
+for `--trace-file`; batches as OpenTelemetry's environment says, e.g.
+`OTEL_BSP_SCHEDULE_DELAY` ms between exports, 5000 by default, and
+`dpserve.tracing.shutdown` exports the rest at exit), and `JsonlSpanExporter`: one
+JSON object per span per line, appended to a file every dpserve process shares (opened
+O_APPEND, each batch written with one write(), so lines of two processes never
+interleave).
 
 Not here: the options and the per-process state (`dpserve.tracing`), making spans
 (`dpserve.tracing.spans`).
@@ -42,10 +45,10 @@ def make_provider(config: TracingConfig, service_name: str, attributes: Mapping[
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         provider.add_span_processor(BatchSpanProcessor(
-            OTLPSpanExporter(endpoint=config.otlp_traces_endpoint), schedule_delay_millis=500))
+            OTLPSpanExporter(endpoint=config.otlp_traces_endpoint)))
     if config.trace_file is not None:
         provider.add_span_processor(BatchSpanProcessor(
-            JsonlSpanExporter(config.trace_file), schedule_delay_millis=500))
+            JsonlSpanExporter(config.trace_file)))
     return provider
 
 
