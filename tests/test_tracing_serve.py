@@ -239,6 +239,7 @@ def test_migrated_request_shows_both_ranks_and_spans_flush_at_exit(servers, rece
     moved = [s for tp, trace_id, _ in parents for s in receiver.trace(trace_id)
              if s.name == "migrate"]
     assert moved, "no traced request shows its move"
+    print(f"premise: {len(moved)} of {len(parents)} traced streams moved off rank 1")
     for migrate in moved:
         trace = receiver.trace(migrate.trace_id)
         assert migrate.attributes["dpserve.migrate.from_rank"] == 1
