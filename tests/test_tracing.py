@@ -18,6 +18,8 @@ Across processes (OTLP/HTTP, DP=2, N API servers, migration): tests/test_tracing
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import httpx
@@ -99,6 +101,31 @@ def test_bad_options_are_one_line_errors_naming_them(tmp_path):
     assert args.tracing_config() == TracingConfig("http://127.0.0.1:4318/v1/traces",
                                                   str(tmp_path / "spans.jsonl"))
     assert EngineArgs().tracing_config() is None
+
+
+def test_without_the_sdk_the_option_names_the_pip_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",  # a fake: the SDK not installed
+                        lambda name, *a: None if name.startswith("opentelemetry")
+                        else real(name, *a))
+    with pytest.raises(ConfigError, match=r"^otlp_traces_endpoint needs the OpenTelemetry "
+                       r"SDK .*pip install 'dpserve\[tracing\]'$"):
+        EngineArgs(otlp_traces_endpoint="http://127.0.0.1:4318/v1/traces")
+    with pytest.raises(ConfigError, match=r"^trace_file needs"):
+        EngineArgs(trace_file="spans.jsonl")
+
+
+@pytest.mark.procs
+def test_a_bad_flag_is_one_line_before_anything_starts(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "dpserve.cli", "serve", str(tmp_path),
+                           "--otlp-traces-endpoint", "localhost:4318"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "dpserve: error: --otlp-traces-endpoint must be an http:// or https:// URL (the "
+        "OTLP/HTTP traces endpoint), got 'localhost:4318'")
 
 
 def test_off_costs_a_shared_no_op():

@@ -15,7 +15,10 @@ client `traceparent` of its own. Checked:
   (the killed rank), a `migrate` span (from it, linked to that placement) and the
   other rank's engine spans under it; spans reach the receiver at the drain's exit
   (that server exports only then: OTEL_BSP_SCHEDULE_DELAY of 10 minutes), including
-  those of a request still streaming when SIGTERM came.
+  those of a request still streaming when SIGTERM came;
+* a prefill/decode handoff (`--data-parallel-roles prefill:1,decode:1`): the first
+  leg's engine spans on the prefill rank, a `migrate` span naming both ranks, the
+  decode rank's engine spans under it, all in the client's trace.
 """
 
 from __future__ import annotations
@@ -252,3 +255,36 @@ def test_migrated_request_shows_both_ranks_and_spans_flush_at_exit(servers, rece
         assert after[0].attributes["dpserve.prior_output_tokens"] == \
             migrate.attributes["dpserve.migrate.tokens"]
         assert one(trace, "POST /v1/completions").parent_span_id is not None
+
+
+@pytest.fixture(scope="module")
+def pd_server(tiny_llama, receiver):
+    with serve_all([str(tiny_llama), *DP_ARGS, "--num-kv-blocks", "128",
+                    "--kv-offload-memory", "32MiB", "--data-parallel-roles",
+                    "prefill:1,decode:1", "--otlp-traces-endpoint", receiver.url],
+                   env=SOON) as [(_, url)]:
+        yield url
+
+
+def test_handoff_shows_the_prefill_and_the_decode_rank(pd_server, receiver):
+    tp, trace_id, _ = traceparent()
+    r = httpx.post(pd_server + "/v1/completions", timeout=60, headers={"traceparent": tp},
+                   json={"prompt": "The quick brown fox jumps over the lazy dog " * 3,
+                         "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    spans = receiver.wait_for(
+        lambda: sum(s.name == "engine" for s in receiver.trace(trace_id)) == 2
+        and receiver.trace(trace_id), 30, "both legs' engine spans")
+    route, migrate = one(spans, "route"), one(spans, "migrate")
+    assert (route.attributes["dpserve.route.rank"], route.attributes["dpserve.route.role"]) \
+        == (0, "prefill")
+    assert migrate.attributes["dpserve.migrate.from_rank"] == 0
+    assert migrate.attributes["dpserve.migrate.to_rank"] == 1
+    assert "handoff" in migrate.attributes["dpserve.migrate.why"]
+    assert migrate.parent_span_id == route.span_id and migrate.links == [route.span_id]
+    legs = {s.service: s for s in spans if s.name == "engine"}
+    assert legs["dpserve-engine-0"].parent_span_id == route.span_id
+    assert legs["dpserve-engine-0"].attributes["dpserve.output_tokens"] == 1
+    assert legs["dpserve-engine-1"].parent_span_id == migrate.span_id
+    assert legs["dpserve-engine-1"].attributes["dpserve.prior_output_tokens"] == 1
+    assert legs["dpserve-engine-1"].attributes["dpserve.output_tokens"] == 7
