@@ -59,7 +59,8 @@ class RouteTrace:
     def choose(self, exclude: int | None = None) -> EngineState:
         """`RankTable.choose`, with the span's attributes."""
         router, request = self.table.router, self.request
-        chain = router.tracker.hashes(request.prompt_token_ids, cache_root(request))
+        chain = (router.tracker.hashes(request.prompt_token_ids, cache_root(request))
+                 if router.policy == "cache-aware" else [])  # no prefix record otherwise
         candidates = self.table.placeable(exclude)
         self.span.set_attributes(_figures(router, candidates, request, chain,
                                           self.table.balanced))
