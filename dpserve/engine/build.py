@@ -20,7 +20,6 @@ from dpserve.config import EngineConfig
 from dpserve.engine.tp_worker import bind_cpus, worker_cpus, worker_device
 
 if TYPE_CHECKING:
-    from dpserve import tracing
     from dpserve.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)

@@ -19,6 +19,7 @@ from typing import Any
 from dpserve.errors import ConfigError
 
 EXTRA_HINT = "pip install 'dpserve[tracing]'"
+GROUP = "tracing"  # the `dpserve serve --help` group of these options
 
 
 @dataclass(frozen=True)
@@ -36,10 +37,10 @@ class TracingArgs:
     otlp_traces_endpoint: str | None = field(default=None, metadata={"help": (
         "Send OpenTelemetry traces of requests (API server, routing, engine spans) to this "
         "OTLP/HTTP endpoint, e.g. http://localhost:4318/v1/traces. Needs "
-        f"{EXTRA_HINT}.")})
+        f"{EXTRA_HINT}."), "group": GROUP})
     trace_file: str | None = field(default=None, metadata={"help": (
         "Append the same spans to this JSONL file (one span per line; every process "
-        "of the server appends to it).")})
+        "of the server appends to it)."), "group": GROUP})
 
     def __post_init__(self) -> None:
         self.tracing_config()
