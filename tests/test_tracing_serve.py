@@ -89,10 +89,16 @@ def chat(url: str, tp: str, content: str, **headers: str) -> dict:
     return r.json()
 
 
-def complete_trace(receiver: OTLPReceiver, trace_id: str, names: set[str]) -> list[Span]:
-    """The trace's spans once every name in `names` arrived (30 s at most)."""
-    return receiver.wait_for(lambda: names <= {s.name for s in receiver.trace(trace_id)}
-                             and receiver.trace(trace_id), 30, f"spans {sorted(names)}")
+def complete_trace(receiver: OTLPReceiver, trace_id: str, names: set[str],
+                   engines: int = 1) -> list[Span]:
+    """The trace's spans once every name in `names` arrived, and `engines` engine spans
+    if it names "engine" (each process exports its own batches: 30 s at most)."""
+    def arrived() -> list[Span]:
+        spans = receiver.trace(trace_id)
+        enough = "engine" not in names or sum(s.name == "engine" for s in spans) >= engines
+        return spans if names <= {s.name for s in spans} and enough else []
+
+    return receiver.wait_for(arrived, 30, f"spans {sorted(names)} ({engines} engine)")
 
 
 def one(spans: list[Span], name: str) -> Span:
@@ -272,9 +278,7 @@ def test_handoff_shows_the_prefill_and_the_decode_rank(pd_server, receiver):
                    json={"prompt": "The quick brown fox jumps over the lazy dog " * 3,
                          "max_tokens": 8, "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200, r.text
-    spans = receiver.wait_for(
-        lambda: sum(s.name == "engine" for s in receiver.trace(trace_id)) == 2
-        and receiver.trace(trace_id), 30, "both legs' engine spans")
+    spans = complete_trace(receiver, trace_id, {"route", "migrate", "engine"}, engines=2)
     route, migrate = one(spans, "route"), one(spans, "migrate")
     assert (route.attributes["dpserve.route.rank"], route.attributes["dpserve.route.role"]) \
         == (0, "prefill")
