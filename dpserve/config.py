@@ -54,6 +54,7 @@ from dpserve.placement import (
     threads_per_engine,
 )
 from dpserve.sampling_params import DEFAULT_MAX_LOGIT_BIAS, DEFAULT_MAX_STOP_TOKEN_IDS
+from dpserve.tracing.options import TracingArgs
 
 __all__ = ["AutoscaleConfig", "CacheConfig", "ConfigError", "EngineArgs", "EngineConfig",
            "ModelConfig", "ParallelConfig", "PoolerConfig", "RequestLimitsConfig",
@@ -84,8 +85,10 @@ def _opt(default: Any, help: str, repr: bool = True, **kw: Any) -> Any:
     return field(default=default, repr=repr, metadata={"help": help, **kw})
 
 
+# The tracing options are declared with their package (`TracingArgs`, checked on
+# construction) and are EngineArgs' first fields.
 @dataclass
-class EngineArgs:
+class EngineArgs(TracingArgs):
     """Every engine option, flat, as users pass them."""
 
     model: str | None = _opt(None, "Model: a Hugging Face directory, a .gguf file or a hub "
@@ -338,7 +341,7 @@ class EngineArgs:
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             parallel=parallel, device=device,
                             shutdown_timeout=float(self.shutdown_timeout), limits=limits,
-                            lora=lora_config(self))
+                            lora=lora_config(self), tracing=self.tracing_config())
 
     def _model_config(self, device: str) -> ModelConfig:
         """Resolve the model (directory, GGUF file, default, hub) and check it."""

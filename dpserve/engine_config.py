@@ -22,6 +22,7 @@ from typing import Any
 from dpserve.errors import ConfigError
 from dpserve.protocol import POOLING_TYPES
 from dpserve.sampling_params import DEFAULT_MAX_LOGIT_BIAS, DEFAULT_MAX_STOP_TOKEN_IDS
+from dpserve.tracing import TracingConfig
 
 
 @dataclass(frozen=True)
@@ -271,6 +272,7 @@ class EngineConfig:
     shutdown_timeout: float = 30.0
     limits: RequestLimitsConfig = RequestLimitsConfig()
     lora: LoRAConfig | None = None  # None: LoRA adapters off (no --enable-lora)
+    tracing: TracingConfig | None = None  # None: no traces (dpserve.tracing)
 
 
 def replace(config: Any, **changes: Any) -> Any:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from dpserve import tracing
 from dpserve.config import EngineConfig
 from dpserve.engine.tp_worker import bind_cpus, worker_cpus, worker_device
 
@@ -78,6 +79,7 @@ def build_engine_core(config: EngineConfig, rank: int, incarnation: int,
     (from another thread) when a tensor-parallel worker of the rank dies."""
     from dpserve.engine.core import EngineCore
 
+    tracing.install(config.tracing, "engine", rank)  # flushed by EngineCore.shutdown
     _maybe_hold_start(rank, incarnation)
     engine_core = EngineCore(config, dp_rank=rank)
     engine_core.executor.on_failure = on_failure

@@ -12,6 +12,7 @@ import logging
 import time
 from typing import Any
 
+from dpserve import tracing
 from dpserve.config import EngineConfig
 from dpserve.engine.executor import make_executor
 from dpserve.engine.kv_connector import make_host_tier
@@ -29,6 +30,7 @@ from dpserve.protocol import (
 )
 from dpserve.step import ModelRunnerOutput
 from dpserve.structured.manager import StructuredOutputManager
+from dpserve.tracing.engine_trace import RequestTrace
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, dp_rank: int = 0) -> None:
         start = time.monotonic()
         self.config = config
+        self.dp_rank = dp_rank
         # The model on one worker, or on the N of tensor parallelism (this process
         # is worker 0). The rank picks its experts under EP.
         self.executor = make_executor(config, dp_rank)
@@ -109,6 +112,8 @@ class EngineCore:
             prior_output_token_ids=prior, cache_salt=request.cache_salt,
             lora_id=lora_id, lora_cache_key=lora_key, pooling=request.pooling,
             priority=request.priority, tenant=request.tenant)
+        if request.trace_headers is not None and tracing.active():
+            req.trace = RequestTrace(request.trace_headers, self.dp_rank, len(prior))
         try:
             self._queue(req)
         except BaseException:
@@ -309,10 +314,12 @@ class EngineCore:
             self.executor.collective_rpc("clear_lora_slots")
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers and leave the host tier (idempotent)."""
+        """Stop the tensor-parallel workers and leave the host tier, export the spans
+        not yet sent (idempotent)."""
         if self.scheduler.kv_connector is not None:
             self.scheduler.kv_connector.close()
         self.executor.shutdown()
+        tracing.shutdown()
 
     def get_stats(self) -> SchedulerStats:
         stats = self.scheduler.make_stats()

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dpserve.engine.pooling import PoolingState
 from dpserve.protocol import EngineCoreOutput, FinishReason, PoolingParams, TokenLogprobs
 from dpserve.sampling_params import SamplingParams
 from dpserve.step import ScheduledRequest
+
+if TYPE_CHECKING:
+    from dpserve.tracing.engine_trace import RequestTrace
 
 __all__ = ["FinishReason", "Request", "RequestStatus"]
 
@@ -107,6 +110,8 @@ class Request:
         # A pooling (embedding) request: its pooled result so far (engine.pooling); it
         # finishes when its prompt is computed, sampling nothing. None: generation.
         self.pooling = PoolingState(pooling) if pooling is not None else None
+        # Its spans' record when it is traced (dpserve.tracing.engine_trace), else None.
+        self.trace: RequestTrace | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -181,11 +186,22 @@ class Request:
                  sample: bool) -> ScheduledRequest:
         """The plain record of this request's share of a step, for the model runner
         (it refers to `all_token_ids`: no copy of the tokens)."""
+        if self.trace is not None:
+            self.trace.scheduled(start, num_new_tokens, len(self.prompt_token_ids))
         return ScheduledRequest(
             self.request_id, self.all_token_ids, len(self.prompt_token_ids), start,
             num_new_tokens, block_ids, sample, self.sampling_params, self.eos_token_id,
             self.grammar, self.prompt_logprobs is not None, lora_id=self.lora_id,
             pooling=self.pooling.params.pooling_type if self.pooling is not None else None)
+
+    def preempt(self) -> None:
+        """Its KV is gone (the scheduler freed it): it waits to recompute from the
+        start (prompt + outputs so far, possibly from the prefix cache)."""
+        self.status = RequestStatus.PREEMPTED
+        self.num_computed_tokens = 0
+        self.num_preemptions += 1
+        if self.trace is not None:
+            self.trace.preempted()
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

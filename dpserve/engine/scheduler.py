@@ -375,9 +375,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Drop the request's KV; it will recompute prompt + outputs so far."""
         self.kv_cache.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
+        request.preempt()  # PREEMPTED, nothing computed
         self.num_preemptions += 1
         self.waiting.push_front(request)
 
@@ -449,6 +447,8 @@ class Scheduler:
         """Forget a finished request: free its blocks and tell the runner next step.
         The caller removes it from the waiting/running queues."""
         assert request.is_finished
+        if request.trace is not None:  # its spans, now it is done here
+            request.trace.finished(request)
         self.kv_cache.free(request)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)

@@ -68,6 +68,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
+from dpserve import tracing
 from dpserve.config import EngineConfig
 from dpserve.frontend.errors import EngineDeadError
 from dpserve.launch.api_server_pipe import (
@@ -186,6 +187,7 @@ async def serve_http(options: APIServerOptions, config: EngineConfig, spec: APIS
     from dpserve.frontend.engine_client import from_config
     from dpserve.server.app import build_app
 
+    tracing.install(config.tracing, "api-server", spec.index)  # before build_app (spans)
     client = from_config(config, spec.input_address, spec.output_address,
                          engine_ranks=spec.engine_ranks, client_index=spec.index,
                          max_model_len=spec.max_model_len,
@@ -233,6 +235,7 @@ async def serve_http(options: APIServerOptions, config: EngineConfig, spec: APIS
             llm.shutdown()
         else:
             client.shutdown()
+        tracing.shutdown()  # the spans of the last requests, before the process exits
     if died:
         logger.error("stopped: %s", client.dead_reason or "the engines are dead")
         return 1

@@ -77,6 +77,7 @@ from dpserve.server.responses_store import add_response_store_args, store_in
 from dpserve.server.state_dir import state_directory
 from dpserve.server.tenants import add_tenant_args
 from dpserve.server.tools import PARSERS as TOOL_PARSERS
+from dpserve.tracing.options import GROUP as TRACING
 
 if TYPE_CHECKING:
     from dpserve.launch.host import EngineLaunch
@@ -143,7 +144,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     limits = parser.add_argument_group("request limits")
     add_limit_args(limits)
     EngineArgs.add_cli_args(parser.add_argument_group("engine options"),
-                            groups={"request limits": limits})
+                            groups={"request limits": limits,
+                                    TRACING: parser.add_argument_group(TRACING)})
 
 
 def _check_args(args: argparse.Namespace) -> APIServerOptions | None:

@@ -70,6 +70,7 @@ from dpserve.frontend.lora import LoRAReplay
 from dpserve.frontend.migration import Evacuation, InFlightBook, ended
 from dpserve.frontend.rank_table import EngineState, RankTable, StatusChange
 from dpserve.frontend.roles import first_leg, roles_of
+from dpserve.frontend.route_trace import RouteTrace, migrate_span
 from dpserve.frontend.routing import Router, sendable
 from dpserve.protocol import (
     EngineCoreOutputs,
@@ -198,8 +199,16 @@ class AsyncEngineClient:
         self.check_alive()
         if request.request_id in self.book.flights:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
-        engine = self._choose_engine(request)
+        route = RouteTrace(self.table, request) if request.trace_headers is not None else None
+        engine = self._choose_engine(request) if route is None else route.choose()
         request = sendable(request, self.client_index, self.current_wave)
+        if route is None:
+            return await self._add_at(engine, request)
+        with route:  # a `route` span until it is sent (frontend/route_trace.py)
+            await self._add_at(engine, route.carried_by(request))
+
+    async def _add_at(self, engine: EngineState, request: EngineCoreRequest) -> None:
+        """Send `request` (as sent) to `engine`, the rank chosen for it."""
         await self.lora_replay.ensure(self, engine.rank, engine.status.incarnation,
                                       request.lora_name)  # N = 1: a restarted rank
         sent = self.book.add(request, engine.rank, first_leg(request) if self.table.hands_off(
@@ -365,6 +374,8 @@ class AsyncEngineClient:
 
     async def send_moves(self, plan: Evacuation, why: str) -> None:
         for move in plan.moves:
+            if move.request.trace_headers is not None:
+                move = migrate_span(move, why)  # a span (frontend/route_trace.py)
             flight = self.book.flights.get(move.request_id)
             target = self.engines.get(move.target)
             if flight is None or flight.rank != move.target or target is None:

@@ -5,7 +5,10 @@ what the auth layer left in `request.state`, and handed to the serving layer
 (`dpserve.server.serving` and the APIs built on it) in place of loose
 arguments: the pinned engine (`X-data-parallel-rank`), the API key's id (prefix
 cache salting), the session (`X-Session-ID`), the tenant (the key's name, the
-unit of fairness and limits) and the W3C trace context headers.
+unit of fairness and limits) and the W3C trace context headers (when this API server
+traces: its root span's, which `dpserve.server.trace_http` made a child of the
+client's `traceparent` and left in `request.state`; None otherwise, whatever the
+client sent).
 
 The tenant: with `--tenant-header NAME` (`request.app.state.tenant_header`),
 that header's value (1 to 64 of [A-Za-z0-9._-], else a 400 naming the header);
@@ -54,7 +57,8 @@ def caller_of(request: Request) -> Caller:
     """The caller of an HTTP request (a 400 for a malformed header of ours)."""
     key_id = getattr(request.state, "api_key_id", None)
     return Caller(data_parallel_rank=dp_rank(request), api_key_id=key_id,
-                  session=header_session(request), tenant=tenant_of(request, key_id))
+                  session=header_session(request), tenant=tenant_of(request, key_id),
+                  trace_headers=getattr(request.state, "trace_headers", None))
 
 
 def key_caller(api_key_id: str | None) -> Caller:

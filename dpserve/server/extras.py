@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, FastAPI, Request
 
+from dpserve import tracing
 from dpserve.errors import ConfigError
 from dpserve.frontend.errors import RequestError
+from dpserve.server.trace_http import TraceMiddleware
 
 if TYPE_CHECKING:  # prometheus_client is imported late: it reads its env on import
     from prometheus_client import CollectorRegistry
@@ -133,8 +135,9 @@ def uvicorn_kwargs(options: HTTPOptions) -> dict[str, Any]:
 
 def install_extras(app: FastAPI, llm: Any, serving: Any, registry: CollectorRegistry,
                    options: HTTPOptions, v1: APIRouter | None = None) -> None:
-    """HTTP-response metrics, CORS (the outermost middleware: preflights are answered
-    before the API key is asked for) and the extra routes (the module docstring)."""
+    """HTTP-response metrics, CORS (preflights are answered before the API key is asked
+    for), the root span of traced requests (the outermost middleware, when tracing) and
+    the extra routes (the module docstring)."""
     from fastapi.middleware.cors import CORSMiddleware
     from prometheus_client import Counter
 
@@ -154,6 +157,8 @@ def install_extras(app: FastAPI, llm: Any, serving: Any, registry: CollectorRegi
                            allow_methods=list(options.allowed_methods),
                            allow_headers=list(options.allowed_headers),
                            allow_credentials=options.allow_credentials)
+    if tracing.active():  # each traced request's root span, outermost (server/trace_http.py)
+        app.add_middleware(TraceMiddleware)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from dpserve.server.protocol import (
     ModelList,
 )
 from dpserve.server.serving import OpenAIServing
+from dpserve.tracing import child_span
 
 DRAIN_RETRY_AFTER_S = 5  # the Retry-After of a 503 while draining
 _M = TypeVar("_M", bound=BaseModel)
@@ -105,8 +106,10 @@ def drain_check(async_llm: AsyncLLM) -> Any:
 
 
 async def parse_body(request: Request, model: type[_M]) -> _M:
-    """Read the body (capped by `BodyLimit`: 413) and validate it strictly."""
-    return model.model_validate_json(await request.body(), strict=True)
+    """Read the body (capped by `BodyLimit`: 413) and validate it strictly (a span
+    "parse" when the request is traced: `dpserve.server.trace_http`)."""
+    with child_span("parse", getattr(request.state, "trace_headers", None)):
+        return model.model_validate_json(await request.body(), strict=True)
 
 
 async def respond(request: Request, work: Awaitable[Any]) -> Response:

@@ -90,6 +90,7 @@ from dpserve.server.tools import (
 )
 from dpserve.structured.spec import StructuredOutputs
 from dpserve.tenancy.limits import DEFAULT
+from dpserve.tracing import child_span
 
 logger = logging.getLogger(__name__)
 
@@ -165,8 +166,9 @@ class OpenAIServing:
                                        structured=await self._structured(req))
         prompt = req.prompt
         batch = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
-        prompts = [(p, await self.llm.in_tokenizer_thread(self.llm.encode, p))
-                   if isinstance(p, str) else (None, list(p)) for p in batch]
+        with child_span("tokenize", caller.trace_headers):
+            prompts = [(p, await self.llm.in_tokenizer_thread(self.llm.encode, p))
+                       if isinstance(p, str) else (None, list(p)) for p in batch]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = self._start(request_id, prompts, params, req, caller, deadline, lora_name)
         streams = await self.metered(request_id, caller, streams, *self._cost(prompts, params))
@@ -271,7 +273,8 @@ class OpenAIServing:
                                    param="tool_choice")
             await self.grammar_checker.check(constraint, "tools")
             params = msgspec.structs.replace(params, structured_outputs=constraint)
-        prompt_ids = await self.llm.in_tokenizer_thread(self._render_chat, req, plan)
+        with child_span("chat_template", caller.trace_headers):  # rendered and tokenised
+            prompt_ids = await self.llm.in_tokenizer_thread(self._render_chat, req, plan)
         request_id = f"{id_prefix}{uuid.uuid4().hex}"
         try:
             streams = self._start(request_id, [(None, prompt_ids)], params, req, caller,
@@ -424,10 +427,11 @@ class OpenAIServing:
         alike, its key salts their prefix cache and its tags go with them."""
         tags = self.tags(caller, req.priority)
         rank = caller.data_parallel_rank
-        for _, ids in prompts:
-            self.llm.validate(ids, params, rank)
-        if self.admission is not None:  # paused / asleep / queues full
-            self.admission([len(ids) for _, ids in prompts] * params.n)
+        with child_span("admit", caller.trace_headers):
+            for _, ids in prompts:
+                self.llm.validate(ids, params, rank)
+            if self.admission is not None:  # paused / asleep / queues full
+                self.admission([len(ids) for _, ids in prompts] * params.n)
         salt = request_salt(req.cache_salt, caller.api_key_id,
                             self.limits.prefix_cache_salt_per_key)
         session = caller.session or user_session(req.user)
