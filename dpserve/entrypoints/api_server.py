@@ -90,6 +90,8 @@ from dpserve.server.tenants import TenantOptions
 if TYPE_CHECKING:
     import socket
 
+    from fastapi import FastAPI
+
     from dpserve.frontend.async_llm import AsyncLLM
     from dpserve.frontend.engine_client import AsyncEngineClient
 
@@ -185,7 +187,6 @@ async def serve_http(options: APIServerOptions, config: EngineConfig, spec: APIS
     """
     from dpserve.frontend.async_llm import AsyncLLM
     from dpserve.frontend.engine_client import from_config
-    from dpserve.server.app import build_app
 
     tracing.install(config.tracing, "api-server", spec.index)  # before build_app (spans)
     client = from_config(config, spec.input_address, spec.output_address,
@@ -197,17 +198,7 @@ async def serve_http(options: APIServerOptions, config: EngineConfig, spec: APIS
     died = False
     try:
         llm = AsyncLLM(config, client, chat_template=options.http.chat_template)
-        app = build_app(llm, options.served_model_name, auth=options.auth,
-                        max_request_body_bytes=options.max_request_body_bytes,
-                        api_server_index=spec.index,
-                        enable_admin_api=options.enable_admin_api,
-                        max_num_queued=(options.max_num_queued_requests,
-                                        options.max_num_queued_tokens),
-                        tool_call_parser=options.tool_call_parser, http_options=options.http,
-                        log_requests=options.log.log_requests, request_limits=options.limits,
-                        response_store=options.responses, batches=options.batches,
-                        tenants=options.tenants.at(spec.tenant_address,
-                                                   config.parallel.data_parallel_secret))
+        app = _app(llm, options, config, spec)
         # log_config=None: uvicorn's loggers use ours, so its lines name the process too.
         server = DrainingServer(uvicorn.Config(
             app, log_level=options.uvicorn_log_level, log_config=None,
@@ -240,6 +231,23 @@ async def serve_http(options: APIServerOptions, config: EngineConfig, spec: APIS
         logger.error("stopped: %s", client.dead_reason or "the engines are dead")
         return 1
     return 0
+
+
+def _app(llm: AsyncLLM, options: APIServerOptions, config: EngineConfig,
+         spec: APIServerSpec) -> FastAPI:
+    """The HTTP app of API server `spec.index` over `llm`, from the options."""
+    from dpserve.server.app import build_app
+
+    return build_app(llm, options.served_model_name, auth=options.auth,
+                     max_request_body_bytes=options.max_request_body_bytes,
+                     api_server_index=spec.index, enable_admin_api=options.enable_admin_api,
+                     max_num_queued=(options.max_num_queued_requests,
+                                     options.max_num_queued_tokens),
+                     tool_call_parser=options.tool_call_parser, http_options=options.http,
+                     log_requests=options.log.log_requests, request_limits=options.limits,
+                     response_store=options.responses, batches=options.batches,
+                     tenants=options.tenants.at(spec.tenant_address,
+                                                config.parallel.data_parallel_secret))
 
 
 async def _watch_lifecycle(llm: AsyncLLM, server: DrainingServer,

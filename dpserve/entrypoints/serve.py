@@ -76,7 +76,7 @@ from dpserve.server.log_options import LogOptions, add_log_args
 from dpserve.server.responses_store import add_response_store_args, store_in
 from dpserve.server.state_dir import state_directory
 from dpserve.server.tenants import add_tenant_args
-from dpserve.server.tools import PARSERS as TOOL_PARSERS
+from dpserve.server.tools import add_tool_args
 from dpserve.tracing.options import GROUP as TRACING
 
 if TYPE_CHECKING:
@@ -106,14 +106,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, nargs="+",
                         help="Model name(s) clients use; the first is reported (default: "
                              "the model argument, or SmolLM2-135M-Instruct).")
-    parser.add_argument("--enable-auto-tool-choice", action="store_true",
-                        help='Accepted for vLLM compatibility: tool_choice "auto" is on '
-                             "whenever a parser is known (--tool-call-parser, else the chat "
-                             "template's format).")
-    parser.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS),
-                        help="How the model writes tool calls, for tool_choice \"auto\": "
-                             "hermes (<tool_call> tags), llama3_json, mistral ([TOOL_CALLS]). "
-                             "Default: the chat template's format (hermes if it shows none).")
+    add_tool_args(parser)
     parser.add_argument("--engine-ready-timeout", type=float, default=600.0,
                         help="Seconds to wait for the engines to load the model.")
     parser.add_argument("--max-request-body-bytes", type=int, default=4 << 20,

@@ -37,7 +37,7 @@ import msgspec
 
 from dpserve.frontend.migration import Move
 from dpserve.frontend.rank_table import EngineState, RankTable
-from dpserve.frontend.routing import Router, cache_root, host_of
+from dpserve.frontend.routing import LoadView, Router, cache_root, host_of
 from dpserve.protocol import EngineCoreRequest
 
 _COUNTERS = ("session_routed", "session_moved", "cache_routed", "load_routed",
@@ -107,7 +107,7 @@ def _figures(router: Router, candidates: list[EngineState], request: EngineCoreR
     for engine in candidates:
         key = f"dpserve.rank.{engine.rank}"
         matched = router.tracker.matched_blocks(engine.rank, chain)
-        figures[f"{key}.load"] = router.load(engine, balanced)
+        figures[f"{key}.load"] = router.load(engine, LoadView(balanced, request.priority))
         figures[f"{key}.cache_blocks"] = matched
         if router.tier is not None:
             figures[f"{key}.tier_blocks"] = router.tier.matched_blocks(host_of(engine), chain,

@@ -82,7 +82,7 @@ from dpserve.server.tenants import TenantGate
 from dpserve.server.tool_serving import chat_tool_stream, history_message, tool_message
 from dpserve.server.tools import (
     ToolPlan,
-    detect_tool_parser,
+    choose_tool_parser,
     plan_tools,
     render_messages,
     template_supports_tools,
@@ -131,13 +131,8 @@ class OpenAIServing:
         self.log_requests = log_requests
         self.admission = admission
         self.tenants = tenants
-        # tool_choice "auto": --tool-call-parser, else what the chat template implies
-        # (None: "auto" is refused, naming the flag).
-        self.tool_call_parser, why = ((tool_call_parser, "--tool-call-parser")
-                                      if tool_call_parser else
-                                      detect_tool_parser(llm.chat_template))
-        logger.info('tool_choice "auto": %s (%s)', f"parser {self.tool_call_parser}"
-                    if self.tool_call_parser else "refused", why)
+        # tool_choice "auto": --tool-call-parser, else the chat template's format.
+        self.tool_call_parser = choose_tool_parser(tool_call_parser, llm.chat_template)
         self.limits = limits or RequestLimits.from_engine(llm.config.limits)
         self.grammar_checker = GrammarChecker(
             llm.config.model.tokenizer, llm.vocab_size,

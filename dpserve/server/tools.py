@@ -25,7 +25,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -36,6 +38,8 @@ from dpserve.structured.spec import StructuredOutputs
 
 PARSERS = ("hermes", "llama3_json", "mistral")
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class ToolPlan:
@@ -45,6 +49,18 @@ class ToolPlan:
     parallel: bool = True
     parser: str | None = None  # auto: one of PARSERS
     ids: list[str] = field(default_factory=list)
+
+
+def add_tool_args(parser: argparse.ArgumentParser) -> None:
+    """`dpserve serve`'s tool-calling flags (vLLM's names)."""
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='Accepted for vLLM compatibility: tool_choice "auto" is on '
+                             "whenever a parser is known (--tool-call-parser, else the chat "
+                             "template's format).")
+    parser.add_argument("--tool-call-parser", default=None, choices=list(PARSERS),
+                        help="How the model writes tool calls, for tool_choice \"auto\": "
+                             "hermes (<tool_call> tags), llama3_json, mistral ([TOOL_CALLS]). "
+                             "Default: the chat template's format (hermes if it shows none).")
 
 
 def plan_tools(req: Any, parser: str | None) -> ToolPlan | None:
@@ -94,6 +110,16 @@ def detect_tool_parser(template: str | None) -> tuple[str | None, str]:
         return "llama3_json", "the chat template writes Llama 3 JSON calls"
     return None, "the chat template renders tools in a format not recognised " \
                  "(--tool-call-parser names one)"
+
+
+def choose_tool_parser(given: str | None, template: str | None) -> str | None:
+    """The server's parser for tool_choice "auto": `given` (--tool-call-parser), else
+    the template's (`detect_tool_parser`; None: "auto" is refused, naming the flag).
+    Logged once, with the reason."""
+    parser, why = (given, "--tool-call-parser") if given else detect_tool_parser(template)
+    logger.info('tool_choice "auto": %s (%s)', f"parser {parser}" if parser else "refused",
+                why)
+    return parser
 
 
 def _function(tool: Any, i: int) -> dict[str, Any]:
