@@ -26,24 +26,26 @@ os.environ.setdefault("DPSERVE_ENFORCE_EAGER", "1")
 os.environ.setdefault("DPSERVE_CPU_BF16", "0")
 
 
-# The longest test files (whole-file run time, `--durations=0`, 2026-11-26), longest
+# The longest test files (whole-file run time, `--durations=0`, 2026-11-26 23:35), longest
 # first. `make test` hands whole files to its two workers in collection order
 # (`--no-loadscope-reorder`): the longest going first, the last file to start is a
 # short one and neither worker idles long at the end. Only an order: a file missing
 # here runs after these, in pytest-randomly's order.
 LONGEST_FILES = [
-    "test_multinode.py", "test_faults.py", "test_elastic.py", "test_api_servers.py",
-    "test_request_limits.py", "test_serve_process.py", "test_lora_serve.py",
-    "test_messages_api.py", "test_control.py", "test_responses_api.py", "test_batches_api.py",
-    "test_tp_sharding.py", "test_pd_serve.py", "test_pd_faults.py", "test_pd_freeze.py",
-    "test_embeddings_api.py", "test_kv_tier_pull.py", "test_pd_multinode.py",
-    "test_default_model.py", "test_kernel_cache_safety.py", "test_kv_tier_engine.py",
-    "test_llm_data_parallel.py", "test_tensor_parallel.py", "test_http_extras.py",
-    "test_kv_tier_serve.py", "test_dataplane_security.py", "test_cpu_kernels.py",
-    "test_moe_parallel.py", "test_lockstep_faults.py", "test_moe_elastic.py",
-    "test_tensor_parallel_serve.py", "test_security.py", "test_data_parallel.py",
-    "test_gguf.py", "test_lora.py", "test_structured_server.py",
-    "test_expert_tensor_parallel.py", "test_dp_group.py"]
+    "test_faults.py", "test_elastic.py", "test_multinode.py", "test_tensor_parallel.py",
+    "test_moe_elastic.py", "test_request_limits.py", "test_api_servers.py",
+    "test_default_model.py", "test_responses_api.py", "test_tensor_parallel_serve.py",
+    "test_lora_serve.py", "test_moe_parallel.py", "test_batches_api.py",
+    "test_cpu_kernels.py", "test_kernel_cache_safety.py", "test_tenants_serve.py",
+    "test_serve_process.py", "test_pd_serve.py", "test_structured_server.py",
+    "test_bench_priority.py", "test_tp_sharding.py", "test_control.py",
+    "test_http_security.py", "test_llm_data_parallel.py", "test_top.py",
+    "test_tracing_serve.py", "test_dashboard.py", "test_http_extras.py",
+    "test_lockstep_faults.py", "test_ops.py", "test_dataplane_security.py",
+    "test_coordinator.py", "test_request_state.py", "test_model.py",
+    "test_engine_process.py", "test_dp_group.py", "test_gguf.py", "test_messages_api.py",
+    "test_kv_tier_serve.py", "test_expert_tensor_parallel.py", "test_kv_tier_pull.py",
+    "test_kv_tier_routing.py"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
