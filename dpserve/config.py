@@ -53,6 +53,7 @@ from dpserve.placement import (
     start_rank,
     threads_per_engine,
 )
+from dpserve.profiling import ProfileArgs
 from dpserve.sampling_params import DEFAULT_MAX_LOGIT_BIAS, DEFAULT_MAX_STOP_TOKEN_IDS
 from dpserve.tracing.options import TracingArgs
 
@@ -85,10 +86,10 @@ def _opt(default: Any, help: str, repr: bool = True, **kw: Any) -> Any:
     return field(default=default, repr=repr, metadata={"help": help, **kw})
 
 
-# The tracing options are declared with their package (`TracingArgs`, checked on
-# construction) and are EngineArgs' first fields.
+# The tracing and profiling options are declared with their packages (`TracingArgs`,
+# checked on construction; `ProfileArgs`) and are EngineArgs' first fields.
 @dataclass
-class EngineArgs(TracingArgs):
+class EngineArgs(ProfileArgs, TracingArgs):
     """Every engine option, flat, as users pass them."""
 
     model: str | None = _opt(None, "Model: a Hugging Face directory, a .gguf file or a hub "
@@ -316,6 +317,7 @@ class EngineArgs(TracingArgs):
         """Raise ConfigError for an option that is wrong whatever the model and the
         machine (`create_config` checks them too; this is the fast, early check)."""
         self._validate_plain_options()
+        self.checked_profile_dir()
 
     def create_config(self) -> EngineConfig:
         """Validate every option, resolve the model, and freeze the result."""
@@ -341,7 +343,8 @@ class EngineArgs(TracingArgs):
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             parallel=parallel, device=device,
                             shutdown_timeout=float(self.shutdown_timeout), limits=limits,
-                            lora=lora_config(self), tracing=self.tracing_config())
+                            lora=lora_config(self), tracing=self.tracing_config(),
+                            profile_dir=self.checked_profile_dir())
 
     def _model_config(self, device: str) -> ModelConfig:
         """Resolve the model (directory, GGUF file, default, hub) and check it."""

@@ -273,6 +273,7 @@ class EngineConfig:
     limits: RequestLimitsConfig = RequestLimitsConfig()
     lora: LoRAConfig | None = None  # None: LoRA adapters off (no --enable-lora)
     tracing: TracingConfig | None = None  # None: no traces (dpserve.tracing)
+    profile_dir: str | None = None  # torch profiler traces (dpserve.profiling); None: off
 
 
 def replace(config: Any, **changes: Any) -> Any:

@@ -8,6 +8,7 @@ wrapper or the offline `LLM` drives it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -37,12 +38,13 @@ logger = logging.getLogger(__name__)
 _EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
 # The EngineCore methods a front-end may call as utilities (an allowlist, used by the
-# engine process and the in-process client alike): read-only views and the prefix-cache
-# reset. Not the request path, sleep / wake-up (only through the engine's control, which
-# aborts first) or DP steps.
+# engine process and the in-process client alike): read-only views, the prefix-cache
+# reset, LoRA adapters and profiler sessions. Not the request path, sleep / wake-up
+# (only through the engine's control, which aborts first) or DP steps.
 UTILITY_METHODS = frozenset({"get_stats", "get_request_counts", "reset_prefix_cache",
                              "expert_info", "request_state_sizes", "tp_worker_info",
-                             "add_lora", "remove_lora", "list_loras", "pin_lora"})
+                             "add_lora", "remove_lora", "list_loras", "pin_lora",
+                             "start_profile", "stop_profile"})
 
 
 class EngineCore:
@@ -290,6 +292,15 @@ class EngineCore:
         """Forget every cached prefix block; False if requests still hold blocks."""
         return self.scheduler.reset_prefix_cache()
 
+    def start_profile(self) -> bool:
+        """A torch profiler session on every worker of this rank (--profile-dir;
+        `dpserve.profiling`); False when one runs already."""
+        return all(self.executor.collective_rpc("start_profile"))
+
+    def stop_profile(self) -> list[str]:
+        """End the session: the trace files written, one per worker (none: no session)."""
+        return [path for path in self.executor.collective_rpc("stop_profile") if path]
+
     def request_state_sizes(self) -> dict[str, int]:
         """Entries in every per-request structure of the scheduler, KV manager and model
         runner (leak checks: all 0, with every KV block free, once idle)."""
@@ -318,6 +329,9 @@ class EngineCore:
         not yet sent (idempotent)."""
         if self.scheduler.kv_connector is not None:
             self.scheduler.kv_connector.close()
+        if self.runner.profiler.running:  # a session left open: its trace, written
+            with contextlib.suppress(Exception):
+                self.stop_profile()
         self.executor.shutdown()
         tracing.shutdown()
 

@@ -38,6 +38,7 @@ from dpserve.model.prompt_logprobs import compute_prompt_logprobs
 from dpserve.model.registry import get_model_class
 from dpserve.model.sampler import Sampler, SamplingMetadata, make_generator
 from dpserve.model.tensor_parallel import TensorParallel
+from dpserve.profiling import Profiler
 from dpserve.step import LoRAPlan, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,8 @@ class ModelRunner:
         self.kv_copier = KVTierCopier(
             self.tp.rank, (self.model.dims.layers, 2, self.block_size, self.kv_heads,
                            self.model.dims.head_dim), self.dtype, self.device)
+        # Torch profiler sessions on an operator's call (--profile-dir, /start_profile).
+        self.profiler = Profiler(config.profile_dir, dp_rank, self.tp.rank, self.device)
 
     def _load_model(self) -> Any:
         """Build the model and read its weights from the checkpoint."""
@@ -165,6 +168,14 @@ class ModelRunner:
                     info["expert_bytes"] / 2**20, time.monotonic() - start)
 
     # ---- sleep (free device memory while idle) ----------------------------
+
+    def start_profile(self) -> bool:
+        """Open a profiler session on this worker (False: one runs already)."""
+        return self.profiler.start()
+
+    def stop_profile(self) -> str | None:
+        """Close it and write its trace: the file's path (None: none ran)."""
+        return self.profiler.stop()
 
     def set_sleep_level(self, level: int) -> None:
         """0: awake; 1: the KV cache freed (its contents are lost); 2: the weights

@@ -4,8 +4,9 @@ Scope: `admin_router`, every admin route behind the given dependencies (the
 API key like every route, `dpserve.server.auth`; POSTs only as `Content-Type:
 application/json`, `dpserve.server.bodies.require_json`, which `build_app`
 passes in): pause / sleep (`dpserve.server.control`), `POST /scale_elastic_ep`
-(`dpserve.server.scale`), LoRA adapter loads (`dpserve.server.lora_routes`) and,
-here, the per-rank controls:
+(`dpserve.server.scale`), LoRA adapter loads (`dpserve.server.lora_routes`),
+profiler sessions (`/start_profile`, `/stop_profile`: `dpserve.server.profile_routes`)
+and, here, the per-rank controls:
 
     POST /engines/{rank}/cordon     the rank gets no new requests, in every API
                                     server (through the DP coordinator); what it
@@ -50,6 +51,7 @@ from dpserve.server.bodies import query_seconds
 from dpserve.server.control import control_router
 from dpserve.server.engines import engine_rows
 from dpserve.server.lora_routes import lora_router
+from dpserve.server.profile_routes import profile_router
 from dpserve.server.protocol import APIError
 from dpserve.server.scale import scale_router
 
@@ -67,6 +69,7 @@ def admin_router(async_llm: AsyncLLM, dependencies: list[Any]) -> APIRouter:
     router.include_router(control_router(async_llm.cluster))
     router.include_router(scale_router(async_llm))
     router.include_router(lora_router(async_llm))
+    router.include_router(profile_router(async_llm))
     return router
 
 
