@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+import msgspec
 import pytest
 
 from dpserve import SamplingParams
@@ -175,6 +176,26 @@ def test_least_loaded_and_round_robin_are_unchanged():
                                                          balanced=False) is live[1]
     rr = Router("round-robin", client_index=1)
     assert [rr.choose(live, request([1]), balanced=True).rank for _ in range(4)] == [1, 2, 0, 1]
+
+
+def test_least_loaded_spreads_each_named_tenant_over_equally_busy_ranks():
+    """Ties (and near ties) under least-loaded go to each named tenant's next rank in
+    its own turn: both tenants' requests alternate over both ranks, whatever the other
+    sends in between; a rank past the slack is not taken, and anonymous requests keep
+    the plain tie-break (the first rank from this client's index)."""
+    router = Router("least-loaded")
+    live = engines(3, waiting=2)
+    live[2].waiting = 5  # 12 load units above the others: past TENANT_SPREAD_SLACK
+
+    def choose(tenant: str | None) -> int:
+        req = msgspec.structs.replace(request([1, 2, 3]), tenant=tenant)
+        return router.choose(live, req, balanced=True).rank
+
+    picks = [(choose("steady"), choose("burst"), choose("burst")) for _ in range(4)]
+    steady = [p[0] for p in picks]
+    burst = [rank for p in picks for rank in p[1:]]
+    assert steady == [0, 1, 0, 1] and burst == [0, 1] * 4, picks
+    assert {choose(None), choose("default")} == {0}
 
 
 def test_an_unknown_policy_is_a_value_error():

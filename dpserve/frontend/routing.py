@@ -23,7 +23,13 @@ Policies (`LOAD_BALANCE_POLICIES`):
 
 * `least-loaded` (default): the lowest load; with a coordinator, scanning from
   this client's own index (ties go to the first) so several API servers start
-  on different ranks; without one, ties go to the lowest rank.
+  on different ranks; without one, ties go to the lowest rank. A request of a
+  named tenant (`EngineCoreRequest.tenant`, not the anonymous `default`) goes
+  instead to the next rank, in that tenant's own turn, among the ranks within
+  `TENANT_SPREAD_SLACK` of the lowest load: each tenant's requests spread evenly
+  over equally busy ranks, so every rank's queue holds the same mix of tenants
+  and the engines' per-rank fair shares (deficit round robin, `dpserve.engine.
+  waiting_queue`) add up to fair shares of the whole server (`TenantTurns`).
 * `round-robin`: live ranks in turn from this client's own index, blind to load
   (a baseline for benchmarks, and what simple balancers do).
 * `cache-aware`: like SGLang's router. The router keeps, per rank, an
@@ -127,6 +133,11 @@ DEFAULT_MAX_LORAS = 4  # device slots assumed for a rank that has not reported i
 # Adapter tiers of a rank (higher: warmer): resident, on the host, a free slot, none.
 RESIDENT, CACHED, FREE_SLOT, COLD = 3, 2, 1, 0
 MAX_SESSIONS = 65536  # session keys one router remembers (`SessionTable`, LRU)
+# Ranks within this much load of the least loaded take a named tenant's requests in
+# turn (2 waiting requests: the placement stays within that of least-loaded's).
+TENANT_SPREAD_SLACK = 8
+MAX_TENANT_TURNS = 4096  # tenants whose turn one router remembers (`TenantTurns`, LRU)
+ANONYMOUS_TENANT = "default"  # requests without a key or tenant header (not spread)
 
 
 class RankLoad(Protocol):
@@ -306,6 +317,23 @@ class SessionTable:
         return len(self._ranks)
 
 
+class TenantTurns:
+    """Tenant -> how many of its requests this router placed by turn: an LRU of
+    `capacity` tenants. Pure bookkeeping."""
+
+    def __init__(self, capacity: int = MAX_TENANT_TURNS) -> None:
+        self.capacity = capacity
+        self._turns: OrderedDict[str, int] = OrderedDict()
+
+    def next(self, tenant: str, start: int) -> int:
+        """The tenant's next turn (its first: `start`)."""
+        turn = self._turns.pop(tenant, start)
+        self._turns[tenant] = turn + 1
+        if len(self._turns) > self.capacity:
+            self._turns.popitem(last=False)
+        return turn
+
+
 def sendable(request: EngineCoreRequest, client_index: int, wave: int) -> EngineCoreRequest:
     """The request as an engine gets it: this client's index and request wave, and no
     session (front-end only)."""
@@ -345,6 +373,7 @@ class Router:
         self.sessions = SessionTable()
         self.session_routed = 0  # requests placed on their session's rank
         self.session_moved = 0  # requests whose session's rank could not take them
+        self.tenant_turns = TenantTurns()
 
     @staticmethod
     def load(engine: RankLoad, view: LoadView) -> int:
@@ -396,7 +425,7 @@ class Router:
             return live[(self._turn - 1) % len(live)]
         least = self._least_loaded(live, view)
         if self.policy == "least-loaded":
-            return least
+            return self._spread(live, least, view, request.tenant)
         chain = self.tracker.hashes(request.prompt_token_ids, cache_root(request))
         candidates = live
         if request.lora_name is not None:
@@ -446,6 +475,17 @@ class Router:
             if best_load is None or load < best_load:
                 best, best_load = engine, load
         return best
+
+    def _spread(self, live: Sequence[RankLoad], least: RankLoad, view: LoadView,
+                tenant: str | None) -> RankLoad:
+        """`least`, or for a named tenant its next turn among the ranks nearly as idle
+        (module docstring)."""
+        if tenant is None or tenant == ANONYMOUS_TENANT or len(live) < 2:
+            return least
+        floor = self.load(least, view)
+        near = sorted((e for e in live if self.load(e, view) <= floor + TENANT_SPREAD_SLACK),
+                      key=lambda e: e.rank)
+        return near[self.tenant_turns.next(tenant, self.client_index) % len(near)]
 
     def _warmest(self, live: Sequence[RankLoad], name: str, least: RankLoad,
                  view: LoadView) -> list[RankLoad]:
