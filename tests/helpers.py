@@ -370,6 +370,7 @@ def metric_sum(url: str, name: str) -> float:
 # not hold: the API server can stream far behind the engines, so "every client stream
 # has begun" does not mean the faulted rank still holds any of them.
 MIGRATIONS = "dpserve:request_migrations_total"
+RETRIES = "dpserve:request_retries_total"
 
 
 def held_by(url: str, rank: int) -> int:
@@ -388,12 +389,16 @@ def premise_held(url: str, rank: int, fault: str) -> int:
     return held
 
 
-def premise_moved(url: str, before: float, what: str) -> float:
+def premise_moved(url: str, before: float, what: str, retries: bool = False) -> float:
     """Assert `dpserve:request_migrations_total` rose past `before` (a request moved
-    mid-stream to another rank, as `what` claims); the count now."""
-    now = metric_sum(url, MIGRATIONS)
+    mid-stream to another rank, as `what` claims); the count now. `retries`: requests
+    re-sent before their API server had any of their tokens count too (a frozen rank's
+    running requests: on a loaded machine the API server may not have read a token of
+    theirs when the rank stops, though the engine ran them)."""
+    names = (MIGRATIONS, RETRIES) if retries else (MIGRATIONS,)
+    now = sum(metric_sum(url, name) for name in names)
     assert now > before, (f"premise did not hold: {what}, but no request moved "
-                          f"({MIGRATIONS} stayed at {before:g})")
+                          f"({' + '.join(names)} stayed at {before:g})")
     return now
 
 
