@@ -443,6 +443,31 @@ def begin(name: str, model: str | None) -> int | None:
         return None
 
 
+def run_rows(rows: list[str], run: Any, log_dir: Path) -> list[Any] | None:
+    """Each row in turn, `run(row, log_path)` (a server per row, stopped at its end),
+    its server's log in `log_dir`: the outcomes, or None when interrupted (Ctrl-C or
+    SIGTERM: the running server was stopped; nothing is to be printed)."""
+    outcomes = []
+    for i, row in enumerate(rows):
+        _log(f"[{row}]")
+        try:
+            outcomes.append(run(row, log_dir / f"{i}_{row.replace(' ', '_')}.log"))
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            _log("interrupted (the running server was stopped); no results printed")
+            return None
+    return outcomes
+
+
+def publish(text: str, out: str | None, start: float) -> None:
+    """The end of a run: how long it took, its markdown to stdout and appended to
+    `out` (--out) for BENCHMARKS.md."""
+    _log(f"done in {time.monotonic() - start:.0f} s")
+    print(text)
+    if out:
+        with open(out, "a") as f:
+            f.write(text)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -503,12 +528,7 @@ def main(argv: list[str] | None = None) -> int:
             all_ok &= all(o.result is not None and o.result.completed == config.num_prompts
                           for o in outcomes)
             sections.append(scenario_markdown(sc, config, outcomes))
-    _log(f"done in {time.monotonic() - start:.0f} s")
-    text = "".join(sections)
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text)
+    publish("".join(sections), args.out, start)
     return 0 if all_ok else 1
 
 

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from dp_scaling import ServeProcess, _free_port, _log, begin, machine
+from dp_scaling import ServeProcess, _free_port, _log, begin, machine, publish, run_rows
 
 POLICIES = {"count-only": "least-loaded", "adapter-aware": "cache-aware"}
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -287,24 +287,15 @@ def main(argv: list[str] | None = None) -> int:
     if vocab is None:
         return 2
     load = workload(args, vocab)
-    outcomes, start = [], time.monotonic()
+    start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="lora_bench_") as tmp:
         adapters = make_adapters(args.model, Path(tmp) / "adapters", args.adapters,
                                  args.rank, args.seed)
-        for i, name in enumerate(args.policies):
-            _log(f"[{name}]")
-            try:
-                outcomes.append(run_row(args, name, adapters, load, vocab,
-                                        Path(tmp) / f"{i}_{name}.log"))
-            except (KeyboardInterrupt, asyncio.CancelledError):
-                _log("interrupted (the running server was stopped); no results printed")
-                return 130
-    _log(f"done in {time.monotonic() - start:.0f} s")
-    text = markdown(args, outcomes)
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text)
+        outcomes = run_rows(args.policies, lambda name, log: run_row(
+            args, name, adapters, load, vocab, log), Path(tmp))
+    if outcomes is None:
+        return 130
+    publish(markdown(args, outcomes), args.out, start)
     return 0 if all(o.completed == args.requests for o in outcomes) else 1
 
 

@@ -46,7 +46,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
-from dp_scaling import ServeProcess, _bench, _free_port, _log, _on_sigterm, begin, machine
+from dp_scaling import (
+    ServeProcess,
+    _bench,
+    _free_port,
+    _log,
+    _on_sigterm,
+    begin,
+    machine,
+    publish,
+    run_rows,
+)
 
 from dpserve.benchmark.serve import BenchConfig, BenchResult, Latency, run_benchmark
 from dpserve.frontend.routing import LOAD_BALANCE_POLICIES
@@ -288,22 +298,13 @@ def run_bench(name: str, args: argparse.Namespace, rows: list[str],
                          prompt_len=args.prefix_len + args.turn_len,
                          output_len=args.output_len, vocab_size=vocab, seed=args.seed,
                          warmup=0, max_duration=args.max_duration)
-    outcomes, start = [], time.monotonic()
+    start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=f"{name}_") as tmp:
-        for i, row in enumerate(rows):
-            _log(f"[{row}]")
-            try:
-                outcomes.append(run_row(args, row, config, prompts,
-                                        Path(tmp) / f"{i}_{row.replace(' ', '_')}.log"))
-            except (KeyboardInterrupt, asyncio.CancelledError):
-                _log("interrupted (the running server was stopped); no results printed")
-                return 130
-    _log(f"done in {time.monotonic() - start:.0f} s")
-    text = markdown(args, outcomes)
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text)
+        outcomes = run_rows(rows, lambda row, log: run_row(args, row, config, prompts, log),
+                            Path(tmp))
+    if outcomes is None:
+        return 130
+    publish(markdown(args, outcomes), args.out, start)
     ok = all(o.result is not None and o.result.completed == len(prompts) for o in outcomes)
     return 0 if ok else 1
 

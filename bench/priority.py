@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from dp_scaling import ServeProcess, _free_port, _log, begin, machine
+from dp_scaling import ServeProcess, _free_port, _log, begin, machine, publish, run_rows
 
 from dpserve.benchmark.serve import Latency
 
@@ -379,25 +379,16 @@ def main(argv: list[str] | None = None) -> int:
     vocab = begin("priority", args.model)
     if vocab is None:
         return 2
-    outcomes, start = [], time.monotonic()
+    start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="priority_") as tmp:
         keys = Path(tmp) / "keys"
         keys.write_text("".join(f"{name} {key}\n" for name, key in KEYS.items()))
         keys.chmod(0o600)
-        for i, row in enumerate(args.rows):
-            _log(f"[{row}]")
-            try:
-                outcomes.append(run_row(args, row, vocab, keys,
-                                        Path(tmp) / f"{i}_{row.replace(' ', '_')}.log"))
-            except (KeyboardInterrupt, asyncio.CancelledError):
-                _log("interrupted (the running server was stopped); no results printed")
-                return 130
-    _log(f"done in {time.monotonic() - start:.0f} s")
-    text = markdown(args, outcomes)
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text)
+        outcomes = run_rows(args.rows, lambda row, log: run_row(args, row, vocab, keys, log),
+                            Path(tmp))
+    if outcomes is None:
+        return 130
+    publish(markdown(args, outcomes), args.out, start)
     ok = all(not o.error and not o.failed for o in outcomes) and all(
         len(o.ttfts) == args.urgent_requests or o.name.startswith("fair") for o in outcomes)
     return 0 if ok else 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 
@@ -56,41 +57,27 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_parser(sub: argparse._SubParsersAction) -> None:
-    from dpserve.entrypoints.serve import add_serve_args, run_serve
-
-    p = sub.add_parser("serve", help="Serve a model over an OpenAI-compatible HTTP API.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_serve_args(p)
-    p.set_defaults(func=run_serve)
-
-
-def _scale_parser(sub: argparse._SubParsersAction) -> None:
-    from dpserve.entrypoints.scale import add_scale_args, run_scale
-
-    p = sub.add_parser("scale", help="Change a running server's number of DP engines.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_scale_args(p)
-    p.set_defaults(func=run_scale)
+# The subcommands whose options and run live in an entrypoint module: (name, help,
+# module, its `add_*_args`, its `run_*`). The module is imported when the parser is
+# built, as before, so `dpserve --help` names every subcommand.
+_ENTRYPOINTS = (
+    ("serve", "Serve a model over an OpenAI-compatible HTTP API.", "serve", "add_serve_args",
+     "run_serve"),
+    ("run-batch", "Run an OpenAI batch file (JSONL) offline.", "run_batch",
+     "add_run_batch_args", "run_batch"),
+    ("scale", "Change a running server's number of DP engines.", "scale", "add_scale_args",
+     "run_scale"),
+    ("top", "Watch a running server's ranks, queues, tokens/s and tenants in the terminal.",
+     "top", "add_top_args", "run_top"),
+)
 
 
-def _top_parser(sub: argparse._SubParsersAction) -> None:
-    from dpserve.entrypoints.top import add_top_args, run_top
-
-    p = sub.add_parser("top", help="Watch a running server's ranks, queues, tokens/s and "
-                                   "tenants in the terminal.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_top_args(p)
-    p.set_defaults(func=run_top)
-
-
-def _run_batch_parser(sub: argparse._SubParsersAction) -> None:
-    from dpserve.entrypoints.run_batch import add_run_batch_args, run_batch
-
-    p = sub.add_parser("run-batch", help="Run an OpenAI batch file (JSONL) offline.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_run_batch_args(p)
-    p.set_defaults(func=run_batch)
+def _entrypoint_parser(sub: argparse._SubParsersAction, name: str, help: str,
+                       module: str, add_args: str, run: str) -> None:
+    entry = importlib.import_module(f"dpserve.entrypoints.{module}")
+    p = sub.add_parser(name, help=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    getattr(entry, add_args)(p)
+    p.set_defaults(func=getattr(entry, run))
 
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -119,11 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"dpserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
-    _serve_parser(sub)
-    _run_batch_parser(sub)
+    for entrypoint in _ENTRYPOINTS:
+        _entrypoint_parser(sub, *entrypoint)
     _bench_parser(sub)
-    _scale_parser(sub)
-    _top_parser(sub)
     args = parser.parse_args(argv)
     setup_logging()
     try:

@@ -25,8 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dpserve.errors import ConfigError
-
-GROUP = "tracing"  # the `dpserve serve --help` group (with the request traces' options)
+from dpserve.tracing.options import GROUP  # --help: beside the request traces' options
 
 
 @dataclass
