@@ -53,3 +53,28 @@ def test_the_range_file_is_read_or_ignored(monkeypatch, tmp_path, text, low):
     path.write_text(text)
     monkeypatch.setattr(addresses, "_EPHEMERAL_RANGE", str(path))
     assert addresses._ephemeral_low() == low
+
+
+@pytest.mark.procs
+def test_a_port_another_live_process_chose_is_reserved_until_it_exits():
+    """Two servers starting at once, from two processes: the port one chose (and has
+    not bound yet) is never chosen by the other; once the chooser is gone it is free."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys\n"
+         "from dpserve.launch.addresses import pick_port\n"
+         "print(pick_port(), flush=True)\nsys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(child.stdout.readline())
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free: chosen, not bound
+        assert not addresses.reserve_port("127.0.0.1", port)
+        assert addresses.reserve_port("127.0.0.1", port + 1 if port % 2 else port - 1)
+    finally:
+        child.communicate("", timeout=30)
+    assert child.returncode == 0
+    assert addresses.reserve_port("127.0.0.1", port)  # its holder exited
+    assert addresses.reserve_port("127.0.0.1", port)  # and this process holds it now

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import fcntl
 import functools
 import os
 import secrets
 import shutil
 import socket
 import tempfile
+import threading
+from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
@@ -165,13 +168,16 @@ _EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 def pick_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
     """A TCP port on `host` that is free now, not in `avoid`, and outside the
     kernel's ephemeral range when that leaves a window of 1,000 ports or more
-    (else any free port, the usual race)."""
+    (else any free port, the usual race). A port from the window is reserved
+    against every other dpserve process on this host (`reserve_port`) while this
+    process lives, so two servers starting at once never choose the same one."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     high = _ephemeral_low() - 1
     if high - _STATIC_LOW >= 1000:
         for _ in range(200):
             port = _STATIC_LOW + secrets.randbelow(high - _STATIC_LOW + 1)
-            if port not in avoid and _bindable(family, host, port):
+            if port not in avoid and _bindable(family, host, port) \
+                    and reserve_port(host, port):
                 return port
     for _ in range(100):
         with socket.socket(family, socket.SOCK_STREAM) as s:
@@ -180,6 +186,37 @@ def pick_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
         if port not in avoid:
             return port
     raise RuntimeError(f"could not find a free TCP port on {host}")
+
+
+# Reservations: a port chosen here is bound later, by this process or a child (an
+# API server, an engine), so between the choice and the bind another dpserve
+# process (a second server starting, another test worker) could choose it too. An
+# exclusive flock on a per-port file, held by the choosing process, closes that
+# window among dpserve processes; the kernel drops it when the process ends,
+# however it ends. The newest _MAX_RESERVED are kept (older ones are bound by now).
+_MAX_RESERVED = 256
+_reserved: deque[tuple[str, int, int]] = deque()  # (host, port, locked fd), oldest first
+_reserved_lock = threading.Lock()
+
+
+def reserve_port(host: str, port: int) -> bool:
+    """Reserve `port` on `host` for this process among dpserve processes on this host:
+    False when another live process holds it (True again if this one does)."""
+    with _reserved_lock:
+        if any(h == host and p == port for h, p, _ in _reserved):
+            return True
+        folder = os.path.join(tempfile.gettempdir(), f"dpserve-ports-{os.getuid()}")
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        fd = os.open(os.path.join(folder, f"{host}-{port}"), os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        _reserved.append((host, port, fd))
+        if len(_reserved) > _MAX_RESERVED:
+            os.close(_reserved.popleft()[2])  # closing the fd drops its lock
+        return True
 
 
 def _ephemeral_low() -> int:
