@@ -38,6 +38,7 @@ WHEELS=(
   annotated-types==0.8.0 typing-inspection==0.4.5
   uvicorn==0.54.0 httptools==0.9.0 watchfiles==1.3.0 websockets==17.4 python-dotenv==1.2.4
   xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 opentelemetry-api==1.45.2
+  py-spy==0.4.3
   jsonschema==4.26.0 jsonschema-specifications==2025.9.1
   referencing==0.37.0 rpds-py==2026.9.1
   openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 distro==1.9.0
