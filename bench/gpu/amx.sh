@@ -26,6 +26,8 @@
 #   profile-*    bench/profile_serve.py W1 and W16 in bfloat16: py-spy over every
 #                process, time per category (linears, attention, ..., IPC, HTTP)
 #
+# AMX_SKIP="roofline int8" leaves those parts out (a rerun that has their figures).
+#
 # Results under $OUT: amx.log (everything), figures.json (each part's JSON lines).
 set -uo pipefail
 
@@ -47,13 +49,16 @@ mkdir -p "$OUT"
 trap 'rm -rf "$WORK"' EXIT
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 OMP_NUM_THREADS=2
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-export CUDA_VISIBLE_DEVICES=""  # the host CPU only
 LOG=$OUT/amx.log
 PIN=(taskset -c "$CPUS")
 
 part() {  # part NAME LIMIT_S CMD...: run CMD pinned, under timeout; never exits
   local name=$1 limit=$2 t0 rc
   shift 2
+  if [[ " ${AMX_SKIP:-} " == *" ${name%%-*} "* ]]; then
+    echo "== $name: skipped (AMX_SKIP)" | tee -a "$LOG"
+    return
+  fi
   echo "== $name (limit ${limit}s)" | tee -a "$LOG"
   t0=$(date +%s)
   timeout -k 20 "$limit" "${PIN[@]}" "$@" >>"$LOG" 2>&1
@@ -82,7 +87,7 @@ if [ "$MODE" = cpu ]; then
 else
   part roofline-bfloat16 150 "$PY" bench/roofline.py --dtype bfloat16 --threads 2
   part roofline-float32 120 "$PY" bench/roofline.py --dtype float32 --threads 2
-  part int8 120 "$PY" bench/int8_kernels.py --threads 2
+  part int8 120 "$PY" bench/int8_kernels.py --threads 2 --rows 1 16 256
 fi
 
 CPU_FLAG=(); [ "$MODE" = cpu ] && CPU_FLAG=(--cpu)
