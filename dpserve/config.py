@@ -48,8 +48,8 @@ from dpserve.placement import (
     cpu_groups,
     data_parallel_roles,
     data_plane_secret,
+    elastic_scaling,
     size_local,
-    size_max,
     start_rank,
     threads_per_engine,
 )
@@ -246,7 +246,11 @@ class EngineArgs(ProfileArgs, TracingArgs):
     data_parallel_size_max: int | None = _opt(None, "Most engines a change at run time "
                                               "(POST /scale_elastic_ep, dpserve scale, the "
                                               "autoscaler) may reach (default: the autoscale "
-                                              "MAX, else --data-parallel-size).")
+                                              "MAX, else what the host or Ray cluster holds "
+                                              "when the change comes).")
+    enable_elastic_ep: bool | None = _opt(None, "Let the engine count change at run time "
+                                          "(default: with --enable-admin-api, a size max, "
+                                          "the autoscaler, or several engines).")
     data_parallel_autoscale: str | None = _opt(None, "MIN:MAX: add or remove engines with "
                                                "the load, between MIN and MAX engines.")
     autoscale_up_queue: float = _opt(2.0, "Autoscale: add an engine when the mean number "
@@ -299,7 +303,7 @@ class EngineArgs(ProfileArgs, TracingArgs):
             if f.name == "model":
                 continue  # positional, added by the CLI
             target = (groups or {}).get(f.metadata.get("group", ""), parser)
-            if f.type in ("bool", bool):
+            if f.type in ("bool", bool, "bool | None"):
                 target.add_argument(*flags, action=argparse.BooleanOptionalAction,
                                     default=f.default, help=help_text)
                 continue
@@ -380,17 +384,17 @@ class EngineArgs(ProfileArgs, TracingArgs):
                          arch: str) -> ParallelConfig:
         """The data-parallel options resolved (`dpserve.placement`) for this model."""
         autoscale = autoscale_config(self)
-        most = size_max(self, autoscale)
+        elastic, most = elastic_scaling(self, autoscale)
         return ParallelConfig(
             data_parallel_size=self.data_parallel_size,
             tensor_parallel_size=self.tensor_parallel_size,
             threads_per_engine=threads_per_engine(self, device),
             cpu_groups=cpu_groups(self, device),
             data_parallel_lockstep=(self.data_parallel_lockstep or _is_moe(hf_config))
-            and most > 1,
+            and (elastic or self.data_parallel_size > 1),
             data_parallel_sync_interval=self.data_parallel_sync_interval,
             data_parallel_collective_timeout=self.data_parallel_collective_timeout,
-            enable_expert_parallel=self._expert_parallel(hf_config, arch, most),
+            enable_expert_parallel=self._expert_parallel(hf_config, arch, most or 0),
             data_parallel_size_local=size_local(self),
             data_parallel_start_rank=start_rank(self),
             data_parallel_address=self.data_parallel_address,
@@ -411,7 +415,9 @@ class EngineArgs(ProfileArgs, TracingArgs):
             engine_output_backlog=parse_memory_size(self.engine_output_backlog,
                                                     "engine_output_backlog"),
             engine_output_stall_timeout=self.engine_output_stall_timeout,
-            data_parallel_size_max=most, autoscale=autoscale)
+            enable_elastic_ep=elastic, autoscale=autoscale,  # EP: at most one expert each
+            data_parallel_size_max=most or (_num_experts(hf_config) // self.tensor_parallel_size
+                                            if self.enable_expert_parallel else None))
 
     def _expert_parallel(self, hf_config: Mapping[str, Any], arch: str, most: int) -> bool:
         """--enable-expert-parallel, checked against the model and the DP layout."""
@@ -429,7 +435,8 @@ class EngineArgs(ProfileArgs, TracingArgs):
                               "rank's experts under enable_expert_parallel; use restart or "
                               "stop")
         # Elastic EP: a change of the DP size re-shards the experts (up to one per rank).
-        _need_workers(most, self.tensor_parallel_size, "data_parallel_size_max", experts)
+        if most:
+            _need_workers(most, self.tensor_parallel_size, "data_parallel_size_max", experts)
         return True
 
     def _need(self, ok: bool, name: str, what: str) -> None:

@@ -208,17 +208,20 @@ class ParallelConfig:
     # An engine drops an API server that leaves its outputs unread (engine/output_sender.py):
     engine_output_backlog: int = 64 << 20  # bytes queued for one API server, at most
     engine_output_stall_timeout: float = 5.0  # s the oldest of them may wait
-    # Scaling at run time (README "Scaling at run time"): the most engines a change may
-    # reach (resolved: the option, else the autoscale MAX, else data_parallel_size).
-    data_parallel_size_max: int = 1
+    # Scaling at run time (README "Scaling at run time"; resolved by
+    # `dpserve.placement.elastic_scaling`): whether the engine count may change (one
+    # host's mp engines, or Ray), and the most engines a change may reach when that is
+    # known at start (the option, else the autoscale MAX, else the experts under expert
+    # parallelism); None: what the placement holds, checked when a change comes
+    # (`dpserve.placement.engines_fit`, Ray's placement).
+    enable_elastic_ep: bool = False
+    data_parallel_size_max: int | None = None
     autoscale: AutoscaleConfig | None = None  # --data-parallel-autoscale
 
     @property
     def elastic(self) -> bool:
-        """The engine count may change at run time (one host's mp engines, or Ray)."""
-        return self.data_parallel_size_max > 1 and (
-            self.data_parallel_backend == "ray"
-            or (not self.has_remote_engines and not self.local_lb))
+        """The engine count may change at run time (`enable_elastic_ep`)."""
+        return self.enable_elastic_ep
 
     @property
     def local_ranks(self) -> list[int]:

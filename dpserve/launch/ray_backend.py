@@ -353,7 +353,8 @@ class RayEngineManager:
                   also_watch: Sequence[BaseProcess] = ()) -> dict[int, HandshakeReady]:
         """Scaling up: a new placement group and engine actor per rank of `ranks`
         (`init`: this manager's from now on), READY and running when this returns;
-        on failure they are removed again and EngineStartupError raised."""
+        on failure they are removed again and EngineStartupError (RayPlacementError
+        when the cluster cannot hold them) raised."""
         import ray
 
         self.init = init
@@ -373,10 +374,7 @@ class RayEngineManager:
                 for rank, actor in actors.items():
                     self._run_refs[rank] = actor.run.remote()
             return ready
-        except RayPlacementError as e:
-            self._drop_ranks(ranks, ray)
-            raise EngineStartupError(str(e)) from None
-        except BaseException:
+        except BaseException:  # RayPlacementError: the cluster cannot hold them (refused)
             self._drop_ranks(ranks, ray)
             raise
 

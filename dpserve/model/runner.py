@@ -76,7 +76,7 @@ class ModelRunner:
         # dp_rank * tp + tp_rank of dp_size * tp); the engine process hands worker
         # 0 the lockstep DP group (`ExpertParallel.group_source`), its TP peers none.
         size = config.parallel.data_parallel_size * self.tp.size
-        elastic = config.parallel.data_parallel_size_max > 1  # the size may change later
+        elastic = config.parallel.elastic  # the size may change later
         self.expert_parallel = (ExpertParallel(dp_rank * self.tp.size + self.tp.rank, size,
                                                self.tp)
                                 if config.parallel.enable_expert_parallel
