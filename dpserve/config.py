@@ -49,6 +49,7 @@ from dpserve.placement import (
     data_parallel_roles,
     data_plane_secret,
     elastic_scaling,
+    num_experts,
     size_local,
     start_rank,
     threads_per_engine,
@@ -415,15 +416,13 @@ class EngineArgs(ProfileArgs, TracingArgs):
             engine_output_backlog=parse_memory_size(self.engine_output_backlog,
                                                     "engine_output_backlog"),
             engine_output_stall_timeout=self.engine_output_stall_timeout,
-            enable_elastic_ep=elastic, autoscale=autoscale,  # EP: at most one expert each
-            data_parallel_size_max=most or (_num_experts(hf_config) // self.tensor_parallel_size
-                                            if self.enable_expert_parallel else None))
+            enable_elastic_ep=elastic, data_parallel_size_max=most, autoscale=autoscale)
 
     def _expert_parallel(self, hf_config: Mapping[str, Any], arch: str, most: int) -> bool:
         """--enable-expert-parallel, checked against the model and the DP layout."""
         if not self.enable_expert_parallel:
             return False
-        experts = _num_experts(hf_config)
+        experts = num_experts(hf_config)
         if not experts:
             raise ConfigError(f"enable_expert_parallel needs a mixture-of-experts model; "
                               f"{arch} has no experts")
@@ -580,12 +579,7 @@ def _resolve_dtype(dtype: str, device: str, quantization: str | None) -> str:
 
 def _is_moe(hf_config: Mapping[str, Any]) -> bool:
     """Mixture-of-experts models (their expert-parallel ranks must step together)."""
-    return _num_experts(hf_config) > 0
-
-
-def _num_experts(hf_config: Mapping[str, Any]) -> int:
-    return max(int(hf_config.get(k) or 0)
-               for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+    return num_experts(hf_config) > 0
 
 
 def _model_context_length(hf_config: Mapping[str, Any]) -> int:

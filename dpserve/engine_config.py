@@ -210,10 +210,9 @@ class ParallelConfig:
     engine_output_stall_timeout: float = 5.0  # s the oldest of them may wait
     # Scaling at run time (README "Scaling at run time"; resolved by
     # `dpserve.placement.elastic_scaling`): whether the engine count may change (one
-    # host's mp engines, or Ray), and the most engines a change may reach when that is
-    # known at start (the option, else the autoscale MAX, else the experts under expert
-    # parallelism); None: what the placement holds, checked when a change comes
-    # (`dpserve.placement.engines_fit`, Ray's placement).
+    # host's mp engines, or Ray), and the ceiling the operator declared (the option,
+    # else the autoscale MAX); None: what the placement holds, checked when a change
+    # comes (`dpserve.placement.engines_fit`, Ray's placement).
     enable_elastic_ep: bool = False
     data_parallel_size_max: int | None = None
     autoscale: AutoscaleConfig | None = None  # --data-parallel-autoscale

@@ -23,7 +23,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from dpserve.engine_config import AutoscaleConfig, ParallelConfig
+from dpserve.engine_config import AutoscaleConfig, EngineConfig, ParallelConfig
 from dpserve.errors import ConfigError
 from dpserve.security import SECRET_ENV, check_exposure, check_secret, read_secret_file
 
@@ -273,6 +273,24 @@ def elastic_scaling(args: PlacementArgs,
     elastic = args.enable_elastic_ep is not False and can_scale(args) and (
         bool(args.enable_elastic_ep) or asked or size > 1)
     return elastic, declared
+
+
+def num_experts(hf_config: Mapping[str, Any]) -> int:
+    """The routed experts of a mixture-of-experts model (0: a dense model)."""
+    return max(int(hf_config.get(k) or 0)
+               for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+
+
+def experts_fit(config: EngineConfig, engines: int) -> str | None:
+    """Expert parallelism: whether `engines` ranks each hold at least one expert per
+    tensor-parallel worker; None, or what is missing."""
+    if not config.parallel.enable_expert_parallel:
+        return None
+    tp, experts = config.parallel.tensor_parallel_size, num_experts(config.model.hf_config)
+    if engines * tp <= experts:
+        return None
+    return (f"{engines} engines x tensor_parallel_size {tp} = {engines * tp} expert-parallel "
+            f"workers, but the model has {experts} experts (one at least each)")
 
 
 def engines_fit(parallel: ParallelConfig, device: str, engines: int) -> str | None:

@@ -207,11 +207,15 @@ def test_without_the_flag_or_the_max(tiny_llama):
         for option, value in refused]
     try:
         with serve_all([model, *plain], [model, *plain, "--enable-admin-api",
-                                          "--allow-unauthenticated-admin"]) as [
-                (_, no_admin), (_, admin)]:
+                                          "--allow-unauthenticated-admin",
+                                          "--no-enable-elastic-ep"]) as [
+                (plain_proc, no_admin), (_, admin)]:
             assert _scale(no_admin, 2).status_code == 404  # no --enable-admin-api: no route
-            resp = _scale(admin, 1)  # no --data-parallel-size-max: the one engine stays
-            assert resp.status_code == 400 and "--data-parallel-size-max" in resp.text
+            # The default server starts nothing for scaling: no coordinator at DP=1.
+            names = process_names(descendants(plain_proc.pid))
+            assert "EngineCore_0" in names and "DPCoordinator" not in names, names
+            resp = _scale(admin, 1)  # --no-enable-elastic-ep: the one engine stays
+            assert resp.status_code == 400 and "--no-enable-elastic-ep" in resp.text
         for (option, _), cli in zip(refused, clis):
             _, stderr = cli.communicate(timeout=120)
             assert cli.returncode == 2, stderr

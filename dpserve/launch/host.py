@@ -43,7 +43,7 @@ from dpserve.launch.kv_store import KVStore, start_kv_store
 from dpserve.launch.rendezvous import RendezvousServer, ask_rendezvous
 from dpserve.launch.scaler import CapacityError, Scaler
 from dpserve.launch.supervisor import OnStatus, Supervisor
-from dpserve.placement import engines_fit
+from dpserve.placement import engines_fit, experts_fit
 from dpserve.protocol import (
     EngineInitMetadata,
     HandshakeReady,
@@ -114,13 +114,23 @@ class EngineLaunch:
             self.scaler = Scaler(self, config)
 
     def check_room(self, size: int) -> None:
-        """CapacityError when this host's engines (mp backend) cannot number `size`:
-        the cores or CUDA devices placement gives each (`placement.engines_fit`).
-        Ray checks its cluster when the ranks are placed (`add_engines`)."""
+        """CapacityError when the engines cannot number `size`: each needs an expert
+        per worker (expert parallelism), and on this host (mp backend) the cores or
+        CUDA devices placement gives it (`placement.engines_fit`), unless the operator
+        declared a ceiling (--data-parallel-size-max, the autoscale MAX): then they
+        share them, as engines started beyond the cores do. Ray checks its cluster
+        when the ranks are placed (`add_engines`)."""
         config = self.config
-        if config is None or config.parallel.data_parallel_backend == "ray":
-            return
-        missing = engines_fit(config.parallel, config.device, size)
+        assert config is not None
+        p = config.parallel
+        missing = experts_fit(config, size)
+        if missing is None and p.data_parallel_backend != "ray":
+            missing = engines_fit(p, config.device, size)
+            if missing is not None and p.data_parallel_size_max is not None:
+                logger.warning("scaling to %d engines under the declared ceiling of %d: "
+                               "they share the host (%s)", size, p.data_parallel_size_max,
+                               missing)
+                return
         if missing is not None:
             raise CapacityError(missing)
 
