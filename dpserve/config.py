@@ -39,6 +39,7 @@ from dpserve.engine_config import (
 from dpserve.errors import ConfigError
 from dpserve.generation_config import load_generation_defaults
 from dpserve.model.lora_config import check_lora_options, lora_config
+from dpserve.model.sharded_state import LOAD_FORMATS, check_load_format
 from dpserve.placement import (
     DP_BACKENDS,
     PACK_STRATEGIES,
@@ -104,6 +105,8 @@ class EngineArgs(ProfileArgs, TracingArgs):
     quantization: str | None = _opt(None, "int8: layer weights in int8 (per-channel scales), "
                                     "activations quantised on the fly (CPU, float32, "
                                     "dense models). Default: none.", choices=("int8",))
+    load_format: str = _opt("auto", "sharded_state: each tensor-parallel worker reads its own "
+                            "files (dpserve save-sharded-state).", choices=LOAD_FORMATS)
     seed: int = _opt(0, "Seed for sampling of requests that give no seed.")
     enforce_eager: bool = _opt(False, "Skip compiling every linear kernel at start-up (CPU): "
                                "a faster start, but kernels compile on first use while "
@@ -339,6 +342,8 @@ class EngineArgs(ProfileArgs, TracingArgs):
             kv_offload_bytes=_kv_offload_bytes(self))
         parallel = self._parallel_config(device, model.hf_config, model.architecture)
         check_tensor_parallel(self, model.hf_config, device, parallel.enable_expert_parallel)
+        check_load_format(model.path, self.load_format, self.tensor_parallel_size,
+                          parallel.enable_expert_parallel)
         scheduler = SchedulerConfig.resolve(
             self.max_num_batched_tokens, self.max_num_seqs, model.max_model_len,
             self.scheduling_policy, small=device == "cpu" and not parallel.data_parallel_lockstep)
@@ -376,7 +381,8 @@ class EngineArgs(ProfileArgs, TracingArgs):
             max_model_len=max_model_len, seed=self.seed,
             enforce_eager=self.enforce_eager or os.environ.get("DPSERVE_ENFORCE_EAGER") == "1",
             generation_defaults=load_generation_defaults(self.generation_config, str(path)),
-            quantization=self.quantization, pooler=PoolerConfig.parse(self.pooler_config))
+            quantization=self.quantization, pooler=PoolerConfig.parse(self.pooler_config),
+            load_format=self.load_format)
         if self.quantization is not None:
             _check_quantization(self.quantization, device, dtype, arch)
         return model
