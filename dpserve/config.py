@@ -401,7 +401,7 @@ class EngineArgs(ProfileArgs, TracingArgs):
             and (elastic or self.data_parallel_size > 1),
             data_parallel_sync_interval=self.data_parallel_sync_interval,
             data_parallel_collective_timeout=self.data_parallel_collective_timeout,
-            enable_expert_parallel=self._expert_parallel(hf_config, arch, most or 0),
+            enable_expert_parallel=_expert_parallel(self, hf_config, arch, most or 0),
             data_parallel_size_local=size_local(self),
             data_parallel_start_rank=start_rank(self),
             data_parallel_address=self.data_parallel_address,
@@ -423,26 +423,6 @@ class EngineArgs(ProfileArgs, TracingArgs):
                                                     "engine_output_backlog"),
             engine_output_stall_timeout=self.engine_output_stall_timeout,
             enable_elastic_ep=elastic, data_parallel_size_max=most, autoscale=autoscale)
-
-    def _expert_parallel(self, hf_config: Mapping[str, Any], arch: str, most: int) -> bool:
-        """--enable-expert-parallel, checked against the model and the DP layout."""
-        if not self.enable_expert_parallel:
-            return False
-        experts = num_experts(hf_config)
-        if not experts:
-            raise ConfigError(f"enable_expert_parallel needs a mixture-of-experts model; "
-                              f"{arch} has no experts")
-        # Experts are spread over every worker: DP ranks x TP workers (as vLLM).
-        _need_workers(self.data_parallel_size, self.tensor_parallel_size, "data_parallel_size",
-                      experts)
-        if self.engine_failure_policy == "isolate":
-            raise ConfigError("engine_failure_policy 'isolate' cannot serve on without a "
-                              "rank's experts under enable_expert_parallel; use restart or "
-                              "stop")
-        # Elastic EP: a change of the DP size re-shards the experts (up to one per rank).
-        if most:
-            _need_workers(most, self.tensor_parallel_size, "data_parallel_size_max", experts)
-        return True
 
     def _need(self, ok: bool, name: str, what: str) -> None:
         if not ok:
@@ -498,6 +478,28 @@ class EngineArgs(ProfileArgs, TracingArgs):
         if self.kv_cache_memory is not None:
             parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
         _kv_offload_bytes(self)
+
+
+def _expert_parallel(args: EngineArgs, hf_config: Mapping[str, Any], arch: str, most: int
+                     ) -> bool:
+    """--enable-expert-parallel, checked against the model and the DP layout."""
+    if not args.enable_expert_parallel:
+        return False
+    experts = num_experts(hf_config)
+    if not experts:
+        raise ConfigError(f"enable_expert_parallel needs a mixture-of-experts model; "
+                          f"{arch} has no experts")
+    # Experts are spread over every worker: DP ranks x TP workers (as vLLM).
+    _need_workers(args.data_parallel_size, args.tensor_parallel_size, "data_parallel_size",
+                  experts)
+    if args.engine_failure_policy == "isolate":
+        raise ConfigError("engine_failure_policy 'isolate' cannot serve on without a "
+                          "rank's experts under enable_expert_parallel; use restart or "
+                          "stop")
+    # Elastic EP: a change of the DP size re-shards the experts (up to one per rank).
+    if most:
+        _need_workers(most, args.tensor_parallel_size, "data_parallel_size_max", experts)
+    return True
 
 
 def _need_workers(dp: int, tp: int, name: str, experts: int) -> None:

@@ -37,7 +37,7 @@ def add_save_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_save(args: argparse.Namespace) -> int:
-    from dpserve import LLM
+    from dpserve.entrypoints.llm import LLM
 
     max_size = parse_memory_size(args.max_file_size, "max_file_size")
     engine_args = dataclasses.replace(EngineArgs.from_cli(args), enforce_eager=True)
