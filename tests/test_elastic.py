@@ -7,6 +7,7 @@ the autoscaler."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import subprocess
 import sys
@@ -288,13 +289,15 @@ def test_autoscale_up_under_a_burst_and_down_when_idle(tiny_llama):
 
 @pytest.mark.alone
 def test_ray_scale_up_and_down(tiny_llama):
-    """The Ray backend: a new engine actor in a new placement group, then drained and
-    killed; streams run throughout and none is cut."""
+    """The Ray backend, with no ceiling declared: a new engine actor in a new placement
+    group, then drained and killed; streams run throughout and none is cut. A size
+    beyond the cluster's CPUs (one each; Ray counts at most this host's) is refused at
+    once, naming what is missing."""
     pytest.importorskip("ray")
     model = str(tiny_llama)
     expected = expected_greedy(model, PROMPTS)
     with serve(model, *ARGS, *FAULT_SEQS, "--data-parallel-backend", "ray",
-               "--data-parallel-size-max", "2", timeout=180) as (proc, url):
+               timeout=180) as (proc, url):
         texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 2), 0, "scale-up")
         assert resp.status_code == 200, resp.text
         assert texts == expected
@@ -303,6 +306,10 @@ def test_ray_scale_up_and_down(tiny_llama):
         before = finished_by_engine(url).get(1, 0)
         assert asyncio.run(complete_n(url, model, 4, rank=1)) == [200] * 4
         assert finished_by_engine(url)[1] - before == 4
+        beyond = _scale(url, os.cpu_count() + 1)
+        assert beyond.status_code == 409, beyond.text
+        assert re.search(r"cannot place DP rank \d+ .*missing: CPU", beyond.text), beyond.text
+        assert httpx.get(url + "/health", timeout=5).json()["data_parallel_size"] == 2
         texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 1), 1, "scale-down")
         assert resp.status_code == 200, resp.text
         assert texts == expected
