@@ -27,8 +27,9 @@ from helpers import (
 from dpserve.config import ConfigError, EngineArgs
 from dpserve.engine_config import ParallelConfig
 from dpserve.launch.coordinator.autoscale import NO_CEILING, ScaleBook
-from dpserve.placement import engines_fit
+from dpserve.placement import engines_fit, experts_fit
 from dpserve.protocol import ScalePhase, ScaleRequest, ScaleResult
+from dpserve.testing.tiny_model import make_tiny_model
 
 CORES = len(os.sched_getaffinity(0))
 
@@ -64,6 +65,18 @@ def test_engines_fit_the_cores_each_gets():
         f"this host has {CORES}")
     tp = ParallelConfig(1, threads_per_engine=None, tensor_parallel_size=2)  # a core each
     assert "2 each: one per tensor-parallel worker" in engines_fit(tp, "cpu", CORES)
+
+
+def test_expert_parallel_caps_the_engines_at_one_expert_per_worker(tmp_path):
+    model = make_tiny_model(tmp_path / "mixtral", "mixtral")  # 8 experts
+    config = EngineArgs.from_kwargs(model=str(model), device="cpu", data_parallel_size=2,
+                                    threads_per_engine=1,
+                                    enable_expert_parallel=True).create_config()
+    assert config.parallel.elastic and config.parallel.data_parallel_size_max is None
+    assert experts_fit(config, 8) is None
+    assert experts_fit(config, 9) == ("9 engines x tensor_parallel_size 1 = 9 expert-"
+                                      "parallel workers, but the model has 8 experts (one "
+                                      "at least each)")
 
 
 def test_scale_book_refused_and_no_ceiling():
