@@ -69,6 +69,8 @@ _ENTRYPOINTS = (
      "run_scale"),
     ("top", "Watch a running server's ranks, queues, tokens/s and tenants in the terminal.",
      "top", "add_top_args", "run_top"),
+    ("save-sharded-state", "Save each tensor-parallel worker's weights for --load-format "
+     "sharded_state.", "save_sharded_state", "add_save_args", "run_save"),
 )
 
 

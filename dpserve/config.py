@@ -39,6 +39,7 @@ from dpserve.engine_config import (
 from dpserve.errors import ConfigError
 from dpserve.generation_config import load_generation_defaults
 from dpserve.model.lora_config import check_lora_options, lora_config
+from dpserve.model.sharded_state import LOAD_FORMATS, check_load_format
 from dpserve.placement import (
     DP_BACKENDS,
     PACK_STRATEGIES,
@@ -48,8 +49,9 @@ from dpserve.placement import (
     cpu_groups,
     data_parallel_roles,
     data_plane_secret,
+    elastic_scaling,
+    num_experts,
     size_local,
-    size_max,
     start_rank,
     threads_per_engine,
 )
@@ -103,6 +105,8 @@ class EngineArgs(ProfileArgs, TracingArgs):
     quantization: str | None = _opt(None, "int8: layer weights in int8 (per-channel scales), "
                                     "activations quantised on the fly (CPU, float32, "
                                     "dense models). Default: none.", choices=("int8",))
+    load_format: str = _opt("auto", "sharded_state: each tensor-parallel worker reads its own "
+                            "files (dpserve save-sharded-state).", choices=LOAD_FORMATS)
     seed: int = _opt(0, "Seed for sampling of requests that give no seed.")
     enforce_eager: bool = _opt(False, "Skip compiling every linear kernel at start-up (CPU): "
                                "a faster start, but kernels compile on first use while "
@@ -246,7 +250,11 @@ class EngineArgs(ProfileArgs, TracingArgs):
     data_parallel_size_max: int | None = _opt(None, "Most engines a change at run time "
                                               "(POST /scale_elastic_ep, dpserve scale, the "
                                               "autoscaler) may reach (default: the autoscale "
-                                              "MAX, else --data-parallel-size).")
+                                              "MAX, else what the host or Ray cluster holds "
+                                              "when the change comes).")
+    enable_elastic_ep: bool | None = _opt(None, "Let the engine count change at run time "
+                                          "(default: with --enable-admin-api, a size max, "
+                                          "the autoscaler, or several engines).")
     data_parallel_autoscale: str | None = _opt(None, "MIN:MAX: add or remove engines with "
                                                "the load, between MIN and MAX engines.")
     autoscale_up_queue: float = _opt(2.0, "Autoscale: add an engine when the mean number "
@@ -299,7 +307,7 @@ class EngineArgs(ProfileArgs, TracingArgs):
             if f.name == "model":
                 continue  # positional, added by the CLI
             target = (groups or {}).get(f.metadata.get("group", ""), parser)
-            if f.type in ("bool", bool):
+            if f.type in ("bool", bool, "bool | None"):
                 target.add_argument(*flags, action=argparse.BooleanOptionalAction,
                                     default=f.default, help=help_text)
                 continue
@@ -334,6 +342,8 @@ class EngineArgs(ProfileArgs, TracingArgs):
             kv_offload_bytes=_kv_offload_bytes(self))
         parallel = self._parallel_config(device, model.hf_config, model.architecture)
         check_tensor_parallel(self, model.hf_config, device, parallel.enable_expert_parallel)
+        check_load_format(model.path, self.load_format, self.tensor_parallel_size,
+                          parallel.enable_expert_parallel)
         scheduler = SchedulerConfig.resolve(
             self.max_num_batched_tokens, self.max_num_seqs, model.max_model_len,
             self.scheduling_policy, small=device == "cpu" and not parallel.data_parallel_lockstep)
@@ -371,7 +381,8 @@ class EngineArgs(ProfileArgs, TracingArgs):
             max_model_len=max_model_len, seed=self.seed,
             enforce_eager=self.enforce_eager or os.environ.get("DPSERVE_ENFORCE_EAGER") == "1",
             generation_defaults=load_generation_defaults(self.generation_config, str(path)),
-            quantization=self.quantization, pooler=PoolerConfig.parse(self.pooler_config))
+            quantization=self.quantization, pooler=PoolerConfig.parse(self.pooler_config),
+            load_format=self.load_format)
         if self.quantization is not None:
             _check_quantization(self.quantization, device, dtype, arch)
         return model
@@ -380,17 +391,17 @@ class EngineArgs(ProfileArgs, TracingArgs):
                          arch: str) -> ParallelConfig:
         """The data-parallel options resolved (`dpserve.placement`) for this model."""
         autoscale = autoscale_config(self)
-        most = size_max(self, autoscale)
+        elastic, most = elastic_scaling(self, autoscale)
         return ParallelConfig(
             data_parallel_size=self.data_parallel_size,
             tensor_parallel_size=self.tensor_parallel_size,
             threads_per_engine=threads_per_engine(self, device),
             cpu_groups=cpu_groups(self, device),
             data_parallel_lockstep=(self.data_parallel_lockstep or _is_moe(hf_config))
-            and most > 1,
+            and (elastic or self.data_parallel_size > 1),
             data_parallel_sync_interval=self.data_parallel_sync_interval,
             data_parallel_collective_timeout=self.data_parallel_collective_timeout,
-            enable_expert_parallel=self._expert_parallel(hf_config, arch, most),
+            enable_expert_parallel=_expert_parallel(self, hf_config, arch, most or 0),
             data_parallel_size_local=size_local(self),
             data_parallel_start_rank=start_rank(self),
             data_parallel_address=self.data_parallel_address,
@@ -411,26 +422,7 @@ class EngineArgs(ProfileArgs, TracingArgs):
             engine_output_backlog=parse_memory_size(self.engine_output_backlog,
                                                     "engine_output_backlog"),
             engine_output_stall_timeout=self.engine_output_stall_timeout,
-            data_parallel_size_max=most, autoscale=autoscale)
-
-    def _expert_parallel(self, hf_config: Mapping[str, Any], arch: str, most: int) -> bool:
-        """--enable-expert-parallel, checked against the model and the DP layout."""
-        if not self.enable_expert_parallel:
-            return False
-        experts = _num_experts(hf_config)
-        if not experts:
-            raise ConfigError(f"enable_expert_parallel needs a mixture-of-experts model; "
-                              f"{arch} has no experts")
-        # Experts are spread over every worker: DP ranks x TP workers (as vLLM).
-        _need_workers(self.data_parallel_size, self.tensor_parallel_size, "data_parallel_size",
-                      experts)
-        if self.engine_failure_policy == "isolate":
-            raise ConfigError("engine_failure_policy 'isolate' cannot serve on without a "
-                              "rank's experts under enable_expert_parallel; use restart or "
-                              "stop")
-        # Elastic EP: a change of the DP size re-shards the experts (up to one per rank).
-        _need_workers(most, self.tensor_parallel_size, "data_parallel_size_max", experts)
-        return True
+            enable_elastic_ep=elastic, data_parallel_size_max=most, autoscale=autoscale)
 
     def _need(self, ok: bool, name: str, what: str) -> None:
         if not ok:
@@ -486,6 +478,28 @@ class EngineArgs(ProfileArgs, TracingArgs):
         if self.kv_cache_memory is not None:
             parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
         _kv_offload_bytes(self)
+
+
+def _expert_parallel(args: EngineArgs, hf_config: Mapping[str, Any], arch: str, most: int
+                     ) -> bool:
+    """--enable-expert-parallel, checked against the model and the DP layout."""
+    if not args.enable_expert_parallel:
+        return False
+    experts = num_experts(hf_config)
+    if not experts:
+        raise ConfigError(f"enable_expert_parallel needs a mixture-of-experts model; "
+                          f"{arch} has no experts")
+    # Experts are spread over every worker: DP ranks x TP workers (as vLLM).
+    _need_workers(args.data_parallel_size, args.tensor_parallel_size, "data_parallel_size",
+                  experts)
+    if args.engine_failure_policy == "isolate":
+        raise ConfigError("engine_failure_policy 'isolate' cannot serve on without a "
+                          "rank's experts under enable_expert_parallel; use restart or "
+                          "stop")
+    # Elastic EP: a change of the DP size re-shards the experts (up to one per rank).
+    if most:
+        _need_workers(most, args.tensor_parallel_size, "data_parallel_size_max", experts)
+    return True
 
 
 def _need_workers(dp: int, tp: int, name: str, experts: int) -> None:
@@ -573,12 +587,7 @@ def _resolve_dtype(dtype: str, device: str, quantization: str | None) -> str:
 
 def _is_moe(hf_config: Mapping[str, Any]) -> bool:
     """Mixture-of-experts models (their expert-parallel ranks must step together)."""
-    return _num_experts(hf_config) > 0
-
-
-def _num_experts(hf_config: Mapping[str, Any]) -> int:
-    return max(int(hf_config.get(k) or 0)
-               for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+    return num_experts(hf_config) > 0
 
 
 def _model_context_length(hf_config: Mapping[str, Any]) -> int:

@@ -77,6 +77,7 @@ class ModelConfig:
     generation_defaults: tuple[tuple[str, Any], ...] = ()
     quantization: str | None = None  # "int8": dynamic int8 linears (dpserve.model.quant)
     pooler: PoolerConfig = PoolerConfig()  # how embeddings pool (--pooler-config)
+    load_format: str = "auto"  # "sharded_state": each TP worker's own files (model.sharded_state)
 
     def __reduce__(self):
         # MappingProxyType does not pickle; send a plain copy (spawned engines
@@ -208,17 +209,19 @@ class ParallelConfig:
     # An engine drops an API server that leaves its outputs unread (engine/output_sender.py):
     engine_output_backlog: int = 64 << 20  # bytes queued for one API server, at most
     engine_output_stall_timeout: float = 5.0  # s the oldest of them may wait
-    # Scaling at run time (README "Scaling at run time"): the most engines a change may
-    # reach (resolved: the option, else the autoscale MAX, else data_parallel_size).
-    data_parallel_size_max: int = 1
+    # Scaling at run time (README "Scaling at run time"; resolved by
+    # `dpserve.placement.elastic_scaling`): whether the engine count may change (one
+    # host's mp engines, or Ray), and the ceiling the operator declared (the option,
+    # else the autoscale MAX); None: what the placement holds, checked when a change
+    # comes (`dpserve.placement.engines_fit`, Ray's placement).
+    enable_elastic_ep: bool = False
+    data_parallel_size_max: int | None = None
     autoscale: AutoscaleConfig | None = None  # --data-parallel-autoscale
 
     @property
     def elastic(self) -> bool:
-        """The engine count may change at run time (one host's mp engines, or Ray)."""
-        return self.data_parallel_size_max > 1 and (
-            self.data_parallel_backend == "ray"
-            or (not self.has_remote_engines and not self.local_lb))
+        """The engine count may change at run time (`enable_elastic_ep`)."""
+        return self.enable_elastic_ep
 
     @property
     def local_ranks(self) -> list[int]:

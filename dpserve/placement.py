@@ -1,8 +1,9 @@
 """Where the engines run: the data-parallel layout options resolved and checked.
 
 Which ranks this host runs (`size_local`, `start_rank`), their CPU threads and
-cores (`threads_per_engine`, `cpu_groups`), how far the engine count may change
-at run time (`autoscale_config`, `size_max`), the data-plane secret and the
+cores (`threads_per_engine`, `cpu_groups`), whether and how far the engine count
+may change at run time (`autoscale_config`, `elastic_scaling`, `can_scale`; at the
+time of a change: `engines_fit`), the data-plane secret and the
 exposure check (`data_plane_secret`), and the checks of the multi-host options
 (`check_placement`), and whether the model splits over each rank's
 tensor-parallel workers (`check_tensor_parallel`), and the prefill / decode
@@ -22,7 +23,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from dpserve.engine_config import AutoscaleConfig
+from dpserve.engine_config import AutoscaleConfig, EngineConfig, ParallelConfig
 from dpserve.errors import ConfigError
 from dpserve.security import SECRET_ENV, check_exposure, check_secret, read_secret_file
 
@@ -49,6 +50,7 @@ class PlacementArgs(Protocol):
     data_parallel_secret_file: str | None
     data_parallel_insecure: bool
     data_parallel_size_max: int | None
+    enable_elastic_ep: bool | None
     data_parallel_autoscale: str | None
     autoscale_up_queue: float
     autoscale_up_ttft: float | None
@@ -231,25 +233,91 @@ def autoscale_config(args: PlacementArgs) -> AutoscaleConfig | None:
                            args.autoscale_cooldown, args.autoscale_up_ttft)
 
 
-def size_max(args: PlacementArgs, autoscale: AutoscaleConfig | None) -> int:
-    """The most engines a change at run time may reach (validated)."""
-    size = args.data_parallel_size
-    scaling = autoscale is not None or (args.data_parallel_size_max or size) > size
-    fixed_hosts = (size_local(args) < size or args.data_parallel_rank is not None
-                   or args.data_parallel_hybrid_lb)
-    if scaling and fixed_hosts and args.data_parallel_backend != "ray":
-        raise ConfigError("data_parallel_size_max: scaling at run time (it, or "
-                          "--data-parallel-autoscale) needs one host's engines (mp) or "
-                          "Ray, not headless hosts or external/hybrid load balancing")
-    if args.data_parallel_size_max is None:
-        return autoscale.max_size if autoscale is not None else size
-    _need(args, args.data_parallel_size_max >= size, "data_parallel_size_max",
-          f"must be at least data_parallel_size ({size})")
-    if autoscale is not None:
-        _need(args, args.data_parallel_size_max >= autoscale.max_size,
-              "data_parallel_size_max",
-              f"must be at least the autoscale MAX ({autoscale.max_size})")
-    return args.data_parallel_size_max
+def can_scale(args: PlacementArgs) -> bool:
+    """The layout lets the engine count change at run time: one host's engines (mp, no
+    headless hosts, no external / hybrid load balancing), or Ray."""
+    fixed_hosts = (size_local(args) < args.data_parallel_size
+                   or args.data_parallel_rank is not None or args.data_parallel_hybrid_lb)
+    return args.data_parallel_backend == "ray" or not fixed_hosts
+
+
+def elastic_scaling(args: PlacementArgs,
+                    autoscale: AutoscaleConfig | None) -> tuple[bool, int | None]:
+    """(whether the engine count may change at run time, the declared ceiling or None).
+
+    On with --enable-elastic-ep (which `dpserve serve --enable-admin-api` turns on where
+    the layout allows it: the scale route is served), a ceiling above
+    --data-parallel-size, --data-parallel-autoscale, or several engines (the coordinator
+    runs anyway); off with --no-enable-elastic-ep. The ceiling is
+    --data-parallel-size-max, else the autoscale MAX; None: what the placement holds
+    when a change comes (`engines_fit`, or Ray's view of its cluster then)."""
+    size, declared = args.data_parallel_size, args.data_parallel_size_max
+    if declared is not None:
+        _need(args, declared >= size, "data_parallel_size_max",
+              f"must be at least data_parallel_size ({size})")
+        if autoscale is not None:
+            _need(args, declared >= autoscale.max_size, "data_parallel_size_max",
+                  f"must be at least the autoscale MAX ({autoscale.max_size})")
+    elif autoscale is not None:
+        declared = autoscale.max_size
+    asked = autoscale is not None or (declared or size) > size
+    if (asked or args.enable_elastic_ep) and not can_scale(args):
+        name = "data_parallel_size_max" if asked else "enable_elastic_ep"
+        raise ConfigError(f"{name}: scaling at run time (it, --enable-elastic-ep or "
+                          f"--data-parallel-autoscale) needs one host's engines (mp) or "
+                          f"Ray, not headless hosts or external/hybrid load balancing")
+    if args.enable_elastic_ep is False and asked:
+        raise ConfigError("enable_elastic_ep: --no-enable-elastic-ep cannot be combined "
+                          "with --data-parallel-size-max above --data-parallel-size or "
+                          "--data-parallel-autoscale")
+    elastic = args.enable_elastic_ep is not False and can_scale(args) and (
+        bool(args.enable_elastic_ep) or asked or size > 1)
+    return elastic, declared
+
+
+def num_experts(hf_config: Mapping[str, Any]) -> int:
+    """The routed experts of a mixture-of-experts model (0: a dense model)."""
+    return max(int(hf_config.get(k) or 0)
+               for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+
+
+def experts_fit(config: EngineConfig, engines: int) -> str | None:
+    """Expert parallelism: whether `engines` ranks each hold at least one expert per
+    tensor-parallel worker; None, or what is missing."""
+    if not config.parallel.enable_expert_parallel:
+        return None
+    tp, experts = config.parallel.tensor_parallel_size, num_experts(config.model.hf_config)
+    if engines * tp <= experts:
+        return None
+    return (f"{engines} engines x tensor_parallel_size {tp} = {engines * tp} expert-parallel "
+            f"workers, but the model has {experts} experts (one at least each)")
+
+
+def engines_fit(parallel: ParallelConfig, device: str, engines: int) -> str | None:
+    """Whether this host (mp backend) holds `engines` engines: None, or what is missing.
+
+    CUDA: tensor_parallel_size visible devices per engine (`worker_device`). CPU: the
+    cores per engine that placement gives it: --threads-per-engine (dpserve's share
+    of the cores when several engines start) and at least one per tensor-parallel
+    worker; an engine without a thread count needs one core."""
+    tp = parallel.tensor_parallel_size
+    if device == "cuda":
+        import torch
+
+        count = torch.cuda.device_count()
+        if engines * tp > count:
+            return (f"{engines} engines x tensor_parallel_size {tp} need {engines * tp} "
+                    f"CUDA devices; this host has {count} visible")
+        return None
+    threads = parallel.threads_per_engine
+    per = max(threads or 1, tp)
+    cores = len(_allowed_cores()) or os.cpu_count() or 1
+    if engines * per <= cores:
+        return None
+    why = (f"{per} each: --threads-per-engine {threads}" if threads and threads >= tp else
+           f"{per} each: one per tensor-parallel worker" if tp > 1 else "one each")
+    return (f"{engines} engines need {engines * per} CPU cores ({why}); this host has "
+            f"{cores}")
 
 
 def data_parallel_roles(args: PlacementArgs) -> tuple[int, int] | None:
@@ -315,6 +383,10 @@ def _parse_cores(text: str) -> tuple[int, ...]:
                               f"lists such as '0-3|4-7', one per local engine)")
         cores.extend(range(int(lo), int(hi if dash else lo) + 1))
     return tuple(sorted(set(cores)))
+
+
+def _allowed_cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
 
 def _format_cores(cores: list[int]) -> str:

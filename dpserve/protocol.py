@@ -465,6 +465,7 @@ class ScalePhase(str, enum.Enum):
     DONE = "done"
     FAILED = "failed"  # the launcher could not do it (the engine count is `old_size`)
     REJECTED = "rejected"  # another change was running (nothing done)
+    REFUSED = "refused"  # the placement cannot hold the new size (`message`: what is missing)
 
 
 class ScaleStatus(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -478,11 +479,13 @@ class ScaleStatus(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
 
 
 class ScaleResult(msgspec.Struct, tag="scale_result", array_like=True, gc=False):
-    """Launcher -> coordinator: change `scale_id` is done (`ok`) or failed (`message`)."""
+    """Launcher -> coordinator: change `scale_id` is done (`ok`) or failed (`message`);
+    `refused`: nothing was started, the placement cannot hold the new size."""
 
     scale_id: str
     ok: bool
     message: str = ""
+    refused: bool = False
 
 
 class RankEvent(msgspec.Struct, tag="rank", array_like=True, gc=False):

@@ -35,7 +35,8 @@ def servers(tiny_llama):
     model = str(tiny_llama)
     with serve_all([model, "--data-parallel-size", "2", "--api-server-count", "2",
                     "--enable-admin-api", "--allow-unauthenticated-admin"],
-                   [model, "--enable-admin-api", "--api-key", KEY, "--num-kv-blocks",
+                   [model, "--enable-admin-api", "--no-enable-elastic-ep", "--api-key", KEY,
+                    "--num-kv-blocks",
                     str(KV_BLOCKS), "--max-num-seqs", "2", "--max-num-queued-requests", "2"],
                    [model, "--data-parallel-size", "2", "--data-parallel-lockstep",
                     "--enable-admin-api", "--allow-unauthenticated-admin"],

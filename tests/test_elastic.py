@@ -7,6 +7,7 @@ the autoscaler."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import subprocess
 import sys
@@ -207,11 +208,15 @@ def test_without_the_flag_or_the_max(tiny_llama):
         for option, value in refused]
     try:
         with serve_all([model, *plain], [model, *plain, "--enable-admin-api",
-                                          "--allow-unauthenticated-admin"]) as [
-                (_, no_admin), (_, admin)]:
+                                          "--allow-unauthenticated-admin",
+                                          "--no-enable-elastic-ep"]) as [
+                (plain_proc, no_admin), (_, admin)]:
             assert _scale(no_admin, 2).status_code == 404  # no --enable-admin-api: no route
-            resp = _scale(admin, 1)  # no --data-parallel-size-max: the one engine stays
-            assert resp.status_code == 400 and "--data-parallel-size-max" in resp.text
+            # The default server starts nothing for scaling: no coordinator at DP=1.
+            names = process_names(descendants(plain_proc.pid))
+            assert "EngineCore_0" in names and "DPCoordinator" not in names, names
+            resp = _scale(admin, 1)  # --no-enable-elastic-ep: the one engine stays
+            assert resp.status_code == 400 and "--no-enable-elastic-ep" in resp.text
         for (option, _), cli in zip(refused, clis):
             _, stderr = cli.communicate(timeout=120)
             assert cli.returncode == 2, stderr
@@ -284,13 +289,15 @@ def test_autoscale_up_under_a_burst_and_down_when_idle(tiny_llama):
 
 @pytest.mark.alone
 def test_ray_scale_up_and_down(tiny_llama):
-    """The Ray backend: a new engine actor in a new placement group, then drained and
-    killed; streams run throughout and none is cut."""
+    """The Ray backend, with no ceiling declared: a new engine actor in a new placement
+    group, then drained and killed; streams run throughout and none is cut. A size
+    beyond the cluster's CPUs (one each; Ray counts at most this host's) is refused at
+    once, naming what is missing."""
     pytest.importorskip("ray")
     model = str(tiny_llama)
     expected = expected_greedy(model, PROMPTS)
     with serve(model, *ARGS, *FAULT_SEQS, "--data-parallel-backend", "ray",
-               "--data-parallel-size-max", "2", timeout=180) as (proc, url):
+               timeout=180) as (proc, url):
         texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 2), 0, "scale-up")
         assert resp.status_code == 200, resp.text
         assert texts == expected
@@ -299,6 +306,10 @@ def test_ray_scale_up_and_down(tiny_llama):
         before = finished_by_engine(url).get(1, 0)
         assert asyncio.run(complete_n(url, model, 4, rank=1)) == [200] * 4
         assert finished_by_engine(url)[1] - before == 4
+        beyond = _scale(url, os.cpu_count() + 1)
+        assert beyond.status_code == 409, beyond.text
+        assert re.search(r"cannot place DP rank \d+ .*missing: CPU", beyond.text), beyond.text
+        assert httpx.get(url + "/health", timeout=5).json()["data_parallel_size"] == 2
         texts, (resp,) = _streams_while(url, model, lambda: _scale(url, 1), 1, "scale-down")
         assert resp.status_code == 200, resp.text
         assert texts == expected

@@ -320,7 +320,8 @@ def test_without_a_coordinator_a_restarted_engine_gets_the_adapters(tiny_llama, 
     """DP=1, one API server: no coordinator, so no READY carries the registry; the
     engine client loads it into the restarted engine before a request names one."""
     with serve(str(tiny_llama), "--dtype", "float32", "--enable-lora", "--num-kv-blocks",
-               "64", "--enable-admin-api", "--allow-unauthenticated-admin") as (proc, url):
+               "64", "--enable-admin-api", "--allow-unauthenticated-admin",
+               "--no-enable-elastic-ep") as (proc, url):  # (the admin API would start one)
         resp = _post(url, "/v1/load_lora_adapter", {"lora_name": "b",
                                                      "lora_path": str(adapters["b"])})
         assert resp.status_code == 200, resp.text

@@ -95,6 +95,17 @@ def test_rank_zero_must_run_on_the_master_node():
                           use_total=True) == [busy_master]
 
 
+def test_ranks_added_by_scaling_may_run_off_the_master_and_are_named():
+    busy_master = RayNode(MASTER.node_id, MASTER.ip, MASTER.total, {"CPU": 0.0})
+    assert plan_placement([busy_master, BIG], MASTER.node_id, CPU1, 2, "fill",
+                          first_rank=3) == [BIG, BIG]
+    small = RayNode(SMALL.node_id, SMALL.ip, SMALL.total, {"CPU": 1.0})
+    with pytest.raises(RayPlacementError) as e:
+        plan_placement([busy_master, small], MASTER.node_id, CPU1, 2, "fill", first_rank=3)
+    assert "cannot place DP rank 4" in str(e.value) and "after ranks 3-3" in str(e.value)
+    assert "missing: CPU" in str(e.value)
+
+
 @pytest.mark.parametrize("bad", ["pack", "", "STRICT"])
 def test_pack_strategy_is_validated(bad, tiny_llama):
     with pytest.raises(ValueError, match="data_parallel_pack_strategy must be one of "

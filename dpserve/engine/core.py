@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from dpserve import tracing
@@ -44,7 +45,7 @@ _EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 UTILITY_METHODS = frozenset({"get_stats", "get_request_counts", "reset_prefix_cache",
                              "expert_info", "request_state_sizes", "tp_worker_info",
                              "add_lora", "remove_lora", "list_loras", "pin_lora",
-                             "start_profile", "stop_profile"})
+                             "start_profile", "stop_profile", "save_sharded_state"})
 
 
 class EngineCore:
@@ -300,6 +301,18 @@ class EngineCore:
     def stop_profile(self) -> list[str]:
         """End the session: the trace files written, one per worker (none: no session)."""
         return [path for path in self.executor.collective_rpc("stop_profile") if path]
+
+    def save_sharded_state(self, path: str, pattern: str | None = None,
+                           max_size: int | None = None) -> list[str]:
+        """Every worker of this rank writes its own shard of the weights to `path`, and
+        the model's other files (config, tokenizer) are copied there: a directory for
+        --load-format sharded_state at this tensor_parallel_size
+        (`dpserve.model.sharded_state`). The files written, worker by worker."""
+        from dpserve.model.sharded_state import copy_model_files
+
+        written = self.executor.collective_rpc("save_sharded_state", path, pattern, max_size)
+        copy_model_files(Path(self.config.model.path), Path(path))
+        return [f for files in written for f in files]
 
     def request_state_sizes(self) -> dict[str, int]:
         """Entries in every per-request structure of the scheduler, KV manager and model

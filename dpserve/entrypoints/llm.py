@@ -41,6 +41,7 @@ import sys
 import time
 import weakref
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from dpserve.config import ConfigError, EngineArgs, EngineConfig, ParallelConfig
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+_SAVE_TIMEOUT_S = 3600.0  # save_sharded_state through an engine process: reads and writes
 # A prompt is text, or {"prompt_token_ids": [...]} (optionally with "prompt").
 PromptType = str | dict[str, Any]
 
@@ -197,6 +199,20 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget cached prefixes (in every engine); False if requests still hold blocks."""
         return self._live_engine().reset_prefix_cache()
+
+    def save_sharded_state(self, path: str, pattern: str | None = None,
+                           max_size: int | None = None) -> list[str]:
+        """vLLM's: every tensor-parallel worker writes its own shard of the weights to
+        directory `path` (`model-rank-{rank}-part-{part}.safetensors`, a new part past
+        `max_size` bytes), with the model's config and tokenizer files; serve it with
+        `load_format="sharded_state"` at the same tensor_parallel_size. The files
+        written (`dpserve.model.sharded_state`)."""
+        engine = self._live_engine()
+        target = str(Path(path).resolve())  # the engines' working directory may differ
+        if isinstance(engine, SyncEngineClient):  # every DP rank holds the same shards
+            return engine.call_utility("save_sharded_state", target, pattern, max_size,
+                                       rank=0, timeout=_SAVE_TIMEOUT_S)
+        return engine.save_sharded_state(target, pattern, max_size)  # type: ignore[attr-defined]
 
     def get_stats(self, data_parallel_rank: int = 0) -> SchedulerStats:
         """A scheduler snapshot of one engine (`data_parallel_rank`, default 0)."""

@@ -67,6 +67,7 @@ from dpserve.launch.headless import run_headless_host
 from dpserve.launch.host import launch_engines
 from dpserve.launch.process import start_engine_forkserver, stop_engine_forkserver
 from dpserve.logging_utils import name_process, scrub_argv
+from dpserve.placement import can_scale
 from dpserve.server.auth import add_auth_args, check_admin_exposure
 from dpserve.server.batch_options import add_batch_args
 from dpserve.server.batch_store import init_batch_state
@@ -205,6 +206,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if options is None:
         return run_headless(args)
     engine_args = EngineArgs.from_cli(args)
+    if args.enable_admin_api and engine_args.enable_elastic_ep is None and can_scale(
+            engine_args):  # the scale route is served: ready to scale (a coordinator at DP=1)
+        engine_args = dataclasses.replace(engine_args, enable_elastic_ep=True)
     engine_args.check_options()  # a bad option fails before anything starts
     sock = _bind(args.host, args.port)  # before loading anything: fail fast, hold the port
     try:

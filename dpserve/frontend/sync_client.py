@@ -148,10 +148,14 @@ class SyncEngineClient:
         return self._call(self._client().call_utility("get_stats", engine=rank,
                                                       result_type=SchedulerStats))
 
-    def call_utility(self, method: str, *args: Any, rank: int = 0) -> Any:
-        """`EngineCore.<method>(*args)` in engine `rank` (e.g. "expert_info")."""
+    def call_utility(self, method: str, *args: Any, rank: int = 0,
+                     timeout: float = 30.0) -> Any:
+        """`EngineCore.<method>(*args)` in engine `rank` (e.g. "expert_info"), answered
+        within `timeout` s."""
         self._check_alive()
-        return self._call(self._client().call_utility(method, *args, engine=rank))
+        return self._call(self._client().call_utility(method, *args, engine=rank,
+                                                      timeout=timeout),
+                          max(_CALL_TIMEOUT_S, timeout + 5.0))
 
     def reset_prefix_cache(self) -> bool:
         self._check_alive()

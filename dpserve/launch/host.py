@@ -37,11 +37,13 @@ import msgspec
 
 from dpserve.config import ConfigError, EngineConfig
 from dpserve.launch.addresses import AddressAllocator, ZmqAddresses, url_host
+from dpserve.launch.coordinator.autoscale import NO_CEILING
 from dpserve.launch.engines import EngineProcManager, RejoinServer
 from dpserve.launch.kv_store import KVStore, start_kv_store
 from dpserve.launch.rendezvous import RendezvousServer, ask_rendezvous
-from dpserve.launch.scaler import Scaler
+from dpserve.launch.scaler import CapacityError, Scaler
 from dpserve.launch.supervisor import OnStatus, Supervisor
+from dpserve.placement import engines_fit, experts_fit
 from dpserve.protocol import (
     EngineInitMetadata,
     HandshakeReady,
@@ -77,6 +79,7 @@ class EngineLaunch:
     kv_store: KVStore | None = None  # this host's KV tier (--kv-offload-memory)
     tenant_limits: TenantLimits | None = None  # --tenant-limits: the coordinator's ledger
     tenant_address: str | None = None  # ... where the API servers reach it (None: none)
+    config: EngineConfig | None = None  # what the engines run with (scaling checks room)
 
     @property
     def processes(self) -> list[BaseProcess]:
@@ -110,15 +113,42 @@ class EngineLaunch:
         if config.parallel.elastic and self.coordinator_address is not None:
             self.scaler = Scaler(self, config)
 
+    def check_room(self, size: int) -> None:
+        """CapacityError when the engines cannot number `size`: each needs an expert
+        per worker (expert parallelism), and on this host (mp backend) the cores or
+        CUDA devices placement gives it (`placement.engines_fit`), unless the operator
+        declared a ceiling (--data-parallel-size-max, the autoscale MAX): then they
+        share them, as engines started beyond the cores do. Ray checks its cluster
+        when the ranks are placed (`add_engines`)."""
+        config = self.config
+        assert config is not None
+        p = config.parallel
+        missing = experts_fit(config, size)
+        if missing is None and p.data_parallel_backend != "ray":
+            missing = engines_fit(p, config.device, size)
+            if missing is not None and p.data_parallel_size_max is not None:
+                logger.warning("scaling to %d engines under the declared ceiling of %d: "
+                               "they share the host (%s)", size, p.data_parallel_size_max,
+                               missing)
+                return
+        if missing is not None:
+            raise CapacityError(missing)
+
     def add_engines(self, ranks: list[int]) -> None:
         """Start engines for new `ranks` (scaling up), READY when this returns; on
-        failure none of them is left running (EngineStartupError)."""
+        failure none of them is left running (EngineStartupError; CapacityError when
+        Ray's cluster cannot place them)."""
+        from dpserve.launch.ray_placement import RayPlacementError
+
         assert self.manager is not None and self.init is not None
         self.init = msgspec.structs.replace(self.init, dp_size=max(ranks) + 1)
         coordinator = [self.coordinator.proc] if self.coordinator and self.coordinator.proc \
             else []
-        self.ready.update(self.manager.add_ranks(ranks, self.init, self.ready_timeout,
-                                                 also_watch=coordinator))
+        try:
+            self.ready.update(self.manager.add_ranks(ranks, self.init, self.ready_timeout,
+                                                     also_watch=coordinator))
+        except RayPlacementError as e:
+            raise CapacityError(str(e)) from None
         self.ranks = tuple(sorted({*self.ranks, *ranks}))
         if self.supervisor is not None:
             for rank in ranks:
@@ -185,6 +215,7 @@ def launch_engines(config: EngineConfig, num_clients: int = 1,
                           tenant_limits=tenant_limits)
     try:
         config, launch.kv_store = start_kv_store(config, launch.allocator)
+        launch.config = config
         if p.data_parallel_backend == "ray":
             _launch_ray(launch, config, num_clients, ready_timeout)
         elif p.local_lb:
@@ -202,7 +233,7 @@ def _needs_coordinator(config: EngineConfig, num_clients: int,
     """Several engines, elastic DP, or LoRA or tenant limits with several API servers
     (the coordinator holds the adapter registry and the tenant ledger that every API
     server must see)."""
-    p = config.parallel
+    p = config.parallel  # elastic: at DP=1 only when asked (`placement.elastic_scaling`)
     return p.data_parallel_size > 1 or p.elastic or (
         (config.lora is not None or tenants) and num_clients > 1)
 
@@ -225,7 +256,8 @@ def _start_coordinator(launch: EngineLaunch, config: EngineConfig, ready_timeout
                                 heartbeat_timeout_s=p.engine_heartbeat_timeout,
                                 stall_timeout_s=p.engine_stall_timeout,
                                 dp_store=dp_store if p.data_parallel_lockstep else None,
-                                size_max=p.data_parallel_size_max if p.elastic else None,
+                                size_max=(p.data_parallel_size_max or NO_CEILING)
+                                if p.elastic else None,
                                 autoscale=p.autoscale if p.elastic else None,
                                 # the LoRA registry starts with --lora-modules
                                 loras=dict(config.lora.modules) if config.lora else None,

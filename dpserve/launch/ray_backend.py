@@ -164,7 +164,8 @@ class RayEngineManager:
     def _place(self, ranks_per_node: int | None, timeout: float,
                ranks: list[int] | None = None) -> None:
         """Plan, then one STRICT_PACK placement group per rank (default: every rank;
-        scaling up: the new ones) pinned to its node."""
+        scaling up: the new ones, on the resources free now, else refused at once)
+        pinned to its node."""
         import ray
         from ray.util.placement_group import placement_group
 
@@ -174,9 +175,12 @@ class RayEngineManager:
         self.master_node_id = master.node_id
         need = rank_needs(self.bundles)
         args = (nodes, master.node_id, need, len(ranks), self.pack_strategy)
+        first = ranks[0] if ranks else 0
         try:
-            plan = plan_placement(*args, ranks_per_node=ranks_per_node)
+            plan = plan_placement(*args, ranks_per_node=ranks_per_node, first_rank=first)
         except RayPlacementError as busy:  # maybe resources in use (or a stale view): wait
+            if first:  # scaling up: what the cluster holds now decides
+                raise
             plan = plan_placement(*args, ranks_per_node=ranks_per_node, use_total=True)
             logger.info("placing on resources in use now, waiting up to %.0f s: %s",
                         timeout, busy)
@@ -353,7 +357,8 @@ class RayEngineManager:
                   also_watch: Sequence[BaseProcess] = ()) -> dict[int, HandshakeReady]:
         """Scaling up: a new placement group and engine actor per rank of `ranks`
         (`init`: this manager's from now on), READY and running when this returns;
-        on failure they are removed again and EngineStartupError raised."""
+        on failure they are removed again and EngineStartupError (RayPlacementError
+        when the cluster cannot hold them) raised."""
         import ray
 
         self.init = init
@@ -373,10 +378,7 @@ class RayEngineManager:
                 for rank, actor in actors.items():
                     self._run_refs[rank] = actor.run.remote()
             return ready
-        except RayPlacementError as e:
-            self._drop_ranks(ranks, ray)
-            raise EngineStartupError(str(e)) from None
-        except BaseException:
+        except BaseException:  # RayPlacementError: the cluster cannot hold them (refused)
             self._drop_ranks(ranks, ray)
             raise
 

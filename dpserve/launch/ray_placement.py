@@ -111,8 +111,9 @@ def room(free: dict[str, float], need: dict[str, float]) -> int:
 
 def plan_placement(nodes: Sequence[RayNode], master_id: str, need: dict[str, float],
                    num_ranks: int, strategy: str, *, ranks_per_node: int | None = None,
-                   use_total: bool = False) -> list[RayNode]:
-    """The node of each rank 0..num_ranks-1 (module docstring: pack strategies).
+                   use_total: bool = False, first_rank: int = 0) -> list[RayNode]:
+    """The node of each rank first_rank..first_rank+num_ranks-1 (module docstring:
+    pack strategies; ranks added by scaling, first_rank > 0, may run on any node).
 
     Plans on the nodes' free resources (`use_total`: on all they have).
     Raises RayPlacementError naming the first rank that does not fit, what it
@@ -137,21 +138,21 @@ def plan_placement(nodes: Sequence[RayNode], master_id: str, need: dict[str, flo
         else:  # strict/span: its whole share, or none
             share = min(per_node, left)
             take = share if fits >= share else 0
-        if node is master and take == 0:
+        if node is master and take == 0 and first_rank == 0:
             break  # rank 0 runs on the master node, or nowhere
         for _ in range(take):
             plan.append(node)
             for key, amount in need.items():
                 free[node.node_id][key] = free[node.node_id].get(key, 0.0) - amount
     if len(plan) < num_ranks:
-        raise RayPlacementError(_unplaceable(len(plan), order, free, need, strategy, per_node,
-                                             use_total))
+        raise RayPlacementError(_unplaceable(first_rank + len(plan), order, free, need,
+                                             strategy, per_node, use_total, first_rank))
     return plan
 
 
 def _unplaceable(rank: int, order: list[RayNode], left: dict[str, dict[str, float]],
                  need: dict[str, float], strategy: str, per_node: int | None,
-                 use_total: bool) -> str:
+                 use_total: bool, first_rank: int = 0) -> str:
     rule = {"fill": "", "span": ", one rank per node",
             "strict": f", {per_node} rank(s) per node"}[strategy]
     where = "on the DP master node (where the launcher runs)" if rank == 0 else "on one node"
@@ -160,7 +161,8 @@ def _unplaceable(rank: int, order: list[RayNode], left: dict[str, dict[str, floa
     if not missing:  # strict/span: room enough, but not for a whole share on a new node
         missing = f"another node (the cluster has {len(order)})"
     counted = "counting everything the cluster has" if use_total else "free now"
-    after = f"after ranks 0-{rank - 1}" if rank else "before any rank"
+    after = f"after ranks {first_rank}-{rank - 1}" if rank > first_rank else (
+        "before any rank" if rank == 0 else f"before rank {rank}")
     nodes = "; ".join(n.describe(need, left[n.node_id], i == 0) for i, n in enumerate(order))
     return (f"cannot place DP rank {rank} (pack strategy {strategy!r}{rule}): it needs "
             f"{need} {where}; missing: {missing}. Left per "

@@ -20,8 +20,11 @@ the autoscaler), one at a time; the coordinator rejects a second meanwhile:
                   ScaleEngines(N): the tables shrink (lockstep: a generation
                   without them), then the engines are stopped.
 
-A failed start stops the new engines and shrinks the tables back (FAILED);
-every result goes back as `ScaleResult`. Every wait is bounded.
+Before anything starts, a size this host cannot hold (`placement.engines_fit`:
+cores or CUDA devices; under Ray, a rank its cluster cannot place) is refused
+(REFUSED, the message says what is missing). A failed start stops the new
+engines and shrinks the tables back (FAILED); every result goes back as
+`ScaleResult`. Every wait is bounded.
 
 Not here: validation of the size and the one-at-a-time rule (the
 coordinator's `dpserve.launch.coordinator.autoscale.ScaleBook`), HTTP (`dpserve.server.scale`).
@@ -65,14 +68,24 @@ class ScaleError(RuntimeError):
     """A change of the engine count failed (the message says why)."""
 
 
+class CapacityError(ScaleError):
+    """The placement cannot hold the new engine count (the message says what is
+    missing); nothing was started."""
+
+
 class ScalableHost(Protocol):
     """What the Scaler needs of the host's launch (`dpserve.launch.host.EngineLaunch`)."""
 
     coordinator_address: str | None  # the coordinator's front XPUB
     ranks: tuple[int, ...]  # the engines this host's front-ends send to
 
+    def check_room(self, size: int) -> None:
+        """CapacityError when this host cannot hold `size` engines (mp backend)."""
+        ...
+
     def add_engines(self, ranks: list[int]) -> None:
-        """Start engines for new `ranks`, READY when this returns (raises otherwise)."""
+        """Start engines for new `ranks`, READY when this returns (raises otherwise;
+        CapacityError when the placement, e.g. Ray's cluster, cannot hold them)."""
         ...
 
     def remove_engine(self, rank: int, timeout: float) -> None:
@@ -153,6 +166,10 @@ class Scaler:
             elif new < old:
                 self._down(old, new)
             ok, message = True, ""
+        except CapacityError as e:
+            logger.warning("not scaling from %d to %d engines: %s", old, new, e)
+            self._send(ScaleResult(scale.scale_id, False, str(e), refused=True))
+            return
         except Exception as e:  # noqa: BLE001 - a failed change is an answer, not a crash
             logger.error("scaling from %d to %d engines failed: %s", old, new, e)
             ok, message = False, f"{type(e).__name__}: {e}" if not isinstance(
@@ -166,6 +183,7 @@ class Scaler:
 
     def _up(self, old: int, new: int) -> None:
         ranks = list(range(old, new))
+        self.launch.check_room(new)  # first: a refused change touches nothing
         self._send(ScaleEngines(new))  # the new ranks are STARTING everywhere
         try:
             self.launch.add_engines(ranks)

@@ -76,7 +76,7 @@ class ModelRunner:
         # dp_rank * tp + tp_rank of dp_size * tp); the engine process hands worker
         # 0 the lockstep DP group (`ExpertParallel.group_source`), its TP peers none.
         size = config.parallel.data_parallel_size * self.tp.size
-        elastic = config.parallel.data_parallel_size_max > 1  # the size may change later
+        elastic = config.parallel.elastic  # the size may change later
         self.expert_parallel = (ExpertParallel(dp_rank * self.tp.size + self.tp.rank, size,
                                                self.tp)
                                 if config.parallel.enable_expert_parallel
@@ -101,17 +101,39 @@ class ModelRunner:
         # Torch profiler sessions on an operator's call (--profile-dir, /start_profile).
         self.profiler = Profiler(config.profile_dir, dp_rank, self.tp.rank, self.device)
 
-    def _load_model(self) -> Any:
-        """Build the model and read its weights from the checkpoint."""
+    def _read_model(self, device: torch.device) -> Any:
+        """The model on `device` with this worker's weights, as the checkpoint has them:
+        from the HF files (sliced for this worker), or its own sharded-state files."""
         from dpserve.model.loader import iter_weights
+        from dpserve.model.sharded_state import load_shard
 
         extra: dict[str, Any] = ({"ep": self.expert_parallel}
                                  if self.expert_parallel is not None else {})
         if self.tp.size > 1:
             extra["tp"] = self.tp
         model = get_model_class(self.config.model.architecture)(
-            self.config.model.hf_config, self.dtype, self.device, **extra)
-        model.load_weights(iter_weights(Path(self.config.model.path)))
+            self.config.model.hf_config, self.dtype, device, **extra)
+        if self.config.model.load_format == "sharded_state":
+            load_shard(model, Path(self.config.model.path), self.tp.rank)
+        else:
+            model.load_weights(iter_weights(Path(self.config.model.path)))
+        return model
+
+    def save_sharded_state(self, path: str, pattern: str | None = None,
+                           max_size: int | None = None) -> list[str]:
+        """Write this worker's weights, as loaded (before quantising or packing: read
+        again, on the host), to `path` (`dpserve.model.sharded_state`); the files."""
+        from dpserve.model.sharded_state import save_shard
+
+        if self.expert_parallel is not None:
+            raise ValueError("save_sharded_state does not cover expert parallelism (a "
+                             "worker's experts depend on the DP size)")
+        model = self._read_model(torch.device("cpu"))
+        return save_shard(model, Path(path), self.tp.rank, pattern, max_size)
+
+    def _load_model(self) -> Any:
+        """Build the model and read its weights from the checkpoint."""
+        model = self._read_model(self.device)
         lora = self.config.lora
         if lora is not None:  # empty slots, their hooks on the layers' linears
             self.lora_slots = LoRASlots(model, lora.max_loras, lora.max_lora_rank,

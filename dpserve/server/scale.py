@@ -8,7 +8,10 @@ the change is done:
     200  {"message", "old_data_parallel_size", "new_data_parallel_size"}
     400  N is not a whole number, < 1, above --data-parallel-size-max, or this
          server cannot change its engine count (OpenAI-shaped error body)
-    409  another change runs (code "scale_in_progress")
+    409  another change runs (code "scale_in_progress"), or the placement cannot
+         hold N engines: the cores or CUDA devices of this host, the Ray cluster's
+         resources, as they are when the request comes (code "insufficient_capacity",
+         the message says what is missing; no ceiling need be declared at start)
     503  the change failed (e.g. a new engine did not start; the size is the old one)
 
 Mounted only with `--enable-admin-api`; behind the API key like every route, and
@@ -47,9 +50,9 @@ def scale_router(async_llm: AsyncLLM) -> APIRouter:
     async def scale_elastic_ep(request: Request) -> JSONResponse:
         size = _parse_size(await request.body(), size_max)
         if not parallel.elastic or not cluster.elastic:
-            raise APIError(400, "this server cannot change its engine count: start it with "
-                           "--data-parallel-size-max M (M > 1), one host's engines or Ray",
-                           param=_SIZE_FIELD)
+            raise APIError(400, "this server cannot change its engine count: it was started "
+                           "with --no-enable-elastic-ep, or its engines span hosts without "
+                           "Ray", param=_SIZE_FIELD)
         try:
             answer = await cluster.request_scale(size, timeout)
         except TimeoutError as e:
@@ -58,6 +61,9 @@ def scale_router(async_llm: AsyncLLM) -> APIRouter:
             raise APIError(409, f"cannot scale to {size} now: {answer.message}; retry when "
                            f"it is done", type="invalid_request_error",
                            code="scale_in_progress")
+        if answer.phase is ScalePhase.REFUSED:
+            raise APIError(409, f"cannot scale to {size} engines: {answer.message}",
+                           type="invalid_request_error", code="insufficient_capacity")
         if answer.phase is ScalePhase.FAILED:
             raise APIError(503, f"scaling to {size} engines failed: {answer.message}",
                            type="server_error", code="scale_failed")
@@ -68,7 +74,7 @@ def scale_router(async_llm: AsyncLLM) -> APIRouter:
     return router
 
 
-def _parse_size(body: bytes, size_max: int) -> int:
+def _parse_size(body: bytes, size_max: int | None) -> int:
     """`new_data_parallel_size` from the body, or a 400 that says what is wrong."""
     try:
         data = json.loads(body or b"null")
@@ -85,7 +91,10 @@ def _parse_size(body: bytes, size_max: int) -> int:
     if isinstance(size, bool) or not isinstance(size, int):
         raise APIError(400, f"{_SIZE_FIELD} must be a whole number, got {size!r}",
                        param=_SIZE_FIELD)
-    if not 1 <= size <= size_max:
+    if size < 1:
+        raise APIError(400, f"{_SIZE_FIELD} must be at least 1, got {size}",
+                       param=_SIZE_FIELD)
+    if size_max is not None and size > size_max:
         raise APIError(400, f"{_SIZE_FIELD} must be in [1, {size_max}] "
                        f"(--data-parallel-size-max), got {size}", param=_SIZE_FIELD)
     return size

@@ -5,7 +5,9 @@ Scope (inside the coordinator process, no sockets here):
   `ScaleRequest` becomes PENDING (the launcher's `dpserve.launch.scaler` takes
   it), or is answered at once: DONE when the size is already that, REJECTED
   while another change runs, FAILED for a size out of [1, size_max]. The
-  launcher's `ScaleResult` ends it (DONE / FAILED).
+  launcher's `ScaleResult` ends it (DONE / FAILED, or REFUSED when the
+  placement cannot hold the new size: the launcher checks that, as no ceiling
+  need be declared).
 * `Autoscaler` (`--data-parallel-autoscale MIN:MAX`): from the engines' load
   counts, one rank more when the mean number of waiting requests per serving
   rank stays above `up_queue` (or, with `up_ttft_s`, a serving rank's recent
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 
 from dpserve.config import AutoscaleConfig
 from dpserve.protocol import (
@@ -36,6 +39,8 @@ from dpserve.protocol import (
 )
 
 logger = logging.getLogger(__name__)
+
+NO_CEILING = sys.maxsize  # ScaleBook.size_max when no ceiling was declared
 
 
 class Autoscaler:
@@ -90,7 +95,8 @@ class Autoscaler:
 class ScaleBook:
     """The change of the engine count that runs (at most one), and the last one.
 
-    `size_max`: the largest size a change may reach (None: no run-time scaling).
+    `size_max`: the largest size a change may reach (`NO_CEILING`: none declared, the
+    launcher refuses what the placement cannot hold; None: no run-time scaling).
     """
 
     def __init__(self, size_max: int | None, autoscale: AutoscaleConfig | None = None) -> None:
@@ -117,7 +123,8 @@ class ScaleBook:
             answer.phase, answer.message = ScalePhase.FAILED, "scaling at run time is off"
         elif not 1 <= n <= self.size_max:
             answer.phase = ScalePhase.FAILED
-            answer.message = f"new size {n} is not in [1, {self.size_max}]"
+            answer.message = (f"new size {n} is not in [1, {self.size_max}]"
+                              if self.size_max != NO_CEILING else f"new size {n} is below 1")
         elif self.busy:
             assert self.status is not None
             answer.message = (f"a change from {self.status.old_size} to "
@@ -141,9 +148,10 @@ class ScaleBook:
         if status is None or status.scale_id != result.scale_id or not self.busy:
             logger.warning("result of an unknown scale %s dropped", result.scale_id)
             return
-        self.status = ScaleStatus(status.scale_id,
-                                  ScalePhase.DONE if result.ok else ScalePhase.FAILED,
-                                  status.old_size, status.new_size, result.message)
+        phase = (ScalePhase.DONE if result.ok else
+                 ScalePhase.REFUSED if result.refused else ScalePhase.FAILED)
+        self.status = ScaleStatus(status.scale_id, phase, status.old_size, status.new_size,
+                                  result.message)
         self._ended_at = now
         if self.autoscaler is not None:
             self.autoscaler.reset(now)
