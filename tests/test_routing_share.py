@@ -99,6 +99,13 @@ def test_only_several_api_servers_send_their_placements(ctx, share):
     assert {rank for rank, _ in placed} == {0, 1}  # new prefixes spread
 
 
+async def _until(check, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting: {what}"
+        await asyncio.sleep(0.01)
+
+
 @pytest.mark.procs
 def test_a_prefix_placed_through_one_client_is_placed_alike_by_another(make_coordinator,
                                                                        ctx):
@@ -115,11 +122,9 @@ def test_a_prefix_placed_through_one_client_is_placed_alike_by_another(make_coor
                                      coordinator_address=coord.front_publish_address)
                    for i in range(2)]
         try:
+            await _until(lambda: all(c.news.info_updates for c in clients), "subscribed")
             first = clients[0]._choose_engine(request(prompt(7, 0))).rank
-            deadline = time.monotonic() + 10
-            while clients[1].router.learnt == 0:
-                assert time.monotonic() < deadline, "client 1 never heard of the prefix"
-                await asyncio.sleep(0.01)
+            await _until(lambda: clients[1].router.learnt, "client 1 heard of the prefix")
             follow_up = clients[1]._choose_engine(request(prompt(7, 1))).rank
             unshared = Router("cache-aware", client_index=1, block_size=BS)
             alone = unshared.choose(list(clients[1].engines.values()), request(prompt(7, 1)),

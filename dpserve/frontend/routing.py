@@ -44,8 +44,10 @@ Policies (`LOAD_BALANCE_POLICIES`):
   prefix too). With no such prefix anywhere (a new session), the rank with the
   smallest record among those not hot (ties: the least loaded), so new prefixes
   spread over the ranks' caches even when loads tie (light load); SGLang does
-  the same. Remaining ties: scanning from this client's own index. A rank
-  that dies or restarts is forgotten (its cache is gone).
+  the same. A named tenant's new prefix goes instead to its next turn, as with
+  `least-loaded` (so the per-rank fair shares add up under the default too).
+  Remaining ties: scanning from this client's own index. A rank that dies or
+  restarts is forgotten (its cache is gone).
 
 The KV host tier (`cache-aware`, `--kv-offload-memory`: every host runs a store
 that all its ranks save full blocks to and load from, `dpserve.kv_tier`): the
@@ -379,7 +381,7 @@ class Router:
         if request.lora_name is not None:
             candidates = self._warmest(live, request.lora_name, least, view)
         chosen = self._cache_aware(candidates, chain, len(request.prompt_token_ids), least,
-                                   view)
+                                   view, request.tenant)
         self.record(chosen, chain)
         if request.lora_name is not None:
             self.adapter_warm += self.adapters.tier(chosen, request.lora_name) >= CACHED
@@ -468,7 +470,8 @@ class Router:
         return load - floor > opts.balance_abs and load > floor * opts.balance_rel
 
     def _cache_aware(self, live: Sequence[RankLoad], chain: Sequence[BlockHash],
-                     num_tokens: int, least: RankLoad, view: LoadView) -> RankLoad:
+                     num_tokens: int, least: RankLoad, view: LoadView,
+                     tenant: str | None = None) -> RankLoad:
         """The rank with the longest remembered prefix (ties: the least loaded) if it
         covers `cache_threshold` of the prompt and is not hot; else the rule for new
         prefixes or hot ranks (module docstring)."""
@@ -490,6 +493,8 @@ class Router:
             return least
         self.load_routed += 1
         cool = [e for e in live if not self._hot(loads[e.rank], floor)]
+        if tenant is not None and tenant != ANONYMOUS_TENANT and least in cool:
+            return self._spread(cool, least, view, tenant)  # a named tenant's, in turn
         return min(cool, key=lambda e: (self.tracker.size(e.rank), loads[e.rank],
                                         self._scan(e)))
 
