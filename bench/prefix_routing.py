@@ -330,7 +330,7 @@ def markdown(args: argparse.Namespace, outcomes: list[Outcome]) -> str:
             f"rounds of turns, concurrency {args.concurrency}; each engine `--num-kv-blocks "
             f"{kv_blocks(args)}` (block size {BLOCK_SIZE}): {math.ceil(args.sessions / 2)} "
             f"of the {args.sessions} prefixes plus room for the running turns")
-    example = Row(args.workloads[0], max(args.api_server_counts), "1", "POLICY")
+    example = Row(args.workloads[0], max(args.api_server_counts), args.threads[0], "POLICY")
     lines += [f"- server (e.g.): `dpserve serve [MODEL] --port PORT "
               f"{shlex.join(serve_options(args, example))}`; `default` rows give no "
               f"--load-balance, threads `default` no --threads-per-engine",
