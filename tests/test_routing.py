@@ -215,6 +215,16 @@ def test_cache_aware_takes_a_named_tenants_new_prefixes_in_turn():
     assert choose(None, 5) == 1  # anonymous: the smaller record
 
 
+def test_cache_aware_places_a_prompt_under_one_block_by_load_alone():
+    """No block to spread: the record sizes do not count, the loads do (as least-loaded)."""
+    router = Router("cache-aware", block_size=BS)
+    live = engines(2)
+    router.record(live[1], router.tracker.hashes(prompt(9, 0)))  # rank 0: the smaller record
+    live[0].waiting = 1
+    assert router.choose(live, request([1, 2, 3]), balanced=True).rank == 1
+    assert router.choose(live, request(prompt(3, 0)), balanced=True).rank == 0  # a new prefix
+
+
 def test_an_unknown_policy_is_a_value_error():
     with pytest.raises(ValueError, match="least-loaded, round-robin, cache-aware"):
         Router("random")

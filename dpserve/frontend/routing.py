@@ -44,7 +44,8 @@ Policies (`LOAD_BALANCE_POLICIES`):
   prefix too). With no such prefix anywhere (a new session), the rank with the
   smallest record among those not hot (ties: the least loaded), so new prefixes
   spread over the ranks' caches even when loads tie (light load); SGLang does
-  the same. A named tenant's new prefix goes instead to its next turn, as with
+  the same (a prompt shorter than a block, which leaves none, by load alone). A
+  named tenant's new prefix goes instead to its next turn, as with
   `least-loaded` (so the per-rank fair shares add up under the default too).
   Remaining ties: scanning from this client's own index. A rank that dies or
   restarts is forgotten (its cache is gone).
@@ -495,8 +496,9 @@ class Router:
         cool = [e for e in live if not self._hot(loads[e.rank], floor)]
         if tenant is not None and tenant != ANONYMOUS_TENANT and least in cool:
             return self._spread(cool, least, view, tenant)  # a named tenant's, in turn
-        return min(cool, key=lambda e: (self.tracker.size(e.rank), loads[e.rank],
-                                        self._scan(e)))
+        # (a prompt under one block leaves no block anywhere: by load alone)
+        return min(cool, key=lambda e: (self.tracker.size(e.rank) if chain else 0,
+                                        loads[e.rank], self._scan(e)))
 
     def _tier_aware(self, live: Sequence[RankLoad], chain: Sequence[BlockHash],
                     num_tokens: int, matched: dict[int, int], loads: dict[int, int],
