@@ -142,7 +142,12 @@ async def _send_facts(link: CoordinatorLink, outbox: PrefixOutbox, client_index:
         await pending.wait()
         pending.clear()
         facts = outbox.take(client_index)
-        if facts is not None and not link.send_nowait(facts):
+        try:
+            sent = facts is None or link.send_nowait(facts)
+        except zmq.ZMQError as e:  # the socket is closing (shutdown): nothing more to share
+            logger.debug("front-end %d: prefix sharing stops: %s", client_index, e)
+            return
+        if not sent:
             dropped += 1
             if dropped in (1, 10, 100) or dropped % 1000 == 0:
                 logger.warning("front-end %d: %d prefix-sharing message(s) dropped (the "
