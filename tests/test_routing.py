@@ -225,6 +225,17 @@ def test_cache_aware_places_a_prompt_under_one_block_by_load_alone():
     assert router.choose(live, request(prompt(3, 0)), balanced=True).rank == 0  # a new prefix
 
 
+def test_a_new_prefix_goes_to_the_smaller_record_only_among_nearly_idle_ranks():
+    router = Router("cache-aware", block_size=BS)
+    live = engines(2)
+    router.record(live[0], router.tracker.hashes(prompt(9, 0)))  # rank 1: the smaller record
+    live[1].running = 8  # two waiting requests' worth busier: still near
+    assert router.choose(live, request(prompt(1, 0)), balanced=True).rank == 1
+    live[1].running = 9  # past the slack (8) over rank 0's 0: by load
+    router.forget(1)
+    assert router.choose(live, request(prompt(2, 0)), balanced=True).rank == 0
+
+
 def test_an_unknown_policy_is_a_value_error():
     with pytest.raises(ValueError, match="least-loaded, round-robin, cache-aware"):
         Router("random")

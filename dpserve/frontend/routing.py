@@ -42,9 +42,11 @@ Policies (`LOAD_BALANCE_POLICIES`):
   prefix covers at least `cache_threshold` of the prompt and the rank is not
   hot; when it is hot, the least-loaded rank (which from then on holds the
   prefix too). With no such prefix anywhere (a new session), the rank with the
-  smallest record among those not hot (ties: the least loaded), so new prefixes
-  spread over the ranks' caches even when loads tie (light load); SGLang does
-  the same (a prompt shorter than a block, which leaves none, by load alone). A
+  smallest record among those within `new_prefix_slack` (two waiting requests)
+  of the least loaded (ties: the least loaded), so new prefixes spread over the
+  ranks' caches when loads (nearly) tie, as SGLang's smallest tree does, and go
+  by load otherwise (a prompt shorter than a block, which leaves none, by load
+  alone). A
   named tenant's new prefix goes instead to its next turn, as with
   `least-loaded` (so the per-rank fair shares add up under the default too).
   Remaining ties: scanning from this client's own index. A rank that dies or
@@ -192,6 +194,10 @@ class CacheAwareOptions:
     # least-loaded rank reaching the prefix through the tier by at most this (one
     # waiting request): moving costs a block copy from host memory, not a prefill.
     tier_balance_abs: int = 4
+    # A new prefix (no match) goes to the smallest record among the ranks within this
+    # much load of the least loaded (two waiting requests): caches fill evenly at light
+    # load, and a uniform load without shared prefixes is placed as by least-loaded.
+    new_prefix_slack: int = 8
 
 
 class AdapterTracker:
@@ -497,8 +503,9 @@ class Router:
         if tenant is not None and tenant != ANONYMOUS_TENANT and least in cool:
             return self._spread(cool, least, view, tenant)  # a named tenant's, in turn
         # (a prompt under one block leaves no block anywhere: by load alone)
-        return min(cool, key=lambda e: (self.tracker.size(e.rank) if chain else 0,
-                                        loads[e.rank], self._scan(e)))
+        near = [e for e in cool if loads[e.rank] <= floor + self.options.new_prefix_slack]
+        return min(near or cool, key=lambda e: (self.tracker.size(e.rank) if chain else 0,
+                                                loads[e.rank], self._scan(e)))
 
     def _tier_aware(self, live: Sequence[RankLoad], chain: Sequence[BlockHash],
                     num_tokens: int, matched: dict[int, int], loads: dict[int, int],
