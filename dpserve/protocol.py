@@ -285,7 +285,9 @@ class HandshakeReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 #     front-ends and the launcher -> coordinator: a CoordinatorRequest
 #     (WakeEngines | ScaleEngines | RankEvent | ScaleRequest | ScaleResult |
 #     ControlChange | RankControl); launchers (their supervisors) read the updates
-#     too, for `CoordinatorUpdate.restart`.
+#     too, for `CoordinatorUpdate.restart`. API servers (several, cache-aware) also
+#     send PrefixFacts, which the coordinator relays in a CoordinatorUpdate (its
+#     `prefixes`) to every front-end, or drops when over its caps.
 # Scaling at run time (dpserve.launch.scaler): a front-end's ScaleRequest ->
 #     the coordinator publishes ScaleStatus PENDING (or REJECTED while another
 #     runs) -> the launcher starts engines (ScaleEngines first: new ranks are
@@ -421,6 +423,22 @@ class RestartRank(msgspec.Struct, array_like=True, gc=False):
     incarnation: int
 
 
+# The most block hashes one PrefixFacts carries (2048 of 32 bytes: about 66 KB).
+MAX_PREFIX_FACTS = 2048
+
+
+class PrefixFacts(msgspec.Struct, tag="prefixes", array_like=True, gc=False):
+    """API server -> coordinator -> every API server (`--load-balance cache-aware` with
+    several API servers): the prompt blocks one API server's router placed lately, so
+    the others' routers record them too (`dpserve.frontend.prefix_record`). The
+    coordinator relays it as `CoordinatorUpdate.prefixes`, or drops it when it is over
+    its caps (`MAX_PREFIX_FACTS` hashes: `dpserve.launch.coordinator.prefix_relay`)."""
+
+    client_index: int  # the sender (its own relayed facts are skipped)
+    ranks: list[int]  # [n] one rank per run of blocks
+    blocks: list[list[bytes]]  # [n] block hashes placed on ranks[i], least recent first
+
+
 class CoordinatorUpdate(msgspec.Struct, array_like=True, gc=False):
     """Coordinator -> front-ends: engine load and the global wave state."""
 
@@ -437,6 +455,7 @@ class CoordinatorUpdate(msgspec.Struct, array_like=True, gc=False):
     autoscale_decisions: list[int] | None = None  # [up, down] the autoscaler made, in total
     # The DP-wide LoRA adapter registry, name -> path (None: LoRA off); in every publish.
     loras: dict[str, str] | None = None
+    prefixes: PrefixFacts | None = None  # another API server's placements (relayed)
 
 
 class WakeEngines(msgspec.Struct, tag="wake", array_like=True, gc=False):

@@ -198,6 +198,44 @@ def test_least_loaded_spreads_each_named_tenant_over_equally_busy_ranks():
     assert {choose(None), choose("default")} == {0}
 
 
+def test_cache_aware_takes_a_named_tenants_new_prefixes_in_turn():
+    """The default balancer keeps least-loaded's tenant spread for new prefixes (each
+    tenant's requests alternate over equally busy ranks, whatever the records' sizes),
+    and a known prefix still goes where it is."""
+    router = Router("cache-aware", block_size=BS)
+    live = engines(2)
+    router.record(live[0], router.tracker.hashes(prompt(9, 0)))  # rank 0's record: larger
+
+    def choose(tenant: str | None, session: int) -> int:
+        req = msgspec.structs.replace(request(prompt(session, 0)), tenant=tenant)
+        return router.choose(live, req, balanced=True).rank
+
+    assert [choose("steady", s) for s in range(1, 5)] == [0, 1, 0, 1]
+    assert choose("steady", 9) == 0  # its prefix is there
+    assert choose(None, 5) == 1  # anonymous: the smaller record
+
+
+def test_cache_aware_places_a_prompt_under_one_block_by_load_alone():
+    """No block to spread: the record sizes do not count, the loads do (as least-loaded)."""
+    router = Router("cache-aware", block_size=BS)
+    live = engines(2)
+    router.record(live[1], router.tracker.hashes(prompt(9, 0)))  # rank 0: the smaller record
+    live[0].waiting = 1
+    assert router.choose(live, request([1, 2, 3]), balanced=True).rank == 1
+    assert router.choose(live, request(prompt(3, 0)), balanced=True).rank == 0  # a new prefix
+
+
+def test_a_new_prefix_goes_to_the_smaller_record_only_among_nearly_idle_ranks():
+    router = Router("cache-aware", block_size=BS)
+    live = engines(2)
+    router.record(live[0], router.tracker.hashes(prompt(9, 0)))  # rank 1: the smaller record
+    live[1].running = 8  # two waiting requests' worth busier: still near
+    assert router.choose(live, request(prompt(1, 0)), balanced=True).rank == 1
+    live[1].running = 9  # past the slack (8) over rank 0's 0: by load
+    router.forget(1)
+    assert router.choose(live, request(prompt(2, 0)), balanced=True).rank == 0
+
+
 def test_an_unknown_policy_is_a_value_error():
     with pytest.raises(ValueError, match="least-loaded, round-robin, cache-aware"):
         Router("random")

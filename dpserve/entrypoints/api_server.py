@@ -193,7 +193,8 @@ async def serve_http(options: APIServerOptions, config: EngineConfig, spec: APIS
                          engine_ranks=spec.engine_ranks, client_index=spec.index,
                          max_model_len=spec.max_model_len,
                          coordinator_address=spec.coordinator_address,
-                         load_balance=options.load_balance)
+                         load_balance=options.load_balance,
+                         share_prefixes=spec.api_server_count > 1)
     llm: AsyncLLM | None = None
     died = False
     try:

@@ -60,6 +60,7 @@ from dpserve.entrypoints.api_server import (
     run_api_server,
     serve_http,
 )
+from dpserve.frontend.routing import DEFAULT_LOAD_BALANCE, LOAD_BALANCE_POLICIES
 from dpserve.launch.api_server_watch import run_api_servers
 from dpserve.launch.api_servers import APIServerStartupError
 from dpserve.launch.engines import EngineStartupError
@@ -112,13 +113,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="Seconds to wait for the engines to load the model.")
     parser.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
                         help="Larger request bodies (on any route) get HTTP 413.")
-    parser.add_argument("--load-balance", default="least-loaded",
-                        choices=["least-loaded", "round-robin", "cache-aware"],
-                        help="How the API server places requests on engines: the lowest "
-                             "4*waiting + running (from the DP coordinator), in turn, or "
-                             "cache-aware: the engine that holds the longest prefix of the "
-                             "prompt (as far as this API server sent it there) unless it is "
-                             "much busier than the least loaded.")
+    parser.add_argument("--load-balance", default=DEFAULT_LOAD_BALANCE,
+                        choices=list(LOAD_BALANCE_POLICIES),
+                        help="How the API server places requests on engines. cache-aware "
+                             "(default): the engine that holds the longest prefix of the "
+                             "prompt (as far as the API servers sent it there; with "
+                             "--api-server-count N they share what they placed through the "
+                             "DP coordinator) unless it is much busier than the least "
+                             "loaded; least-loaded: the lowest 4*waiting + running (from "
+                             "the DP coordinator); round-robin: in turn.")
     parser.add_argument("--api-server-count", type=int, default=1,
                         help="API-server processes sharing the one listening socket (1: the "
                              "API server runs in the main process).")
@@ -269,7 +272,7 @@ def _serve(options: APIServerOptions, config: EngineConfig, sock: socket.socket,
     M API-server processes (`dpserve.launch.api_server_watch`)."""
     specs = [APIServerSpec(i, launch.input_binds(i), launch.output_binds(i), launch.ranks,
                            launch.max_model_len, launch.coordinator_address,
-                           launch.tenant_address)
+                           launch.tenant_address, num_api_servers)
              for i in range(num_api_servers)]
     if num_api_servers == 1:
         return _serve_in_process(options, config, specs[0], sock, launch)

@@ -30,6 +30,10 @@ return:
   coordinator. In lockstep mode (`lockstep=True`), a request sent while the
   coordinator said "paused" is followed by `WakeEngines(wave, engine)` so the
   coordinator starts the wave on every other engine.
+* Prefix sharing (`share_prefixes=True`: several API servers, a coordinator,
+  `cache-aware`): the router's placements go to the coordinator in batches
+  (`CoordinatorLink`, which reads the updates), and the other API servers' come
+  back in its updates (`RankTable.apply_update` -> `Router.learn`).
 
 It implements `ClusterView` (`dpserve.frontend.cluster`), what the HTTP
 server uses of it. Death of the client (`dead`): `mark_dead(reason)`
@@ -71,7 +75,7 @@ from dpserve.frontend.migration import Evacuation, InFlightBook, ended
 from dpserve.frontend.rank_table import EngineState, RankTable, StatusChange
 from dpserve.frontend.roles import first_leg, roles_of
 from dpserve.frontend.route_trace import RouteTrace, migrate_span
-from dpserve.frontend.routing import Router, sendable
+from dpserve.frontend.routing import DEFAULT_LOAD_BALANCE, Router, sendable
 from dpserve.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -108,7 +112,8 @@ class AsyncEngineClient:
                  load_balance: str = "least-loaded", lockstep: bool = False,
                  secret: str | None = None, max_migrations: int = 3,
                  fail_stop: bool = False, elastic: bool = False, block_size: int = 16,
-                 loras: dict[str, str] | None = None, kv_tier: bool = False) -> None:
+                 loras: dict[str, str] | None = None, kv_tier: bool = False,
+                 share_prefixes: bool = False) -> None:
         # ValueError for a bad policy; block_size, kv_tier: the engines' KV block, host tier
         router = Router(load_balance, client_index=client_index, block_size=block_size,
                         kv_tier=kv_tier)
@@ -141,7 +146,8 @@ class AsyncEngineClient:
         self.lora_replay = LoRAReplay()
         self._coordinator: CoordinatorLink | None = None
         if coordinator_address is not None:
-            self._coordinator = CoordinatorLink(self._ctx, coordinator_address, secret)
+            self._coordinator = CoordinatorLink(self._ctx, coordinator_address, secret,
+                                                router if share_prefixes else None)
             self._tasks.append(self._loop.create_task(self._read_coordinator()))
 
     # ---- what the table and the book know --------------------------------------
@@ -506,12 +512,13 @@ def from_config(config: EngineConfig, input_address: str | Sequence[str],
                       output_address: str | Sequence[str], *, engine_ranks: Sequence[int],
                       client_index: int = 0, max_model_len: int | None = None,
                       coordinator_address: str | None = None,
-                      load_balance: str = "least-loaded") -> AsyncEngineClient:
+                      load_balance: str = DEFAULT_LOAD_BALANCE, share_prefixes: bool = False,
+                      ) -> AsyncEngineClient:
     """The engine client of one front-end, its policies taken from `config` (lockstep,
     secret, migrations, failure policy, elastic, KV block size and host tier, LoRA,
     prefill / decode roles); the
-    one place both the API server and the offline LLM build it. Call inside the loop it
-    will use."""
+    one place both the API server and the offline LLM build it. `share_prefixes`: one of
+    several API servers (module docstring). Call inside the loop it will use."""
     parallel = config.parallel
     client = AsyncEngineClient(input_address, output_address, engine_ranks=engine_ranks,
                              client_index=client_index, max_model_len=max_model_len,
@@ -523,6 +530,7 @@ def from_config(config: EngineConfig, input_address: str | Sequence[str],
                              fail_stop=parallel.engine_failure_policy == "stop",
                              elastic=parallel.elastic, block_size=config.cache.block_size,
                              loras=dict(config.lora.modules) if config.lora else None,
-                             kv_tier=bool(config.cache.kv_offload_bytes))
+                             kv_tier=bool(config.cache.kv_offload_bytes),
+                             share_prefixes=share_prefixes)
     client.table.roles = roles_of(parallel.data_parallel_roles)  # --data-parallel-roles
     return client

@@ -213,7 +213,8 @@ class RankTable:
         return None
 
     def apply_update(self, update: CoordinatorUpdate) -> list[StatusChange]:
-        """A coordinator publish: the rank set (elastic), states, figures and loads."""
+        """A coordinator publish: the rank set (elastic), states, figures and loads, and
+        the prompt blocks other API servers placed (for the router's record)."""
         changes: list[StatusChange] = []
         if self.elastic and update.ranks is not None and len(update.ranks) != len(self.engines):
             changes += self.resize(len(update.ranks))
@@ -221,6 +222,8 @@ class RankTable:
             change = self.apply_status(rank, status)
             if change is not None:
                 changes.append(change)
+        if update.prefixes is not None:  # API servers' placements (the router skips ours)
+            self.router.learn(update.prefixes, [e for e in self.engines.values() if e.serving])
         for rank, info in enumerate(update.engines or []):
             if rank in self.engines:
                 self.engines[rank].info = info

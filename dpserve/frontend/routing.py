@@ -21,7 +21,7 @@ sees that count.
 
 Policies (`LOAD_BALANCE_POLICIES`):
 
-* `least-loaded` (default): the lowest load; with a coordinator, scanning from
+* `least-loaded`: the lowest load; with a coordinator, scanning from
   this client's own index (ties go to the first) so several API servers start
   on different ranks; without one, ties go to the lowest rank. A request of a
   named tenant (`EngineCoreRequest.tenant`, not the anonymous `default`) goes
@@ -32,21 +32,25 @@ Policies (`LOAD_BALANCE_POLICIES`):
   waiting_queue`) add up to fair shares of the whole server (`TenantTurns`).
 * `round-robin`: live ranks in turn from this client's own index, blind to load
   (a baseline for benchmarks, and what simple balancers do).
-* `cache-aware`: like SGLang's router. The router keeps, per rank, an
-  approximate record of the prefix-cache blocks its prompts left there
-  (`PrefixTracker`: the engine's block hash chain, `dpserve.engine.kv_cache.
-  hash_block`, over each prompt's full blocks; an LRU bounded by the rank's KV
-  capacity in blocks, from its `SchedulerStats`, so it forgets roughly what the
-  engine has evicted). A rank is *hot* when its load exceeds the least-loaded
+* `cache-aware` (the default, `DEFAULT_LOAD_BALANCE`): like SGLang's router. The
+  router keeps, per rank, an approximate record of the prefix-cache blocks the
+  prompts sent there left (`PrefixTracker`, `dpserve.frontend.prefix_record`:
+  the engine's block hash chain, an LRU bounded by the rank's KV capacity). A
+  rank is *hot* when its load exceeds the least-loaded
   rank's by more than `balance_abs` AND is more than `balance_rel` times it.
   The rank holding the longest prefix of the prompt gets the request when that
   prefix covers at least `cache_threshold` of the prompt and the rank is not
   hot; when it is hot, the least-loaded rank (which from then on holds the
   prefix too). With no such prefix anywhere (a new session), the rank with the
-  smallest record among those not hot (ties: the least loaded), so new prefixes
-  spread over the ranks' caches even when loads tie (light load); SGLang does
-  the same. Remaining ties: scanning from this client's own index. A rank
-  that dies or restarts is forgotten (its cache is gone).
+  smallest record among those within `new_prefix_slack` (two waiting requests)
+  of the least loaded (ties: the least loaded), so new prefixes spread over the
+  ranks' caches when loads (nearly) tie, as SGLang's smallest tree does, and go
+  by load otherwise (a prompt shorter than a block, which leaves none, by load
+  alone). A
+  named tenant's new prefix goes instead to its next turn, as with
+  `least-loaded` (so the per-rank fair shares add up under the default too).
+  Remaining ties: scanning from this client's own index. A rank that dies or
+  restarts is forgotten (its cache is gone).
 
 The KV host tier (`cache-aware`, `--kv-offload-memory`: every host runs a store
 that all its ranks save full blocks to and load from, `dpserve.kv_tier`): the
@@ -104,31 +108,39 @@ servers that saw it move: a follow-up landing on another one goes to the key's
 rendezvous rank, or its own stale record, when that rank may take it (a prefix
 miss, nothing worse); a Responses follow-up carries its chain's rank from the store.
 
-Each front-end (API server) tracks only its own sends: with `--api-server-count
-N`, a session whose requests land on different API servers is learnt by each
-separately (a request routed by one does not teach the others), so affinity is
-weaker than with one API server. Generated tokens are not recorded (only
-prompts), and an operator's prefix-cache reset or a sleep that drops the cache
-is not seen: the record is a hint, and a wrong one costs a cache miss, nothing else.
+With `--api-server-count N` (N > 1, cache-aware), each router also records what
+the others placed: its own placements go out through the coordinator
+(`outbox`, a `PrefixOutbox`), theirs come in as `PrefixFacts` (`learn`), within
+about `prefix_record.SHARE_INTERVAL_S`; facts dropped under pressure (or sent
+while the coordinator restarts) are a weaker hint, nothing else. With one API
+server nothing is sent. Generated tokens are not recorded (only prompts), and an
+operator's prefix-cache reset or a sleep that drops the cache is not seen: the
+record is a hint, and a wrong one costs a cache miss, nothing else.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import msgspec
 
-from dpserve.engine.kv_cache import BlockHash, hash_block, root_hash
-from dpserve.protocol import EngineCoreRequest, EngineInfo, SchedulerStats, Session
+from dpserve.engine.kv_cache import BlockHash
+from dpserve.frontend.prefix_record import (
+    DEFAULT_CAPACITY_BLOCKS,
+    PrefixOutbox,
+    PrefixTracker,
+    cache_root,
+    kv_capacity_blocks,
+)
+from dpserve.protocol import EngineCoreRequest, EngineInfo, PrefixFacts, SchedulerStats, Session
 
 LOAD_BALANCE_POLICIES = ("least-loaded", "round-robin", "cache-aware")
+DEFAULT_LOAD_BALANCE = "cache-aware"  # `--load-balance` unless given
 
-# KV capacity assumed for a rank that has not reported its figures yet (blocks).
-DEFAULT_CAPACITY_BLOCKS = 1 << 16
 DEFAULT_MAX_LORAS = 4  # device slots assumed for a rank that has not reported its adapters
 # Adapter tiers of a rank (higher: warmer): resident, on the host, a free slot, none.
 RESIDENT, CACHED, FREE_SLOT, COLD = 3, 2, 1, 0
@@ -182,68 +194,10 @@ class CacheAwareOptions:
     # least-loaded rank reaching the prefix through the tier by at most this (one
     # waiting request): moving costs a block copy from host memory, not a prefill.
     tier_balance_abs: int = 4
-
-
-def kv_capacity_blocks(stats: SchedulerStats | None) -> int | None:
-    """A rank's KV cache size in blocks from its figures (usage = 1 - free / total);
-    None when unknown (no figures yet, or every block held: no free one to scale by)."""
-    if stats is None or stats.num_free_blocks <= 0 or stats.kv_cache_usage >= 1.0:
-        return None
-    return round(stats.num_free_blocks / (1.0 - stats.kv_cache_usage))
-
-
-class PrefixTracker:
-    """Per rank (or per host, for its tier: any hashable key), the block hashes of the
-    prompts sent there: an LRU per key, bounded by `capacity` blocks at each record.
-    Pure bookkeeping (no I/O, one thread)."""
-
-    def __init__(self, block_size: int) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.block_size = block_size
-        self._blocks: dict[Hashable, OrderedDict[BlockHash, None]] = {}
-
-    def hashes(self, token_ids: Sequence[int], cache_salt: str | None = None,
-               ) -> list[BlockHash]:
-        """The hash chain of the prompt's blocks that an engine can serve from its cache:
-        (n - 1) // block_size full blocks (the last token is always computed), rooted
-        at the request's salt as the engine roots it (kv_cache.root_hash)."""
-        bs = self.block_size
-        chain: list[BlockHash] = []
-        for i in range((len(token_ids) - 1) // bs if token_ids else 0):
-            parent = chain[-1] if chain else root_hash(cache_salt)
-            chain.append(hash_block(parent, token_ids[i * bs:(i + 1) * bs]))
-        return chain
-
-    def matched_blocks(self, rank: Hashable, chain: Sequence[BlockHash], start: int = 0
-                       ) -> int:
-        """How many blocks of `chain` from `start` on the rank is thought to hold."""
-        blocks = self._blocks.get(rank)
-        if not blocks:
-            return 0
-        n = 0
-        for h in chain[start:]:
-            if h not in blocks:
-                break
-            n += 1
-        return n
-
-    def record(self, rank: Hashable, chain: Sequence[BlockHash], capacity: int) -> None:
-        """The rank now holds `chain` (most recently used); the oldest blocks beyond
-        `capacity` are forgotten."""
-        blocks = self._blocks.setdefault(rank, OrderedDict())
-        for h in chain:
-            blocks[h] = None
-            blocks.move_to_end(h)
-        while len(blocks) > max(capacity, 0):
-            blocks.popitem(last=False)
-
-    def forget(self, rank: Hashable) -> None:
-        """The rank's cache is gone (its process died or was replaced)."""
-        self._blocks.pop(rank, None)
-
-    def size(self, rank: Hashable) -> int:
-        return len(self._blocks.get(rank, ()))
+    # A new prefix (no match) goes to the smallest record among the ranks within this
+    # much load of the least loaded (two waiting requests): caches fill evenly at light
+    # load, and a uniform load without shared prefixes is placed as by least-loaded.
+    new_prefix_slack: int = 8
 
 
 class AdapterTracker:
@@ -374,6 +328,9 @@ class Router:
         self.session_routed = 0  # requests placed on their session's rank
         self.session_moved = 0  # requests whose session's rank could not take them
         self.tenant_turns = TenantTurns()
+        # Several API servers (cache-aware): what this router placed, for the others.
+        self.outbox: PrefixOutbox | None = None
+        self.learnt = 0  # blocks recorded from other API servers' placements
 
     @staticmethod
     def load(engine: RankLoad, view: LoadView) -> int:
@@ -431,7 +388,7 @@ class Router:
         if request.lora_name is not None:
             candidates = self._warmest(live, request.lora_name, least, view)
         chosen = self._cache_aware(candidates, chain, len(request.prompt_token_ids), least,
-                                   view)
+                                   view, request.tenant)
         self.record(chosen, chain)
         if request.lora_name is not None:
             self.adapter_warm += self.adapters.tier(chosen, request.lora_name) >= CACHED
@@ -452,6 +409,25 @@ class Router:
                                         cache_root(request) if request else None)
         if request is not None and request.lora_name is not None:
             self.adapters.record(engine, request.lora_name)
+        self._remember(engine, chain)
+        if self.outbox is not None:
+            self.outbox.note(engine.rank, chain)
+
+    def learn(self, facts: PrefixFacts, engines: Sequence[RankLoad]) -> None:
+        """Another API server placed these blocks (`PrefixFacts`, relayed by the
+        coordinator): record them as this router's own placements (cache-aware only;
+        this router's own facts and ranks not in `engines` are skipped)."""
+        if self.policy != "cache-aware" or facts.client_index == self.client_index:
+            return
+        by_rank = {engine.rank: engine for engine in engines}
+        for rank, chain in zip(facts.ranks, facts.blocks):
+            engine = by_rank.get(rank)
+            if engine is not None:
+                self._remember(engine, chain)
+                self.learnt += len(chain)
+
+    def _remember(self, engine: RankLoad, chain: Sequence[BlockHash]) -> None:
+        """The rank (and its host's tier) now holds `chain`."""
         capacity = kv_capacity_blocks(engine.stats) or self.default_capacity
         self.tracker.record(engine.rank, chain, capacity)
         if self.tier is not None:  # the rank saves the prompt's full blocks to its host's tier
@@ -501,7 +477,8 @@ class Router:
         return load - floor > opts.balance_abs and load > floor * opts.balance_rel
 
     def _cache_aware(self, live: Sequence[RankLoad], chain: Sequence[BlockHash],
-                     num_tokens: int, least: RankLoad, view: LoadView) -> RankLoad:
+                     num_tokens: int, least: RankLoad, view: LoadView,
+                     tenant: str | None = None) -> RankLoad:
         """The rank with the longest remembered prefix (ties: the least loaded) if it
         covers `cache_threshold` of the prompt and is not hot; else the rule for new
         prefixes or hot ranks (module docstring)."""
@@ -523,8 +500,12 @@ class Router:
             return least
         self.load_routed += 1
         cool = [e for e in live if not self._hot(loads[e.rank], floor)]
-        return min(cool, key=lambda e: (self.tracker.size(e.rank), loads[e.rank],
-                                        self._scan(e)))
+        if tenant is not None and tenant != ANONYMOUS_TENANT and least in cool:
+            return self._spread(cool, least, view, tenant)  # a named tenant's, in turn
+        # (a prompt under one block leaves no block anywhere: by load alone)
+        near = [e for e in cool if loads[e.rank] <= floor + self.options.new_prefix_slack]
+        return min(near or cool, key=lambda e: (self.tracker.size(e.rank) if chain else 0,
+                                                loads[e.rank], self._scan(e)))
 
     def _tier_aware(self, live: Sequence[RankLoad], chain: Sequence[BlockHash],
                     num_tokens: int, matched: dict[int, int], loads: dict[int, int],
@@ -566,11 +547,3 @@ def host_of(engine: RankLoad) -> str:
     """Which host tier a rank shares: its host as its heartbeats name it; a rank not
     heard from yet (or with no coordinator: one rank per front-end) shares with none."""
     return engine.info.host or f"\x00rank {engine.rank}"
-
-
-def cache_root(request: EngineCoreRequest) -> str | None:
-    """What roots a request's block chain in the record: its salt and, as the engine's
-    cache does, its adapter (two adapters never share blocks)."""
-    if request.lora_name is None:
-        return request.cache_salt
-    return f"{request.cache_salt or ''}\x00lora:{request.lora_name}"

@@ -31,6 +31,7 @@ class APIServerSpec:
     max_model_len: int  # the engines' limit (min over their READY)
     coordinator_address: str | None  # the DP coordinator's front XPUB (None: no coordinator)
     tenant_address: str | None = None  # the coordinator's tenant ledger (None: in-process)
+    api_server_count: int = 1  # API servers of this launch (> 1: routers share prefixes)
 
 
 @dataclass(frozen=True)

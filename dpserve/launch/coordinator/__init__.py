@@ -5,6 +5,8 @@
     tables.py     `LoadTable`, `HealthTable`: each rank's counts and health
     dp_group.py   `DPGroup`: lockstep DP group generations
     autoscale.py  `ScaleBook`, `Autoscaler`: run-time changes of the engine count
+    loras.py      `apply_lora_change`: the LoRA registry's changes
+    prefix_relay.py  `PrefixRelay`: API servers' prefix facts, relayed to the others
 """
 
 from dpserve.launch.coordinator.dp_group import REFORM_DELAY_S

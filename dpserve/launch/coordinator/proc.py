@@ -31,6 +31,10 @@ Scope:
   READY to each engine (the second frame), so a restarted, added or Ray rank
   loads what it lacks before it serves. A restarted coordinator publishes no
   registry until an engine's heartbeat lists its adapters (paths included).
+  A change's rules: `dpserve.launch.coordinator.loras`.
+* Prefix facts (`PrefixFacts` from API servers: several, cache-aware): relayed at
+  once to every front-end, or dropped over the caps
+  (`dpserve.launch.coordinator.prefix_relay.PrefixRelay`).
 * Tenants (`tenant_address` given: --tenant-limits): hosts the one tenant
   ledger every API server asks before it sends a request
   (`dpserve.launch.coordinator.tenants.TenantDesk`: admit / started / finished).
@@ -78,6 +82,8 @@ from dpserve.config import AutoscaleConfig
 from dpserve.control import next_state
 from dpserve.launch.coordinator.autoscale import ScaleBook
 from dpserve.launch.coordinator.dp_group import DPGroup
+from dpserve.launch.coordinator.loras import apply_lora_change
+from dpserve.launch.coordinator.prefix_relay import PrefixRelay
 from dpserve.launch.coordinator.tables import HealthTable, LoadTable
 from dpserve.launch.coordinator.tenants import TenantDesk
 from dpserve.logging_utils import name_process
@@ -158,6 +164,7 @@ class DPCoordinatorProc:
         # engine is counted and each new front-end gets the state at once.
         self.front.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.engines.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self.prefixes = PrefixRelay(self.front)  # API servers' prefix facts, to the others
         self.tenants = _tenant_desk(self.ctx, tenant_address, tenant_limits, secret)
         self._wake_r, wake_w = os.pipe()  # signal handlers wake the poller through it
         os.set_blocking(wake_w, False)
@@ -278,6 +285,8 @@ class DPCoordinatorProc:
             if body[:1] == bytes([_SUBSCRIBE]):
                 self._publish_counts()  # a new front-end gets the state at once
             return
+        if self.prefixes.on_frame(body, len(self.loads), self.wave, self.running):
+            return  # an API server's prefix facts, relayed (or dropped)
         try:
             request = self._request_decoder.decode(body)
         except msgspec.DecodeError:
@@ -298,8 +307,10 @@ class DPCoordinatorProc:
             self._on_control(request)
         elif isinstance(request, RankControl):
             self._on_rank_control(request)
-        elif isinstance(request, LoRAChange):
-            self._on_lora(request)
+        elif isinstance(request, LoRAChange):  # the registry changes, published at once
+            if apply_lora_change(self.loras, request):
+                self._loras_heard = True
+                self._publish_counts()
         else:
             self._on_wake(request)
 
@@ -340,24 +351,6 @@ class DPCoordinatorProc:
             return
         self.loras.update(report.lora.adapters)
         self._loras_heard = True
-        self._publish_counts()
-
-    def _on_lora(self, change: LoRAChange) -> None:
-        """An adapter loaded on every live rank (add) or being unloaded (remove): the
-        registry changes, published at once (also when unchanged: the asker waits)."""
-        if self.loras is None:
-            logger.warning("LoRA change %s %r dropped: LoRA is off", change.op, change.name)
-            return
-        if change.op == "add":
-            self.loras[change.name] = change.path
-        elif change.op == "remove":
-            self.loras.pop(change.name, None)
-        else:
-            logger.warning("unknown LoRA change %r dropped", change.op)
-            return
-        self._loras_heard = True
-        logger.info("LoRA adapter %r %s", change.name,
-                    f"registered ({change.path})" if change.op == "add" else "unregistered")
         self._publish_counts()
 
     def _on_wake(self, request: WakeEngines) -> None:
