@@ -7,7 +7,11 @@ same plain OpenAI client (the peers' bench_client.py: streaming completions,
 random-word prompts, ignore_eos) drives both:
 
 * W1: 16 requests one at a time, 128 prompt and 64 output tokens;
-* W16: 64 requests, 16 at a time, 128 prompt and 64 output tokens.
+* W16: 64 requests, 16 at a time, 128 prompt and 64 output tokens;
+* C64: 256 requests, 64 at a time, 128 prompt and 64 output tokens (the heavy load).
+
+`--load-generator vllm` drives both with vLLM's own `vllm bench serve` instead
+(random dataset, the same token counts, ignore_eos, its JSON result read back).
 
 Servers alternate (dpserve, vLLM, dpserve, vLLM, ... for --repeats rounds), each
 started fresh (start to ready timed), and the median of the rounds is reported
@@ -34,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dp_scaling import ServeProcess, _free_port, _log, _on_sigterm, machine  # noqa: E402
 
-WORKLOADS = {"W1": (16, 1), "W16": (64, 16)}  # name -> (requests, concurrency)
+WORKLOADS = {"W1": (16, 1), "W16": (64, 16), "C64": (256, 64)}  # name -> (requests, concurrency)
 FIGURES = [("output_tok_per_s", "output tok/s", True), ("ttft_ms_p50", "TTFT p50 ms", False),
            ("itl_ms_p50", "ITL p50 ms", False), ("tpot_ms_mean", "TPOT mean ms", False)]
 PEERS_DIR = Path(__file__).resolve().parents[2] / "shared" / "peers"
@@ -52,6 +56,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dpserve-options", default="--dtype float32")
     p.add_argument("--vllm-options", default="--dtype float32 --enforce-eager")
     p.add_argument("--only", choices=["dpserve", "vllm"], default=None)
+    p.add_argument("--load-generator", choices=["bench_client", "vllm"], default="bench_client",
+                   help="peers/bench_client.py, or vLLM's own `vllm bench serve`")
     p.add_argument("--out", default=None, help="Append the markdown section to this file.")
     return p.parse_args(argv)
 
@@ -68,6 +74,8 @@ def server_argv(kind: str, args: argparse.Namespace, model: Path, port: int) -> 
 
 
 def run_client(args: argparse.Namespace, url: str, model: Path, workload: str) -> dict:
+    if args.load_generator == "vllm":
+        return run_vllm_bench(args, url, model, workload)
     num, concurrency = WORKLOADS[workload]
     python = Path(args.peers_root) / "vllm-venv" / "bin" / "python"  # has aiohttp
     cmd = [str(python), str(Path(args.peers_dir) / "bench_client.py"), "--base-url", url,
@@ -81,6 +89,30 @@ def run_client(args: argparse.Namespace, url: str, model: Path, workload: str) -
     if result["errors"]:
         raise RuntimeError(f"{result['errors']} failed requests: {result['error_samples']}")
     return result
+
+
+def run_vllm_bench(args: argparse.Namespace, url: str, model: Path, workload: str) -> dict:
+    """`vllm bench serve` against `url`; its figures under bench_client.py's names."""
+    num, concurrency = WORKLOADS[workload]
+    with tempfile.TemporaryDirectory(prefix="dpserve-vllm-bench-") as tmp:
+        cmd = [str(Path(args.peers_root) / "vllm-venv" / "bin" / "vllm"), "bench", "serve",
+               "--backend", "openai", "--base-url", url, "--model", str(model),
+               "--tokenizer", str(model), "--dataset-name", "random",
+               "--random-input-len", str(args.prompt_len),
+               "--random-output-len", str(args.output_len), "--ignore-eos",
+               "--num-prompts", str(num), "--max-concurrency", str(concurrency),
+               "--num-warmups", "2", "--disable-tqdm", "--save-result",
+               "--result-dir", tmp, "--result-filename", "result.json"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1000)
+        if done.returncode:
+            raise RuntimeError(f"vllm bench serve failed: {done.stderr[-2000:]}")
+        raw = json.loads((Path(tmp) / "result.json").read_text())
+    failed = raw.get("num_prompts", num) - raw.get("completed", 0)
+    if failed:
+        raise RuntimeError(f"vllm bench serve: {failed} of {num} requests failed")
+    return {"output_tok_per_s": raw["output_throughput"], "ttft_ms_p50": raw["median_ttft_ms"],
+            "itl_ms_p50": raw["median_itl_ms"], "tpot_ms_mean": raw["mean_tpot_ms"],
+            "errors": 0}
 
 
 def one_round(args: argparse.Namespace, kind: str, model: Path, tmp: Path) -> dict:
@@ -115,7 +147,8 @@ def markdown(args: argparse.Namespace, rounds: dict[str, list[dict]], argv: list
              f"- command: `python bench/vs_vllm.py {shlex.join(argv)}`",
              f"- both serve {args.peers_root}/models/smollm2-135m-instruct; dpserve "
              f"`{args.dpserve_options}`, vLLM 0.32 CPU `{args.vllm_options}`; client: "
-             f"peers/bench_client.py, {args.prompt_len} prompt / {args.output_len} output "
+             f"{'vllm bench serve' if args.load_generator == 'vllm' else 'peers/bench_client.py'}, "
+             f"{args.prompt_len} prompt / {args.output_len} output "
              f"tokens, ignore_eos; median of {args.repeats} alternating rounds\n",
              "| workload | figure | dpserve | vLLM | dpserve / vLLM |", "|---|---|---:|---:|---:|"]
 
