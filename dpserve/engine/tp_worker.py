@@ -142,7 +142,7 @@ def _peer_request(s: ScheduledRequest, block_size: int) -> ScheduledRequest:
         s.block_ids[:-(-end // block_size)], s.sample,
         _NO_PROMPT_LOGPROBS if k is None else SamplingParams(prompt_logprobs=k), None,
         needs_prompt_logprobs=s.needs_prompt_logprobs, token_offset=s.start,
-        lora_slot=s.lora_slot)
+        lora_slot=s.lora_slot, spec_token_ids=s.spec_token_ids)  # (logits rows: the same)
 
 
 def run_tp_worker(config: EngineConfig, dp_rank: int, tp_rank: int, store_path: str,
