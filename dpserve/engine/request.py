@@ -101,6 +101,12 @@ class Request:
         self.lora_id = lora_id
         self.lora_cache_key = lora_cache_key
         self.block_hashes: list[bytes] = []  # sha256 digests (kv_cache.hash_block)
+        self._init_features(sampling_params, pooling)
+
+    def _init_features(self, sampling_params: SamplingParams,
+                       pooling: PoolingParams | None) -> None:
+        """The state of optional features: structured output, prompt logprobs, pooling,
+        tracing, speculative decoding."""
         # structured.manager.RequestGrammar when the output is constrained, else None.
         self.grammar: Any = None
         # Prompt logprobs (sampling_params.prompt_logprobs): entry i is for prompt token
@@ -112,10 +118,8 @@ class Request:
         self.pooling = PoolingState(pooling) if pooling is not None else None
         # Its spans' record when it is traced (dpserve.tracing.engine_trace), else None.
         self.trace: RequestTrace | None = None
-        # Speculative decoding (engine.spec_decode): the draft tokens of the step in
-        # flight (not in all_token_ids; num_computed_tokens does not count them), and the
-        # proposer's copy of the tokens (made from them where missing: nothing to carry
-        # when the request moves to another engine).
+        # Speculative decoding (engine.spec_decode): the drafts of the step in flight (in
+        # no count), and the proposer's copy of the tokens (made from them when missing).
         self.spec_token_ids: list[int] = []
         self.draft_state: Any = None
 

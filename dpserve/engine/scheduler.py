@@ -229,10 +229,7 @@ class Scheduler:
             num_pooled_requests=self.pooling.requests, num_pooling_steps=self.pooling.steps,
             waiting_by_priority=self.waiting.counts_by_priority())
         if self.spec is not None:
-            c = self.spec.counters
-            stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens = (
-                c.num_drafts, c.num_draft_tokens)
-            stats.spec_decode_num_accepted_tokens = c.num_accepted_tokens
+            self.spec.counters.fill(stats)
         if self.kv_connector is not None:
             tier = self.kv_connector.counters
             stats.kv_tier_queries, stats.kv_tier_hits = tier.queries, tier.hits
@@ -281,13 +278,10 @@ class Scheduler:
                 return
             num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
             assert num_new > 0, f"{request} is running with nothing to compute"
-            # Speculation: drafts after the last known token, if they fit (else none).
-            drafts = (self.spec.propose(request, step.budget - 1)
-                      if self.spec is not None and num_new == 1 else 0)
-            block_ids = self.kv_cache.allocate_slots(request, num_new, num_lookahead_tokens=drafts)
-            if block_ids is None and drafts:
-                request.spec_token_ids, drafts = [], 0
-                block_ids = self.kv_cache.allocate_slots(request, num_new)
+            if self.spec is not None and num_new == 1:  # with drafts, if they fit
+                block_ids, drafts = self.spec.allocate(self.kv_cache, request, step.budget - 1)
+            else:
+                block_ids, drafts = self.kv_cache.allocate_slots(request, num_new), 0
             while block_ids is None:
                 victim = running.pop()  # after `done`, or request itself: no turn yet
                 self._preempt(victim)
@@ -417,11 +411,10 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished or aborted since schedule(): its row is stale
             produced = runner_output.spec_token_ids.get(req_id) or [token]
-            tokens, finished = self._append(request, produced)
+            tokens, finished = _append(request, produced, self.max_model_len)
+            self.num_generated_tokens += len(tokens)
             if request.spec_token_ids and self.spec is not None:
-                self.spec.verified(request, len(request.spec_token_ids), len(produced),
-                                   len(tokens))
-                request.spec_token_ids = []
+                self.spec.verified(request, len(produced), len(tokens))
             if request.first_token_at is None:
                 request.first_token_at = now = time.monotonic()
                 self.recent_ttft.add(now, now - request.engine_arrival)
@@ -444,19 +437,6 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
-
-    def _append(self, request: Request, tokens: list[int]) -> tuple[list[int], bool]:
-        """Append a row's tokens (one, or a speculative row's accepted run), each
-        checked for a stop: the tokens kept (up to the one that ended the request,
-        the rest discarded) and whether it finished."""
-        for i, token in enumerate(tokens):
-            request.append_output_token(token)
-            if request.grammar is not None:
-                request.grammar.accept(token)
-            self.num_generated_tokens += 1
-            if _check_stop(request, token, self.max_model_len):
-                return tokens[:i + 1], True
-        return tokens, False
 
     def _update_pooled(self, pooled: dict[str, tuple[int, Any]],
                        outputs: list[EngineCoreOutput]) -> bool:
@@ -517,6 +497,19 @@ def _tier_admitted(connector: KVConnector | None, block_size: int, request: Requ
         return
     connector.load(request.request_id,
                            block_ids[first:first + num_loaded // block_size])
+
+
+def _append(request: Request, tokens: list[int], max_model_len: int) -> tuple[list[int], bool]:
+    """Append a row's tokens (one, or a speculative row's accepted run), each checked
+    for a stop: the tokens kept (up to the one that ended the request, the rest
+    discarded) and whether it finished."""
+    for i, token in enumerate(tokens):
+        request.append_output_token(token)
+        if request.grammar is not None:
+            request.grammar.accept(token)
+        if _check_stop(request, token, max_model_len):
+            return tokens[:i + 1], True
+    return tokens, False
 
 
 def _check_stop(request: Request, token: int, max_model_len: int) -> bool:

@@ -36,8 +36,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dpserve.engine.kv_cache import KVCacheManager
 from dpserve.engine.request import Request
 from dpserve.engine_config import SpeculativeConfig
+from dpserve.protocol import SchedulerStats
 
 # Only the last SEARCH_WINDOW tokens are searched: bounded work per step whatever the
 # request's length (a copy source further back gets no proposals).
@@ -111,6 +113,11 @@ class SpecDecodeCounters:
     num_draft_tokens: int = 0  # draft tokens verified
     num_accepted_tokens: int = 0  # of them accepted
 
+    def fill(self, stats: SchedulerStats) -> None:
+        stats.spec_decode_num_drafts = self.num_drafts
+        stats.spec_decode_num_draft_tokens = self.num_draft_tokens
+        stats.spec_decode_num_accepted_tokens = self.num_accepted_tokens
+
 
 class SpecDecoder:
     """What the scheduler holds with speculation on: proposes, then settles each row."""
@@ -140,13 +147,26 @@ class SpecDecoder:
         request.spec_token_ids = drafts.tolist()
         return len(drafts)
 
-    def verified(self, request: Request, num_drafts: int, num_produced: int,
-                 num_appended: int) -> None:
+    def allocate(self, kv_cache: KVCacheManager, request: Request,
+                 budget: int) -> tuple[list[int] | None, int]:
+        """Blocks for a running request's last known token and the drafts proposed for
+        it (at most `budget`), or without drafts when those do not fit: (its block
+        table or None, the number of drafts), as `KVCacheManager.allocate_slots`."""
+        drafts = self.propose(request, budget)
+        if drafts:
+            block_ids = kv_cache.allocate_slots(request, 1, num_lookahead_tokens=drafts)
+            if block_ids is not None:
+                return block_ids, drafts
+            request.spec_token_ids = []
+        return kv_cache.allocate_slots(request, 1), 0
+
+    def verified(self, request: Request, num_produced: int, num_appended: int) -> None:
         """A speculative row came back: `num_produced` tokens (its accepted drafts and
         one more), `num_appended` of them kept (fewer when one ended the request). Only
         the accepted drafts' KV stays valid: the computed count goes back to them."""
         counters = self.counters
         counters.num_drafts += 1
-        counters.num_draft_tokens += num_drafts
+        counters.num_draft_tokens += len(request.spec_token_ids)
         counters.num_accepted_tokens += num_produced - 1
         request.num_computed_tokens += num_appended - 1
+        request.spec_token_ids = []
