@@ -268,3 +268,25 @@ def test_without_room_for_drafts_a_request_decodes_without_them():
     # is preempted for its drafts.
     assert out.scheduled[0].req_id == "r" and out.scheduled[0].spec_token_ids == []
     assert out.scheduled[0].num_new_tokens == 1 and not out.preempted_req_ids
+
+
+def test_a_stop_string_inside_a_multi_token_delta_cuts_the_tokens_too(tiny_llama):
+    """A speculative engine sends an accepted run in one delta: a stop string completed
+    by one of its tokens ends text and token ids there, as one token at a time would."""
+    from dpserve.frontend.output_processor import OutputProcessor
+    from dpserve.frontend.tokenizer import load_tokenizer
+    from dpserve.protocol import EngineCoreOutput
+
+    tok = load_tokenizer(str(tiny_llama))
+    ids = tok.encode("Hello world, how are you today?")
+    cut = next(n for n in range(1, len(ids)) if "world" in tok.decode(ids[:n]))
+    assert cut < len(ids) - 1  # the stop string ends before the delta does
+    proc = OutputProcessor(tok)
+    [engine_request] = proc.add_request("r", None, [1, 2, 3],
+                                        SamplingParams(max_tokens=32, stop=["world"]))
+    result = proc.process_outputs([EngineCoreOutput(engine_request.request_id, ids)])
+    [out] = result.request_outputs
+    assert out.finished and out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].token_ids == ids[:cut]
+    assert out.outputs[0].text == tok.decode(ids[:cut]).split("world")[0]
+    assert result.reqs_to_abort == [engine_request.request_id]  # the engine is told to stop
