@@ -8,25 +8,25 @@ speculation silently never happens."""
 from __future__ import annotations
 
 import pytest
-from test_engine import PROMPTS, hf_greedy
+from token_checks import greedy, hf_greedy
 
 from dpserve import LLM, SamplingParams
+from dpserve.testing.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.slow  # model forwards: tens of seconds
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, ' \
        '"prompt_lookup_min": 1}'
 MAX_TOKENS = 24
+# Prompts that repeat (lookup proposes their continuation) and ones that do not.
+PROMPTS = [[5, 6, 7, 8, 9] * 6, [7] * 5 + list(range(200, 230)), [11, 12, 13],
+           list(range(100, 140)) + list(range(100, 110)), [300, 301]]
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def model_and_reference(request, tiny_llama, tiny_qwen2):
     path = {"llama": tiny_llama, "qwen2": tiny_qwen2}[request.param]
-    from dpserve.frontend.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(str(path))
-    prompt_ids = [tok.encode(p) for p in PROMPTS]
-    return str(path), prompt_ids, hf_greedy(path, prompt_ids, MAX_TOKENS)
+    return str(path), PROMPTS, hf_greedy(path, PROMPTS, MAX_TOKENS)
 
 
 def _prompts(prompt_ids):
@@ -106,3 +106,16 @@ def test_copy_heavy_prompts_accept_drafts_and_keep_greedy_text():
                            use_tqdm=False)
     assert len(sampled[0].outputs[0].token_ids) == 24
     assert llm.get_stats().spec_decode_num_drafts > stats.spec_decode_num_drafts
+
+
+@pytest.mark.procs
+def test_tensor_parallel_workers_compute_the_drafts_too(tmp_path):
+    """TP=2: the peer worker gets each speculative row's drafts (its token window and
+    logits rows match worker 0's): greedy tokens still equal transformers'."""
+    path = make_tiny_model(tmp_path / "llama", "llama", hidden_size=96,
+                           num_attention_heads=6, num_key_value_heads=6, intermediate_size=96)
+    prompts = [[7] * 5 + list(range(200, 230)), [5, 6, 7, 8] * 6, [11, 12, 13]]
+    with LLM(str(path), tensor_parallel_size=2, dtype="float32", block_size=4,
+             speculative_config=SPEC) as llm:
+        assert greedy(llm, prompts) == hf_greedy(path, prompts)
+        assert llm.get_stats().spec_decode_num_draft_tokens > 0
