@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dpserve.config import EngineConfig
+from dpserve.config import EngineConfig, SchedulerConfig
 from dpserve.cpu_features import auto_cpu_dtype
 from dpserve.model import cpu_kernels
 from dpserve.model.attention import AttentionMetadata, build_attention_metadata, token_positions
@@ -137,7 +137,7 @@ class ModelRunner:
         if (model.packed or model.prepack_weights()) and not self.config.model.enforce_eager:
             sched = self.config.scheduler
             start = time.monotonic()
-            runs = model.warm_up_linears(sched.max_num_batched_tokens, sched.max_num_seqs)
+            runs = model.warm_up_linears(sched.max_num_batched_tokens, _max_logits_rows(sched))
             _release_memory(self.device)  # the large warm-up buffers, kept free by glibc
             logger.info("linear weights pre-packed for oneDNN; kernels for %d (shape, rows) "
                         "pairs compiled in %.1f s", runs, time.monotonic() - start)
@@ -430,6 +430,15 @@ class ModelRunner:
             self.lora_slots.load(slot, adapter)
         for lora_id in plan.host_drops:
             self.lora_adapters.pop(lora_id, None)
+
+
+def _max_logits_rows(sched: SchedulerConfig) -> int:
+    """The most logits rows one step can ask for: one per running request, plus one
+    per draft token with speculative decoding (within the step's token budget)."""
+    spec = sched.speculative
+    if spec is None:
+        return sched.max_num_seqs
+    return min(sched.max_num_batched_tokens, sched.max_num_seqs * (1 + spec.num_speculative_tokens))
 
 
 def _release_memory(device: torch.device) -> None:

@@ -40,6 +40,8 @@ def split_rows(sampled: Sequence[ScheduledRequest], ends: np.ndarray,
     """The step's logits rows: (token index of each row [N], requests with one row,
     speculative requests), the one-row requests' rows first. `ends`: [len(sampled)]
     the token index of each sampled request's last scheduled token."""
+    if not any(s.spec_token_ids for s in sampled):
+        return ends, list(sampled), []
     plain = [i for i, s in enumerate(sampled) if not s.spec_token_ids]
     spec = [i for i, s in enumerate(sampled) if s.spec_token_ids]
     index = [ends[plain]]
