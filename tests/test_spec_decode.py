@@ -290,3 +290,87 @@ def test_a_stop_string_inside_a_multi_token_delta_cuts_the_tokens_too(tiny_llama
     assert out.outputs[0].token_ids == ids[:cut]
     assert out.outputs[0].text == tok.decode(ids[:cut]).split("world")[0]
     assert result.reqs_to_abort == [engine_request.request_id]  # the engine is told to stop
+
+
+# ---- randomised walk: KV read at every position is what the tokens say ------------
+
+
+class SpecDriver:
+    """A scheduler with speculation on a small pool and a two-token alphabet (drafts
+    come often), stepped with a stand-in runner that accepts a random prefix of each
+    row's drafts. Each KV slot records the token prefix it was computed from; every
+    step checks each request reads the right prefix at every position it attends to
+    (prefix-cache hits included), so a rejected draft's KV counted as computed, or a
+    block holding one registered in the prefix cache, fails it."""
+
+    def __init__(self, rng, num_blocks: int, budget: int) -> None:
+        self.rng = rng
+        config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=4,
+                                 max_model_len=24,
+                                 speculative=SpeculativeConfig("ngram", 3, 2, 1))
+        self.sched = Scheduler(config, CacheConfig(
+            block_size=BS, kv_cache_memory=None, gpu_memory_utilization=0.9,
+            enable_prefix_caching=True, num_kv_blocks=num_blocks), num_blocks)
+        self.requests: dict[str, Request] = {}
+        self.seen: dict[str, list[int]] = {}
+        self.kv: dict[int, list] = {}  # block_id -> the prefix each slot came from
+
+    def add(self) -> None:
+        req_id = f"r{len(self.requests)}"
+        prompt = [self.rng.randint(0, 1) for _ in range(self.rng.randint(1, 10))]
+        self.requests[req_id] = Request(req_id, prompt, SamplingParams(
+            temperature=0.0, max_tokens=self.rng.randint(1, 12)), eos_token_id=3)
+        self.seen[req_id] = []
+        self.sched.add_request(self.requests[req_id])
+
+    def step(self) -> None:
+        out = self.sched.schedule()
+        assert out.total_num_tokens <= self.sched.config.max_num_batched_tokens
+        self.forward(out)
+        produced = {}
+        for s in out.scheduled:
+            if s.sample:
+                accepted = self.rng.randint(0, len(s.spec_token_ids))
+                produced[s.req_id] = [*s.spec_token_ids[:accepted], self.rng.randint(0, 3)]
+        rows = [s for s in out.scheduled if s.sample]
+        for delta in self.sched.update_from_output(out, ModelRunnerOutput(
+                [s.req_id for s in rows], [produced[s.req_id][0] for s in rows],
+                spec_token_ids={s.req_id: produced[s.req_id] for s in rows
+                                if s.spec_token_ids})):
+            self.seen[delta.request_id] += delta.new_token_ids
+
+    def forward(self, out) -> None:
+        for s in out.scheduled:  # every write first, as the runner's layers do
+            for pos in range(s.start, s.start + s.num_new_tokens):
+                block = self.kv.setdefault(s.block_ids[pos // BS], [None] * BS)
+                block[pos % BS] = tuple(s.tokens(0, pos + 1))
+        for s in out.scheduled:
+            for pos in range(s.start + s.num_new_tokens):
+                assert self.kv[s.block_ids[pos // BS]][pos % BS] == tuple(s.tokens(0, pos + 1)), (
+                    f"{s.req_id} reads stale KV at position {pos}")
+
+
+@pytest.mark.parametrize("first_seed", range(0, 400, 100))
+def test_random_walks_with_drafts_read_the_right_kv_and_drain_clean(first_seed):
+    import random
+
+    drafted = 0
+    for seed in range(first_seed, first_seed + 100):
+        rng = random.Random(seed)
+        driver = SpecDriver(rng, num_blocks=rng.randint(6, 14), budget=rng.randint(2, 12))
+        for _ in range(30):
+            if rng.random() < 0.3:
+                driver.add()
+            elif driver.sched.has_unfinished_requests():
+                driver.step()
+        for _ in range(5_000):
+            if not driver.sched.has_unfinished_requests():
+                break
+            driver.step()
+        sched = driver.sched
+        assert not sched.requests
+        assert sched.kv_cache.num_free_blocks == sched.kv_cache.pool.num_blocks
+        for req_id, request in driver.requests.items():
+            assert driver.seen[req_id] == request.output_token_ids
+        drafted += sched.spec.counters.num_draft_tokens
+    assert drafted > 0  # speculation happened
