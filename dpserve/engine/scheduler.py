@@ -106,6 +106,9 @@ class Scheduler:
       stops, frees finished requests at once, and returns one
       `EngineCoreOutput` per request that got a token or finished. Rows for
       requests finished or aborted since `schedule()` are skipped.
+    * `--speculative-config` (engine/spec_decode.py): a running request computing
+      its last known token may also compute up to K drafts (budget, KV lookahead);
+      `update_from_output` keeps the accepted ones and rolls back the rest.
     * A pooling request (`Request.pooling`) runs like a prefill, never sampled: the step
       computing its last prompt token finishes it (stop) with its vector (engine/pooling.py).
       `SchedulerOutput.has_pooling` is set only while the engine holds one.

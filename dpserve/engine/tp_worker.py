@@ -125,8 +125,9 @@ def device_name(device: Any) -> str:
 
 
 def peer_step(so: SchedulerOutput, block_size: int) -> SchedulerOutput:
-    """What a peer needs of a step: each request's window of tokens (the step's, plus
-    the next known one: a prompt-logprobs target), the blocks the step reaches, and
+    """What a peer needs of a step: each request's window of tokens (the step's, drafts
+    included, plus the next known one: a prompt-logprobs target), its drafts (the
+    logits rows every worker computes), the blocks the step reaches, and
     of its SamplingParams only prompt_logprobs, its LoRA slot (and the step's LoRA
     plan and host-tier copies); no grammar, no finished ids (peers keep no per-request state)."""
     return SchedulerOutput([_peer_request(s, block_size) for s in so.scheduled],

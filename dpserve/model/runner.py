@@ -10,8 +10,9 @@ One step:
    block tables) and the AttentionMetadata, once for all layers;
 2. forward over the flattened tokens of every scheduled request;
 3. LM head only on the last token of requests that sample this step (a pooling
-   request's rows are pooled instead: `model/pooler.py`);
-4. sample and return Python lists.
+   request's rows are pooled instead: `model/pooler.py`), and on every position of
+   a speculative request's drafts and the token before them;
+4. sample (drafts: verified, `model/spec_verify.py`) and return Python lists.
 """
 
 from __future__ import annotations
