@@ -137,6 +137,28 @@ def test_greedy_verification_keeps_the_prefix_the_argmax_agrees_with():
     assert runs == [[5, 6, 8], [3, 4, 11], [12]]
 
 
+def test_sampled_verification_emits_the_samplers_distribution():
+    """Through `verify`: temperature and top-k applied as the sampler does, the first
+    token of each run is distributed as the processed p, whatever the draft (2 is the
+    likeliest; 3 is cut by top-k)."""
+    sampler = Sampler(7, torch.device("cpu"))
+    base = torch.tensor([0.4, 0.1, 0.45, 0.05])
+    temperature, n = 0.5, 20_000
+    p = base ** (1 / temperature)
+    p[3] = 0.0  # top_k=3 drops the least likely
+    p /= p.sum()
+    for draft in (2, 3):
+        reqs = [scheduled(f"r{i}", [1, 2], [draft], temperature=temperature, top_k=3)
+                for i in range(n)]
+        logits = base.log().repeat(2 * n, 1)  # [draft row, bonus row] per request
+        runs = verify(sampler, logits, reqs, 4, torch.device("cpu"))
+        first = torch.bincount(torch.tensor([run[0] for run in runs]), minlength=4).double()
+        assert first[3] == 0
+        chi2 = float((((first[:3] - n * p[:3]) ** 2) / (n * p[:3])).sum())
+        assert chi2 < 16.3, (draft, first / n, p)
+        assert all(len(run) == 2 for run in runs if run[0] == draft)  # accepted: + bonus
+
+
 def test_verification_applies_logit_bias_as_the_sampler_does():
     sampler = Sampler(0, torch.device("cpu"))
     req = scheduled("a", [1, 2], [5], logit_bias={9: 100.0})
