@@ -26,6 +26,7 @@ from typing import Any
 from dpserve.engine_config import (
     SCHEDULING_HELP,
     SCHEDULING_POLICIES,
+    SPECULATIVE_HELP,
     AutoscaleConfig,
     CacheConfig,
     EngineConfig,
@@ -34,6 +35,7 @@ from dpserve.engine_config import (
     PoolerConfig,
     RequestLimitsConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     replace,
 )
 from dpserve.errors import ConfigError
@@ -141,6 +143,7 @@ class EngineArgs(ProfileArgs, TracingArgs):
         None, 'How embeddings pool the final hidden states (/v1/embeddings, LLM.embed), as '
         'JSON: {"pooling_type": "LAST" | "MEAN", "normalize": true | false}. Default: '
         'LAST (the last prompt token), normalised.')
+    speculative_config: str | dict | None = _opt(None, SPECULATIVE_HELP)
     enable_lora: bool = _opt(False, "Serve LoRA adapters: loaded at start (--lora-modules) "
                              "or at run time; a request names one (rows of one step may "
                              "use different adapters).")
@@ -346,7 +349,8 @@ class EngineArgs(ProfileArgs, TracingArgs):
                           parallel.enable_expert_parallel)
         scheduler = SchedulerConfig.resolve(
             self.max_num_batched_tokens, self.max_num_seqs, model.max_model_len,
-            self.scheduling_policy, small=device == "cpu" and not parallel.data_parallel_lockstep)
+            self.scheduling_policy, small=device == "cpu" and not parallel.data_parallel_lockstep,
+            speculative=SpeculativeConfig.parse(self.speculative_config))
         limits = RequestLimitsConfig(
             max_stop_token_ids=self.max_stop_token_ids, max_logit_bias=self.max_logit_bias,
             structured_outputs_compile_timeout=float(self.structured_outputs_compile_timeout))
@@ -442,6 +446,7 @@ class EngineArgs(ProfileArgs, TracingArgs):
              "must be at least 1")
         need(self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1")
         PoolerConfig.parse(self.pooler_config)
+        SpeculativeConfig.parse(self.speculative_config)
         need(self.max_num_batched_tokens is None or self.max_num_batched_tokens
              >= self.max_num_seqs, "max_num_batched_tokens", "must be at least max_num_seqs")
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",

@@ -62,6 +62,69 @@ class PoolerConfig:
         return cls(kind.lower(), normalize)
 
 
+# --speculative-config methods (vLLM's names); dpserve proposes without a draft model.
+SPECULATIVE_METHODS = ("ngram",)
+_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+MAX_SPECULATIVE_TOKENS = 16
+SPECULATIVE_HELP = (
+    'Draft-free speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": '
+    'K, "prompt_lookup_max": N, "prompt_lookup_min": M}: a decoding request proposes the K '
+    'tokens that followed an earlier occurrence of its last M..N tokens, checked in one '
+    'forward (greedy output unchanged). Default: off.')
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Draft-free speculative decoding: `--speculative-config`, vLLM's option and JSON
+    shape (`{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N,
+    "prompt_lookup_min": M}`). Each decoding request proposes up to K tokens that
+    followed an earlier occurrence of its last n tokens (M <= n <= N; engine.spec_decode),
+    verified in one forward (model.spec_verify). vLLM's defaults: M and N 5 when both are
+    unset, else the one given for both."""
+
+    method: str
+    num_speculative_tokens: int  # K: draft tokens per request and step, at most
+    prompt_lookup_max: int  # N: the longest suffix n-gram looked up
+    prompt_lookup_min: int  # M: the shortest
+
+    @classmethod
+    def parse(cls, value: str | Mapping[str, Any] | None) -> SpeculativeConfig | None:
+        """The option's JSON text (or a dict; None: off); ConfigError naming the option."""
+        if value is None:
+            return None
+        given: Any = value
+        if isinstance(value, str):
+            try:
+                given = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"speculative_config must be a JSON object: {e}") from None
+        if not isinstance(given, Mapping):
+            raise ConfigError(f"speculative_config must be a JSON object, got {value!r}")
+        unknown = sorted(set(given) - set(_SPEC_KEYS))
+        if unknown:
+            raise ConfigError(f"speculative_config: unknown key(s) {', '.join(unknown)} "
+                              f"(known: {', '.join(_SPEC_KEYS)})")
+        method = given.get("method")
+        if method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"speculative_config: method must be one of "
+                              f"{', '.join(SPECULATIVE_METHODS)} (draft-free), got {method!r}")
+        k = given.get("num_speculative_tokens")
+        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"speculative_config: num_speculative_tokens must be an integer "
+                              f"in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        low, high = given.get("prompt_lookup_min"), given.get("prompt_lookup_max")
+        if low is None or high is None:  # vLLM's defaults: 5, or the one given for both
+            low = high = 5 if low is None and high is None else (high if low is None else low)
+        if not (_is_int(low) and _is_int(high) and 1 <= low <= high):
+            raise ConfigError(f"speculative_config: need 1 <= prompt_lookup_min <= "
+                              f"prompt_lookup_max (integers), got {low!r} and {high!r}")
+        return cls(method, k, high, low)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None  # as the user gave it (None: the built-in default)
@@ -137,17 +200,19 @@ class SchedulerConfig:
     max_num_seqs: int  # requests running at once
     max_model_len: int
     policy: str = "priority"  # --scheduling-policy: one of SCHEDULING_POLICIES
+    speculative: SpeculativeConfig | None = None  # --speculative-config; None: off
 
     @classmethod
     def resolve(cls, max_num_batched_tokens: int | None, max_num_seqs: int,
-                max_model_len: int, policy: str, small: bool) -> SchedulerConfig:
+                max_model_len: int, policy: str, small: bool,
+                speculative: SpeculativeConfig | None = None) -> SchedulerConfig:
         """The options with the step's token budget resolved: `small` is a CPU engine
         that steps alone (lockstep engines pay a collective every step, every MoE
         layer's under expert parallelism: fewer, larger steps there; a 2 -> 3 -> 1
         rescale under streams took 41 s at 512, 25 s at 2048)."""
         budget = max_num_batched_tokens or max(
             DEFAULT_CPU_BUDGET if small else DEFAULT_BUDGET, max_num_seqs)
-        return cls(budget, max_num_seqs, max_model_len, policy)
+        return cls(budget, max_num_seqs, max_model_len, policy, speculative)
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:

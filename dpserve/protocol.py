@@ -202,6 +202,11 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # Waiting requests by priority, [[priority, count], ...] most urgent first; empty
     # (and off the wire) while every waiting request has priority 0 (engine.waiting_queue).
     waiting_by_priority: list[list[int]] = []
+    # Speculative decoding (--speculative-config), cumulative: rows verified with drafts,
+    # draft tokens verified, drafts accepted (vLLM's spec_decode_num_* metrics).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
 
 class UtilityCall(msgspec.Struct, array_like=True, gc=False):

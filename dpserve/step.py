@@ -52,10 +52,19 @@ class ScheduledRequest:
     # A pooling request ("last" | "mean", protocol.PoolingParams.pooling_type): its rows
     # are pooled (model.pooler), never sampled (`sample` is False). None: generation.
     pooling: str | None = None
+    # Speculative decoding (engine.spec_decode): draft tokens the step computes after the
+    # known ones, at positions num_tokens .. num_tokens + len - 1 (included in
+    # num_new_tokens); the step samples at each of their positions and at the last
+    # known token's (model.spec_verify). Empty: no speculation.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def tokens(self, first: int, end: int) -> list[int]:
-        """The tokens at positions first .. end - 1 (those known, up to end)."""
-        return self.token_ids[first - self.token_offset:end - self.token_offset]
+        """The tokens at positions first .. end - 1 (those known, then the drafts)."""
+        known = self.token_ids[first - self.token_offset:end - self.token_offset]
+        over = end - self.num_tokens
+        if over > 0 and self.spec_token_ids:
+            return known + self.spec_token_ids[:over]
+        return known
 
     @property
     def num_tokens(self) -> int:
@@ -131,7 +140,8 @@ class Logprobs:
 @dataclass
 class ModelRunnerOutput:
     """Sampled tokens of one step, one row per ScheduledRequest with sample=True
-    (in the same order)."""
+    (rows without drafts first, in their order, then the speculative ones: logprobs
+    rows are the first rows' only)."""
 
     req_ids: list[str]  # [num_sampled]
     sampled_token_ids: list[int]  # [num_sampled]
@@ -143,3 +153,6 @@ class ModelRunnerOutput:
     # requests: "mean": the sum of the chunk's final hidden states; "last": the last
     # prompt token's, only from the chunk that reaches it (model.pooler).
     pooled: dict[str, tuple[int, np.ndarray]] = field(default_factory=dict)
+    # req_id -> every token a speculative row produced (its accepted drafts, then the
+    # token sampled after them); `sampled_token_ids` holds the first of them.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.procs, pytest.mark.slow]
 DP_ARGS = ("--data-parallel-size", "2", "--threads-per-engine", "1", "--max-model-len", "256")
 ROW_KEYS = {"rank", "state", "cordoned", "waiting", "running", "kv_cache_usage",
             "tokens_per_s", "wave", "restarts", "incarnation", "host", "pid", "ttft_s",
-            "tp_workers", "lora", "kv_tier", "role", "handoffs"}
+            "tp_workers", "lora", "kv_tier", "spec_decode", "role", "handoffs"}
 
 
 def engines(url: str, headers: dict | None = None) -> dict:

@@ -247,6 +247,9 @@ class KVCacheManager:
       + len(new_computed_blocks) * block_size + num_new_tokens` tokens; or
       `None` when the free blocks do not suffice, and then nothing changed.
       Prefix-hit blocks may only be passed while the request holds no blocks.
+      `num_lookahead_tokens` more slots hold a step's draft tokens (speculative
+      decoding): their blocks are never registered, and a request whose drafts
+      were rejected keeps them (their slots are written again later).
     * `free(request)`: the request gives back every block it holds (tail
       blocks become evictable first). Freeing a request with no blocks is a
       no-op.
@@ -313,15 +316,19 @@ class KVCacheManager:
         return blocks, num_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: Sequence[KVCacheBlock] = ()) -> list[int] | None:
-        """Grow the request's block table; None (and no change) if it cannot fit."""
+                       new_computed_blocks: Sequence[KVCacheBlock] = (),
+                       num_lookahead_tokens: int = 0) -> list[int] | None:
+        """Grow the request's block table; None (and no change) if it cannot fit.
+        `num_lookahead_tokens`: slots for draft tokens past the known ones (speculative
+        decoding); the blocks they reach are never registered as full here."""
         table = self._tables.get(request.request_id)
         num_held = len(table.blocks) if table else 0
         assert not (num_held and new_computed_blocks), "prefix hits only as the first blocks"
         num_tokens = (request.num_computed_tokens + len(new_computed_blocks) * self.block_size
                       + num_new_tokens)
         assert num_tokens <= request.num_tokens, "cannot compute tokens that are not known yet"
-        num_needed = -(-num_tokens // self.block_size) - num_held - len(new_computed_blocks)
+        num_needed = (-(-(num_tokens + num_lookahead_tokens) // self.block_size) - num_held
+                      - len(new_computed_blocks))
         # Hit blocks that are free now stop being free once touched.
         num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_needed > self.pool.num_free_blocks - num_free_hits:

@@ -101,6 +101,12 @@ class Request:
         self.lora_id = lora_id
         self.lora_cache_key = lora_cache_key
         self.block_hashes: list[bytes] = []  # sha256 digests (kv_cache.hash_block)
+        self._init_features(sampling_params, pooling)
+
+    def _init_features(self, sampling_params: SamplingParams,
+                       pooling: PoolingParams | None) -> None:
+        """The state of optional features: structured output, prompt logprobs, pooling,
+        tracing, speculative decoding."""
         # structured.manager.RequestGrammar when the output is constrained, else None.
         self.grammar: Any = None
         # Prompt logprobs (sampling_params.prompt_logprobs): entry i is for prompt token
@@ -112,6 +118,10 @@ class Request:
         self.pooling = PoolingState(pooling) if pooling is not None else None
         # Its spans' record when it is traced (dpserve.tracing.engine_trace), else None.
         self.trace: RequestTrace | None = None
+        # Speculative decoding (engine.spec_decode): the drafts of the step in flight (in
+        # no count), and the proposer's copy of the tokens (made from them when missing).
+        self.spec_token_ids: list[int] = []
+        self.draft_state: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -185,20 +195,24 @@ class Request:
     def for_step(self, start: int, num_new_tokens: int, block_ids: list[int],
                  sample: bool) -> ScheduledRequest:
         """The plain record of this request's share of a step, for the model runner
-        (it refers to `all_token_ids`: no copy of the tokens)."""
+        (it refers to `all_token_ids`: no copy of the tokens). The step's drafts
+        (`spec_token_ids`) come after the known tokens, on top of `num_new_tokens`."""
         if self.trace is not None:
             self.trace.scheduled(start, num_new_tokens, len(self.prompt_token_ids))
         return ScheduledRequest(
             self.request_id, self.all_token_ids, len(self.prompt_token_ids), start,
-            num_new_tokens, block_ids, sample, self.sampling_params, self.eos_token_id,
-            self.grammar, self.prompt_logprobs is not None, lora_id=self.lora_id,
-            pooling=self.pooling.params.pooling_type if self.pooling is not None else None)
+            num_new_tokens + len(self.spec_token_ids), block_ids, sample,
+            self.sampling_params, self.eos_token_id, self.grammar,
+            self.prompt_logprobs is not None, lora_id=self.lora_id,
+            pooling=self.pooling.params.pooling_type if self.pooling is not None else None,
+            spec_token_ids=self.spec_token_ids)
 
     def preempt(self) -> None:
         """Its KV is gone (the scheduler freed it): it waits to recompute from the
         start (prompt + outputs so far, possibly from the prefix cache)."""
         self.status = RequestStatus.PREEMPTED
         self.num_computed_tokens = 0
+        self.spec_token_ids = []
         self.num_preemptions += 1
         if self.trace is not None:
             self.trace.preempted()

@@ -26,6 +26,7 @@ from dpserve.engine.kv_cache import KVCacheManager
 from dpserve.engine.kv_connector import KVConnector
 from dpserve.engine.pooling import PoolingCounts
 from dpserve.engine.request import Request, RequestStatus
+from dpserve.engine.spec_decode import SpecDecoder
 from dpserve.engine.waiting_queue import WaitingQueue
 from dpserve.protocol import EngineCoreOutput, SchedulerStats, TokenLogprobs
 from dpserve.step import Logprobs, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -105,6 +106,9 @@ class Scheduler:
       stops, frees finished requests at once, and returns one
       `EngineCoreOutput` per request that got a token or finished. Rows for
       requests finished or aborted since `schedule()` are skipped.
+    * `--speculative-config` (engine/spec_decode.py): a running request computing
+      its last known token may also compute up to K drafts (budget, KV lookahead);
+      `update_from_output` keeps the accepted ones and rolls back the rest.
     * A pooling request (`Request.pooling`) runs like a prefill, never sampled: the step
       computing its last prompt token finishes it (stop) with its vector (engine/pooling.py).
       `SchedulerOutput.has_pooling` is set only while the engine holds one.
@@ -150,6 +154,9 @@ class Scheduler:
         self.recent_ttft = RecentMean(TTFT_WINDOW_S)
         self.num_generated_tokens = 0  # output tokens sampled, cumulative (/engines tokens/s)
         self.pooling = PoolingCounts()  # pooling requests held now, finished, their steps
+        # Draft-free speculative decoding (--speculative-config; None: off).
+        self.spec = (SpecDecoder(config.speculative, self.max_model_len)
+                     if config.speculative is not None else None)
 
     # ---- queues --------------------------------------------------------------
 
@@ -224,6 +231,8 @@ class Scheduler:
             num_free_blocks=kv.num_free_blocks, num_generated_tokens=self.num_generated_tokens,
             num_pooled_requests=self.pooling.requests, num_pooling_steps=self.pooling.steps,
             waiting_by_priority=self.waiting.counts_by_priority())
+        if self.spec is not None:
+            self.spec.counters.fill(stats)
         if self.kv_connector is not None:
             tier = self.kv_connector.counters
             stats.kv_tier_queries, stats.kv_tier_hits = tier.queries, tier.hits
@@ -272,7 +281,10 @@ class Scheduler:
                 return
             num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
             assert num_new > 0, f"{request} is running with nothing to compute"
-            block_ids = self.kv_cache.allocate_slots(request, num_new)
+            if self.spec is not None and num_new == 1:  # with drafts, if they fit
+                block_ids, drafts = self.spec.allocate(self.kv_cache, request, step.budget - 1)
+            else:
+                block_ids, drafts = self.kv_cache.allocate_slots(request, num_new), 0
             while block_ids is None:
                 victim = running.pop()  # after `done`, or request itself: no turn yet
                 self._preempt(victim)
@@ -282,7 +294,7 @@ class Scheduler:
                     return  # the request itself was the last one left to preempt
                 block_ids = self.kv_cache.allocate_slots(request, num_new)
             step.scheduled.append(_scheduled(request, num_new, block_ids))
-            step.budget -= num_new
+            step.budget -= num_new + drafts
             step.done += 1
 
     def _schedule_waiting(self, step: _Step) -> bool:
@@ -401,21 +413,21 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished or aborted since schedule(): its row is stale
-            request.append_output_token(token)
-            if request.grammar is not None:
-                request.grammar.accept(token)
-            self.num_generated_tokens += 1
+            produced = runner_output.spec_token_ids.get(req_id) or [token]
+            tokens, finished = _append(request, produced, self.max_model_len)
+            self.num_generated_tokens += len(tokens)
+            if request.spec_token_ids and self.spec is not None:
+                self.spec.verified(request, len(produced), len(tokens))
             if request.first_token_at is None:
                 request.first_token_at = now = time.monotonic()
                 self.recent_ttft.add(now, now - request.engine_arrival)
             self.kv_cache.update_block_hashes(request)
-            finished = _check_stop(request, token, self.max_model_len)
             new_logprobs = None
             num_logprobs = request.sampling_params.logprobs
             if num_logprobs is not None and logprob_rows is not None:
                 new_logprobs = [_token_logprobs(logprob_rows, row, num_logprobs)]
             outputs.append(EngineCoreOutput(
-                req_id, [token], finish_reason=request.finish_reason,
+                req_id, tokens, finish_reason=request.finish_reason,
                 stop_reason=request.stop_reason, new_logprobs=new_logprobs,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 prompt_logprobs=request.take_prompt_logprobs(),
@@ -488,6 +500,19 @@ def _tier_admitted(connector: KVConnector | None, block_size: int, request: Requ
         return
     connector.load(request.request_id,
                            block_ids[first:first + num_loaded // block_size])
+
+
+def _append(request: Request, tokens: list[int], max_model_len: int) -> tuple[list[int], bool]:
+    """Append a row's tokens (one, or a speculative row's accepted run), each checked
+    for a stop: the tokens kept (up to the one that ended the request, the rest
+    discarded) and whether it finished."""
+    for i, token in enumerate(tokens):
+        request.append_output_token(token)
+        if request.grammar is not None:
+            request.grammar.accept(token)
+        if _check_stop(request, token, max_model_len):
+            return tokens[:i + 1], True
+    return tokens, False
 
 
 def _check_stop(request: Request, token: int, max_model_len: int) -> bool:

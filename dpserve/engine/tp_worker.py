@@ -125,8 +125,9 @@ def device_name(device: Any) -> str:
 
 
 def peer_step(so: SchedulerOutput, block_size: int) -> SchedulerOutput:
-    """What a peer needs of a step: each request's window of tokens (the step's, plus
-    the next known one: a prompt-logprobs target), the blocks the step reaches, and
+    """What a peer needs of a step: each request's window of tokens (the step's, drafts
+    included, plus the next known one: a prompt-logprobs target), its drafts (the
+    logits rows every worker computes), the blocks the step reaches, and
     of its SamplingParams only prompt_logprobs, its LoRA slot (and the step's LoRA
     plan and host-tier copies); no grammar, no finished ids (peers keep no per-request state)."""
     return SchedulerOutput([_peer_request(s, block_size) for s in so.scheduled],
@@ -142,7 +143,7 @@ def _peer_request(s: ScheduledRequest, block_size: int) -> ScheduledRequest:
         s.block_ids[:-(-end // block_size)], s.sample,
         _NO_PROMPT_LOGPROBS if k is None else SamplingParams(prompt_logprobs=k), None,
         needs_prompt_logprobs=s.needs_prompt_logprobs, token_offset=s.start,
-        lora_slot=s.lora_slot)
+        lora_slot=s.lora_slot, spec_token_ids=s.spec_token_ids)  # (logits rows: the same)
 
 
 def run_tp_worker(config: EngineConfig, dp_rank: int, tp_rank: int, store_path: str,

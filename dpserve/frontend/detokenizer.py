@@ -28,15 +28,18 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self.output_text = ""
         self._sent = 0  # chars of output_text already returned by delta_text
+        self.num_stop_tokens = 0  # tokens of the last update up to a stop string
 
     def update(self, new_token_ids: list[int]) -> str | None:
-        """Add tokens; return the stop string that ended the text, if any."""
+        """Add tokens; return the stop string that ended the text, if any (then
+        `num_stop_tokens` of them made it: a speculative engine may send several)."""
         start = len(self.output_text)
-        for token_id in new_token_ids:
+        for i, token_id in enumerate(new_token_ids):
             self._ids.append(token_id)
             self.output_text += self._next_text()
             stopped = self._check_stop(start)
             if stopped is not None:
+                self.num_stop_tokens = i + 1
                 return stopped
         return None
 

@@ -182,7 +182,9 @@ class OutputProcessor:
                 comp.logprobs.append(self._convert_logprobs(lp))
                 comp.cumulative_logprob += lp.logprob
         stop_str = comp.detokenizer.update(out.new_token_ids)
-        if stop_str is not None:
+        if stop_str is not None:  # tokens after the one that made it are not output
+            del comp.token_ids[len(comp.token_ids) - len(out.new_token_ids)
+                               + comp.detokenizer.num_stop_tokens:]
             comp.finish_reason, comp.stop_reason = "stop", stop_str
             return not out.finished
         if out.finish_reason is not None:

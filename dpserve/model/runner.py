@@ -10,12 +10,14 @@ One step:
    block tables) and the AttentionMetadata, once for all layers;
 2. forward over the flattened tokens of every scheduled request;
 3. LM head only on the last token of requests that sample this step (a pooling
-   request's rows are pooled instead: `model/pooler.py`);
-4. sample and return Python lists.
+   request's rows are pooled instead: `model/pooler.py`), and on every position of
+   a speculative request's drafts and the token before them;
+4. sample (drafts: verified, `model/spec_verify.py`) and return Python lists.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -26,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dpserve.config import EngineConfig
+from dpserve.config import EngineConfig, SchedulerConfig
 from dpserve.cpu_features import auto_cpu_dtype
 from dpserve.model import cpu_kernels
 from dpserve.model.attention import AttentionMetadata, build_attention_metadata, token_positions
@@ -37,6 +39,7 @@ from dpserve.model.pooler import pool_step
 from dpserve.model.prompt_logprobs import compute_prompt_logprobs
 from dpserve.model.registry import get_model_class
 from dpserve.model.sampler import Sampler, SamplingMetadata, make_generator
+from dpserve.model.spec_verify import split_rows, verify
 from dpserve.model.tensor_parallel import TensorParallel
 from dpserve.profiling import Profiler
 from dpserve.step import LoRAPlan, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -51,8 +54,11 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     attn_meta: AttentionMetadata
-    logits_index: torch.Tensor  # [S] int64 token index of each sampled row
-    sampled: list[ScheduledRequest]  # [S] the requests that sample, in output order
+    # [N] int64 token index of each logits row: one per `sampled` request, then
+    # k + 1 per `spec` request (model.spec_verify.split_rows)
+    logits_index: torch.Tensor
+    sampled: list[ScheduledRequest]  # [S] the requests that sample one row, in output order
+    spec: list[ScheduledRequest] = dataclasses.field(default_factory=list)  # with drafts
 
 
 class ModelRunner:
@@ -154,7 +160,7 @@ class ModelRunner:
         if (model.packed or model.prepack_weights()) and not self.config.model.enforce_eager:
             sched = self.config.scheduler
             start = time.monotonic()
-            runs = model.warm_up_linears(sched.max_num_batched_tokens, sched.max_num_seqs)
+            runs = model.warm_up_linears(sched.max_num_batched_tokens, _max_logits_rows(sched))
             _release_memory(self.device)  # the large warm-up buffers, kept free by glibc
             logger.info("linear weights pre-packed for oneDNN; kernels for %d (shape, rows) "
                         "pairs compiled in %.1f s", runs, time.monotonic() - start)
@@ -318,23 +324,36 @@ class ModelRunner:
         # Pooling requests' rows (worker 0 answers for the group; never sampled).
         pooled = (pool_step(hidden, scheduler_output)
                   if scheduler_output.has_pooling and self.tp.rank == 0 else {})
-        if not inputs.sampled:
+        if not inputs.sampled and not inputs.spec:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[],
                                      prompt_logprobs=prompt_logprobs, pooled=pooled)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_index))
         if self.tp.rank != 0:  # worker 0 samples for the group
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        for req in inputs.sampled:
-            seed = req.sampling_params.seed
-            if seed is not None and req.req_id not in self.generators:
-                self.generators[req.req_id] = make_generator(  # moved: draws go on
-                    seed, self.device, skip=req.num_output_tokens)
-        meta = SamplingMetadata.from_requests(inputs.sampled, self.generators, self.vocab_size,
-                                              self.device)
-        tokens, logprobs = self.sampler(logits, meta)
-        return ModelRunnerOutput(req_ids=[r.req_id for r in inputs.sampled],
-                                 sampled_token_ids=tokens.tolist(), logprobs=logprobs,
-                                 prompt_logprobs=prompt_logprobs, pooled=pooled)
+        out = self._sample(logits, inputs)
+        out.prompt_logprobs, out.pooled = prompt_logprobs, pooled
+        return out
+
+    def _sample(self, logits: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput:
+        """One token for each one-row request; speculative requests' drafts verified
+        (model.spec_verify): their accepted run in `spec_token_ids`."""
+        num_plain, tokens, logprobs = len(inputs.sampled), [], None
+        if inputs.sampled:
+            for req in inputs.sampled:
+                seed = req.sampling_params.seed
+                if seed is not None and req.req_id not in self.generators:
+                    self.generators[req.req_id] = make_generator(  # moved: draws go on
+                        seed, self.device, skip=req.num_output_tokens)
+            meta = SamplingMetadata.from_requests(inputs.sampled, self.generators,
+                                                  self.vocab_size, self.device)
+            sampled, logprobs = self.sampler(logits[:num_plain], meta)
+            tokens = sampled.tolist()
+        runs = (verify(self.sampler, logits[num_plain:], inputs.spec, self.vocab_size,
+                       self.device) if inputs.spec else [])
+        return ModelRunnerOutput(
+            req_ids=[r.req_id for r in (*inputs.sampled, *inputs.spec)],
+            sampled_token_ids=tokens + [run[0] for run in runs], logprobs=logprobs,
+            spec_token_ids={r.req_id: run for r, run in zip(inputs.spec, runs, strict=True)})
 
     def kv_tier_attach(self, name: str, size: int, generation: int) -> str | None:
         """Map the host tier's arena (`KVTierCopier.attach`). Returns the error (one
@@ -369,6 +388,8 @@ class ModelRunner:
             table[i, :needed[i]] = s.block_ids[:needed[i]]
         ends = np.cumsum(query_lens) - 1  # [R] last token of each request
         sample_rows = [i for i, s in enumerate(sched) if s.sample]
+        logits_index, sampled, spec = split_rows([sched[i] for i in sample_rows],
+                                                 ends[sample_rows])
         meta = build_attention_metadata(query_lens, context_lens, table, so.num_decodes, bs,
                                         self.dtype, self.device, self.kv_elems_per_token)
         positions = token_positions(query_lens, context_lens)
@@ -379,8 +400,8 @@ class ModelRunner:
         return StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64).to(self.device),
             positions=torch.from_numpy(positions).to(self.device), attn_meta=meta,
-            logits_index=torch.from_numpy(ends[sample_rows]).to(self.device),
-            sampled=[sched[i] for i in sample_rows])
+            logits_index=torch.from_numpy(logits_index).to(self.device), sampled=sampled,
+            spec=spec)
 
     @torch.inference_mode()
     def execute_dummy(self) -> None:
@@ -432,6 +453,15 @@ class ModelRunner:
             self.lora_slots.load(slot, adapter)
         for lora_id in plan.host_drops:
             self.lora_adapters.pop(lora_id, None)
+
+
+def _max_logits_rows(sched: SchedulerConfig) -> int:
+    """The most logits rows one step can ask for: one per running request, plus one
+    per draft token with speculative decoding (within the step's token budget)."""
+    spec = sched.speculative
+    if spec is None:
+        return sched.max_num_seqs
+    return min(sched.max_num_batched_tokens, sched.max_num_seqs * (1 + spec.num_speculative_tokens))
 
 
 def _release_memory(device: torch.device) -> None:

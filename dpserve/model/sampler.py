@@ -181,6 +181,22 @@ class Sampler:
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [S, V]
+        self.adjust(logits, meta)
+        if meta.all_greedy:
+            tokens = logits.argmax(dim=-1)
+        else:
+            greedy_tokens = logits.argmax(dim=-1) if meta.any_greedy else None
+            tokens = inverse_cdf_sample(self.probs(logits, meta),
+                                        self.uniforms(len(logits), meta, logits.device))
+            if greedy_tokens is not None:
+                tokens = torch.where(meta.greedy, greedy_tokens, tokens)
+        if raw_logprobs is None:
+            return tokens, None
+        return tokens, gather_logprobs(raw_logprobs, tokens, meta.max_num_logprobs or 0)
+
+    @staticmethod
+    def adjust(logits: torch.Tensor, meta: SamplingMetadata) -> None:
+        """In place: penalties, logit_bias, min_tokens, grammar (2. and 3. above)."""
         if meta.penalties is not None:
             apply_penalties(logits, meta.penalties)
         if meta.logit_bias is not None:
@@ -191,19 +207,11 @@ class Sampler:
                               torch.tensor(float("-inf"), device=logits.device))
         if meta.grammar is not None:
             apply_bitmask(logits, *meta.grammar)
-        if meta.all_greedy:
-            tokens = logits.argmax(dim=-1)
-        else:
-            greedy_tokens = logits.argmax(dim=-1) if meta.any_greedy else None
-            tokens = self._sample(logits, meta)
-            if greedy_tokens is not None:
-                tokens = torch.where(meta.greedy, greedy_tokens, tokens)
-        if raw_logprobs is None:
-            return tokens, None
-        return tokens, gather_logprobs(raw_logprobs, tokens, meta.max_num_logprobs or 0)
 
-    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Random rows: temperature, min-p, top-k, top-p, then inverse CDF. [S] int64."""
+    @staticmethod
+    def probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Random rows' distribution [S, V] after temperature, min-p, top-k, top-p (logits
+        adjusted first; changed in place). Greedy rows' rows are meaningless."""
         logits.div_(meta.temperature[:, None])
         if meta.min_p is not None:
             # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p)
@@ -212,10 +220,9 @@ class Sampler:
         if meta.top_k is not None or meta.top_p is not None:
             threshold = top_k_top_p_threshold(logits, meta.top_k, meta.top_p)
             logits.masked_fill_(logits < threshold[:, None], float("-inf"))
-        probs = torch.softmax(logits, dim=-1)  # [S, V]
-        return inverse_cdf_sample(probs, self._uniforms(len(logits), meta, logits.device))
+        return torch.softmax(logits, dim=-1)  # [S, V]
 
-    def _uniforms(self, rows: int, meta: SamplingMetadata, device: torch.device) -> torch.Tensor:
+    def uniforms(self, rows: int, meta: SamplingMetadata, device: torch.device) -> torch.Tensor:
         """[S] uniforms in [0, 1): seeded rows from their own generator."""
         u = torch.rand(rows, generator=self.generator, device=device)
         for row, gen in meta.generators.items():

@@ -12,8 +12,9 @@ with:
      "pid", "ttft_s", "tp_workers": [{"tp_rank", "pid", "device", "rss_bytes"},
      ...], "lora": null | {"resident", "cached", "loads", "evictions",
      "max_loras"}, "kv_tier": null | {"hits", "queries", "loaded_bytes",
-     "saved_bytes", "load_seconds", "used_blocks", "num_blocks"}, "role",
-     "handoffs"}, ...]}
+     "saved_bytes", "load_seconds", "used_blocks", "num_blocks"}, "spec_decode":
+     null | {"drafts", "draft_tokens", "accepted_tokens", "acceptance_rate",
+     "mean_acceptance_length"}, "role", "handoffs"}, ...]}
 
 Where the figures come from: with a DP coordinator (N > 1) everything is
 what the coordinator last published to every API server (counts from the
@@ -34,6 +35,9 @@ seconds loading), and the store's blocks held / it can hold (`num_blocks` 0: the
 store is down). From the last `SchedulerStats` the rank sent with outputs to this
 API server (N = 1: `get_stats`), so null until it sent some, and with several API
 servers each shows its own last copy.
+`spec_decode` (--speculative-config; null before the rank's first draft): rows
+verified with drafts, draft tokens, accepted ones, their ratio, and 1 + accepted /
+rows (tokens per speculative step), from the same `SchedulerStats` as `kv_tier`.
 `role` (--data-parallel-roles): "prefill", "decode", or "both" (no roles);
 `handoffs`: requests this API server has mid-handoff from or to the rank (first
 token in, the decode rank's first output not yet).
@@ -198,7 +202,18 @@ def _row(rank: int, state: str, incarnation: int, waiting: int, running: int,
             "lora": None if lora is None else {
                 "resident": lora.resident, "cached": lora.cached, "loads": lora.loads,
                 "evictions": lora.evictions, "max_loras": lora.max_loras},
-            "kv_tier": _tier(stats)}
+            "kv_tier": _tier(stats), "spec_decode": _spec_decode(stats)}
+
+
+def _spec_decode(s: SchedulerStats | None) -> dict[str, Any] | None:
+    """The rank's speculative decoding figures; None before its first draft."""
+    if s is None or not s.spec_decode_num_drafts:
+        return None
+    drafts, proposed = s.spec_decode_num_drafts, s.spec_decode_num_draft_tokens
+    accepted = s.spec_decode_num_accepted_tokens
+    return {"drafts": drafts, "draft_tokens": proposed, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / proposed if proposed else 0.0,
+            "mean_acceptance_length": 1 + accepted / drafts}
 
 
 def _tier(s: SchedulerStats | None) -> dict[str, Any] | None:

@@ -73,6 +73,10 @@ _ENGINE_TOTALS = {
     "dpserve:pooling_requests": "Pooling (embedding) requests finished by the engine.",
     "dpserve:pooling_steps": "Engine steps that finished at least one pooling request "
                              "(fewer than the requests: they were batched).",
+    # Speculative decoding (--speculative-config): vLLM's vllm:spec_decode_* counters.
+    "dpserve:spec_decode_num_drafts": "Requests' steps verified with draft tokens.",
+    "dpserve:spec_decode_num_draft_tokens": "Draft tokens proposed and verified.",
+    "dpserve:spec_decode_num_accepted_tokens": "Draft tokens accepted.",
 }
 _CUMULATIVE = ":engine_cumulative"
 
@@ -95,8 +99,7 @@ class ServerMetrics:
         self._decisions = [0, 0]  # (up, down) already counted
         self._moved = (0, 0, 0)  # (retries, migrations, recomputed tokens) already counted
         self._restarts: dict[int, int] = {}  # engine -> restarts already counted
-        # engine index -> last cumulative (queries, hits, preemptions, pooled, pooling
-        # steps) seen
+        # engine index -> last cumulative figures seen (as `engine_totals`)
         self._last: dict[int, tuple[int, ...]] = {}
         self._export: CollectorRegistry | None = None
         if self.multiprocess_dir is not None:
@@ -152,8 +155,8 @@ class ServerMetrics:
         self.prefix_hit_rate = Gauge("dpserve:prefix_cache_hit_rate", "Prompt tokens found "
                                      "in the prefix cache / tokens looked up, since start.",
                                      e, **latest)
-        # [5] prefix-cache queries, hits, preemptions, pooling requests and steps: Counters,
-        # or "max" Gauges (multiprocess)
+        # [8] prefix-cache queries, hits, preemptions, pooling requests and steps, spec
+        # decode drafts, draft and accepted tokens: Counters, or "max" Gauges (multiprocess)
         self.engine_totals: list[Counter | Gauge] = [
             Counter(name, doc, e, registry=r) if self.multiprocess_dir is None else
             Gauge(name + _CUMULATIVE, doc, e, registry=r, multiprocess_mode="max")
@@ -220,7 +223,8 @@ class ServerMetrics:
                                                  else 0.0)
         self.kv_tier.record(labels, s)
         now = (queries, s.prefix_cache_hits, s.num_preemptions, s.num_pooled_requests,
-               s.num_pooling_steps)
+               s.num_pooling_steps, s.spec_decode_num_drafts, s.spec_decode_num_draft_tokens,
+               s.spec_decode_num_accepted_tokens)
         if self.multiprocess_dir is not None:
             for gauge, value in zip(self.engine_totals, now):
                 gauge.labels(*labels).set(value)  # type: ignore[union-attr]

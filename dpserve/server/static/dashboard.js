@@ -55,6 +55,7 @@ function makeTile(rank) {
     '<div class="where" data-field="workers"></div>' +
     '<div class="where" data-field="lora"></div>' +
     '<div class="where" data-field="tier"></div>' +
+    '<div class="where" data-field="spec"></div>' +
     '<div class="where" data-field="role"></div>' +
     '<div class="buttons" hidden>' +
     '<button type="button" data-action="cordon">Cordon</button>' +
@@ -111,6 +112,11 @@ function render(data) {
     // Its use of the host's KV tier (--kv-offload-memory): the store's fill, the
     // prompt tokens found there of those looked up, bytes moved and load time.
     field(tile, "tier", e.kv_tier ? tierLine(e.kv_tier) : "");
+    // Speculative decoding (--speculative-config): drafts accepted of those proposed.
+    field(tile, "spec", e.spec_decode ? "drafts " + (100 * e.spec_decode.acceptance_rate)
+          .toFixed(0) + " % accepted (" + e.spec_decode.accepted_tokens + " of " +
+          e.spec_decode.draft_tokens + ") · " + e.spec_decode.mean_acceptance_length
+          .toFixed(2) + " tokens per speculative step" : "");
     // Its role (--data-parallel-roles) and the handoffs in flight from or to it.
     field(tile, "role", e.role && e.role !== "both" ?
           e.role + " rank · " + (e.handoffs || 0) + " handoffs in flight" : "");

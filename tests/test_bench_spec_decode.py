@@ -1,0 +1,45 @@
+"""bench/spec_decode.py --smoke on the tiny model: the script the lead runs for issue
+30's speculative decoding starts its four rows (copy-heavy requests one at a time and
+the W16 load, each with and without --speculative-config), and writes the
+BENCHMARKS.md section with every request complete, drafts proposed on the `on` rows
+and the copy texts identical (float32 greedy). Measures nothing (no timing asserts)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.procs, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parent.parent
+# One token of match is enough: the random tiny model's outputs repeat single tokens
+# of its prompt, seldom its n-grams.
+SPEC = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, '
+        '"prompt_lookup_min": 1}')
+
+
+def test_the_spec_decode_benchmark_runs_in_smoke_mode(tiny_llama, tmp_path):
+    out = tmp_path / "benchmarks.md"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "spec_decode.py"), "--smoke",
+                           "--model", str(tiny_llama), "--out", str(out),
+                           "--speculative-config", SPEC],
+                          capture_output=True, text=True, timeout=600,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    text = out.read_text()
+    assert text.strip() == proc.stdout.strip()  # the section, printed and appended
+    assert "## Speculative decoding, n-gram (bench/spec_decode.py)" in text
+    rows = {m.group(1): [c.strip() for c in m.group(0).strip("|").split("|")]
+            for m in re.finditer(r"^\| (copy off|copy on|W16 off|W16 on) \|.*$", text, re.M)}
+    assert set(rows) == {"copy off", "copy on", "W16 off", "W16 on"}, text
+    assert rows["copy on"][2] == rows["copy off"][2] == "2 / 0"
+    assert rows["W16 on"][2] == rows["W16 off"][2] == "4 / 0"
+    for name in ("copy on", "W16 on"):
+        assert int(rows[name][5]) > 0, rows[name]  # drafts proposed
+        assert "--speculative-config" in rows[name][9]
+    assert rows["copy off"][5] == "0"
+    assert "greedy texts identical: **2 of 2**" in text
