@@ -37,6 +37,8 @@ from dpserve.engine_config import (
     SchedulerConfig,
     SpeculativeConfig,
     replace,
+    resolve_device,
+    resolve_dtype,
 )
 from dpserve.errors import ConfigError
 from dpserve.generation_config import load_generation_defaults
@@ -333,7 +335,7 @@ class EngineArgs(ProfileArgs, TracingArgs):
     def create_config(self) -> EngineConfig:
         """Validate every option, resolve the model, and freeze the result."""
         self.check_options()
-        device = _resolve_device(self.device)
+        device = resolve_device(self.device)
         model = self._model_config(device)
         kv_bytes = (parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
                     if self.kv_cache_memory is not None else
@@ -362,7 +364,7 @@ class EngineArgs(ProfileArgs, TracingArgs):
 
     def _model_config(self, device: str) -> ModelConfig:
         """Resolve the model (directory, GGUF file, default, hub) and check it."""
-        dtype = _resolve_dtype(self.dtype, device, self.quantization)
+        dtype = resolve_dtype(self.dtype, device, self.quantization)
         from dpserve.model.loader import resolve_model
 
         path = resolve_model(self.model, revision=self.revision)
@@ -551,43 +553,6 @@ def parse_memory_size(value: str | int, option: str) -> int:
     if size <= 0:
         raise ConfigError(f"{option} must be positive, got {value!r}")
     return size
-
-
-def _resolve_device(device: str) -> str:
-    if device == "cpu" or (device == "auto" and _cpu_only_torch()):
-        return "cpu"  # without importing torch (seconds): a launcher may never need it
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device 'cuda' was asked for but torch sees no CUDA device")
-    return device
-
-
-def _cpu_only_torch() -> bool:
-    """Whether the installed torch is a CPU-only wheel (its version ends "+cpu", read
-    from the package metadata): such a build never sees a CUDA device."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("torch").endswith("+cpu")
-    except metadata.PackageNotFoundError:
-        return False
-
-
-def _resolve_dtype(dtype: str, device: str, quantization: str | None) -> str:
-    """`auto` -> bfloat16 on CUDA; on CPU bfloat16 where the CPU has native support
-    (cpu_features.auto_cpu_dtype), float32 elsewhere and for int8 quantization."""
-    if dtype != "auto":
-        return dtype
-    if device == "cuda":
-        return "bfloat16"
-    if quantization is not None:
-        return "float32"
-    from dpserve.cpu_features import auto_cpu_dtype
-
-    return auto_cpu_dtype()
 
 
 def _is_moe(hf_config: Mapping[str, Any]) -> bool:

@@ -7,7 +7,8 @@ KV blocks, travel as explicit results). Every layer above reads these types;
 reads as before.
 
 Not here: the options and their checks (`dpserve.config`, `dpserve.placement`), but
-`PoolerConfig.parse` (one option's JSON).
+`PoolerConfig.parse` / `SpeculativeConfig.parse` (one option's JSON each) and what
+`--device auto` and `--dtype auto` resolve to (`resolve_device`, `resolve_dtype`).
 """
 
 from __future__ import annotations
@@ -347,3 +348,42 @@ class EngineConfig:
 def replace(config: Any, **changes: Any) -> Any:
     """A copy of a frozen config with some fields changed (the original stays)."""
     return dataclasses.replace(config, **changes)
+
+
+def resolve_device(device: str) -> str:
+    """--device: `auto` -> cuda when torch sees a device (cpu for a CPU-only torch wheel,
+    without importing torch); `cuda` without one is a ConfigError."""
+    if device == "cpu" or (device == "auto" and _cpu_only_torch()):
+        return "cpu"  # without importing torch (seconds): a launcher may never need it
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' was asked for but torch sees no CUDA device")
+    return device
+
+
+def _cpu_only_torch() -> bool:
+    """Whether the installed torch is a CPU-only wheel (its version ends "+cpu", read
+    from the package metadata): such a build never sees a CUDA device."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch").endswith("+cpu")
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def resolve_dtype(dtype: str, device: str, quantization: str | None) -> str:
+    """`auto` -> bfloat16 on CUDA; on CPU bfloat16 where the CPU has native support
+    (cpu_features.auto_cpu_dtype), float32 elsewhere and for int8 quantization."""
+    if dtype != "auto":
+        return dtype
+    if device == "cuda":
+        return "bfloat16"
+    if quantization is not None:
+        return "float32"
+    from dpserve.cpu_features import auto_cpu_dtype
+
+    return auto_cpu_dtype()
