@@ -66,7 +66,10 @@ def server_argv(kind: str, args: argparse.Namespace, model: Path, port: int) -> 
     root = Path(args.peers_root)
     if kind == "vllm":
         return ["env", "VLLM_CPU_KVCACHE_SPACE=2", "VLLM_HOST_IP=127.0.0.1",
-                f"VLLM_CPU_OMP_THREADS_BIND=0-{os.cpu_count() - 1}",
+                # one rank: every core; several (--data-parallel-size): $VLLM_CPU_OMP_THREADS_BIND
+                # as vLLM reads it, e.g. "0|1" for one core per rank
+                "VLLM_CPU_OMP_THREADS_BIND="
+                + os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}"),
                 str(root / "vllm-venv" / "bin" / "vllm"), "serve", str(model),
                 "--host", "127.0.0.1", "--port", str(port), *shlex.split(args.vllm_options)]
     return [sys.executable, "-m", "dpserve.cli", "serve", str(model), "--host", "127.0.0.1",
