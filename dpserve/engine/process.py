@@ -5,13 +5,11 @@ input queue: `InputReader` in `dpserve.engine.input_reader`; output queue ->
 sockets: `OutputSender` in `dpserve.engine.output_sender`), the busy loop that
 drives the `EngineCore` it holds, utility calls (pause / sleep ones through
 `ControlCalls`, `dpserve.engine.control`), the engine-dead signal, signal
-handling and the parent-death watcher. `run_engine_core` is the
-multiprocessing target.
+handling and the parent-death watcher. `run_engine_core`: the process target.
 
-Not here: scheduling and the model (`EngineCore`), address allocation and
-process spawning (`dpserve.launch`), the data-parallel part (`DPLink` in
-`dpserve.engine.dp`: coordinator link, lockstep waves; held when the init
-metadata names a coordinator).
+Not here: scheduling and the model (`EngineCore`), address allocation and process
+spawning (`dpserve.launch`), the data-parallel part (`DPLink` in `dpserve.engine.dp`:
+coordinator link, lockstep waves; held when the init metadata names a coordinator).
 
 Sockets of engine `rank` (identity = `engine_identity(rank)`):
 
@@ -20,19 +18,17 @@ Sockets of engine `rank` (identity = `engine_identity(rank)`):
                empty frame so the ROUTER learns (and can route to) this engine
     output i   PUSH   -> front-end i PULL    one msgpack EngineCoreOutputs per message; no
                blocking send: one that stops reading is dropped (engine/output_sender.py)
-    DP (dp_size > 1): see `DPLink`; its coordinator SUB socket is read by the
-               input thread, which queues START_DP_WAVE and REGROUP_DP like a
-               front-end request
+    DP (dp_size > 1): see `DPLink`; its coordinator SUB socket is read by the input
+               thread, which queues START_DP_WAVE and REGROUP_DP as requests
 
-A dying engine sends the two frames [ENGINE_CORE_DEAD, identity] on every
-output socket, so a front-end with several engines knows which one died.
+A dying engine sends [ENGINE_CORE_DEAD, identity] on every output socket, so a
+front-end with several engines knows which one died.
 
-Signals (`_StopSignals`): SIGINT is ignored (Ctrl-C reaches the whole process
-group; the launcher decides). The first SIGTERM stops an idle engine at once;
-an engine with requests drains instead: new ADDs finish at once with ABORT,
-the requests in flight run for up to `config.shutdown_timeout` s, then the
-rest are aborted (their final outputs say ABORT) and it exits 0. A second
-SIGTERM exits at once.
+Signals (`_StopSignals`): SIGINT is ignored (Ctrl-C reaches the whole process group;
+the launcher decides). The first SIGTERM stops an idle engine at once; an engine with
+requests drains instead: new ADDs finish at once with ABORT, the requests in flight
+run for up to `config.shutdown_timeout` s, then the rest are aborted (their final
+outputs say ABORT) and it exits 0. A second SIGTERM exits at once.
 """
 
 from __future__ import annotations
@@ -257,9 +253,7 @@ class EngineCoreProc:
 
     def begin_drain(self) -> None:
         """Finish the requests in flight (up to the shutdown timeout), then exit.
-
-        Called from the SIGTERM handler: it only sets the deadline.
-        """
+        Called from the SIGTERM handler: it only sets the deadline."""
         self.drain_deadline = time.monotonic() + self.config.shutdown_timeout
         if self.dp is not None:
             self.dp.draining = True  # the next heartbeat: this rank takes no new work
@@ -399,7 +393,7 @@ class EngineCoreProc:
             engine_index=self.rank, utility_output=out, timestamp=time.monotonic())))
 
     def _publish(self, outputs: list[EngineCoreOutput]) -> None:
-        """Group outputs by front-end; a finished request forgets its front-end."""
+        """Outputs to their front-ends (a finished request forgets its own); idle: stats to all."""
         if not outputs:
             return
         by_client: dict[int, list[EngineCoreOutput]] = defaultdict(list)
@@ -410,8 +404,9 @@ class EngineCoreProc:
                 logger.warning("output for unknown request %s dropped", out.request_id)
                 continue
             by_client[client].append(out)
-        for client, outs in by_client.items():
-            self._send(client, outs)
+        idle = not self.engine_core.has_unfinished_requests()
+        for client in _recipients(by_client, self.num_clients, self._dropped, idle):
+            self._send(client, by_client.get(client, []))
 
     def _send(self, client: int, outputs: list[EngineCoreOutput]) -> None:
         stats = self.engine_core.get_stats()
@@ -572,6 +567,12 @@ def _exit_now(code: int) -> None:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
+
+
+def _recipients(by_client: dict, num_clients: int, dropped: set[int], idle: bool) -> list[int]:
+    """Front-ends with outputs and, the engine idle, every other one served, stats only (its
+    gauges: else stale until its next request here; with several, the last write wins)."""
+    return [c for c in range(num_clients) if c in by_client or (idle and c not in dropped)]
 
 
 class _StopSignals:
