@@ -33,19 +33,21 @@ os.environ.setdefault("DPSERVE_CPU_BF16", "0")
 # here runs after these, in pytest-randomly's order.
 LONGEST_FILES = [
     "test_faults.py", "test_elastic.py", "test_multinode.py", "test_tensor_parallel.py",
-    "test_moe_elastic.py", "test_request_limits.py", "test_api_servers.py",
-    "test_default_model.py", "test_responses_api.py", "test_tensor_parallel_serve.py",
-    "test_lora_serve.py", "test_moe_parallel.py", "test_batches_api.py",
-    "test_cpu_kernels.py", "test_kernel_cache_safety.py", "test_tenants_serve.py",
-    "test_serve_process.py", "test_pd_serve.py", "test_structured_server.py",
-    "test_bench_priority.py", "test_tp_sharding.py", "test_control.py",
-    "test_http_security.py", "test_llm_data_parallel.py", "test_top.py",
-    "test_tracing_serve.py", "test_dashboard.py", "test_http_extras.py",
-    "test_lockstep_faults.py", "test_ops.py", "test_dataplane_security.py",
-    "test_coordinator.py", "test_request_state.py", "test_model.py",
-    "test_engine_process.py", "test_dp_group.py", "test_gguf.py", "test_messages_api.py",
-    "test_kv_tier_serve.py", "test_expert_tensor_parallel.py", "test_kv_tier_pull.py",
-    "test_kv_tier_routing.py"]
+    "test_default_model.py", "test_top.py", "test_moe_elastic.py", "test_responses_api.py",
+    "test_spec_decode_serve.py", "test_api_servers.py", "test_lora_serve.py",
+    "test_tensor_parallel_serve.py", "test_moe_parallel.py", "test_gguf.py",
+    "test_kernel_cache_safety.py", "test_bench_priority.py", "test_batches_api.py",
+    "test_request_limits.py", "test_tenants_serve.py", "test_cpu_kernels.py",
+    "test_pd_serve.py", "test_serve_process.py", "test_control.py",
+    "test_structured_server.py", "test_tp_sharding.py", "test_bench_prefix_routing.py",
+    "test_llm_data_parallel.py", "test_ops.py", "test_lockstep_faults.py",
+    "test_bench_spec_decode.py", "test_http_security.py", "test_engine_process.py",
+    "test_security.py", "test_tracing_serve.py", "test_dashboard.py",
+    "test_server_stats.py", "test_profile.py", "test_http_extras.py",
+    "test_dataplane_security.py", "test_coordinator.py", "test_dp_group.py",
+    "test_request_state.py", "test_priority_serve.py", "test_kv_tier_pull.py",
+    "test_spec_decode_engine.py", "test_kv_tier_serve.py", "test_sharded_state.py",
+    "test_model.py"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
