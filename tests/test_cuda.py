@@ -9,6 +9,8 @@
   (the criterion vLLM's own tests use).
 * sleep level 1 frees the KV cache and level 2 the weights too, measured with
   `torch.cuda.memory_allocated`; wake_up serves the same greedy tokens.
+* n-gram speculative decoding: float32 greedy tokens equal transformers', drafts
+  accepted.
 * seeded sampling reproduces; structured output (xgrammar's bitmask on CUDA logits)
   always parses.
 * DP=2 on one GPU: served (both engines answer, each with a KV cache of its own)
@@ -211,6 +213,22 @@ def test_preemption_and_prefix_hits_equal_transformers(models):
     assert long_ones and all(o.num_cached_tokens > 0 for o in long_ones)
     record("preemption_prefix", preemptions=stats.num_preemptions,
            cached_tokens=[o.num_cached_tokens for o in second])
+
+
+def test_speculative_decoding_on_cuda_equals_transformers(models):
+    """n-gram drafts verified on CUDA: float32 greedy tokens equal transformers', and
+    drafts were proposed and accepted (the engine's counters)."""
+    path = models["llama"]
+    ids = prompt_ids(path) + [[5, 6, 7, 8, 9] * 6]  # the last one repeats: drafts
+    expected = tokens(hf_greedy(path, ids, "float32"))
+    llm = LLM(path, dtype="float32", speculative_config='{"method": "ngram", '
+              '"num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}',
+              **ENGINE)
+    assert tokens(dp_greedy(llm, ids)) == expected
+    stats = llm.get_stats()
+    assert stats.spec_decode_num_draft_tokens > 0 and stats.spec_decode_num_accepted_tokens > 0
+    record("speculative", drafts=stats.spec_decode_num_draft_tokens,
+           accepted=stats.spec_decode_num_accepted_tokens)
 
 
 def test_seeded_sampling_and_structured_output_on_cuda(models):
