@@ -244,6 +244,22 @@ def finished_by_engine(url: str) -> dict[int, float]:
     return counts
 
 
+def finished_by_engine_and_api_server(url: str) -> tuple[dict[str, float], dict[str, float]]:
+    """(engine -> requests finished, API server -> requests finished), all API servers'
+    (one scrape: dpserve:engine_requests_finished, dpserve:api_server_requests_finished)."""
+    text = httpx.get(url + "/metrics", headers={"Connection": "close"}, timeout=10).text
+
+    def counts(metric: str, label: str) -> dict[str, float]:
+        found: dict[str, float] = {}
+        for key, value in re.findall(rf'^{metric}_total{{[^}}]*{label}="(\d+)"[^}}]*}} (\S+)$',
+                                     text, re.M):
+            found[key] = found.get(key, 0.0) + float(value)
+        return found
+
+    return (counts("dpserve:engine_requests_finished", "engine"),
+            counts("dpserve:api_server_requests_finished", "api_server"))
+
+
 async def complete_all(url: str, model: str, prompts: list[str], *, max_tokens: int,
                        concurrency: int = 16, rank: int | None = None,
                        headers: dict[str, str] | None = None) -> list[str]:

@@ -15,32 +15,15 @@ hits), never the routers' state.
 
 from __future__ import annotations
 
-import re
-
 import httpx
 import pytest
-from helpers import serve
+from helpers import finished_by_engine_and_api_server, serve
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(300)]
 
 PREFIX = 96  # tokens: 6 blocks of 16
 EACH = 3  # requests each API server must have answered
 MAX_REQUESTS = 40
-
-
-def _finished(url: str) -> tuple[dict[str, float], dict[str, float]]:
-    """(engine -> requests finished, API server -> requests finished), all API servers'."""
-    text = httpx.get(url + "/metrics", headers={"Connection": "close"}, timeout=10).text
-
-    def counts(metric: str, label: str) -> dict[str, float]:
-        found: dict[str, float] = {}
-        for key, value in re.findall(rf'^{metric}_total{{[^}}]*{label}="(\d+)"[^}}]*}} (\S+)$',
-                                     text, re.M):
-            found[key] = found.get(key, 0.0) + float(value)
-        return found
-
-    return (counts("dpserve:engine_requests_finished", "engine"),
-            counts("dpserve:api_server_requests_finished", "api_server"))
 
 
 def _grown(before: dict[str, float], after: dict[str, float]) -> list[str]:
@@ -54,13 +37,13 @@ def test_a_shared_prefix_lands_on_one_rank_through_both_api_servers(tiny_llama):
                "--threads-per-engine", "1", "--max-model-len", "256", timeout=180) as (_, url):
         placed: list[tuple[str, str, int]] = []  # (API server, rank, cached tokens)
         for i in range(MAX_REQUESTS):
-            engines_before, servers_before = _finished(url)
+            engines_before, servers_before = finished_by_engine_and_api_server(url)
             resp = httpx.post(url + "/v1/completions", headers={"Connection": "close"},
                               timeout=60, json={
                                   "model": model, "prompt": prefix + [5, 6 + i % 50, 7, 8],
                                   "max_tokens": 2, "temperature": 0, "ignore_eos": True})
             assert resp.status_code == 200, resp.text
-            engines_after, servers_after = _finished(url)
+            engines_after, servers_after = finished_by_engine_and_api_server(url)
             ranks, servers = _grown(engines_before, engines_after), _grown(servers_before,
                                                                            servers_after)
             assert len(ranks) == 1 and len(servers) == 1, (ranks, servers)

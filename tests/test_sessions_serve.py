@@ -15,12 +15,11 @@ a rank hot (a load over 32).
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Awaitable, Callable
 
 import httpx
 import pytest
-from helpers import serve, wait_until
+from helpers import finished_by_engine_and_api_server, serve, wait_until
 
 pytestmark = [pytest.mark.procs]
 
@@ -34,21 +33,6 @@ def server(tiny_llama):
                "--threads-per-engine", "1", "--max-model-len", "512", "--enable-admin-api",
                "--allow-unauthenticated-admin", timeout=180) as (_, url):
         yield url, str(tiny_llama)
-
-
-def _finished(url: str) -> tuple[dict[str, float], dict[str, float]]:
-    """(engine -> requests finished, API server -> requests finished), all API servers'."""
-    text = httpx.get(url + "/metrics", headers={"Connection": "close"}, timeout=10).text
-
-    def counts(metric: str, label: str) -> dict[str, float]:
-        found: dict[str, float] = {}
-        for key, value in re.findall(rf'^{metric}_total{{[^}}]*{label}="(\d+)"[^}}]*}} (\S+)$',
-                                     text, re.M):
-            found[key] = found.get(key, 0.0) + float(value)
-        return found
-
-    return (counts("dpserve:engine_requests_finished", "engine"),
-            counts("dpserve:api_server_requests_finished", "api_server"))
 
 
 def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -65,9 +49,9 @@ def batches_on_both_servers(url: str, send: Send, max_batches: int = 12
     ranks: set[str] = set()
     served = {s: 0.0 for s in SERVERS}
     for _ in range(max_batches):
-        engines_before, servers_before = _finished(url)
+        engines_before, servers_before = finished_by_engine_and_api_server(url)
         asyncio.run(_batch(send))
-        engines_after, servers_after = _finished(url)
+        engines_after, servers_after = finished_by_engine_and_api_server(url)
         ran = _delta(engines_before, engines_after)
         assert sum(ran.values()) == BATCH, ran
         ranks |= set(ran)
@@ -88,7 +72,7 @@ async def _batch(send: Send) -> None:
 
 def _rank_of_one(url: str, send: Send) -> tuple[str, httpx.Response]:
     """One request (`send(client, 0)`): the rank it ran on, and its response."""
-    engines_before, _ = _finished(url)
+    engines_before, _ = finished_by_engine_and_api_server(url)
 
     async def one() -> httpx.Response:
         async with httpx.AsyncClient(timeout=60) as client:
@@ -96,7 +80,7 @@ def _rank_of_one(url: str, send: Send) -> tuple[str, httpx.Response]:
 
     response = asyncio.run(one())
     assert response.status_code == 200, response.text
-    ran = _delta(engines_before, _finished(url)[0])
+    ran = _delta(engines_before, finished_by_engine_and_api_server(url)[0])
     assert list(ran.values()) == [1.0], ran
     return next(iter(ran)), response
 
