@@ -51,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -430,6 +431,14 @@ def vocab_size(model: str | None) -> int:
 
     with open(resolve_model(model) / "config.json") as f:
         return int(json.load(f)["vocab_size"])
+
+
+def parse_rows(parser: Any, text: str, rows: Sequence[str]) -> list[str]:
+    """A comma-separated --rows value, each one of `rows`; else a usage error."""
+    chosen = [s.strip() for s in text.split(",") if s.strip()]
+    if not chosen or set(chosen) - set(rows):
+        parser.error(f"--rows: choose from {', '.join(rows)}")
+    return chosen
 
 
 def begin(name: str, model: str | None) -> int | None:

@@ -50,7 +50,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
-from dp_scaling import ServeProcess, _bench, _free_port, _log, machine
+from dp_scaling import ServeProcess, _bench, _free_port, _log, machine, parse_rows
 from prefix_routing import _pct, _s, add_run_options, run_bench, run_measured
 
 from dpserve.benchmark.serve import BenchConfig, BenchResult
@@ -268,9 +268,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--cache-fraction must be in (0, 1]")
     if args.warmup < 0 or args.num_kv_blocks < 0:
         p.error("--warmup and --num-kv-blocks must not be negative")
-    args.rows = [s.strip() for s in args.rows.split(",") if s.strip()]
-    if not args.rows or set(args.rows) - set(ROWS):
-        p.error(f"--rows: choose from {', '.join(ROWS)}")
+    args.rows = parse_rows(p, args.rows, ROWS)
     return args
 
 

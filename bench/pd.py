@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
-from dp_scaling import ServeProcess, _bench, _free_port, _log, machine
+from dp_scaling import ServeProcess, _bench, _free_port, _log, machine, parse_rows
 from prefix_routing import _s, add_run_options, run_bench, run_measured
 
 from dpserve.benchmark.serve import BenchConfig, BenchResult, Latency
@@ -234,9 +234,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup < 0:
         p.error("--warmup must not be negative")
-    args.rows = [s.strip() for s in args.rows.split(",") if s.strip()]
-    if not args.rows or set(args.rows) - set(ROWS):
-        p.error(f"--rows: choose from {', '.join(ROWS)}")
+    args.rows = parse_rows(p, args.rows, ROWS)
     # run_bench's names: the long prompt stands for its prefix (BenchConfig.prompt_len)
     args.prefix_len, args.turn_len = args.long_len, 0
     return args

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from dp_scaling import ServeProcess, _free_port, _log, begin, machine, publish, run_rows
+from dp_scaling import ServeProcess, _free_port, _log, begin, machine, parse_rows, publish, run_rows
 
 from dpserve.benchmark.serve import Latency
 
@@ -368,9 +368,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.fair_rate <= 0 or args.fair_duration <= args.fair_warmup:
         p.error("--fair-rate must be positive and --fair-duration above --fair-warmup")
-    args.rows = [s.strip() for s in args.rows.split(",") if s.strip()]
-    if not args.rows or set(args.rows) - set(ROWS):
-        p.error(f"--rows: choose from {', '.join(ROWS)}")
+    args.rows = parse_rows(p, args.rows, ROWS)
     return args
 
 

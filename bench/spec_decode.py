@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from dp_scaling import ServeProcess, _free_port, _log, begin, machine, publish, run_rows
+from dp_scaling import ServeProcess, _free_port, _log, begin, machine, parse_rows, publish, run_rows
 
 from dpserve.benchmark.serve import BenchConfig, BenchResult, run_benchmark
 
@@ -229,9 +229,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "prompt_len", "output_len"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
-    args.rows = [s.strip() for s in args.rows.split(",") if s.strip()]
-    if not args.rows or set(args.rows) - set(ROWS):
-        p.error(f"--rows: choose from {', '.join(ROWS)}")
+    args.rows = parse_rows(p, args.rows, ROWS)
     return args
 
 
