@@ -440,7 +440,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, model: str, pro
 
 async def streams_with_fault(url: str, model: str, fault, prompts=FAULT_PROMPTS,
                              max_tokens: int = FAULT_TOKENS,
-                             on_rank: int | None = None) -> list[str]:
+                             on_rank: int | None = None, also=None) -> list[str]:
     """Stream every prompt at once; call `fault()` once every stream has begun (its
     first chunk came). With `on_rank`, at once when rank `on_rank`'s engine has run
     requests over two of its steps in a row (asked of the engine: its requests have
@@ -448,8 +448,9 @@ async def streams_with_fault(url: str, model: str, fault, prompts=FAULT_PROMPTS,
     loud failure when it never came), whatever the client has seen: the API server
     can stream far behind the engines (on a loaded machine the engines had finished
     every stream before its first chunks came), and one rank can finish its share
-    before another's streams have begun. Without `on_rank` a fault test checks the
-    premise itself (`premise_held`)."""
+    before another's streams have begun. `also` (a callable, with `on_rank`) is one
+    more condition the engine side must meet first (say, a handoff happened). Without
+    `on_rank` a fault test checks the premise itself (`premise_held`)."""
     chunks = [0] * len(prompts)
     async with httpx.AsyncClient(timeout=120) as client:
         tasks = [asyncio.create_task(stream_completion(client, url, model, p, chunks, i,
@@ -466,7 +467,8 @@ async def streams_with_fault(url: str, model: str, fault, prompts=FAULT_PROMPTS,
             assert on_rank is not None or not ended, f"a stream ended before the fault: {chunks}"
             if on_rank is not None:
                 running = await asyncio.to_thread(running_on, url, on_rank)
-                runs = runs + 1 if running else 0
+                ready = also is None or await asyncio.to_thread(also)
+                runs = runs + 1 if running and ready else 0
                 continue  # at once: no sleep between the last poll and the fault
             await asyncio.sleep(0.02)
         if on_rank is not None:

@@ -264,12 +264,16 @@ def test_api_server_count_must_be_positive():
 
 def test_api_key_is_required_by_every_api_server(one_engine_servers, tiny_llama):
     """`--api-key` applies to each API server: every connection (whichever server
-    accepts it) is refused without the key and served with it."""
+    accepts it) is refused without the key and served with it. The servers share one
+    listening socket and whichever waits in accept() first takes a connection, so on a
+    loaded machine one can take a long run of them: rounds go on until both have served
+    (at most 60)."""
     key = API_KEY
     with stopping(one_engine_servers["api_key"]) as (_, url):
         fresh = {"Connection": "close"}  # a new connection each: both servers answer
         body = {"model": str(tiny_llama), "prompt": "Hi", "max_tokens": 2}
-        for _ in range(12):
+        served, by_server = 0, {}
+        while served < 60 and not (served >= 12 and all(by_server.get(s) for s in "01")):
             for bad in ({}, {"Authorization": "Bearer wrong"}):
                 resp = httpx.post(url + "/v1/completions", json=body, timeout=30,
                                   headers={**fresh, **bad})
@@ -278,8 +282,10 @@ def test_api_key_is_required_by_every_api_server(one_engine_servers, tiny_llama)
             resp = httpx.post(url + "/v1/completions", json=body, timeout=60,
                               headers={**fresh, "Authorization": f"Bearer {key}"})
             assert resp.status_code == 200, resp.text
-        text = httpx.get(url + "/metrics", headers=fresh, timeout=5).text
-        by_server = _counts(text, "dpserve:api_server_requests_finished_total", "api_server")
+            served += 1
+            text = httpx.get(url + "/metrics", headers=fresh, timeout=5).text
+            by_server = _counts(text, "dpserve:api_server_requests_finished_total",
+                                "api_server")
         # Both servers served (so both checked the key), and no refused request ran.
-        assert set(by_server) == {"0", "1"} and sum(by_server.values()) == 12, by_server
+        assert set(by_server) == {"0", "1"} and sum(by_server.values()) == served, by_server
         assert all(n > 0 for n in by_server.values()), by_server
