@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import psutil
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,11 +23,13 @@ from torch import nn
 from dpserve.model import cpu_kernels
 from dpserve.model.attention import AttentionMetadata, paged_attention
 from dpserve.model.layers import (
+    FLOAT32_ROWS,
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
     bucket_rows,
     can_prepack,
+    float32_copies_pay,
     linear,
     prepack,
     rope_spec_from_config,
@@ -127,6 +130,7 @@ class LlamaAttention(nn.Module):
                        if d.o_bias and not self.o_bias_elsewhere else None)
         self.packed = False  # weights in oneDNN layout (see prepack_weights)
         self.plain: dict[str, torch.Tensor] = {}  # unpacked copies for cpu_kernels
+        self.wide: dict[str, torch.Tensor] = {}  # float32 packed copies (prepack_weights)
         self.lora: LoRAHook | None = None  # set when LoRA is enabled (model.lora)
 
     PACKABLE = ("qkv_weight", "o_weight")  # what prepack_weights may pack
@@ -136,7 +140,8 @@ class LlamaAttention(nn.Module):
         # x: [T, hidden]; cos/sin: [T, 1, head_dim // 2]
         num_tokens = x.shape[0]
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed,
-                     self.plain.get("qkv_weight"))  # [T, (H + 2KV) * d]
+                     self.plain.get("qkv_weight"), self.wide.get("qkv_weight"))
+        # qkv: [T, (H + 2KV) * d]
         if self.lora is not None:
             self.lora.add("qkv", x, qkv)
         qk_width = (self.heads + self.kv_heads) * self.head_dim
@@ -153,7 +158,8 @@ class LlamaAttention(nn.Module):
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         """O over attn [T, H * d] -> [T, hidden], summed over the TP group (a LoRA
         delta is a partial sum too: added before the all-reduce)."""
-        out = linear(attn, self.o_weight, self.o_bias, self.packed, self.plain.get("o_weight"))
+        out = linear(attn, self.o_weight, self.o_bias, self.packed, self.plain.get("o_weight"),
+                     self.wide.get("o_weight"))
         if self.lora is not None:
             self.lora.add("o", attn, out)
         return self.tp.all_reduce(out)
@@ -197,18 +203,20 @@ class LlamaMLP(nn.Module):
                           if d.mlp_bias and not self.down_bias_elsewhere else None)
         self.packed = False  # weights in oneDNN layout (see prepack_weights)
         self.plain: dict[str, torch.Tensor] = {}  # unpacked copies for cpu_kernels
+        self.wide: dict[str, torch.Tensor] = {}  # float32 packed copies (prepack_weights)
         self.lora: LoRAHook | None = None  # set when LoRA is enabled (model.lora)
 
     PACKABLE = ("gate_up_weight", "down_weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.packed,
-                         self.plain.get("gate_up_weight"))  # [T, 2I]
+                         self.plain.get("gate_up_weight"),
+                         self.wide.get("gate_up_weight"))  # [T, 2I]
         if self.lora is not None:
             self.lora.add("gate_up", x, gate_up)
         act = silu_and_mul(gate_up)  # [T, I]
         out = linear(act, self.down_weight, self.down_bias, self.packed,
-                     self.plain.get("down_weight"))  # [T, hidden]
+                     self.plain.get("down_weight"), self.wide.get("down_weight"))  # [T, hidden]
         if self.lora is not None:
             self.lora.add("down", act, out)
         return self.tp.all_reduce(out) if self.reduce else out
@@ -303,6 +311,7 @@ class LlamaForCausalLM(nn.Module):
         # Decode steps of a few rows stream the plain matrices (cpu_kernels), larger
         # steps run the packed ones: both are kept where the kernel is built.
         keep_plain = cpu_kernels.available()
+        keep_wide = self._float32_copies_fit()
         # Packed tensors are opaque (not strided), so they replace the
         # parameters as plain attributes.
         for module in self.layers.modules():  # every module naming PACKABLE weights
@@ -313,6 +322,8 @@ class LlamaForCausalLM(nn.Module):
                 setattr(module, name, packed)
                 if keep_plain:
                     module.plain[name] = plain
+                if keep_wide:
+                    module.wide[name] = prepack(plain.float())
             if getattr(module, "PACKABLE", ()):
                 module.packed = True
         head = prepack(self.lm_head.data)
@@ -322,6 +333,27 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = head
         self.packed = True
         return True
+
+    def _float32_copies_fit(self) -> bool:
+        """Whether to keep float32 copies of the layer projections (`float32_copies_pay`):
+        where they pay, and where they take at most a quarter of the memory now free
+        (4 bytes a weight; the LM head is left out, its steps are a row per sequence)."""
+        if not float32_copies_pay(self.dtype, self.embed.device):
+            return False
+        need = 4 * sum(getattr(m, name).numel() for m in self.layers.modules()
+                       for name in getattr(m, "PACKABLE", ()))
+        free = psutil.virtual_memory().available
+        if need > free // 4:
+            logger.info("no float32 copies for steps of %d rows or more: they need %.0f MiB, "
+                        "over a quarter of the %.0f MiB free", FLOAT32_ROWS, need / 2**20,
+                        free / 2**20)
+            return False
+        return True
+
+    def wide_bytes(self) -> int:
+        """Bytes of the float32 copies kept for steps of `FLOAT32_ROWS` rows or more."""
+        return sum(t.numel() * 4 for m in self.layers.modules()
+                   for t in getattr(m, "wide", {}).values())
 
     def plain_bytes(self) -> int:
         """Bytes of the unpacked copies kept for cpu_kernels (the tied head's is free)."""
@@ -386,19 +418,19 @@ class LlamaForCausalLM(nn.Module):
         waits for a compile. Returns how many (weight shape, rows) pairs ran."""
         if not self.packed:
             return 0
-        shapes: dict[tuple[int, ...], torch.Tensor] = {}
+        shapes: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
         for module in self.layers.modules():
             for name in getattr(module, "PACKABLE", ()):
                 weight = getattr(module, name)
                 if not isinstance(weight, torch.Tensor):  # int8: no per-shape kernels
                     continue
-                shapes.setdefault(tuple(weight.shape), weight)
+                shapes.setdefault(tuple(weight.shape), (weight, module.wide.get(name)))
         runs = 0
-        for weight, limit in [*((w, max_rows) for w in shapes.values()),
-                              (self.lm_head, max_head_rows)]:
+        for (weight, wide), limit in [*((w, max_rows) for w in shapes.values()),
+                                      ((self.lm_head, None), max_head_rows)]:
             for rows in sorted({bucket_rows(n) for n in range(1, limit + 1)}):
                 linear(torch.zeros(rows, weight.shape[1], dtype=weight.dtype), weight, None,
-                       True)
+                       True, wide=wide)
                 runs += 1
         return runs
 
