@@ -1,8 +1,9 @@
 """`--dtype auto` on CPU: bfloat16 where the CPU multiplies it natively, float32
 elsewhere; a bfloat16 engine (pre-packed oneDNN linears) serving sensible greedy
-text; and float32 copies of a bfloat16 model's projections for large steps where
-bfloat16 products are not AMX's. The CPU's flags are faked (a fake /proc/cpuinfo reading) where the
-choice itself is checked, so the test means the same on every machine."""
+text; and a bfloat16 model's projections packed in float32 for the large steps
+where bfloat16 products are not AMX's. The CPU's flags are faked (a fake
+/proc/cpuinfo reading) where the choice itself is checked, so the test means the
+same on every machine."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from dpserve import LLM, SamplingParams, cpu_features
 from dpserve.config import EngineArgs
-from dpserve.model import layers
+from dpserve.model import cpu_kernels, layers
 
 PROMPTS = ["The capital of France is", "Water boils at a temperature of",
            "The largest planet in the solar system is", "One, two, three, four,"]
@@ -50,21 +51,21 @@ def test_auto_dtype_stays_float32_when_asked_or_quantized(fake_flags, tiny_llama
     assert EngineArgs(model=model).create_config().model.dtype == "float32"
 
 
-# Long enough that its prefill is a step of more than FLOAT32_ROWS rows.
+# Long enough that its prefill is a step past the kernel's rows (oneDNN's, packed).
 LONG_PROMPT = ("Here is a list of the planets of the solar system in order from the sun: "
                "Mercury, Venus, Earth, Mars, Jupiter, Saturn, Uranus and Neptune. The "
                "largest of them is")
 
 
-def _greedy(dtype: str, monkeypatch, copies: str = "0") -> list[list[int]]:
-    """Greedy tokens of PROMPTS and LONG_PROMPT; `copies`: DPSERVE_CPU_FLOAT32_GEMM."""
-    monkeypatch.setenv(layers.FLOAT32_COPIES_ENV, copies)
+def _greedy(dtype: str, monkeypatch, packing: str = "0") -> list[list[int]]:
+    """Greedy tokens of PROMPTS and LONG_PROMPT; `packing`: DPSERVE_CPU_FLOAT32_GEMM."""
+    monkeypatch.setenv(layers.FLOAT32_PACKING_ENV, packing)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     with LLM(dtype=dtype) as llm:  # DP=1: the engine is in process
-        wide = llm.engine.runner.model.wide_bytes()
-        assert (wide > 0) == (copies == "1" and dtype == "bfloat16"), wide
+        in_float32 = llm.engine.runner.model.float32_packed_bytes()
+        assert (in_float32 > 0) == (packing == "1" and dtype == "bfloat16"), in_float32
         outs = llm.generate([*PROMPTS, LONG_PROMPT], params, use_tqdm=False)
-        assert len(outs[-1].prompt_token_ids) > layers.FLOAT32_ROWS
+        assert len(outs[-1].prompt_token_ids) > cpu_kernels.kernel_rows(torch.bfloat16)
         return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -72,14 +73,14 @@ def _greedy(dtype: str, monkeypatch, copies: str = "0") -> list[list[int]]:
 def test_bfloat16_engine_tracks_float32_on_the_default_model(monkeypatch):
     """bfloat16 rounds every activation, so greedy paths may part after a while;
     the first tokens of plain factual prompts must still be float32's, with the
-    projections in bfloat16 throughout and with float32 copies for large steps."""
+    projections packed in bfloat16 and in float32 (for the large steps)."""
     full = _greedy("float32", monkeypatch)
-    for copies in ("0", "1"):
-        half = _greedy("bfloat16", monkeypatch, copies)
-        assert [t[0] for t in half] == [t[0] for t in full], (copies, half, full)
+    for packing in ("0", "1"):
+        half = _greedy("bfloat16", monkeypatch, packing)
+        assert [t[0] for t in half] == [t[0] for t in full], (packing, half, full)
         agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
                  for x, y in zip(full, half)]
-        assert sum(agree) >= 2 * len(agree), (copies, agree)
+        assert sum(agree) >= 2 * len(agree), (packing, agree)
 
 
 @pytest.mark.parametrize("flags, env, dtype, expected", [
@@ -90,35 +91,28 @@ def test_bfloat16_engine_tracks_float32_on_the_default_model(monkeypatch):
     (("avx512_bf16",), "0", torch.bfloat16, False),
     (("avx512_bf16",), None, torch.float32, False),
 ])
-def test_float32_copies_where_bfloat16_products_are_not_amx(monkeypatch, flags, env, dtype,
-                                                             expected):
+def test_float32_packing_where_bfloat16_products_are_not_amx(monkeypatch, flags, env, dtype,
+                                                              expected):
     monkeypatch.setattr(layers, "cpu_flags", lambda: frozenset(flags))
     if env is None:
-        monkeypatch.delenv(layers.FLOAT32_COPIES_ENV, raising=False)
+        monkeypatch.delenv(layers.FLOAT32_PACKING_ENV, raising=False)
     else:
-        monkeypatch.setenv(layers.FLOAT32_COPIES_ENV, env)
-    assert layers.float32_copies_pay(dtype, "cpu") == expected
+        monkeypatch.setenv(layers.FLOAT32_PACKING_ENV, env)
+    assert layers.float32_packing_pays(dtype, "cpu") == expected
 
 
-def test_linear_runs_the_float32_copy_from_float32_rows():
-    """Below FLOAT32_ROWS a bfloat16 linear runs the bfloat16 matrix; from it, the
-    float32 copy (the same numbers: bfloat16 is exact in float32), bias included, and
-    returns bfloat16."""
+def test_a_bfloat16_linear_packed_in_float32_runs_in_float32():
+    """A bfloat16 step against a projection packed in float32 computes in float32 (the
+    same numbers: bfloat16 is exact in float32), bias included, and returns bfloat16."""
     torch.manual_seed(0)
     w = (torch.randn(96, 64) * 0.05).to(torch.bfloat16)
     b = torch.randn(96).to(torch.bfloat16)
-    packed, wide = layers.prepack(w), layers.prepack(w.float())
-    for rows in (layers.FLOAT32_ROWS - 1, layers.FLOAT32_ROWS, 100):
+    packed = layers.prepack(w.float())
+    for rows in (1, 40, 100):
         x = torch.randn(rows, 64).to(torch.bfloat16)
-        got = layers.linear(x, packed, b, True, wide=wide)
-        in_float32 = layers.linear(x.float(), wide, b.float(), True).to(torch.bfloat16)
-        in_bfloat16 = layers.linear(x, packed, b, True)
+        got = layers.linear(x, packed, b, True)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
-        assert torch.equal(got, in_float32 if rows >= layers.FLOAT32_ROWS else in_bfloat16)
+        in_float32 = layers.linear(x.float(), packed, b.float(), True).to(torch.bfloat16)
+        assert torch.equal(got, in_float32)
         ref = x.double() @ w.double().T + b.double()
         assert float((got.double() - ref).abs().max() / ref.abs().max()) < 8e-3
-    # The large steps read the copy: a different copy shows in the result.
-    x = torch.randn(layers.FLOAT32_ROWS, 64).to(torch.bfloat16)
-    zero = layers.prepack(torch.zeros(96, 64))
-    assert torch.equal(layers.linear(x, packed, None, True, wide=zero),
-                       torch.zeros(layers.FLOAT32_ROWS, 96, dtype=torch.bfloat16))

@@ -28,10 +28,11 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 @pytest.mark.parametrize("w_dtype", DTYPES)
 @pytest.mark.parametrize("x_dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 32])
 def test_gemv_matches_float64_reference(w_dtype, x_dtype, rows):
     torch.manual_seed(rows)
-    # 200 inputs: three full 64-lane blocks and a tail; 77 outputs: uneven per thread
+    # 200 inputs: three full 64-lane blocks and a tail; 77 outputs: uneven per thread,
+    # and from two rows 4 x 4 tiles with a last row of w and a last group of x left
     w = (torch.randn(77, 200) * 0.05).to(w_dtype)
     x = torch.randn(rows, 200).to(x_dtype)
     got = cpu_kernels.gemv(x, w)
@@ -56,16 +57,20 @@ def test_linear_takes_the_kernel_up_to_max_rows_and_onednn_after(dtype):
     torch.manual_seed(0)
     w, b = (torch.randn(96, 64) * 0.05).to(dtype), torch.randn(96).to(dtype)
     packed = prepack(w)
-    for rows in (1, cpu_kernels.MAX_ROWS, cpu_kernels.MAX_ROWS + 1, 16):
+    limit = cpu_kernels.kernel_rows(dtype)
+    assert 1 <= limit <= cpu_kernels.MAX_ROWS
+    for rows in (1, limit, limit + 1, 40):
         x = torch.randn(rows, 64).to(dtype)
         ref = (x.double() @ w.double().T + b.double())
         got = linear(x, packed, b, True, plain=w)
         err = float((got.double() - ref).abs().max() / ref.abs().max())
         assert got.shape == (rows, 96) and err < (1e-5 if dtype == torch.float32 else 8e-3)
-    # The kernel's rows read `plain`: a different plain matrix shows in the result.
-    x = torch.randn(1, 64).to(dtype)
-    assert torch.equal(linear(x, packed, None, True, plain=torch.zeros_like(w)),
-                       torch.zeros(1, 96, dtype=dtype))
+    # Up to the limit the kernel reads `plain` (a different plain matrix shows in the
+    # result), past it oneDNN reads the packed one.
+    for rows in (1, limit, limit + 1):
+        x = torch.randn(rows, 64).to(dtype)
+        got = linear(x, packed, None, True, plain=torch.zeros_like(w))
+        assert torch.equal(got, torch.zeros(rows, 96, dtype=dtype)) == (rows <= limit)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -6,8 +6,9 @@ Why: where torch's kernels fall well short of what the machine can do.
   memory bandwidth. oneDNN's packed kernels read a weight at 14-23 GB/s at one
   row on this machine (bench/roofline.py), where the memory gives about 32;
   `gemv.c` streams the plain [out, in] matrix front to back at 29-32.
-  `layers.linear` runs it for steps of up to `MAX_ROWS` rows when the model kept
-  the plain weights, oneDNN otherwise.
+  `layers.linear` runs it for steps of up to `kernel_rows(dtype)` rows when the
+  model kept the plain weights, oneDNN otherwise. From two rows it runs 4 x 4 tiles
+  of sums on float32 FMAs (bfloat16 weights converted once per four rows of x).
 * `decode_attention`: one query token per row attends straight from the paged
   cache through the block table (`attention.py` otherwise gathers each row's
   blocks into a padded copy and runs SDPA with a mask).
@@ -56,10 +57,7 @@ logger = logging.getLogger(__name__)
 
 KERNELS_ENV = "DPSERVE_CPU_KERNELS"
 CACHE_ENV = "DPSERVE_KERNEL_CACHE"
-# Rows routed to the kernel: at one row it reads weights at 27-31 GB/s where oneDNN
-# reads 13-20; at two they are about level, from three oneDNN is faster (the kernel
-# takes up to four; bench/roofline.py measures both).
-MAX_ROWS = 1
+MAX_ROWS = 32  # the most rows `gemv` takes (gemv.c's MAX_MANY_ROWS)
 _SOURCES = tuple(Path(__file__).with_name(name)
                  for name in ("gemv.c", "decode_attention.c", "fused_ops.c", "int8_gemm.c"))
 _HEADER = Path(__file__).with_name("cpu_kernels.h")  # included by each
@@ -194,6 +192,26 @@ def available() -> bool:
 
 
 _DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def kernel_rows(dtype: torch.dtype) -> int:
+    """Steps of up to this many rows run `gemv` rather than oneDNN (`layers.linear`),
+    where it is faster: all of SmolLM2's projections, 2 threads, AVX-512 without AMX
+    (bench/gemv_rows.py): one row 11 vs 13 ms in bfloat16, 18 vs 20 in float32 (the
+    kernel streams at memory speed); bfloat16 at 2 to 31 rows, 11-46 ms against
+    oneDNN's 15-52 (its bfloat16 GEMM runs on slower dot products); float32 up to 4
+    rows. With AMX, oneDNN's bfloat16 tiles win from 2 rows. An AVX2 build (16 vector
+    registers: the 4 x 4 tiles spill) keeps to one row."""
+    if dtype not in _DTYPES:
+        return 0
+    flags = cpu_flags()
+    avx512 = "avx512f" in flags and os.environ.get(MARCH_ENV, "native") in ("", "native")
+    if not avx512:
+        return 1
+    if dtype == torch.float32:
+        return 4
+    return 1 if "amx_bf16" in flags else MAX_ROWS - 1
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -72,22 +72,20 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
 
 
-# Steps of at least this many rows run a bfloat16 model's float32 copies (below it,
-# bfloat16's half-size weights win: all of SmolLM2's linears at 16 rows 40 vs 53 ms,
-# at 24 level, at 64 rows 117 vs 92 ms, at 512 842 vs 534; AVX512-BF16, no AMX).
-FLOAT32_ROWS = 32
-FLOAT32_COPIES_ENV = "DPSERVE_CPU_FLOAT32_GEMM"  # "0": never; "1": even with AMX
+FLOAT32_PACKING_ENV = "DPSERVE_CPU_FLOAT32_GEMM"  # "0": never; "1": even with AMX
 
 
-def float32_copies_pay(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether a bfloat16 model on this CPU keeps float32 copies of its projections for
-    steps of `FLOAT32_ROWS` rows or more (prefill, large batches). Without AMX,
-    oneDNN's bfloat16 GEMM runs at about half its float32 rate (AVX512-BF16's dot
-    product retires no more products per cycle than two float32 FMAs, and oneDNN
-    adds conversions), and with no native bfloat16 it converts every weight. The
-    results do not change in kind: bfloat16 inputs are exact in float32, sums are
-    float32 either way, the output is rounded to bfloat16 once."""
-    choice = os.environ.get(FLOAT32_COPIES_ENV, "")
+def float32_packing_pays(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether a bfloat16 model on this CPU packs its projections for oneDNN in float32:
+    steps past the streaming kernel's rows (`cpu_kernels.kernel_rows`: prefill, large
+    batches) then run in float32. Without AMX, oneDNN's bfloat16 GEMM runs at about
+    half its float32 rate (AVX512-BF16's dot product retires fewer products per cycle
+    than two float32 FMAs: 166 against 261 GFLOP/s on two Xeon cores), and with no
+    native bfloat16 at all it converts every weight; all of SmolLM2's projections at
+    64 rows 117 -> 92 ms, at 512 rows 842 -> 534. The results do not change in kind:
+    bfloat16 inputs are exact in float32, sums are float32 either way, and the output
+    is rounded to bfloat16 once."""
+    choice = os.environ.get(FLOAT32_PACKING_ENV, "")
     if (choice == "0" or dtype != torch.bfloat16
             or not can_prepack(torch.float32, device)):
         return False
@@ -111,28 +109,24 @@ def bucket_rows(rows: int) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: bool, plain: torch.Tensor | None = None,
-           wide: torch.Tensor | None = None) -> torch.Tensor:
+           packed: bool, plain: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] -> [T, out]; `packed` says whether `weight` came from `prepack`.
 
-    `plain`: the same matrix unpacked, kept where the streaming decode kernel is
-    built (`cpu_kernels`): steps of up to `cpu_kernels.MAX_ROWS` rows run it instead.
-    `wide`: the same matrix packed in float32 (`float32_copies_pay`): steps of
-    `FLOAT32_ROWS` rows or more run it instead, in float32, and return x's dtype.
+    `plain`: the same matrix unpacked, kept where dpserve's kernel is built
+    (`cpu_kernels`): steps of up to `cpu_kernels.kernel_rows(x.dtype)` rows run it.
 
     On CPU, oneDNN linears (packed float32, and bfloat16/float16) run on
     `bucket_rows(T)` rows (zero padding, dropped after). A `quant.Int8Weight`
     (`--quantization int8`) runs the int8 kernel; its bias is inside it. A packed
-    weight in another dtype than `x` (int8 mode's bfloat16 projections) runs in
-    the weight's dtype and returns `x`'s.
+    weight in another dtype than `x` (a bfloat16 model's float32 packing,
+    `float32_packing_pays`; int8 mode's bfloat16 LM head) runs in the weight's dtype
+    and returns `x`'s.
     """
-    if plain is not None and x.shape[0] <= cpu_kernels.MAX_ROWS:
+    if plain is not None and x.shape[0] <= cpu_kernels.kernel_rows(x.dtype):
         out = cpu_kernels.gemv(x, plain)
         return out if bias is None else out.add_(bias)
     if isinstance(weight, Int8Weight):
         return linear_int8(x, weight)
-    if wide is not None and x.shape[0] >= FLOAT32_ROWS:
-        weight = wide
     if packed and weight.dtype != x.dtype:
         bias = None if bias is None else bias.to(weight.dtype)
         return linear(x.to(weight.dtype), weight, bias, packed).to(x.dtype)

@@ -23,13 +23,12 @@ from torch import nn
 from dpserve.model import cpu_kernels
 from dpserve.model.attention import AttentionMetadata, paged_attention
 from dpserve.model.layers import (
-    FLOAT32_ROWS,
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
     bucket_rows,
     can_prepack,
-    float32_copies_pay,
+    float32_packing_pays,
     linear,
     prepack,
     rope_spec_from_config,
@@ -130,7 +129,6 @@ class LlamaAttention(nn.Module):
                        if d.o_bias and not self.o_bias_elsewhere else None)
         self.packed = False  # weights in oneDNN layout (see prepack_weights)
         self.plain: dict[str, torch.Tensor] = {}  # unpacked copies for cpu_kernels
-        self.wide: dict[str, torch.Tensor] = {}  # float32 packed copies (prepack_weights)
         self.lora: LoRAHook | None = None  # set when LoRA is enabled (model.lora)
 
     PACKABLE = ("qkv_weight", "o_weight")  # what prepack_weights may pack
@@ -140,8 +138,7 @@ class LlamaAttention(nn.Module):
         # x: [T, hidden]; cos/sin: [T, 1, head_dim // 2]
         num_tokens = x.shape[0]
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed,
-                     self.plain.get("qkv_weight"), self.wide.get("qkv_weight"))
-        # qkv: [T, (H + 2KV) * d]
+                     self.plain.get("qkv_weight"))  # [T, (H + 2KV) * d]
         if self.lora is not None:
             self.lora.add("qkv", x, qkv)
         qk_width = (self.heads + self.kv_heads) * self.head_dim
@@ -158,8 +155,7 @@ class LlamaAttention(nn.Module):
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         """O over attn [T, H * d] -> [T, hidden], summed over the TP group (a LoRA
         delta is a partial sum too: added before the all-reduce)."""
-        out = linear(attn, self.o_weight, self.o_bias, self.packed, self.plain.get("o_weight"),
-                     self.wide.get("o_weight"))
+        out = linear(attn, self.o_weight, self.o_bias, self.packed, self.plain.get("o_weight"))
         if self.lora is not None:
             self.lora.add("o", attn, out)
         return self.tp.all_reduce(out)
@@ -203,20 +199,18 @@ class LlamaMLP(nn.Module):
                           if d.mlp_bias and not self.down_bias_elsewhere else None)
         self.packed = False  # weights in oneDNN layout (see prepack_weights)
         self.plain: dict[str, torch.Tensor] = {}  # unpacked copies for cpu_kernels
-        self.wide: dict[str, torch.Tensor] = {}  # float32 packed copies (prepack_weights)
         self.lora: LoRAHook | None = None  # set when LoRA is enabled (model.lora)
 
     PACKABLE = ("gate_up_weight", "down_weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.packed,
-                         self.plain.get("gate_up_weight"),
-                         self.wide.get("gate_up_weight"))  # [T, 2I]
+                         self.plain.get("gate_up_weight"))  # [T, 2I]
         if self.lora is not None:
             self.lora.add("gate_up", x, gate_up)
         act = silu_and_mul(gate_up)  # [T, I]
         out = linear(act, self.down_weight, self.down_bias, self.packed,
-                     self.plain.get("down_weight"), self.wide.get("down_weight"))  # [T, hidden]
+                     self.plain.get("down_weight"))  # [T, hidden]
         if self.lora is not None:
             self.lora.add("down", act, out)
         return self.tp.all_reduce(out) if self.reduce else out
@@ -311,19 +305,20 @@ class LlamaForCausalLM(nn.Module):
         # Decode steps of a few rows stream the plain matrices (cpu_kernels), larger
         # steps run the packed ones: both are kept where the kernel is built.
         keep_plain = cpu_kernels.available()
-        keep_wide = self._float32_copies_fit()
+        # A bfloat16 model's steps past the kernel's rows may run faster in float32
+        # (`float32_packing_pays`); only with the kernel there for the smaller ones.
+        packed_dtype = (torch.float32 if keep_plain and self._float32_packing_fits()
+                        else self.dtype)
         # Packed tensors are opaque (not strided), so they replace the
         # parameters as plain attributes.
         for module in self.layers.modules():  # every module naming PACKABLE weights
             for name in getattr(module, "PACKABLE", ()):
                 plain = getattr(module, name).data.contiguous()
-                packed = prepack(plain)
+                packed = prepack(plain.to(packed_dtype))
                 delattr(module, name)
                 setattr(module, name, packed)
                 if keep_plain:
                     module.plain[name] = plain
-                if keep_wide:
-                    module.wide[name] = prepack(plain.float())
             if getattr(module, "PACKABLE", ()):
                 module.packed = True
         head = prepack(self.lm_head.data)
@@ -334,26 +329,29 @@ class LlamaForCausalLM(nn.Module):
         self.packed = True
         return True
 
-    def _float32_copies_fit(self) -> bool:
-        """Whether to keep float32 copies of the layer projections (`float32_copies_pay`):
-        where they pay, and where they take at most a quarter of the memory now free
-        (4 bytes a weight; the LM head is left out, its steps are a row per sequence)."""
-        if not float32_copies_pay(self.dtype, self.embed.device):
+    def _float32_packing_fits(self) -> bool:
+        """Whether to pack the layer projections in float32 (`float32_packing_pays`):
+        where that pays, and where the packed copies take at most a quarter of the
+        memory now free (4 bytes a weight, beside the plain bfloat16 matrices the kernel
+        reads; the LM head stays in the model's dtype: its steps are a row a sequence)."""
+        if not float32_packing_pays(self.dtype, self.embed.device):
             return False
         need = 4 * sum(getattr(m, name).numel() for m in self.layers.modules()
                        for name in getattr(m, "PACKABLE", ()))
         free = psutil.virtual_memory().available
         if need > free // 4:
-            logger.info("no float32 copies for steps of %d rows or more: they need %.0f MiB, "
-                        "over a quarter of the %.0f MiB free", FLOAT32_ROWS, need / 2**20,
-                        free / 2**20)
+            logger.info("projections packed in bfloat16, not float32: float32 needs %.0f MiB, "
+                        "over a quarter of the %.0f MiB free", need / 2**20, free / 2**20)
             return False
         return True
 
-    def wide_bytes(self) -> int:
-        """Bytes of the float32 copies kept for steps of `FLOAT32_ROWS` rows or more."""
-        return sum(t.numel() * 4 for m in self.layers.modules()
-                   for t in getattr(m, "wide", {}).values())
+    def float32_packed_bytes(self) -> int:
+        """Bytes of a bfloat16 model's projections packed in float32 (0: none)."""
+        if self.dtype == torch.float32:
+            return 0
+        return sum(getattr(m, name).numel() * 4 for m in self.layers.modules()
+                   for name in getattr(m, "PACKABLE", ())
+                   if getattr(getattr(m, name), "dtype", None) == torch.float32)
 
     def plain_bytes(self) -> int:
         """Bytes of the unpacked copies kept for cpu_kernels (the tied head's is free)."""
@@ -418,19 +416,19 @@ class LlamaForCausalLM(nn.Module):
         waits for a compile. Returns how many (weight shape, rows) pairs ran."""
         if not self.packed:
             return 0
-        shapes: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        shapes: dict[tuple[int, ...], torch.Tensor] = {}
         for module in self.layers.modules():
             for name in getattr(module, "PACKABLE", ()):
                 weight = getattr(module, name)
                 if not isinstance(weight, torch.Tensor):  # int8: no per-shape kernels
                     continue
-                shapes.setdefault(tuple(weight.shape), (weight, module.wide.get(name)))
+                shapes.setdefault(tuple(weight.shape), weight)
         runs = 0
-        for (weight, wide), limit in [*((w, max_rows) for w in shapes.values()),
-                                      ((self.lm_head, None), max_head_rows)]:
+        for weight, limit in [*((w, max_rows) for w in shapes.values()),
+                              (self.lm_head, max_head_rows)]:
             for rows in sorted({bucket_rows(n) for n in range(1, limit + 1)}):
                 linear(torch.zeros(rows, weight.shape[1], dtype=weight.dtype), weight, None,
-                       True, wide=wide)
+                       True)
                 runs += 1
         return runs
 

@@ -101,8 +101,7 @@ class QKNormAttention(LlamaAttention):
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens, hd = x.shape[0], self.head_dim
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed,
-                     self.plain.get("qkv_weight"), self.wide.get("qkv_weight"))
-        # qkv: [T, (H + 2KV) * d]
+                     self.plain.get("qkv_weight"))  # [T, (H + 2KV) * d]
         if self.lora is not None:
             self.lora.add("qkv", x, qkv)
         q_end, k_end = self.heads * hd, (self.heads + self.kv_heads) * hd

@@ -34,7 +34,6 @@ from dpserve.model import cpu_kernels
 from dpserve.model.attention import AttentionMetadata, build_attention_metadata, token_positions
 from dpserve.model.expert_parallel import ExpertParallel
 from dpserve.model.kv_copy import KVTierCopier
-from dpserve.model.layers import FLOAT32_ROWS
 from dpserve.model.lora import Adapter, LoRASlots, load_adapter, lora_layout
 from dpserve.model.pooler import pool_step
 from dpserve.model.prompt_logprobs import compute_prompt_logprobs
@@ -165,13 +164,13 @@ class ModelRunner:
             _release_memory(self.device)  # the large warm-up buffers, kept free by glibc
             logger.info("linear weights pre-packed for oneDNN; kernels for %d (shape, rows) "
                         "pairs compiled in %.1f s", runs, time.monotonic() - start)
-        if getattr(model, "wide_bytes", None) and model.wide_bytes():
-            logger.info("steps of %d rows or more run float32 copies of the bfloat16 "
-                        "projections (faster without AMX): +%.0f MiB", FLOAT32_ROWS,
-                        model.wide_bytes() / 2**20)
         if getattr(model, "plain_bytes", None) and model.plain_bytes():
-            logger.info("decode steps of up to %d rows stream unpacked weights (cpu_kernels): "
-                        "+%.0f MiB", cpu_kernels.MAX_ROWS, model.plain_bytes() / 2**20)
+            logger.info("steps of up to %d rows run dpserve's kernel on unpacked weights "
+                        "(cpu_kernels): +%.0f MiB", cpu_kernels.kernel_rows(self.dtype),
+                        model.plain_bytes() / 2**20)
+        if getattr(model, "float32_packed_bytes", None) and model.float32_packed_bytes():
+            logger.info("larger steps run the bfloat16 projections packed in float32 (faster "
+                        "without AMX): %.0f MiB", model.float32_packed_bytes() / 2**20)
         if hasattr(model, "expert_info"):
             info = model.expert_info()
             logger.info("experts %d..%d of %d held here: %.1f MiB", info["experts"][0],
