@@ -31,6 +31,23 @@ static inline float hsum(v16f v) {
  * = 2^n * e^g with n an integer and |g| <= ln(2) / 2, e^g by its degree-6 Taylor
  * polynomial (relative error under 2e-7); x below -87 counts as -87 (1.6e-38). */
 static inline v16f exp16(v16f x) {
+#ifdef __AVX512F__
+    /* The same steps in AVX-512 (the loop below stays scalar under GCC: its float to
+     * int conversions and the select do not vectorize), with n rounded to nearest
+     * (|g| <= ln(2) / 2 still) and 2^n applied by scalef. */
+    __m512 xm = _mm512_max_ps((__m512)x, _mm512_set1_ps(-87.0f));
+    __m512 y = _mm512_mul_ps(xm, _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 g = _mm512_mul_ps(_mm512_sub_ps(y, n), _mm512_set1_ps(0.693147180559945309f));
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f));
+    return (v16f)_mm512_scalef_ps(p, n);
+#endif
     v16f out;
     for (int j = 0; j < 16; j++) {
         float xj = x[j] < -87.0f ? -87.0f : x[j];
@@ -72,35 +89,48 @@ attend_one(const void *q, int64_t q_row_stride, const char *keys, const char *va
             acc[g][c] = (v16f){0};
         }
     const int64_t *table = block_table + r * table_width;
-    int bad = 0;
-    for (int64_t t = 0; t < len && !bad; t++) {
-        int64_t block = table[t / block_size];
-        if (block < 0 || block >= num_blocks) {
-            bad = 1;
-            break;
+    const int64_t blocks = (len + block_size - 1) / block_size;
+    for (int64_t b = 0; b < blocks; b++) /* checked once, before any is read */
+        if (table[b] < 0 || table[b] >= num_blocks) {
+            free(buf);
+            return -1;
         }
-        const char *k = keys + ((block * block_size + t % block_size) * token_stride
-                                + kvh * head_dim) * elem;
-        v16f dot[MAX_GROUP];
-        for (int64_t g = 0; g < group; g++)
-            dot[g] = (v16f){0};
-        for (int64_t c = 0; c < chunks; c++) {
-            v16f kc = load16(k + 16 * c * elem, is_bf16);
+    /* Block by block, token by token: no division per token (two per token and pass,
+     * at a runtime block size, cost more than the token's arithmetic). */
+    const int64_t kv_offset = kvh * head_dim * elem, token_bytes = token_stride * elem;
+    for (int64_t b = 0, t0 = 0; b < blocks; b++, t0 += block_size) {
+        const char *kb = keys + table[b] * block_size * token_bytes + kv_offset;
+        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
+        for (int64_t i = 0; i < n; i++) {
+            const char *k = kb + i * token_bytes;
+            v16f dot[MAX_GROUP];
             for (int64_t g = 0; g < group; g++)
-                dot[g] += qv[g][c] * kc;
+                dot[g] = (v16f){0};
+            for (int64_t c = 0; c < chunks; c++) {
+                v16f kc = load16(k + 16 * c * elem, is_bf16);
+                for (int64_t g = 0; g < group; g++)
+                    dot[g] += qv[g][c] * kc;
+            }
+            for (int64_t g = 0; g < group; g++)
+                scores[g * len + t0 + i] = hsum(dot[g]);
         }
-        for (int64_t g = 0; g < group; g++)
-            scores[g * len + t] = hsum(dot[g]);
-    }
-    if (bad) {
-        free(buf);
-        return -1;
     }
     for (int64_t g = 0; g < group; g++) {
         float *sg = scores + g * len, top = sg[0], sum = 0.0f;
-        for (int64_t t = 1; t < len; t++)
-            top = sg[t] > top ? sg[t] : top;
         int64_t t = 0;
+        if (len >= 16) { /* the maximum, 16 lanes at a time */
+            v16f m = load_f32(sg);
+            for (t = 16; t + 16 <= len; t += 16) {
+                v16f e = load_f32(sg + t);
+                v16u more = (v16u)(e > m); /* all ones where e > m */
+                m = (v16f)(((v16u)e & more) | ((v16u)m & ~more));
+            }
+            for (int j = 0; j < 16; j++)
+                top = m[j] > top ? m[j] : top;
+        }
+        for (; t < len; t++)
+            top = sg[t] > top ? sg[t] : top;
+        t = 0;
         for (; t + 16 <= len; t += 16) {
             v16f e;
             memcpy(&e, sg + t, sizeof e);
@@ -120,14 +150,16 @@ attend_one(const void *q, int64_t q_row_stride, const char *keys, const char *va
         for (t = 0; t < len; t++)
             sg[t] *= inv;
     }
-    for (int64_t t = 0; t < len; t++) {
-        int64_t block = table[t / block_size];
-        const char *v = values + ((block * block_size + t % block_size) * token_stride
-                                  + kvh * head_dim) * elem;
-        for (int64_t c = 0; c < chunks; c++) {
-            v16f vc = load16(v + 16 * c * elem, is_bf16);
-            for (int64_t g = 0; g < group; g++)
-                acc[g][c] += scores[g * len + t] * vc;
+    for (int64_t b = 0, t0 = 0; b < blocks; b++, t0 += block_size) {
+        const char *vb = values + table[b] * block_size * token_bytes + kv_offset;
+        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
+        for (int64_t i = 0; i < n; i++) {
+            const char *v = vb + i * token_bytes;
+            for (int64_t c = 0; c < chunks; c++) {
+                v16f vc = load16(v + 16 * c * elem, is_bf16);
+                for (int64_t g = 0; g < group; g++)
+                    acc[g][c] += scores[g * len + t0 + i] * vc;
+            }
         }
     }
     int64_t o = (r * heads + kvh * group) * head_dim;
