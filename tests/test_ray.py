@@ -400,7 +400,10 @@ def test_dead_engine_actor_is_restarted_and_nothing_remains(tiny_llama, fault):
             got = asyncio.run(streams_with_fault(url, model, kill, prompts,
                                                  on_rank=1 if fault == "SIGKILL" else None))
             assert got == expected  # migrated streams equal an undisturbed greedy run
-            premise_moved(url, 0, f"rank 1's {fault} came while it held streams")
+            # Moved mid-stream, or re-sent whole: through Ray, on a loaded machine, the
+            # API server may not have read a token of the rank's running requests yet.
+            premise_moved(url, 0, f"rank 1's {fault} came while it held streams",
+                          retries=True)
             watcher.join(180)
         finally:
             done.set()
