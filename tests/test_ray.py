@@ -385,7 +385,11 @@ def test_dead_engine_actor_is_restarted_and_nothing_remains(tiny_llama, fault):
         def watch_rank_1() -> None:
             deadline = time.monotonic() + 180
             while not done.is_set() and time.monotonic() < deadline:
-                entry = rank_health(url, 1).json()["ranks"][0]
+                body = rank_health(url, 1).json()
+                if "ranks" not in body:  # a moment with rank 1 in no list: look again
+                    time.sleep(0.05)
+                    continue
+                entry = body["ranks"][0]
                 if not seen or seen[-1] != (entry["state"], entry["incarnation"]):
                     seen.append((entry["state"], entry["incarnation"]))
                 if seen[-1] == ("serving", 1):
