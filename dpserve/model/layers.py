@@ -113,7 +113,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """x [T, in] -> [T, out]; `packed` says whether `weight` came from `prepack`.
 
     `plain`: the same matrix unpacked, kept where dpserve's kernel is built
-    (`cpu_kernels`): steps of up to `cpu_kernels.kernel_rows(x.dtype)` rows run it.
+    (`cpu_kernels`): steps of up to `cpu_kernels.kernel_rows(plain.dtype)` rows run it
+    (x may be float32 against a bfloat16 `plain`: int8 mode's LM head).
 
     On CPU, oneDNN linears (packed float32, and bfloat16/float16) run on
     `bucket_rows(T)` rows (zero padding, dropped after). A `quant.Int8Weight`
@@ -122,7 +123,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     `float32_packing_pays`; int8 mode's bfloat16 LM head) runs in the weight's dtype
     and returns `x`'s.
     """
-    if plain is not None and x.shape[0] <= cpu_kernels.kernel_rows(x.dtype):
+    if plain is not None and x.shape[0] <= cpu_kernels.kernel_rows(plain.dtype):
         out = cpu_kernels.gemv(x, plain)
         return out if bias is None else out.add_(bias)
     if isinstance(weight, Int8Weight):

@@ -322,8 +322,8 @@ class LlamaForCausalLM(nn.Module):
             if getattr(module, "PACKABLE", ()):
                 module.packed = True
         head = prepack(self.lm_head.data)
-        if keep_plain and self.dims.tied:  # the embedding matrix, kept anyway
-            self.lm_head_plain = self.embed.data
+        if keep_plain:  # tied: the embedding matrix, kept anyway
+            self.lm_head_plain = self.embed.data if self.dims.tied else self.lm_head.data
         del self.lm_head  # the parameter name only: a tied `embed` stays
         self.lm_head = head
         self.packed = True
@@ -355,8 +355,11 @@ class LlamaForCausalLM(nn.Module):
 
     def plain_bytes(self) -> int:
         """Bytes of the unpacked copies kept for cpu_kernels (the tied head's is free)."""
-        return sum(t.numel() * t.element_size() for m in self.layers.modules()
-                   for t in getattr(m, "plain", {}).values())
+        head = self.lm_head_plain
+        own_head = head is not None and head.data_ptr() != self.embed.data_ptr()
+        return (sum(t.numel() * t.element_size() for m in self.layers.modules()
+                    for t in getattr(m, "plain", {}).values())
+                + (head.numel() * head.element_size() if own_head else 0))
 
     def quantize_weights(self, lm_head: bool = False,
                          head_dtype: torch.dtype = torch.float32) -> int:
@@ -401,6 +404,8 @@ class LlamaForCausalLM(nn.Module):
                 module.packed = True  # weights no longer plain matrices
         head = (quantize_weight(self.lm_head.data) if lm_head
                 else prepack(self.lm_head.data.to(head_dtype)))
+        if not lm_head and cpu_kernels.available():  # small steps: dpserve's kernel
+            self.lm_head_plain = self.lm_head.data.to(head_dtype).contiguous()
         del self.lm_head
         self.lm_head = head
         self.packed = True
