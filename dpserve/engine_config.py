@@ -65,7 +65,8 @@ class PoolerConfig:
 
 # --speculative-config methods (vLLM's names); dpserve proposes without a draft model.
 SPECULATIVE_METHODS = ("ngram",)
-_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+              "disable_by_batch_size")
 MAX_SPECULATIVE_TOKENS = 16
 SPECULATIVE_HELP = (
     'Draft-free speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": '
@@ -81,12 +82,16 @@ class SpeculativeConfig:
     "prompt_lookup_min": M}`). Each decoding request proposes up to K tokens that
     followed an earlier occurrence of its last n tokens (M <= n <= N; engine.spec_decode),
     verified in one forward (model.spec_verify). vLLM's defaults: M and N 5 when both are
-    unset, else the one given for both."""
+    unset, else the one given for both. `disable_by_batch_size` (vLLM's key): no drafts
+    in a step while more requests than that run (a large batch's step is bound by
+    arithmetic, not by reading the weights, so its rejected drafts cost their full
+    price); unset: drafts at any batch size, as vLLM."""
 
     method: str
     num_speculative_tokens: int  # K: draft tokens per request and step, at most
     prompt_lookup_max: int  # N: the longest suffix n-gram looked up
     prompt_lookup_min: int  # M: the shortest
+    disable_by_batch_size: int | None = None  # no drafts while more requests run
 
     @classmethod
     def parse(cls, value: str | Mapping[str, Any] | None) -> SpeculativeConfig | None:
@@ -119,7 +124,11 @@ class SpeculativeConfig:
         if not (_is_int(low) and _is_int(high) and 1 <= low <= high):
             raise ConfigError(f"speculative_config: need 1 <= prompt_lookup_min <= "
                               f"prompt_lookup_max (integers), got {low!r} and {high!r}")
-        return cls(method, k, high, low)
+        batch = given.get("disable_by_batch_size")
+        if batch is not None and (not _is_int(batch) or batch < 1):
+            raise ConfigError(f"speculative_config: disable_by_batch_size must be a positive "
+                              f"integer, got {batch!r}")
+        return cls(method, k, high, low, batch)
 
 
 def _is_int(value: Any) -> bool:

@@ -39,6 +39,9 @@ def test_the_option_takes_vllms_json_and_defaults():
     assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (4, 4)
     neither = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3})
     assert (neither.prompt_lookup_min, neither.prompt_lookup_max) == (5, 5)  # vLLM's
+    assert neither.disable_by_batch_size is None  # drafts at any batch size, as vLLM
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3,
+                                    "disable_by_batch_size": 4}).disable_by_batch_size == 4
 
 
 @pytest.mark.parametrize("value, message", [
@@ -53,6 +56,10 @@ def test_the_option_takes_vllms_json_and_defaults():
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}',
      "1 <= prompt_lookup_min"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "draft": 1}', "unknown key(s) draft"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}',
+     "disable_by_batch_size must be a positive integer"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": "4"}',
+     "disable_by_batch_size must be a positive integer"),
 ])
 def test_a_bad_option_is_one_line_naming_it(value, message):
     with pytest.raises(ConfigError) as e:
@@ -170,10 +177,11 @@ def test_verification_applies_logit_bias_as_the_sampler_does():
 
 
 def make_scheduler(num_blocks: int = 64, budget: int = 64, max_model_len: int = 128,
-                   k: int = 4) -> Scheduler:
+                   k: int = 4, disable_by_batch_size: int | None = None) -> Scheduler:
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8,
                              max_model_len=max_model_len,
-                             speculative=SpeculativeConfig("ngram", k, 3, 1))
+                             speculative=SpeculativeConfig("ngram", k, 3, 1,
+                                                           disable_by_batch_size))
     return Scheduler(config, CacheConfig(block_size=BS, kv_cache_memory=None,
                                          gpu_memory_utilization=0.9,
                                          enable_prefix_caching=True,
@@ -278,6 +286,20 @@ def test_a_moved_request_gets_drafts_from_its_tokens_alone():
     out = sched.schedule()  # prompt and prior outputs computed again here
     sched.update_from_output(out, output(out, {"m": [12]}))
     assert sched.schedule().scheduled[0].spec_token_ids == [13, 14, 15, 10]
+
+
+def test_no_drafts_while_more_requests_run_than_disable_by_batch_size():
+    sched = make_scheduler(disable_by_batch_size=2)
+    first, second = make_request("a", REPEATING[:-1]), make_request("b", REPEATING[:-1])
+    sched.add_request(first)
+    prefill(sched, second, 12)  # both prefilled in one step: two running
+    out = sched.schedule()
+    assert all(s.spec_token_ids == [13, 14, 15, 10] for s in out.scheduled)
+    sched.update_from_output(out, output(out, {"a": [13], "b": [13]}))
+    prefill(sched, make_request("c", [20, 21, 22]), 12)  # a third: past the limit
+    out = sched.schedule()
+    assert len(out.scheduled) == 3 and not any(s.spec_token_ids for s in out.scheduled)
+    assert all(s.num_new_tokens == 1 for s in out.scheduled)
 
 
 def test_without_room_for_drafts_a_request_decodes_without_them():

@@ -275,13 +275,14 @@ class Scheduler:
         """Running requests from `step.done` on, up to the first less urgent than `limit`
         (None: to the end) or the end of the budget."""
         running = self.running
+        speculate = self.spec is not None and self.spec.active(len(running))
         while step.done < len(running) and step.budget > 0:
             request = running[step.done]
             if limit is not None and self.waiting.priority(request) > limit:
                 return
             num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
             assert num_new > 0, f"{request} is running with nothing to compute"
-            if self.spec is not None and num_new == 1:  # with drafts, if they fit
+            if speculate and num_new == 1:  # with drafts, if they fit
                 block_ids, drafts = self.spec.allocate(self.kv_cache, request, step.budget - 1)
             else:
                 block_ids, drafts = self.kv_cache.allocate_slots(request, num_new), 0

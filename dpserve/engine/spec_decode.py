@@ -127,6 +127,12 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.counters = SpecDecodeCounters()
 
+    def active(self, batch: int) -> bool:
+        """Whether a step of `batch` running requests proposes drafts at all
+        (`disable_by_batch_size`)."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or batch <= limit
+
     def propose(self, request: Request, budget: int) -> int:
         """Draft tokens for a running request about to compute its last known token,
         at most `budget`; sets `request.spec_token_ids` and returns their count."""
