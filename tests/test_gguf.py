@@ -14,7 +14,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from helpers import finish_gguf, gguf_writer
+from gguf_helpers import finish_gguf, gguf_writer
 from safetensors.torch import load_file
 
 from dpserve.config import ConfigError

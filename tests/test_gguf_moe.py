@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import finish_gguf, gguf_writer
+from gguf_helpers import finish_gguf, gguf_writer
 from safetensors.torch import load_file
 
 from dpserve import LLM, SamplingParams
