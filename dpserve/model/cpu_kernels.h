@@ -46,13 +46,14 @@ static inline v16f load_bf16(const uint16_t *p) {
      * halves under GCC's preferred vector width: five instructions) */
     return (v16f)_mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
-#endif
+#else
     v16h h;
     memcpy(&h, p, sizeof h);
     v16u u = __builtin_convertvector(h, v16u) << 16;
     v16f v;
     memcpy(&v, &u, sizeof v);
     return v;
+#endif
 }
 
 /* 16 values at p as floats: bfloat16 when `bf16`, else float32. */

@@ -201,8 +201,8 @@ def kernel_rows(dtype: torch.dtype) -> int:
     (bench/gemv_rows.py): one row 11 vs 13 ms in bfloat16, 18 vs 20 in float32 (the
     kernel streams at memory speed); bfloat16 at 2 to 31 rows, 11-46 ms against
     oneDNN's 15-52 (its bfloat16 GEMM runs on slower dot products); float32 up to 4
-    rows. With AMX, oneDNN's bfloat16 tiles win from 2 rows. An AVX2 build (16 vector
-    registers: the 4 x 4 tiles spill) keeps to one row."""
+    rows. With AMX, oneDNN's bfloat16 tiles win from 2 rows. An AVX2 build keeps to
+    one row: its tiles (16 vector registers, not 32) were not measured on an AVX2 CPU."""
     if dtype not in _DTYPES:
         return 0
     flags = cpu_flags()

@@ -27,12 +27,12 @@ static inline float hsum(v16f v) {
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-/* exp(x) for x <= 0, 16 lanes (the compiler vectorizes the loop): 2^(x log2 e)
+/* exp(x) for x <= 0, 16 lanes: 2^(x log2 e)
  * = 2^n * e^g with n an integer and |g| <= ln(2) / 2, e^g by its degree-6 Taylor
  * polynomial (relative error under 2e-7); x below -87 counts as -87 (1.6e-38). */
 static inline v16f exp16(v16f x) {
 #ifdef __AVX512F__
-    /* The same steps in AVX-512 (the loop below stays scalar under GCC: its float to
+    /* In AVX-512 intrinsics (GCC leaves the portable loop below scalar: its float to
      * int conversions and the select do not vectorize), with n rounded to nearest
      * (|g| <= ln(2) / 2 still) and 2^n applied by scalef. */
     __m512 xm = _mm512_max_ps((__m512)x, _mm512_set1_ps(-87.0f));
@@ -47,7 +47,7 @@ static inline v16f exp16(v16f x) {
     p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f));
     return (v16f)_mm512_scalef_ps(p, n);
-#endif
+#else
     v16f out;
     for (int j = 0; j < 16; j++) {
         float xj = x[j] < -87.0f ? -87.0f : x[j];
@@ -63,6 +63,7 @@ static inline v16f exp16(v16f x) {
         out[j] = p * scale;
     }
     return out;
+#endif
 }
 
 /* One (row, KV head): the scores of its `group` query heads over the row's `len`

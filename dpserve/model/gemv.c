@@ -249,8 +249,7 @@ static void tiles_range(const void *w, int w_bf16, const float *xf, const float 
         }
 }
 
-#ifdef __AVX512BF16__
-#include <immintrin.h>
+#ifdef __AVX512BF16__ /* (immintrin.h: cpu_kernels.h, under __AVX512F__) */
 
 /* The sums of four float32 vectors, one lane each of the result. */
 static inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {

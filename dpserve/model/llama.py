@@ -418,20 +418,23 @@ class LlamaForCausalLM(nn.Module):
         rows), so oneDNN compiles and caches now every kernel serving will use: the
         engine's memory reaches its plateau at start-up (SmolLM2, 2,048-token steps:
         251 pairs, +140 MB once glibc's free heap is trimmed, under 2 s), and no step
-        waits for a compile. Returns how many (weight shape, rows) pairs ran."""
+        waits for a compile. Row counts dpserve's kernel takes (`cpu_kernels.kernel_rows`,
+        where the plain matrix is kept) never reach oneDNN and are skipped. Returns how
+        many (weight shape, rows) pairs ran."""
         if not self.packed:
             return 0
-        shapes: dict[tuple[int, ...], torch.Tensor] = {}
+        shapes: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
         for module in self.layers.modules():
             for name in getattr(module, "PACKABLE", ()):
                 weight = getattr(module, name)
                 if not isinstance(weight, torch.Tensor):  # int8: no per-shape kernels
                     continue
-                shapes.setdefault(tuple(weight.shape), weight)
+                shapes.setdefault(tuple(weight.shape), (weight, module.plain.get(name)))
         runs = 0
-        for weight, limit in [*((w, max_rows) for w in shapes.values()),
-                              (self.lm_head, max_head_rows)]:
-            for rows in sorted({bucket_rows(n) for n in range(1, limit + 1)}):
+        for (weight, plain), limit in [*((w, max_rows) for w in shapes.values()),
+                                       ((self.lm_head, self.lm_head_plain), max_head_rows)]:
+            floor = 0 if plain is None else cpu_kernels.kernel_rows(plain.dtype)
+            for rows in sorted({bucket_rows(n) for n in range(floor + 1, limit + 1)}):
                 linear(torch.zeros(rows, weight.shape[1], dtype=weight.dtype), weight, None,
                        True)
                 runs += 1
