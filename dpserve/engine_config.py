@@ -83,9 +83,8 @@ class SpeculativeConfig:
     followed an earlier occurrence of its last n tokens (M <= n <= N; engine.spec_decode),
     verified in one forward (model.spec_verify). vLLM's defaults: M and N 5 when both are
     unset, else the one given for both. `disable_by_batch_size` (vLLM's key): no drafts
-    in a step while more requests than that run (a large batch's step is bound by
-    arithmetic, not by reading the weights, so its rejected drafts cost their full
-    price); unset: drafts at any batch size, as vLLM."""
+    in a step while more requests than that run; unset, each step still keeps only
+    the drafts worth their rows (engine.spec_decode.choose_drafts)."""
 
     method: str
     num_speculative_tokens: int  # K: draft tokens per request and step, at most

@@ -109,10 +109,11 @@ class KVTransfer:
 
 @dataclass
 class SchedulerOutput:
-    """What one step runs. Decodes (num_new_tokens == 1) come first."""
+    """What one step runs. Decode-shaped entries come first: one token, or one and
+    its draft tokens (`spec_token_ids`, speculative decoding)."""
 
     scheduled: list[ScheduledRequest]
-    num_decodes: int  # the first `num_decodes` entries compute exactly one token
+    num_decodes: int  # the first `num_decodes` entries are decode-shaped
     total_num_tokens: int  # sum of num_new_tokens
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # freed since the last step

@@ -58,17 +58,22 @@ class Driver:
         random.Random(seed).shuffle(self.free)  # non-contiguous block tables
         self.blocks: dict[str, list[int]] = {}
 
-    def step(self, work: list[tuple[Request, int]]) -> tuple[SchedulerOutput, torch.Tensor]:
-        """Compute `n` more tokens of each (request, n) -> logits of every new token [T, V]."""
+    def step(self, work: list[tuple[Request, int]],
+             decode_shaped: int | None = None) -> tuple[SchedulerOutput, torch.Tensor]:
+        """Compute `n` more tokens of each (request, n) -> logits of every new token [T, V].
+        decode_shaped: the first that many entries attend token by token, as a
+        speculative row does (default: the one-token entries, put first)."""
         scheduled = []
-        for req, n in sorted(work, key=lambda w: w[1] != 1):  # decodes first
+        if decode_shaped is None:
+            work = sorted(work, key=lambda w: w[1] != 1)  # decodes first
+            decode_shaped = sum(n == 1 for _, n in work)
+        for req, n in work:
             blocks = self.blocks.setdefault(req.request_id, [])
             while len(blocks) * BS < req.num_computed_tokens + n:
                 blocks.append(self.free.pop())
             scheduled.append(req.for_step(req.num_computed_tokens, n, list(blocks),
                                           sample=req.num_computed_tokens + n == req.num_tokens))
-        so = SchedulerOutput(scheduled=scheduled,
-                             num_decodes=sum(s.num_new_tokens == 1 for s in scheduled),
+        so = SchedulerOutput(scheduled=scheduled, num_decodes=decode_shaped,
                              total_num_tokens=sum(s.num_new_tokens for s in scheduled))
         with torch.inference_mode():
             inputs = self.runner.prepare_inputs(so)
@@ -283,6 +288,24 @@ def test_many_decode_chunks_and_prefill_groups(driver, model_path, monkeypatch):
     assert len(meta.decode_chunks) == 3
     assert [g.num_seqs for g in meta.prefill_groups] == [2, 1]
     assert [g.uniform for g in meta.prefill_groups] == [False, True]
+    check_step(model_path, so, logits)
+
+
+def test_decode_shaped_rows_of_several_tokens_attend_token_by_token(driver, model_path,
+                                                                     monkeypatch):
+    """A speculative row (its last known token and the drafts after it) is decode-shaped:
+    each of its tokens is a decode row of its own that sees the keys up to itself
+    (the CPU kernel where it runs), beside one-token decodes and a prefill."""
+    import dpserve.model.attention as attention
+
+    monkeypatch.setattr(attention, "CPU_DECODE_ROWS", 3)  # chunks split the rows' tokens
+    reqs = make_requests(vocab(driver), [9, 14, 6, 11])
+    driver.step([(r, r.num_tokens - 5) for r in reqs[:3]])
+    so, logits = driver.step([(reqs[0], 1), (reqs[1], 5), (reqs[2], 4), (reqs[3], 11)],
+                             decode_shaped=3)
+    meta = driver.runner.prepare_inputs(so).attn_meta
+    assert meta.num_decode_tokens == 10 and len(meta.decode_chunks) == 4
+    assert [g.num_seqs for g in meta.prefill_groups] == [1]
     check_step(model_path, so, logits)
 
 

@@ -12,7 +12,7 @@ import torch
 from dpserve.config import CacheConfig, ConfigError, EngineArgs, SchedulerConfig
 from dpserve.engine.request import Request, RequestStatus
 from dpserve.engine.scheduler import Scheduler
-from dpserve.engine.spec_decode import propose_ngram
+from dpserve.engine.spec_decode import StepCosts, choose_drafts, propose_ngram
 from dpserve.engine_config import SpeculativeConfig
 from dpserve.model.sampler import Sampler
 from dpserve.model.spec_verify import accept_point_mass, verify
@@ -223,7 +223,7 @@ def test_drafts_are_lookahead_slots_rolled_back_when_rejected():
     [s] = out.scheduled
     assert s.spec_token_ids == [13, 14, 15, 10] and s.num_new_tokens == 5
     assert s.tokens(s.start, s.start + 5) == [12, 13, 14, 15, 10]
-    assert out.total_num_tokens == 5 and out.num_decodes == 0  # a prefill-shaped row
+    assert out.total_num_tokens == 5 and out.num_decodes == 1  # decode-shaped
     # Slots for all 5 positions (tokens 0..13: 4 blocks), but only blocks full of known
     # tokens are hashed (9 tokens: 2 blocks), and no count includes the drafts.
     assert len(s.block_ids) == 4 and len(sched.kv_cache.pool.cached) == 2
@@ -273,7 +273,7 @@ def test_requests_the_verifier_cannot_serve_get_no_drafts(params):
     out = sched.schedule()
     by_id = {s.req_id: s for s in out.scheduled}
     assert by_id["plain"].spec_token_ids and not by_id["other"].spec_token_ids
-    assert out.scheduled[0].req_id == "other"  # one-token rows first, as the runner reads
+    assert out.num_decodes == 2  # both decode-shaped: attended token by token
 
 
 def test_a_moved_request_gets_drafts_from_its_tokens_alone():
@@ -300,6 +300,54 @@ def test_no_drafts_while_more_requests_run_than_disable_by_batch_size():
     out = sched.schedule()
     assert len(out.scheduled) == 3 and not any(s.spec_token_ids for s in out.scheduled)
     assert all(s.num_new_tokens == 1 for s in out.scheduled)
+
+
+def test_step_costs_fit_a_fixed_and_a_per_row_cost():
+    costs = StepCosts()
+    for _ in range(20):
+        costs.observe(16, 0.030 + 16 * 0.001)
+    assert costs.fit() is None  # one size only: no slope to see
+    for rows in (20, 40, 80, 17):
+        costs.observe(rows, 0.030 + rows * 0.001)
+    fixed, per_row = costs.fit()
+    assert fixed == pytest.approx(0.030) and per_row == pytest.approx(0.001)
+
+
+def test_drafts_are_kept_while_they_raise_the_steps_tokens_per_second():
+    offers = [(0, 0.9, 4), (1, 0.2, 4)]  # (offer, acceptance rate, drafts proposed)
+    assert choose_drafts(offers, 16, None) == {0: 4, 1: 4}  # no fit yet: every draft
+    # Bound by reading the weights (a large fixed cost): nearly every draft pays (not
+    # the unlikely request's third, worth 0.2^3 = 0.008 tokens, for 0.2% more time).
+    assert choose_drafts(offers, 16, (0.050, 0.0001)) == {0: 4, 1: 2}
+    # Bound by arithmetic (a row costs what the step's share per token does): only
+    # the likely drafts, the first ones first.
+    assert choose_drafts(offers, 16, (0.030, 0.001)) == {0: 4, 1: 0}
+    assert choose_drafts(offers, 16, (0.001, 0.001)) == {0: 0, 1: 0}
+    assert choose_drafts([(0, 0.5, 4)], 1, (0.014, 0.0003)) == {0: 4}  # one stream
+
+
+def test_a_request_whose_drafts_fail_stops_drafting_on_a_costly_step():
+    """With steps that cost by the row, the planner keeps the drafts of a request whose
+    drafts were accepted and drops those of one whose drafts were rejected."""
+    sched = make_scheduler()
+    good, bad = make_request("good", REPEATING[:-1]), make_request("bad", REPEATING[:-1])
+    sched.add_request(good)
+    prefill(sched, bad, 12)
+    for _ in range(3):  # no step costs known yet: every proposal is drafted
+        out = sched.schedule()
+        drafts = {s.req_id: s.spec_token_ids for s in out.scheduled}
+        assert all(drafts.values())
+        # good: every draft accepted, then the cycle's next token; bad: 10, where no
+        # draft is 10 (its first is 13 or 11), and after a 10 lookup proposes again.
+        following = REPEATING[REPEATING.index(drafts["good"][-1]) + 1]
+        sched.update_from_output(out, output(out, {"good": drafts["good"] + [following],
+                                                   "bad": [10]}))
+    assert bad.draft_state.rate < 0.25 < 0.9 < good.draft_state.rate
+    for rows in range(2, 12):  # decode steps cost 4 ms + 2 ms a row
+        sched.spec.observe_step(rows, 0.004 + 0.002 * rows)
+    out = sched.schedule()
+    by_id = {s.req_id: s for s in out.scheduled}
+    assert by_id["good"].spec_token_ids and not by_id["bad"].spec_token_ids
 
 
 def test_without_room_for_drafts_a_request_decodes_without_them():

@@ -205,6 +205,7 @@ class EngineCore:
         # 2. Execute: one forward pass over all of them, then sample.
         runner_output = _EMPTY_OUTPUT
         if not scheduler_output.is_empty:
+            started = time.perf_counter()
             try:
                 runner_output = self.executor.execute(scheduler_output)
             except ExpertParallelError as e:
@@ -213,6 +214,7 @@ class EngineCore:
                 self._drop_failed_step(str(e))
                 return []
             self.num_forward_passes += 1
+            self.scheduler.observe_step(scheduler_output, time.perf_counter() - started)
         # (host tier: the step's loads are done, its saves copied by worker 0)
         self.scheduler.kv_step_done(scheduler_output)
         # 3. Update: append tokens, check stops, free finished requests.

@@ -107,8 +107,10 @@ class Scheduler:
       `EngineCoreOutput` per request that got a token or finished. Rows for
       requests finished or aborted since `schedule()` are skipped.
     * `--speculative-config` (engine/spec_decode.py): a running request computing
-      its last known token may also compute up to K drafts (budget, KV lookahead);
-      `update_from_output` keeps the accepted ones and rolls back the rest.
+      its last known token may also compute up to K drafts (those worth their rows,
+      within the budget and the KV lookahead); `update_from_output` keeps the accepted
+      ones and rolls back the rest; `observe_step` gives the drafts' planner the
+      decode-shaped steps' times.
     * A pooling request (`Request.pooling`) runs like a prefill, never sampled: the step
       computing its last prompt token finishes it (stop) with its vector (engine/pooling.py).
       `SchedulerOutput.has_pooling` is set only while the engine holds one.
@@ -245,6 +247,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's tokens, level by level: running requests, then waiting ones."""
         step = _Step(self.config.max_num_batched_tokens)
+        if self.spec is not None:  # the drafts worth their rows (engine/spec_decode.py)
+            self.spec.plan(self.running)
         admit = True
         while True:
             # 1. Running requests at least as urgent as the first waiting one (all of
@@ -256,9 +260,10 @@ class Scheduler:
             # 2. Waiting requests more urgent than the next running one (none in a step
             #    that ran out of blocks); again from 1. when that one's turn comes.
             admit = not step.ran_out and self._schedule_waiting(step)
-        # 3. Decode-shaped entries first, as the model runner expects.
-        decodes = [s for s in step.scheduled if s.num_new_tokens == 1]
-        others = [s for s in step.scheduled if s.num_new_tokens != 1]
+        # 3. Decode-shaped entries first (one token, or one and its drafts), as the
+        #    model runner expects: it attends to them token by token.
+        decodes = [s for s in step.scheduled if s.num_new_tokens == 1 or s.spec_token_ids]
+        others = [s for s in step.scheduled if s.num_new_tokens != 1 and not s.spec_token_ids]
         finished = self.take_finished_ids()
         # 4. Host tier: offer the blocks this step makes full; the step's copies.
         transfer = None
@@ -271,18 +276,24 @@ class Scheduler:
             preempted_req_ids=step.preempted, finished_req_ids=finished, kv_transfer=transfer,
             has_pooling=self.pooling.held > 0)
 
+    def observe_step(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
+        """The forward of `scheduler_output` took `seconds` (speculative decoding
+        learns from the decode-shaped steps what a row costs)."""
+        so = scheduler_output
+        if self.spec is not None and so.num_decodes == len(so.scheduled) and so.scheduled:
+            self.spec.observe_step(so.total_num_tokens, seconds)
+
     def _schedule_running(self, step: _Step, limit: int | None) -> None:
         """Running requests from `step.done` on, up to the first less urgent than `limit`
         (None: to the end) or the end of the budget."""
         running = self.running
-        speculate = self.spec is not None and self.spec.active(len(running))
         while step.done < len(running) and step.budget > 0:
             request = running[step.done]
             if limit is not None and self.waiting.priority(request) > limit:
                 return
             num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
             assert num_new > 0, f"{request} is running with nothing to compute"
-            if speculate and num_new == 1:  # with drafts, if they fit
+            if self.spec is not None and num_new == 1:  # with its drafts, if they fit
                 block_ids, drafts = self.spec.allocate(self.kv_cache, request, step.budget - 1)
             else:
                 block_ids, drafts = self.kv_cache.allocate_slots(request, num_new), 0

@@ -22,6 +22,18 @@ missing): a request that moves to another engine (its rank died, or a prefill
 rank handed it to a decode rank) gets proposals there at once, with nothing to
 carry.
 
+How many drafts a step carries (`SpecDecoder.plan`): each draft costs a row of the
+verifying forward whether or not it is accepted, and is worth the chance that it is.
+Each request keeps its acceptance rate (`DraftState`: accepted drafts over accepted
+plus rejections, decayed; a new one starts from the engine's), so its i-th draft is
+worth about rate^i tokens; the engine fits its decode steps' time as F + c x rows
+(`StepCosts`, least squares over recent decode-shaped steps). Drafts are taken, the
+most valuable first, while they raise the step's tokens per second (SmartSpec's
+goodput rule): on a step that is bound by reading the weights (one stream, or a
+GPU) nearly every draft pays; on one bound by arithmetic (many streams on a CPU)
+only likely ones do. Until the fit has steps of two sizes, every proposal is taken
+(up to K). `disable_by_batch_size` still turns drafts off above a batch size.
+
 Requests that never get drafts (`can_speculate`): structured output, logprobs,
 penalties, seeded random sampling (its draws would differ), below min_tokens,
 pooling, prompt logprobs not yet sent. Their rows batch beside speculative ones.
@@ -44,6 +56,14 @@ from dpserve.protocol import SchedulerStats
 # Only the last SEARCH_WINDOW tokens are searched: bounded work per step whatever the
 # request's length (a copy source further back gets no proposals).
 SEARCH_WINDOW = 8192
+# Acceptance rates: a request's counts decay by DECAY per verified step, and a new
+# request starts as if PRIOR_WEIGHT drafts had gone at the engine's rate.
+DECAY = 0.8
+PRIOR_WEIGHT = 2.0
+# Step costs: observations decay by COST_DECAY each (about the last 100 decode
+# steps count); the fit is used once COST_MIN_STEPS were seen over two sizes.
+COST_DECAY = 0.99
+COST_MIN_STEPS = 8
 
 
 def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
@@ -74,14 +94,27 @@ def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndar
     return tokens[end:end + k]
 
 
-class _Tokens:
-    """A request's tokens as a growing numpy array (the proposer's copy)."""
+class DraftState:
+    """What the proposer keeps on a request (`Request.draft_state`): its tokens as a
+    growing numpy array, and how its drafts fared (decayed counts)."""
 
-    __slots__ = ("array", "size")
+    __slots__ = ("array", "size", "accepted", "rejected")
 
-    def __init__(self, tokens: list[int]) -> None:
+    def __init__(self, tokens: list[int], prior: float) -> None:
         self.array = np.array(tokens, dtype=np.int64)
         self.size = len(tokens)
+        # As if PRIOR_WEIGHT drafts had been accepted or rejected at the engine's rate.
+        self.accepted = PRIOR_WEIGHT * prior
+        self.rejected = PRIOR_WEIGHT * (1.0 - prior)
+
+    @property
+    def rate(self) -> float:
+        """The chance that a draft is accepted once the ones before it were."""
+        return self.accepted / (self.accepted + self.rejected)
+
+    def settled(self, accepted: int, rejected: bool) -> None:
+        self.accepted = self.accepted * DECAY + accepted
+        self.rejected = self.rejected * DECAY + rejected
 
     def sync(self, tokens: list[int]) -> np.ndarray:
         """Append what `tokens` gained since the last call; the tokens as an array."""
@@ -105,6 +138,62 @@ def can_speculate(request: Request) -> bool:
             and request.prompt_logprobs is None)
 
 
+class StepCosts:
+    """A decode-shaped step's time as F + c x rows: exponentially weighted least
+    squares over the steps observed (`observe`), refitted on demand (`fit`)."""
+
+    def __init__(self) -> None:
+        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.steps = 0
+        self.sizes: set[int] = set()
+
+    def observe(self, rows: int, seconds: float) -> None:
+        d = COST_DECAY
+        self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + rows, d * self.sy + seconds
+        self.sxx, self.sxy = d * self.sxx + rows * rows, d * self.sxy + rows * seconds
+        self.steps += 1
+        if len(self.sizes) < 2:
+            self.sizes.add(rows)
+
+    def fit(self) -> tuple[float, float] | None:
+        """(F, c) in seconds, or None before COST_MIN_STEPS steps of two sizes (or when
+        the steps do not show a positive cost per row and a non-negative fixed one)."""
+        if self.steps < COST_MIN_STEPS or len(self.sizes) < 2:
+            return None
+        spread = self.n * self.sxx - self.sx * self.sx
+        if spread <= 1e-9 * self.n * self.sxx:
+            return None
+        per_row = (self.n * self.sxy - self.sx * self.sy) / spread
+        fixed = (self.sy - per_row * self.sx) / self.n
+        if per_row <= 0 or fixed < 0:
+            return None
+        return fixed, per_row
+
+
+def choose_drafts(offers: list[tuple[int, float, int]], rows: int,
+                  costs: tuple[float, float] | None) -> dict[int, int]:
+    """How many drafts each offer keeps: {offer index: count}.
+
+    offers: (index, acceptance rate r, drafts proposed k); rows: the step's other
+    rows (one per running request); costs: (F, c) or None (take every draft).
+    Draft i of an offer is worth r^i tokens; drafts are taken, most valuable first,
+    while the step's expected tokens over F + c x rows grows: a draft worth v
+    joins a step of T tokens and N rows iff v > T c / (F + c N).
+    """
+    if costs is None:
+        return {index: k for index, _, k in offers}
+    fixed, per_row = costs
+    values = sorted(((rate ** i, index) for index, rate, k in offers
+                     for i in range(1, k + 1)), reverse=True)
+    tokens, taken = float(rows), dict.fromkeys((index for index, _, _ in offers), 0)
+    for value, index in values:
+        if value * (fixed + per_row * rows) <= tokens * per_row:
+            break
+        tokens, rows = tokens + value, rows + 1
+        taken[index] += 1
+    return taken
+
+
 @dataclass
 class SpecDecodeCounters:
     """Cumulative per engine (SchedulerStats; vLLM's spec_decode metrics)."""
@@ -112,6 +201,7 @@ class SpecDecodeCounters:
     num_drafts: int = 0  # speculative rows verified (requests x steps)
     num_draft_tokens: int = 0  # draft tokens verified
     num_accepted_tokens: int = 0  # of them accepted
+    num_rejections: int = 0  # speculative rows with a rejected draft
 
     def fill(self, stats: SchedulerStats) -> None:
         stats.spec_decode_num_drafts = self.num_drafts
@@ -126,53 +216,86 @@ class SpecDecoder:
         self.config = config
         self.max_model_len = max_model_len
         self.counters = SpecDecodeCounters()
+        self.costs = StepCosts()
+        self._planned: dict[str, np.ndarray] = {}  # this step's drafts per request id
 
-    def active(self, batch: int) -> bool:
-        """Whether a step of `batch` running requests proposes drafts at all
-        (`disable_by_batch_size`)."""
+    def plan(self, running: list[Request]) -> None:
+        """Propose drafts for this step's running requests about to compute their last
+        known token, and keep those worth their rows (`choose_drafts`); `allocate`
+        hands them out. Nothing when `disable_by_batch_size` is below the batch."""
+        self._planned.clear()
         limit = self.config.disable_by_batch_size
-        return limit is None or batch <= limit
+        if limit is not None and len(running) > limit:
+            return
+        offers, proposals = [], []
+        for request in running:
+            if request.num_tokens - request.num_computed_tokens != 1:
+                continue
+            drafts = self._propose(request)
+            if len(drafts):
+                offers.append((len(proposals), request.draft_state.rate, len(drafts)))
+                proposals.append((request.request_id, drafts))
+        if not offers:
+            return
+        kept = choose_drafts(offers, len(running), self.costs.fit())
+        for index, (request_id, drafts) in enumerate(proposals):
+            if kept[index]:
+                self._planned[request_id] = drafts[:kept[index]]
 
-    def propose(self, request: Request, budget: int) -> int:
-        """Draft tokens for a running request about to compute its last known token,
-        at most `budget`; sets `request.spec_token_ids` and returns their count."""
-        request.spec_token_ids = []
+    def _propose(self, request: Request) -> np.ndarray:
+        """Up to K draft tokens for a running request about to compute its last known
+        token (none past its end, none for one `can_speculate` turns away)."""
         params = request.sampling_params
         # No drafts past the request's end: each step appends at most k + 1 tokens.
-        most = min(self.config.num_speculative_tokens, budget,
+        most = min(self.config.num_speculative_tokens,
                    self.max_model_len - request.num_tokens - 1)
         if params.max_tokens is not None:
             most = min(most, params.max_tokens - request.num_output_tokens - 1)
         if most <= 0 or not can_speculate(request):
-            return 0
+            return np.empty(0, dtype=np.int64)
         state = request.draft_state
         if state is None:
-            state = request.draft_state = _Tokens(request.all_token_ids)
-        drafts = propose_ngram(state.sync(request.all_token_ids), self.config.prompt_lookup_min,
-                               self.config.prompt_lookup_max, most)
-        request.spec_token_ids = drafts.tolist()
-        return len(drafts)
+            state = request.draft_state = DraftState(request.all_token_ids, self.rate)
+        return propose_ngram(state.sync(request.all_token_ids), self.config.prompt_lookup_min,
+                             self.config.prompt_lookup_max, most)
+
+    @property
+    def rate(self) -> float:
+        """The engine's acceptance rate so far (a new request's starting estimate)."""
+        accepted, rejected = self.counters.num_accepted_tokens, self.counters.num_rejections
+        return (accepted + 1) / (accepted + rejected + 2)
 
     def allocate(self, kv_cache: KVCacheManager, request: Request,
                  budget: int) -> tuple[list[int] | None, int]:
-        """Blocks for a running request's last known token and the drafts proposed for
+        """Blocks for a running request's last known token and the drafts planned for
         it (at most `budget`), or without drafts when those do not fit: (its block
-        table or None, the number of drafts), as `KVCacheManager.allocate_slots`."""
-        drafts = self.propose(request, budget)
-        if drafts:
-            block_ids = kv_cache.allocate_slots(request, 1, num_lookahead_tokens=drafts)
+        table or None, the number of drafts), as `KVCacheManager.allocate_slots`.
+        Sets `request.spec_token_ids`."""
+        drafts = self._planned.pop(request.request_id, None)
+        request.spec_token_ids = drafts[:max(budget, 0)].tolist() if drafts is not None else []
+        if request.spec_token_ids:
+            block_ids = kv_cache.allocate_slots(request, 1,
+                                                num_lookahead_tokens=len(request.spec_token_ids))
             if block_ids is not None:
-                return block_ids, drafts
+                return block_ids, len(request.spec_token_ids)
             request.spec_token_ids = []
         return kv_cache.allocate_slots(request, 1), 0
+
+    def observe_step(self, num_rows: int, seconds: float) -> None:
+        """A decode-shaped step's forward took `seconds` for `num_rows` rows."""
+        self.costs.observe(num_rows, seconds)
 
     def verified(self, request: Request, num_produced: int, num_appended: int) -> None:
         """A speculative row came back: `num_produced` tokens (its accepted drafts and
         one more), `num_appended` of them kept (fewer when one ended the request). Only
         the accepted drafts' KV stays valid: the computed count goes back to them."""
         counters = self.counters
+        proposed, accepted = len(request.spec_token_ids), num_produced - 1
         counters.num_drafts += 1
-        counters.num_draft_tokens += len(request.spec_token_ids)
-        counters.num_accepted_tokens += num_produced - 1
+        counters.num_draft_tokens += proposed
+        counters.num_accepted_tokens += accepted
+        counters.num_rejections += accepted < proposed
+        if request.draft_state is not None:
+            request.draft_state.settled(accepted, accepted < proposed)
         request.num_computed_tokens += num_appended - 1
         request.spec_token_ids = []

@@ -50,7 +50,8 @@ MAX_MASK_ELEMS = 1 << 24
 
 @dataclass
 class DecodeChunk:
-    """Decode rows [start, end) of the step, attended by one SDPA call."""
+    """Decode rows (tokens) [start, end) of the step, attended by one SDPA call or
+    the CPU kernel."""
 
     start: int
     end: int
@@ -88,7 +89,9 @@ class AttentionMetadata:
     """Everything attention needs for one step, shared by all layers."""
 
     slot_mapping: torch.Tensor  # [T] int64 flat cache slot of each new token
-    num_decode_tokens: int  # D: the first D tokens are decodes, one per request
+    # D: the first D tokens attend as decodes (one row each: one-token requests, and
+    # every token of a speculative request's verified run)
+    num_decode_tokens: int
     decode_chunks: list[DecodeChunk]
     # decodes run cpu_kernels.decode_attention (CPU, float32/bfloat16, kernels built)
     decode_kernel: bool
@@ -103,29 +106,39 @@ def build_attention_metadata(query_lens: np.ndarray, context_lens: np.ndarray,
                              kv_elems_per_token: int = 1) -> AttentionMetadata:
     """Build a step's metadata from per-request numbers (numpy, on the host).
 
-    query_lens: [R] new tokens per request (the first `num_decodes` are 1);
-    context_lens: [R] tokens already in the cache; block_table: [R, max_blocks]
-    int64 block ids, padded with any valid id (padding is always masked);
-    kv_elems_per_token: kv_heads * head_dim, to bound what one chunk gathers.
+    query_lens: [R] new tokens per request; the first `num_decodes` requests are
+    decode-shaped: one token, or one and its draft tokens (speculative decoding),
+    attended token by token as decodes (token i of such a request sees the first
+    context + i + 1 keys, its own drafts' KV written to the cache before attention);
+    the rest are prefill rows. context_lens: [R] tokens already in the cache;
+    block_table: [R, max_blocks] int64 block ids, padded with any valid id (padding
+    is always masked); kv_elems_per_token: kv_heads * head_dim, to bound what one
+    chunk gathers.
     """
     slot_mapping = _slot_mapping(query_lens, context_lens, block_table, block_size)
-    seq_lens = context_lens + query_lens
     fused_ops = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) \
         and cpu_kernels.available()
     decode_kernel = bool(num_decodes) and fused_ops
+    decode_q = query_lens[:num_decodes]
+    num_decode_tokens = int(decode_q.sum())
+    # One decode row per token: its key count and its request's block table row.
+    token_lens = token_positions(decode_q, context_lens[:num_decodes]) + 1  # [D]
+    token_table = (block_table[:num_decodes] if num_decode_tokens == num_decodes
+                   else block_table[np.repeat(np.arange(num_decodes), decode_q)])
     decode_chunks = []
     if num_decodes:
         max_rows = CPU_DECODE_ROWS if device.type == "cpu" else 1 << 30
-        widest = int(seq_lens[:num_decodes].max()) * kv_elems_per_token
+        widest = int(token_lens.max()) * kv_elems_per_token
         rows = max(1, min(max_rows, MAX_GATHER_ELEMS // widest))
-        decode_chunks = [_decode_chunk(s, min(s + rows, num_decodes), seq_lens, block_table,
-                                       block_size, dtype, device, with_mask=not decode_kernel)
-                         for s in range(0, num_decodes, rows)]
+        decode_chunks = [_decode_chunk(s, min(s + rows, num_decode_tokens), token_lens,
+                                       token_table, block_size, dtype, device,
+                                       with_mask=not decode_kernel)
+                         for s in range(0, num_decode_tokens, rows)]
     groups = [_prefill_group(rows, query_lens, context_lens, block_table, block_size, dtype,
                              device)
               for rows in _prefill_row_groups(query_lens, context_lens, num_decodes)]
     return AttentionMetadata(slot_mapping=_to(slot_mapping, device),
-                             num_decode_tokens=num_decodes, decode_chunks=decode_chunks,
+                             num_decode_tokens=num_decode_tokens, decode_chunks=decode_chunks,
                              decode_kernel=decode_kernel, prefill_groups=groups,
                              fused_ops=fused_ops)
 
