@@ -344,7 +344,7 @@ def test_a_request_whose_drafts_fail_stops_drafting_on_a_costly_step():
                                                    "bad": [10]}))
     assert bad.draft_state.rate < 0.25 < 0.9 < good.draft_state.rate
     for rows in range(2, 12):  # decode steps cost 4 ms + 2 ms a row
-        sched.spec.observe_step(rows, 0.004 + 0.002 * rows)
+        sched.spec.costs.observe(rows, 0.004 + 0.002 * rows)
     out = sched.schedule()
     by_id = {s.req_id: s for s in out.scheduled}
     assert by_id["good"].spec_token_ids and not by_id["bad"].spec_token_ids

@@ -100,6 +100,8 @@ def test_copy_heavy_prompts_accept_drafts_and_keep_greedy_text():
     stats = llm.get_stats()
     assert stats.spec_decode_num_accepted_tokens > 0, stats
     assert stats.spec_decode_num_drafts > 0
+    # The engine timed its decode-shaped steps for the drafts' planner.
+    assert llm.engine.scheduler.spec.costs.steps > 0
     # Sampling beside them (drafts verified by speculative sampling): it runs to length.
     sampled = llm.generate(COPY_PROMPTS[:1], SamplingParams(temperature=0.8, max_tokens=24,
                                                             ignore_eos=True),

@@ -214,7 +214,8 @@ class EngineCore:
                 self._drop_failed_step(str(e))
                 return []
             self.num_forward_passes += 1
-            self.scheduler.observe_step(scheduler_output, time.perf_counter() - started)
+            if self.scheduler.spec is not None:  # drafts are planned by what a row costs
+                self.scheduler.spec.observe_step(scheduler_output, time.perf_counter() - started)
         # (host tier: the step's loads are done, its saves copied by worker 0)
         self.scheduler.kv_step_done(scheduler_output)
         # 3. Update: append tokens, check stops, free finished requests.

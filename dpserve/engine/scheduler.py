@@ -109,8 +109,7 @@ class Scheduler:
     * `--speculative-config` (engine/spec_decode.py): a running request computing
       its last known token may also compute up to K drafts (those worth their rows,
       within the budget and the KV lookahead); `update_from_output` keeps the accepted
-      ones and rolls back the rest; `observe_step` gives the drafts' planner the
-      decode-shaped steps' times.
+      ones and rolls back the rest.
     * A pooling request (`Request.pooling`) runs like a prefill, never sampled: the step
       computing its last prompt token finishes it (stop) with its vector (engine/pooling.py).
       `SchedulerOutput.has_pooling` is set only while the engine holds one.
@@ -260,8 +259,7 @@ class Scheduler:
             # 2. Waiting requests more urgent than the next running one (none in a step
             #    that ran out of blocks); again from 1. when that one's turn comes.
             admit = not step.ran_out and self._schedule_waiting(step)
-        # 3. Decode-shaped entries first (one token, or one and its drafts), as the
-        #    model runner expects: it attends to them token by token.
+        # 3. Decode-shaped entries (a token, or one and its drafts) first, as the runner reads.
         decodes = [s for s in step.scheduled if s.num_new_tokens == 1 or s.spec_token_ids]
         others = [s for s in step.scheduled if s.num_new_tokens != 1 and not s.spec_token_ids]
         finished = self.take_finished_ids()
@@ -275,13 +273,6 @@ class Scheduler:
             total_num_tokens=sum(s.num_new_tokens for s in step.scheduled),
             preempted_req_ids=step.preempted, finished_req_ids=finished, kv_transfer=transfer,
             has_pooling=self.pooling.held > 0)
-
-    def observe_step(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
-        """The forward of `scheduler_output` took `seconds` (speculative decoding
-        learns from the decode-shaped steps what a row costs)."""
-        so = scheduler_output
-        if self.spec is not None and so.num_decodes == len(so.scheduled) and so.scheduled:
-            self.spec.observe_step(so.total_num_tokens, seconds)
 
     def _schedule_running(self, step: _Step, limit: int | None) -> None:
         """Running requests from `step.done` on, up to the first less urgent than `limit`

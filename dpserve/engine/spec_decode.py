@@ -52,6 +52,7 @@ from dpserve.engine.kv_cache import KVCacheManager
 from dpserve.engine.request import Request
 from dpserve.engine_config import SpeculativeConfig
 from dpserve.protocol import SchedulerStats
+from dpserve.step import SchedulerOutput
 
 # Only the last SEARCH_WINDOW tokens are searched: bounded work per step whatever the
 # request's length (a copy source further back gets no proposals).
@@ -281,9 +282,12 @@ class SpecDecoder:
             request.spec_token_ids = []
         return kv_cache.allocate_slots(request, 1), 0
 
-    def observe_step(self, num_rows: int, seconds: float) -> None:
-        """A decode-shaped step's forward took `seconds` for `num_rows` rows."""
-        self.costs.observe(num_rows, seconds)
+    def observe_step(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
+        """A step's forward took `seconds` (EngineCore.step): what a row costs is
+        learnt from the decode-shaped steps."""
+        so = scheduler_output
+        if so.scheduled and so.num_decodes == len(so.scheduled):
+            self.costs.observe(so.total_num_tokens, seconds)
 
     def verified(self, request: Request, num_produced: int, num_appended: int) -> None:
         """A speculative row came back: `num_produced` tokens (its accepted drafts and
