@@ -33,6 +33,9 @@ goodput rule): on a step that is bound by reading the weights (one stream, or a
 GPU) nearly every draft pays; on one bound by arithmetic (many streams on a CPU)
 only likely ones do. Until the fit has steps of two sizes, every proposal is taken
 (up to K). `disable_by_batch_size` still turns drafts off above a batch size.
+Known limit: a new request starts from the engine's rate, so on a busy engine whose
+drafts mostly fail a newly arrived copy-heavy request drafts only once the batch is
+small enough for drafts to be cheap.
 
 Requests that never get drafts (`can_speculate`): structured output, logprobs,
 penalties, seeded random sampling (its draws would differ), below min_tokens,
