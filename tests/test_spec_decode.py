@@ -350,6 +350,29 @@ def test_a_request_whose_drafts_fail_stops_drafting_on_a_costly_step():
     assert by_id["good"].spec_token_ids and not by_id["bad"].spec_token_ids
 
 
+def test_a_newcomer_probes_with_one_draft_where_the_engines_drafts_fail():
+    """A new request starts from the engine's acceptance rate; where that is too low
+    for drafts to pay it still verifies one, and goes on by its own rate."""
+    sched = make_scheduler()
+    bad = make_request("bad", REPEATING[:-1])
+    prefill(sched, bad, 12)
+    for _ in range(3):  # no step costs known yet: drafted, and rejected (10 is no draft)
+        out = sched.schedule()
+        assert out.scheduled[0].spec_token_ids
+        sched.update_from_output(out, output(out, {"bad": [10]}))
+    for rows in range(2, 12):  # decode steps cost 4 ms + 2 ms a row
+        sched.spec.costs.observe(rows, 0.004 + 0.002 * rows)
+    new = make_request("new", REPEATING[:-1])
+    prefill(sched, new, 12)
+    out = sched.schedule()
+    by_id = {s.req_id: s for s in out.scheduled}
+    assert new.draft_state.rate < 0.25  # the engine's: worth no draft at these costs
+    assert len(by_id["new"].spec_token_ids) == 1 and not by_id["bad"].spec_token_ids
+    sched.update_from_output(out, output(out, {"new": [10], "bad": [10]}))  # rejected
+    out = sched.schedule()
+    assert not any(s.spec_token_ids for s in out.scheduled)
+
+
 def test_without_room_for_drafts_a_request_decodes_without_them():
     sched = make_scheduler(num_blocks=4, max_model_len=16)
     req, other = make_request("r", REPEATING[:-1]), make_request("o", [20, 21, 22])

@@ -33,9 +33,9 @@ goodput rule): on a step that is bound by reading the weights (one stream, or a
 GPU) nearly every draft pays; on one bound by arithmetic (many streams on a CPU)
 only likely ones do. Until the fit has steps of two sizes, every proposal is taken
 (up to K). `disable_by_batch_size` still turns drafts off above a batch size.
-Known limit: a new request starts from the engine's rate, so on a busy engine whose
-drafts mostly fail a newly arrived copy-heavy request drafts only once the batch is
-small enough for drafts to be cheap.
+A new request starts from the engine's rate, and its first proposal is verified
+whatever the plan, one draft at least (a probe: on a busy engine whose drafts mostly
+fail, a copy-heavy newcomer still finds out that its own drafts pass).
 
 Requests that never get drafts (`can_speculate`): structured output, logprobs,
 penalties, seeded random sampling (its draws would differ), below min_tokens,
@@ -102,7 +102,7 @@ class DraftState:
     """What the proposer keeps on a request (`Request.draft_state`): its tokens as a
     growing numpy array, and how its drafts fared (decayed counts)."""
 
-    __slots__ = ("array", "size", "accepted", "rejected")
+    __slots__ = ("array", "size", "accepted", "rejected", "verified")
 
     def __init__(self, tokens: list[int], prior: float) -> None:
         self.array = np.array(tokens, dtype=np.int64)
@@ -110,6 +110,7 @@ class DraftState:
         # As if PRIOR_WEIGHT drafts had been accepted or rejected at the engine's rate.
         self.accepted = PRIOR_WEIGHT * prior
         self.rejected = PRIOR_WEIGHT * (1.0 - prior)
+        self.verified = 0  # steps that verified its drafts
 
     @property
     def rate(self) -> float:
@@ -119,6 +120,7 @@ class DraftState:
     def settled(self, accepted: int, rejected: bool) -> None:
         self.accepted = self.accepted * DECAY + accepted
         self.rejected = self.rejected * DECAY + rejected
+        self.verified += 1
 
     def sync(self, tokens: list[int]) -> np.ndarray:
         """Append what `tokens` gained since the last call; the tokens as an array."""
@@ -238,11 +240,13 @@ class SpecDecoder:
             drafts = self._propose(request)
             if len(drafts):
                 offers.append((len(proposals), request.draft_state.rate, len(drafts)))
-                proposals.append((request.request_id, drafts))
+                proposals.append((request.request_id, drafts, request.draft_state))
         if not offers:
             return
         kept = choose_drafts(offers, len(running), self.costs.fit())
-        for index, (request_id, drafts) in enumerate(proposals):
+        for index, (request_id, drafts, state) in enumerate(proposals):
+            if not state.verified:  # a probe: one draft starts its own rate
+                kept[index] = max(kept[index], 1)
             if kept[index]:
                 self._planned[request_id] = drafts[:kept[index]]
 
