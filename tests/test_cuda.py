@@ -215,9 +215,15 @@ def test_preemption_and_prefix_hits_equal_transformers(models):
            cached_tokens=[o.num_cached_tokens for o in second])
 
 
-def test_speculative_decoding_on_cuda_equals_transformers(models):
+def test_speculative_decoding_on_cuda_equals_transformers(models, monkeypatch):
     """n-gram drafts verified on CUDA: float32 greedy tokens equal transformers', and
-    drafts were proposed and accepted (the engine's counters)."""
+    drafts were proposed and accepted (the engine's counters). Every proposal is
+    drafted: the planner's step-cost fit is held off (this tiny random model accepts
+    few drafts, which the planner would soon stop proposing; its choices are tested in
+    tests/test_spec_decode.py)."""
+    from dpserve.engine.spec_decode import StepCosts
+
+    monkeypatch.setattr(StepCosts, "fit", lambda self: None)
     path = models["llama"]
     ids = prompt_ids(path) + [[5, 6, 7, 8, 9] * 6]  # the last one repeats: drafts
     expected = tokens(hf_greedy(path, ids, "float32"))
