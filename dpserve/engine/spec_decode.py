@@ -151,22 +151,20 @@ class StepCosts:
     def __init__(self) -> None:
         self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
         self.steps = 0
-        self.sizes: set[int] = set()
 
     def observe(self, rows: int, seconds: float) -> None:
         d = COST_DECAY
         self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + rows, d * self.sy + seconds
         self.sxx, self.sxy = d * self.sxx + rows * rows, d * self.sxy + rows * seconds
         self.steps += 1
-        if len(self.sizes) < 2:
-            self.sizes.add(rows)
 
     def fit(self) -> tuple[float, float] | None:
-        """(F, c) in seconds, or None before COST_MIN_STEPS steps of two sizes (or when
-        the steps do not show a positive cost per row and a non-negative fixed one)."""
-        if self.steps < COST_MIN_STEPS or len(self.sizes) < 2:
+        """(F, c) in seconds, or None before COST_MIN_STEPS steps, while the steps
+        (as weighted) are of one size, or when they do not show a positive cost per
+        row and a non-negative fixed one."""
+        if self.steps < COST_MIN_STEPS:
             return None
-        spread = self.n * self.sxx - self.sx * self.sx
+        spread = self.n * self.sxx - self.sx * self.sx  # n^2 x the rows' variance
         if spread <= 1e-9 * self.n * self.sxx:
             return None
         per_row = (self.n * self.sxy - self.sx * self.sy) / spread
