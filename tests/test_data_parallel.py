@@ -187,3 +187,60 @@ def test_client_places_by_the_coordinators_counts():
             alloc.cleanup()
 
     asyncio.run(run())
+
+
+def test_a_request_sent_to_a_rank_just_gone_is_placed_on_another():
+    """Scripted engines (real DEALER sockets) register with a real front-end client;
+    rank 1's socket closes (the fault: its process died, no news yet). The router
+    still picks rank 1; the send finds it unreachable, marks it dead and the request
+    goes to rank 0 instead of failing; a request pinned to rank 1 gets a 503-class
+    error naming it."""
+    from dpserve.frontend.errors import EngineUnavailableError
+    from dpserve.protocol import RequestType, engine_identity
+
+    async def run() -> None:
+        alloc = AddressAllocator()
+        ctx = zmq.asyncio.Context()
+        addrs = alloc.engine_addresses(num_clients=1)
+        client = AsyncEngineClient(addrs.inputs[0], addrs.outputs[0], engine_ranks=(0, 1))
+        monitor = client._sockets.input.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        engines = []
+        try:
+            for rank in (0, 1):
+                dealer = ctx.socket(zmq.DEALER)
+                dealer.setsockopt(zmq.IDENTITY, engine_identity(rank))
+                dealer.setsockopt(zmq.LINGER, 0)
+                dealer.connect(addrs.inputs[0])
+                await dealer.send(b"")  # registration
+                engines.append(dealer)
+            def both() -> bool:
+                return all(e.registered for e in client.engines.values())
+
+            await client._sockets.wait_for(both, asyncio.Event(), 5)
+            assert both()
+            await client.add_request(EngineCoreRequest("busy", [1], SamplingParams(),
+                                                       data_parallel_rank=0))
+            assert (await asyncio.wait_for(engines[0].recv_multipart(), 5))[0] == \
+                RequestType.ADD.value
+            request = EngineCoreRequest("r", [1, 2, 3], SamplingParams())
+            assert client.table.choose(request).rank == 1  # the premise: rank 1 is next
+            engines[1].close()  # the fault
+            assert (await asyncio.wait_for(monitor.recv_multipart(), 5))  # seen as gone
+            await client.add_request(request)
+            frames = await asyncio.wait_for(engines[0].recv_multipart(), 5)
+            assert frames[0] == RequestType.ADD.value
+            assert client.book.flights["r"].rank == 0
+            assert not client.engines[1].serving  # the send found it gone
+            assert "unreachable" in client.engines[1].status.reason
+            with pytest.raises(EngineUnavailableError, match="data_parallel_rank 1 is dead"):
+                await client.add_request(EngineCoreRequest("p", [1], SamplingParams(),
+                                                           data_parallel_rank=1))
+        finally:
+            monitor.close(linger=0)
+            await client.aclose()
+            for dealer in engines:
+                dealer.close(linger=0)
+            ctx.destroy(linger=0)
+            alloc.cleanup()
+
+    asyncio.run(run())

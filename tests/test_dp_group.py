@@ -16,6 +16,7 @@ from helpers import FakeFrontend, ScriptedEngines, assert_silent, recv_frames
 
 from dpserve.launch.addresses import AddressAllocator
 from dpserve.launch.coordinator import REFORM_DELAY_S
+from dpserve.launch.coordinator.dp_group import SETTLE_GROUP_S, DPGroup
 from dpserve.protocol import (
     EngineReport,
     RankEvent,
@@ -131,6 +132,25 @@ def test_membership_follows_deaths_restarts_and_failures(lockstep3):
     rank_event(front, 2, RankState.DEAD, 0)
     assert recv_regroup(engines, 1) == RegroupDP(6, [1], 3)
     assert_silent(engines.subs[1], 0.5)
+
+
+def test_news_of_a_death_after_a_failed_collective_forms_the_group_after_the_settle():
+    """Pure logic (times passed in): a survivor's failed collective usually comes
+    before the launcher's news of the death. Once the news is in, the generation of
+    the survivors is formed after SETTLE_GROUP_S, not the longer wait a failure with
+    no news gets (else a fast restart returns first and the survivors idle until it)."""
+    group = DPGroup()
+    serving = [RankStatus(RankState.SERVING)] * 2
+    assert group.next(serving, [True, True], now=0.0) is None  # settling
+    assert group.next(serving, [True, True], now=SETTLE_GROUP_S) == RegroupDP(1, [0, 1], 2)
+    group.on_failed(1, now=10.0)  # rank 0's all-reduce failed: rank 1 was killed
+    assert group.next(serving, [True, True], now=10.0) is None  # no news yet: wait
+    restarting = [RankStatus(RankState.SERVING), RankStatus(RankState.RESTARTING, 0)]
+    assert group.next(restarting, [True, False], now=10.1) is None
+    assert group.next(restarting, [True, False], now=10.1 + SETTLE_GROUP_S) == \
+        RegroupDP(2, [0], 2)
+    assert 10.1 + SETTLE_GROUP_S < 10.0 + REFORM_DELAY_S  # (the premise: sooner)
+    assert group.due is None
 
 
 def test_no_regroup_messages_without_lockstep(make_coordinator, ctx):  # noqa: F811

@@ -206,12 +206,28 @@ class AsyncEngineClient:
         if request.request_id in self.book.flights:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         route = RouteTrace(self.table, request) if request.trace_headers is not None else None
-        engine = self._choose_engine(request) if route is None else route.choose()
-        request = sendable(request, self.client_index, self.current_wave)
+        sent = sendable(request, self.client_index, self.current_wave)
         if route is None:
-            return await self._add_at(engine, request)
+            return await self._place(lambda: self._choose_engine(request), sent)
         with route:  # a `route` span until it is sent (frontend/route_trace.py)
-            await self._add_at(engine, route.carried_by(request))
+            await self._place(route.choose, route.carried_by(sent))
+
+    async def _place(self, choose: Callable[[], EngineState],
+                     request: EngineCoreRequest) -> None:
+        """Send `request` to the rank `choose()` names; when that rank turns out to be
+        gone (its socket unreachable: killed since its last news), to another one.
+        Each retry follows a rank's death, so there are fewer tries than ranks."""
+        for _ in range(len(self.engines)):
+            engine = choose()
+            try:
+                return await self._add_at(engine, request)
+            except EngineUnavailableError:
+                if engine.serving or self.dead:
+                    raise  # not a rank that went away under us
+                logger.info("front-end %d: %s went away as %s was sent to it; placing "
+                            "it again", self.client_index, engine.describe(),
+                            request.request_id)
+        raise EngineUnavailableError("no engine is serving: " + self.table.describe())
 
     async def _add_at(self, engine: EngineState, request: EngineCoreRequest) -> None:
         """Send `request` (as sent) to `engine`, the rank chosen for it."""

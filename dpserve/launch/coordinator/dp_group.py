@@ -50,14 +50,20 @@ class DPGroup:
              now: float) -> RegroupDP | None:
         """The generation to announce now, if one is due."""
         members = self.wanted(status, heard)
-        if members != self.members and self._due is None:
-            self._due = now + SETTLE_GROUP_S
+        if members != self.members:  # the news a failure waits for: settle, not more
+            settle = now + SETTLE_GROUP_S
+            self._due = settle if self._due is None else min(self._due, settle)
         if self._due is None or now < self._due:
             return None
         self._due = None
         self.generation += 1
         self.members = members
         return RegroupDP(self.generation, members, len(status))
+
+    @property
+    def due(self) -> float | None:
+        """When the next generation is to be formed (None: none is due)."""
+        return self._due
 
     @property
     def leader(self) -> int:

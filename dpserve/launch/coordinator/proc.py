@@ -220,9 +220,12 @@ class DPCoordinatorProc:
             poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         while not self._should_exit():
-            # 1. Sleep until the next publish is due, a message comes, or 1 s
-            #    passes (to check on the parent).
-            timeout = min(max(0.0, self._next_publish() - time.monotonic()), _HEALTH_CHECK_S)
+            # 1. Sleep until the next publish or DP group generation is due, a
+            #    message comes, or _HEALTH_CHECK_S passes (heartbeats, the parent).
+            wake = self._next_publish()
+            if self.group is not None and self.group.due is not None:
+                wake = min(wake, self.group.due)  # a generation is due (step 6)
+            timeout = min(max(0.0, wake - time.monotonic()), _HEALTH_CHECK_S)
             events = dict(poller.poll(int(timeout * 1000)))
             if self._wake_r in events:
                 os.read(self._wake_r, 512)
