@@ -55,8 +55,11 @@ async def _serve_bursts(model: str, lockstep: bool, bursts: int) -> tuple[list[d
             if lockstep:  # the wave ends everywhere, then the coordinator says so
                 deadline = time.monotonic() + 60  # generous: a loaded machine is slow
                 while client.engines_running or client.current_wave != burst + 1:
-                    assert time.monotonic() < deadline, (client.current_wave,
-                                                         client.engines_running)
+                    if time.monotonic() > deadline:  # what each side believes, to debug
+                        engines = await client.call_utility_all("get_dp_state")
+                        raise AssertionError(f"burst {burst}: the client's (wave, running) "
+                                             f"stays ({client.current_wave}, "
+                                             f"{client.engines_running}); engines: {engines}")
                     await asyncio.sleep(0.02)
             else:  # an idle spell: 10 passes of every engine's loop, where a wave or
                 # a dummy batch would run (each answers a call between them)
