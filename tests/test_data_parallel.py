@@ -153,7 +153,7 @@ def test_client_places_by_the_coordinators_counts():
             def choose(client: AsyncEngineClient, rank: int | None = None) -> int:
                 request = EngineCoreRequest("r", [1], SamplingParams(),
                                             data_parallel_rank=rank)
-                return client._choose_engine(request).rank
+                return client.table.choose(request).rank
 
             async def publish(counts: list[list[int]]) -> None:
                 await front.send(msgspec.msgpack.encode(CoordinatorUpdate(counts, 0, False)))

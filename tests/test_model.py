@@ -158,6 +158,20 @@ def test_decodes_after_prefill(driver, model_path):
         check_step(model_path, *driver.step([(r, 1) for r in reqs]))
 
 
+def test_one_row_decodes_run_in_one_call_and_match(driver, model_path):
+    """One stream's decode steps run every layer in one C call (one_call.py) where the
+    kernels are built and the model has no biases (Qwen2's QKV has)."""
+    from dpserve.model import cpu_kernels
+
+    (req,) = make_requests(vocab(driver), [14])
+    check_step(model_path, *driver.step([(req, 8)]))
+    for _ in range(6):
+        check_step(model_path, *driver.step([(req, 1)]))
+    model = driver.runner.model
+    assert model.one_call_steps == (6 if cpu_kernels.available() and not model.dims.qkv_bias
+                                    else 0)
+
+
 def test_mixed_decode_and_prefill_step(driver, model_path):
     old, chunked, new1, new2 = make_requests(vocab(driver), [12, 30, 6, 9])
     driver.step([(old, 11), (chunked, 10)])

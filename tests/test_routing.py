@@ -253,9 +253,9 @@ def test_the_client_records_pinned_requests_and_forgets_a_lost_rank():
             tracker = client.router.tracker
             pinned = EngineCoreRequest("p", prompt(1, 0), SamplingParams(),
                                        data_parallel_rank=1)
-            assert client._choose_engine(pinned).rank == 1 and tracker.size(1) == 6
-            assert client._choose_engine(request(prompt(1, 1))).rank == 1  # its prefix
-            assert client._choose_engine(request(prompt(2, 0))).rank == 0  # a new one
+            assert client.table.choose(pinned).rank == 1 and tracker.size(1) == 6
+            assert client.table.choose(request(prompt(1, 1))).rank == 1  # its prefix
+            assert client.table.choose(request(prompt(2, 0))).rank == 0  # a new one
             client.set_rank_status(1, RankStatus(RankState.UNHEALTHY, 0, "test"))
             assert tracker.size(1) == 6  # alive: its cache may still be there
             client.mark_engine_dead(1, "test")

@@ -81,7 +81,7 @@ def test_only_several_api_servers_send_their_placements(ctx, share):
             first = await asyncio.to_thread(_recv, fake, 10.0)
             assert first == b"\x01"  # the subscription
             for session in range(3):
-                client._choose_engine(request(prompt(session, 0)))
+                client.table.choose(request(prompt(session, 0)))
             while (body := await asyncio.to_thread(_recv, fake, 1.0)) is not None:
                 got.append(body)
             return got
@@ -123,9 +123,9 @@ def test_a_prefix_placed_through_one_client_is_placed_alike_by_another(make_coor
                    for i in range(2)]
         try:
             await _until(lambda: all(c.news.info_updates for c in clients), "subscribed")
-            first = clients[0]._choose_engine(request(prompt(7, 0))).rank
+            first = clients[0].table.choose(request(prompt(7, 0))).rank
             await _until(lambda: clients[1].router.learnt, "client 1 heard of the prefix")
-            follow_up = clients[1]._choose_engine(request(prompt(7, 1))).rank
+            follow_up = clients[1].table.choose(request(prompt(7, 1))).rank
             unshared = Router("cache-aware", client_index=1, block_size=BS)
             alone = unshared.choose(list(clients[1].engines.values()), request(prompt(7, 1)),
                                     balanced=True).rank

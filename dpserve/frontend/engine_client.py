@@ -207,27 +207,15 @@ class AsyncEngineClient:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         route = RouteTrace(self.table, request) if request.trace_headers is not None else None
         sent = sendable(request, self.client_index, self.current_wave)
-        if route is None:
-            return await self._place(lambda: self._choose_engine(request), sent)
-        with route:  # a `route` span until it is sent (frontend/route_trace.py)
-            await self._place(route.choose, route.carried_by(sent))
-
-    async def _place(self, choose: Callable[[], EngineState],
-                     request: EngineCoreRequest) -> None:
-        """Send `request` to the rank `choose()` names; when that rank turns out to be
-        gone (its socket unreachable: killed since its last news), to another one.
-        Each retry follows a rank's death, so there are fewer tries than ranks."""
-        for _ in range(len(self.engines)):
-            engine = choose()
-            try:
-                return await self._add_at(engine, request)
-            except EngineUnavailableError:
-                if engine.serving or self.dead:
-                    raise  # not a rank that went away under us
-                logger.info("front-end %d: %s went away as %s was sent to it; placing "
-                            "it again", self.client_index, engine.describe(),
-                            request.request_id)
-        raise EngineUnavailableError("no engine is serving: " + self.table.describe())
+        with route or contextlib.nullcontext():  # a `route` span until sent (route_trace.py)
+            for _ in self.engines:  # each retry follows a rank's death (a send marks it)
+                engine = route.choose() if route else self.table.choose(request)
+                try:
+                    return await self._add_at(engine, route.carried_by(sent) if route else sent)
+                except EngineUnavailableError:
+                    if engine.serving or self.dead:
+                        raise  # not a rank that went away as it was sent to: placed again
+            raise EngineUnavailableError("no engine is serving: " + self.table.describe())
 
     async def _add_at(self, engine: EngineState, request: EngineCoreRequest) -> None:
         """Send `request` (as sent) to `engine`, the rank chosen for it."""
@@ -243,14 +231,9 @@ class AsyncEngineClient:
             raise
         await self._wake_if_paused(request, engine)
 
-    def _choose_engine(self, request: EngineCoreRequest,
-                       exclude: int | None = None) -> EngineState:
-        return self.table.choose(request, exclude)
-
     async def _wake_if_paused(self, request: EngineCoreRequest, engine: EngineState) -> None:
         if self.lockstep and not self.news.running:
-            # The engines are paused: our engine starts by itself, the
-            # coordinator starts the others. Until it says otherwise, assume running.
+            # Paused: our engine starts itself, the coordinator the others; assume running.
             self.news.running = True
             await self.coordinator().send(WakeEngines(request.current_wave, engine.rank))
 

@@ -67,9 +67,8 @@ class RouteTrace:
         before = [getattr(router, name) for name in _COUNTERS]
         try:
             engine = self.table.choose(request, exclude)
-        except BaseException as e:
+        except BaseException as e:  # (the span ends as the caller's `with` block does)
             self.span.set_attribute("error.type", type(e).__name__)
-            self.end()
             raise
         grew = {name for name, was in zip(_COUNTERS, before, strict=True)
                 if getattr(router, name) > was}

@@ -87,4 +87,58 @@ static inline void store16(void *p, v16f v, int bf16) {
     memcpy(p, &h, sizeof h);
 }
 
+/* exp(x) for x <= 0, 16 lanes: 2^(x log2 e)
+ * = 2^n * e^g with n an integer and |g| <= ln(2) / 2, e^g by its degree-6 Taylor
+ * polynomial (relative error under 2e-7); x below -87 counts as -87 (1.6e-38). */
+static inline v16f exp16(v16f x) {
+#ifdef __AVX512F__
+    /* In AVX-512 intrinsics (GCC leaves the portable loop below scalar: its float to
+     * int conversions and the select do not vectorize), with n rounded to nearest
+     * (|g| <= ln(2) / 2 still) and 2^n applied by scalef. */
+    __m512 xm = _mm512_max_ps((__m512)x, _mm512_set1_ps(-87.0f));
+    __m512 y = _mm512_mul_ps(xm, _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 g = _mm512_mul_ps(_mm512_sub_ps(y, n), _mm512_set1_ps(0.693147180559945309f));
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f));
+    return (v16f)_mm512_scalef_ps(p, n);
+#else
+    v16f out;
+    for (int j = 0; j < 16; j++) {
+        float xj = x[j] < -87.0f ? -87.0f : x[j];
+        float y = xj * 1.44269504088896341f;
+        float z = y + 0.5f, n = (float)(int32_t)z; /* floor(z), in vectorizable steps */
+        n -= n > z ? 1.0f : 0.0f;
+        float g = (y - n) * 0.693147180559945309f;
+        float p = 1.0f + g * (1.0f + g * (0.5f + g * (1.0f / 6 + g * (1.0f / 24
+                  + g * (1.0f / 120 + g * (1.0f / 720))))));
+        int32_t e = ((int32_t)n + 127) << 23;
+        float scale;
+        memcpy(&scale, &e, sizeof scale);
+        out[j] = p * scale;
+    }
+    return out;
+#endif
+}
+
+/* The kernels each file exports (decode_layers.c calls the others'). */
+int dpserve_gemv(const void *w, int w_bf16, const void *x, void *y, int xy_bf16,
+                 int64_t rows, int64_t n_len, int64_t k_len, int threads);
+int dpserve_add_rms_norm(void *residual, const void *delta, const void *w, void *out,
+                         int bf16, int64_t rows, int64_t n, float eps, int threads);
+int dpserve_rotary_kv(const void *qkv, int64_t qkv_stride, const void *cos, const void *sin,
+                      const int64_t *slots, void *kv_cache, int64_t num_slots, void *qk_out,
+                      int bf16, int64_t tokens, int64_t heads, int64_t kv_heads,
+                      int64_t head_dim, int threads);
+int dpserve_decode_attention(const void *q, int64_t q_row_stride, const void *cache, void *out,
+                             const int64_t *block_table, int64_t table_width,
+                             const int64_t *seq_lens, int is_bf16, int64_t rows, int64_t heads,
+                             int64_t kv_heads, int64_t head_dim, int64_t num_blocks,
+                             int64_t block_size, float scale, int threads);
+
 #endif

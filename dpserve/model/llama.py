@@ -34,6 +34,7 @@ from dpserve.model.layers import (
     rope_spec_from_config,
     silu_and_mul,
 )
+from dpserve.model.one_call import run_layers
 from dpserve.model.quant import can_quantize, per_row_activations, quantize_weight
 from dpserve.model.tensor_parallel import TensorParallel
 
@@ -225,6 +226,23 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(d.hidden, d.eps, dtype, device)
         self.mlp = LlamaMLP(d, dtype, device, tp)
 
+    def one_call_tensors(self) -> tuple[torch.Tensor, ...] | None:
+        """Input norm, QKV, O, post-attention norm, gate/up and down weights, the plain
+        matrices, for `one_call.run_layers`; None where this layer runs more than they
+        say (a subclass, a bias, LoRA, tensor parallel) or kept no plain copies."""
+        attn, mlp = self.attn, self.mlp
+        if (type(self) is not LlamaDecoderLayer or type(attn) is not LlamaAttention
+                or type(mlp) is not LlamaMLP or attn.lora is not None or mlp.lora is not None
+                or attn.tp.size != 1 or attn.qkv_bias is not None or attn.o_bias is not None
+                or mlp.gate_up_bias is not None or mlp.down_bias is not None):
+            return None
+        plain = (attn.plain.get("qkv_weight"), attn.plain.get("o_weight"),
+                 mlp.plain.get("gate_up_weight"), mlp.plain.get("down_weight"))
+        if any(t is None for t in plain):
+            return None
+        qkv, o, gate_up, down = plain
+        return self.input_norm.weight, qkv, o, self.post_attn_norm.weight, gate_up, down
+
     def forward(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # residual: [T, hidden], updated in place and returned.
@@ -262,6 +280,7 @@ class LlamaForCausalLM(nn.Module):
                                       rope_spec_from_config(hf_config), dtype, device)
         self.packed = False
         self.lm_head_plain: torch.Tensor | None = None  # for cpu_kernels (tied heads)
+        self.one_call_steps = 0  # steps whose layers ran in one call (one_call.py)
 
     def _make_layer(self, index: int, hf_config: Mapping[str, Any], dtype: torch.dtype,
                     device: Any) -> nn.Module:
@@ -273,8 +292,11 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> final-normed hidden states [T, hidden]."""
         cos, sin = self.rotary.tables(positions)  # once per step, shared by all layers
         hidden = self.embed_tokens(input_ids)  # [T, hidden], a fresh tensor
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, attn_meta)
+        if run_layers(self, attn_meta, hidden, cos, sin, kv_caches):  # few decode rows
+            self.one_call_steps += 1
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden = layer(hidden, cos, sin, kv_cache, attn_meta)
         return self.norm(hidden, attn_meta.fused_ops)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
