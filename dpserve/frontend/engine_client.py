@@ -208,13 +208,13 @@ class AsyncEngineClient:
         route = RouteTrace(self.table, request) if request.trace_headers is not None else None
         sent = sendable(request, self.client_index, self.current_wave)
         with route or contextlib.nullcontext():  # a `route` span until sent (route_trace.py)
-            for _ in self.engines:  # each retry follows a rank's death (a send marks it)
+            for _ in range(len(self.engines)):  # each retry follows a rank's death
                 engine = route.choose() if route else self.table.choose(request)
                 try:
                     return await self._add_at(engine, route.carried_by(sent) if route else sent)
-                except EngineUnavailableError:
-                    if engine.serving or self.dead:
-                        raise  # not a rank that went away as it was sent to: placed again
+                except EngineUnavailableError:  # a rank found gone is marked dead: try
+                    if engine.serving or self.dead:  # another, unless that is not why
+                        raise
             raise EngineUnavailableError("no engine is serving: " + self.table.describe())
 
     async def _add_at(self, engine: EngineState, request: EngineCoreRequest) -> None:
