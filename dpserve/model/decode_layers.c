@@ -2,8 +2,9 @@
  *
  * A step of a few decode rows is bound by reading the weights, and its Python between
  * the kernels (a dozen calls per layer: each a dispatch, argument checks, a fresh
- * tensor) cost 3-4 ms of a 15.5 ms one-row step of the default model. Here the same
- * kernels run in the same order as `LlamaDecoderLayer.forward` calls them:
+ * tensor) cost about 4 ms of a 15.7 ms one-row bfloat16 step of the default model
+ * (11.6 ms in one call). Here the same kernels run in the same order as
+ * `LlamaDecoderLayer.forward` calls them:
  *   residual += mlp (the previous layer's), h = rms_norm(residual) * w_in,
  *   qkv = h W_qkv^T, RoPE and the KV cache write, decode attention,
  *   residual += attn W_o^T, h = rms_norm(residual) * w_post,

@@ -2,7 +2,7 @@
 
 Scope: `run_layers`, which decides whether a step may skip the per-layer Python
 (`LlamaDecoderLayer.forward` and what it calls: a dozen kernel calls per layer,
-3-4 ms of a 15.5 ms one-row step of the default model) and then runs every layer
+about 4 ms of a 15.7 ms one-row bfloat16 step of the default model) and then runs every layer
 in one call. It may when the step is decode rows only, few enough for
 dpserve's streaming kernel (`cpu_kernels.kernel_rows`), attended by the CPU decode
 kernel in one chunk; and when every layer is a plain Llama layer that offers its
