@@ -4,7 +4,8 @@ Scope (inside the coordinator process, no sockets here): `DPGroup`, which
 ranks form the engines' DP group, generation by generation; sent as
 REGROUP_DP `SETTLE_GROUP_S` after the set of serving, heard ranks changes, and
 `REFORM_DELAY_S` after an engine reports a failed collective of the current
-generation.
+generation with no such change yet (a change that comes during that wait, the
+launcher's news of the death, cuts it to `SETTLE_GROUP_S`).
 
 Not here: the store the group rendezvous at (`dpserve.engine.dp_store`, hosted
 by `dpserve.launch.coordinator.proc`), the engines' side (`dpserve.engine.dp`).
