@@ -311,7 +311,9 @@ def _sigterm_with_requests(config, max_tokens: int, late: bool = True, again: bo
                     for rid in ("a", "b"):
                         await client.add_request(EngineCoreRequest(rid, [5, 6, 7],
                                                                    greedy(max_tokens)))
-                    first = await client.get_output()  # they are running
+                    first: list = []  # outputs until both are running (the premise)
+                    while {"a", "b"} - {o.request_id for o in first}:
+                        first += (await asyncio.wait_for(client.get_output(), 60)).outputs
                     os.kill(proc.pid, signal.SIGTERM)
                     if not late:
                         got = await collect(client, ["a", "b"])
@@ -328,7 +330,7 @@ def _sigterm_with_requests(config, max_tokens: int, late: bool = True, again: bo
                                 if out.finished:
                                     got[out.request_id] = Finished([], out.finish_reason)
                         return got
-                    for out in first.outputs:  # the tokens `collect` did not see
+                    for out in reversed(first):  # the tokens `collect` did not see
                         got[out.request_id].token_ids[:0] = out.new_token_ids
                     return got
                 finally:
