@@ -209,11 +209,8 @@ def kernel_rows(dtype: torch.dtype) -> int:
     where it is faster: all of SmolLM2's projections, 2 threads, AVX-512 without AMX
     (bench/gemv_rows.py): one row 11 vs 13 ms in bfloat16, 18 vs 20 in float32 (the
     kernel streams at memory speed); bfloat16 at 2 to 31 rows, 11-46 ms against
-    oneDNN's 15-52 (its bfloat16 GEMM runs on slower dot products); float32 up to 16
-    rows (8 rows 26.1 vs 27.7 ms, 16 rows 31.0 vs 33.6; level at 24-32), which also
-    lets such steps run all their layers in one call (`one_call.py`: a 16-stream
-    float32 decode step 61.6-65.9 -> 55.4-56.8 ms). With AMX, oneDNN's bfloat16
-    tiles win from 2 rows (its float32 GEMM has no AMX). An AVX2 build keeps to
+    oneDNN's 15-52 (its bfloat16 GEMM runs on slower dot products); float32 up to 4
+    rows. With AMX, oneDNN's bfloat16 tiles win from 2 rows. An AVX2 build keeps to
     one row: its tiles (16 vector registers, not 32) were not measured on an AVX2 CPU."""
     if dtype not in _DTYPES:
         return 0
@@ -222,7 +219,7 @@ def kernel_rows(dtype: torch.dtype) -> int:
     if not avx512:
         return 1
     if dtype == torch.float32:
-        return 16
+        return 4
     return 1 if "amx_bf16" in flags else MAX_ROWS - 1
 
 
