@@ -369,5 +369,6 @@ def test_moved_requests_keep_every_feature(tiny_llama):
 
         disturbed = asyncio.run(_send_all(url, requests, kill_while_it_runs_requests))
         assert not victim.is_running()
-        premise_moved(url, before, "rank 1 was killed holding requests")
+        # (moved mid-stream, or re-sent before the API server read a token of theirs)
+        premise_moved(url, before, "rank 1 was killed holding requests", retries=True)
         assert _same(disturbed, undisturbed)
