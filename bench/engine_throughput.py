@@ -7,7 +7,7 @@ second of wall time after the model is loaded (one small warm-up run first).
 
     .venv/bin/python bench/engine_throughput.py [--append BENCHMARKS.md]
 
-Prefix-cache block hashing (sha256 since issue 10, builtin hash() before):
+Prefix-cache block hashing (sha256 now, builtin hash() before):
 `--prefix-caching` turns the cache on in the dpserve run (off by default: the
 random prompts share no prefix, so it only adds the hashing), `--block-hash
 builtin` swaps the old hash back in for that run (in-process: one engine),

@@ -1,4 +1,4 @@
-"""The KV host tier at DP=2 (issue 26): `--load-balance cache-aware` without and with
+"""The KV host tier at DP=2: `--load-balance cache-aware` without and with
 `--kv-offload-memory`, on a prefix-heavy load that neither rank's cache can hold.
 
 The workload: --sessions sessions, each a shared prefix of --prefix-len random

@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation at DP=2 (issue 27): colocated vs `prefill:1,decode:1`.
+"""Prefill/decode disaggregation at DP=2: colocated vs `prefill:1,decode:1`.
 
 The workload: a mixed load, long prompts arriving among many decoding streams.
 --requests requests in a seeded order, every --long-every-th one a long prompt

@@ -1,14 +1,14 @@
 """The balancers at DP=2 (`--load-balance`): the default against each alternative, on a
 uniform load and a prefix-heavy one, with one and two API servers, one torch thread
-per engine and the default threads (issue 32: cache-aware is the default only while
-it never loses to least-loaded beyond noise on W16 and wins on prefix-heavy loads).
+per engine and the default threads (cache-aware is the default only while it
+never loses to least-loaded beyond noise on W16 and wins on prefix-heavy loads).
 
 Workloads (--workloads):
 
 * uniform (W16): --uniform-requests 64 random prompts of --uniform-prompt-len 128
   tokens -> --uniform-output-len 64 (no shared prefixes), --uniform-concurrency 16;
   each engine's KV cache at its default size.
-* prefix (issue 15): --sessions sessions, each a shared prefix of --prefix-len random
+* prefix: --sessions sessions, each a shared prefix of --prefix-len random
   tokens (a long system prompt or document) plus --turns short turns (--turn-len
   fresh tokens after the prefix, --output-len output tokens), in rounds (turn t of
   every session, in a seeded shuffled order per round), --concurrency in flight.

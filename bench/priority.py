@@ -1,4 +1,4 @@
-"""Priorities and tenant fairness at DP=2 (issue 29): `--scheduling-policy`.
+"""Priorities and tenant fairness at DP=2: `--scheduling-policy`.
 
 (a) Urgent TTFT. Tenant `urgent` sends --urgent-requests streamed completions one
 after another (--urgent-gap s between them; priority -10), each --prompt-len random

@@ -1,4 +1,4 @@
-"""Draft-free speculative decoding (issue 30): `--speculative-config` on and off.
+"""Draft-free speculative decoding: `--speculative-config` on and off.
 
 Rows, each on a fresh `dpserve serve [MODEL]` (bench/dp_scaling.py's ServeProcess:
 bounded start, whole tree stopped):
@@ -14,7 +14,7 @@ bounded start, whole tree stopped):
   temperature 1, where few drafts are accepted: the cost of proposing and verifying.
 
 From /metrics after each `on` row: draft tokens, accepted ones, the acceptance rate
-and the mean acceptance length (1 + accepted / speculative rows). Targets (issue 30):
+and the mean acceptance length (1 + accepted / speculative rows). Targets:
 copy on / off >= 1.5x output tok/s with identical text, W16 on / off >= 0.95x.
 The markdown section for BENCHMARKS.md goes to stdout (--out FILE appends it). Exit
 status 0 when every row ran with no failed request (texts are compared, not checked:

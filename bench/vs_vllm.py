@@ -1,7 +1,7 @@
 """dpserve against vLLM's CPU build, side by side in one run on this machine.
 
-Both servers serve the same Hugging Face directory (the default model, built by
-../shared/peers/setup_vllm_cpu.sh under $PEERS_ROOT, default ~/peers) in
+Both servers serve the same Hugging Face directory (the default model, under
+--peers-root beside vLLM's virtualenv; both are set up outside this repository) in
 float32 on all cores; vLLM in its fastest setting here (--enforce-eager). The
 same plain OpenAI client (the peers' bench_client.py: streaming completions,
 random-word prompts, ignore_eos) drives both:

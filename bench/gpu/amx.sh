@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Issue 30's roofline and profile on a CPU with AMX, where the development machine has
+# The roofline and profile on a CPU with AMX, where the development machine has
 # none: the device machine's host CPU (a server CPU; the GPU is not used), pinned to
 # two cores to match the 2-core development machine, so its figures sit beside those.
 #
-#   bash bench/gpu/amx.sh          # on the device machine (the device tool), ~7 min
+#   bash bench/gpu/amx.sh          # on the GPU machine, ~7 min
 #   bash bench/gpu/amx.sh --cpu    # the dry run here: same parts, tiny sizes
 #
 # Carries what bench/gpu/run.sh carries (.whl/ with py-spy, .gpu-model/; see

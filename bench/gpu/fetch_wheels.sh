@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fetch, on this (networked) machine, what bench/gpu/run.sh needs on the bare GPU
 # machine, which reaches no registry. Run from anywhere; writes two ignored folders
-# at the repo root, both named in the device tool's `carry`:
+# at the repo root, both carried to the GPU machine with the working tree:
 #
 #   .whl/        every wheel dpserve needs there beyond the GPU image's own packages
 #                (CPython 3.12, manylinux x86-64), one version each, pinned to the
@@ -12,7 +12,7 @@
 #
 # Then it checks that every Requires-Dist of every wheel (markers for CPython 3.12
 # on Linux, no extras) is either carried or in the image's package list (IMAGE
-# below, from /work/.library/device/KINDS.md), and prints the total size, which
+# below, as the GPU machine's provider lists it), and prints the total size, which
 # must stay well under the 64 MiB that travels (the working tree counts too).
 #
 #   bash bench/gpu/fetch_wheels.sh          # PYTHON=... to pick the interpreter

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # dpserve's CUDA paths, run for real on a bare GPU machine with no network, in one go.
 #
-#   bash bench/gpu/run.sh          # on the GPU machine (the device tool), under ~9 min
+#   bash bench/gpu/run.sh          # on the GPU machine, under ~9 min
 #   bash bench/gpu/run.sh --cpu    # the dry run, here: same parts, tiny sizes, on the CPU
 #
 # Before (on a networked machine): bash bench/gpu/fetch_wheels.sh, which fills .whl/
@@ -24,7 +24,7 @@
 #                split, or why it fails), then capped (W16 and the memory split)
 #   tp           tensor parallelism: its CUDA tests are in tests/test_cuda.py
 #
-# Results under $OUT (set by the device tool; else a new /tmp folder, printed at the
+# Results under $OUT (set by the caller; else a new temporary folder, printed at the
 # end), at most 8 files: summary.json (each part's status, seconds and figures),
 # run.log, tests.log, logs.tar.gz (every part's and server's log, junit XML).
 set -uo pipefail
