@@ -26,7 +26,7 @@ warms it up and runs the load in this process with dpserve.benchmark.serve (the 
 behind `dpserve bench serve`), then stops it: SIGTERM, wait, and SIGKILL whatever is
 left of its process tree (engines and coordinator are titled `dpserve::EngineCore_0`
 etc., so look them up by pid, not by name). At the end it prints a markdown section
-for BENCHMARKS.md (date, machine, command, one table per scenario); --out FILE also
+for a file in bench/results/ (date, machine, command, one table per scenario); --out FILE also
 appends it there. Exit status 0 when every measured request of every row completed.
 
     .venv/bin/python bench/dp_scaling.py [--scenarios throughput,skewed] [--out FILE]
@@ -469,7 +469,7 @@ def run_rows(rows: list[str], run: Any, log_dir: Path) -> list[Any] | None:
 
 def publish(text: str, out: str | None, start: float) -> None:
     """The end of a run: how long it took, its markdown to stdout and appended to
-    `out` (--out) for BENCHMARKS.md."""
+    `out` (--out) for a file in bench/results/."""
     _log(f"done in {time.monotonic() - start:.0f} s")
     print(text)
     if out:

@@ -14,7 +14,7 @@ back to 1; then --tail-s of load at one engine. Printed:
   events;
 * requests ok / failed (any failure is a bug: exit status 1).
 
-    .venv/bin/python bench/elastic.py [--model DIR] [--clients 16] [--out BENCHMARKS.md]
+    .venv/bin/python bench/elastic.py [--model DIR] [--clients 16] [--out FILE]
     .venv/bin/python bench/elastic.py --serve-arg=--api-server-count=2
 
 Timings need an otherwise idle machine.

@@ -5,7 +5,7 @@ tokens (ignore_eos), on the default model unless --model is given. Both sides
 use the same weights, dtype and thread count; the figure is output tokens per
 second of wall time after the model is loaded (one small warm-up run first).
 
-    .venv/bin/python bench/engine_throughput.py [--append BENCHMARKS.md]
+    .venv/bin/python bench/engine_throughput.py [--append bench/results/DATE-TOPIC.md]
 
 Prefix-cache block hashing (sha256 now, builtin hash() before):
 `--prefix-caching` turns the cache on in the dpserve run (off by default: the

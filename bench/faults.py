@@ -22,7 +22,7 @@ its documented fail-stop design (one engine core's death ends the whole server;
 nothing restarts it): every request in flight is lost and the server is gone until
 an orchestrator restarts all of it.
 
-    .venv/bin/python bench/faults.py [--faults kill,stop] [--model M] [--out BENCHMARKS.md]
+    .venv/bin/python bench/faults.py [--faults kill,stop] [--model M] [--out FILE]
 
 Needs an otherwise idle machine for meaningful throughput figures (2 cores: other
 load slows the engines many times over); the fault handling itself is measured

@@ -8,7 +8,7 @@ The best of N passes per row count, in ms (and GFLOP/s), torch's threads as set.
     .venv/bin/python bench/gemv_rows.py --dtype bfloat16 --rows 1,2,4,8,16,24,32,64
 
 `cpu_kernels.kernel_rows` and `layers.float32_packing_pays` are set from its
-figures (BENCHMARKS.md).
+figures (BENCHMARKS.md, the CPU kernels).
 """
 
 from __future__ import annotations

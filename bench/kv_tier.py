@@ -26,7 +26,7 @@ tok/s, TTFT p50/p90, and where the prompt tokens came from over the measured loa
 (dpserve:prefix_cache_hits / dpserve:prefix_cache_queries), the host tier
 (dpserve:external_prefix_cache_hits / the same queries), computed (the rest); then
 the tier row's ratios to the row without (targets: TTFT p50 <= 0.5x, output tok/s
->= 1.3x). The markdown section for BENCHMARKS.md goes to stdout (--out FILE appends
+>= 1.3x). The markdown section for a file in bench/results/ goes to stdout (--out FILE appends
 it). Exit status 0 when every measured request of every row completed.
 
     .venv/bin/python bench/kv_tier.py [--sessions 16 --prefix-len 512 ...]

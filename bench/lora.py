@@ -18,7 +18,7 @@ seeded Zipf-like distribution (weight 1/(i+1)), --concurrency in flight (closed
 loop, httpx). Reported per policy: output tok/s, mean latency, the adapters put
 into device slots during the measured load (`lora.loads` of every rank in
 /engines: heartbeats, read until they stop moving), and adapter-aware's ratios to
-count-only. The markdown section for BENCHMARKS.md goes to stdout (--out FILE
+count-only. The markdown section for a file in bench/results/ goes to stdout (--out FILE
 appends it). Exit status 0 when every measured request completed.
 
     .venv/bin/python bench/lora.py [--model PATH] [--requests 256 --concurrency 8]

@@ -17,11 +17,11 @@ load, and the routed-expert parameter bytes each rank holds (GET
 /debug/dp_state). Both rows' completions are compared token for token (EP must
 not change them; a mismatch is reported and the exit status is 1).
 
-    .venv/bin/python bench/moe.py [--num-prompts 32] [--out BENCHMARKS.md]
+    .venv/bin/python bench/moe.py [--num-prompts 32] [--out bench/results/DATE-TOPIC.md]
     .venv/bin/python bench/moe.py --hidden 128 --intermediate 256 --layers 2 \\
         --num-prompts 8 --output-len 8    # a quick check that it works
 
-It prints a markdown section for BENCHMARKS.md; --out appends it there.
+It prints a markdown section for a file in bench/results/; --out appends it there.
 Timings need an otherwise idle machine.
 """
 

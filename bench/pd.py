@@ -19,7 +19,7 @@ tokens of the short requests, pooled) p50 / p99, the handoffs counted by the ser
 (dpserve:pd_handoffs over the measured load); then the roles row's ratios to the
 colocated one. Expected on 2 cores: the decoding streams' ITL p99 improves (a long
 prefill no longer shares their steps), throughput may not (one rank does all the
-prefill). The markdown section for BENCHMARKS.md goes to stdout (--out FILE
+prefill). The markdown section for a file in bench/results/ goes to stdout (--out FILE
 appends it). Exit status 0 when every measured request of every row completed.
 
     .venv/bin/python bench/pd.py [--requests 48 --long-len 1536 ...]

@@ -29,10 +29,10 @@ requests for every row of a workload. Reported per row: output tok/s, TTFT p50/p
 the prefix-cache hit rate over the measured load (dpserve:prefix_cache_hits /
 dpserve:prefix_cache_queries in /metrics, every engine and API server), the
 requests; then per group the default's ratios to each alternative. The markdown
-section for BENCHMARKS.md goes to stdout (--out FILE appends it too). Exit status 0
+section for a file in bench/results/ goes to stdout (--out FILE appends it too). Exit status 0
 when every measured request of every row completed.
 
-    .venv/bin/python bench/prefix_routing.py --out BENCHMARKS.md   # every row (32)
+    .venv/bin/python bench/prefix_routing.py --out bench/results/DATE-TOPIC.md   # every row (32)
     .venv/bin/python bench/prefix_routing.py --workloads prefix --api-server-counts 2 \\
         --threads 1 --policies default,least-loaded               # one group
     .venv/bin/python bench/prefix_routing.py --smoke --model DIR   # tiny: a check

@@ -25,7 +25,7 @@ Each row starts a fresh `dpserve serve [MODEL] --data-parallel-size 2
 --threads-per-engine 1 --max-num-seqs N --api-key-file KEYS` (bench/dp_scaling.py's
 ServeProcess: bounded start, whole tree stopped); the tenants are the names of the
 keys (one key per tenant, written to a 0600 file for the run). The markdown section
-for BENCHMARKS.md goes to stdout (--out FILE appends it). Exit status 0 when every
+for a file in bench/results/ goes to stdout (--out FILE appends it). Exit status 0 when every
 row ran and no request failed (requests cancelled at a row's end do not count).
 
     .venv/bin/python bench/priority.py [--rows idle,priority,fcfs,fair,fair fcfs]

@@ -17,7 +17,7 @@ and the report gives, per process (API server, engine), its CPU use over the
 window and each category's share, and per output token the CPU milliseconds
 each category cost, next to the measured inter-token latency.
 
-    .venv/bin/python bench/profile_serve.py --workload W1|W16 [--seconds 20] [--out BENCHMARKS.md]
+    .venv/bin/python bench/profile_serve.py --workload W1|W16 [--seconds 20] [--out FILE]
 """
 
 from __future__ import annotations

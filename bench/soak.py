@@ -15,7 +15,7 @@ on any engine (from /metrics; must be 0), and per process its RSS at the end of
 the warm-up (--warmup-s, default 120 s), at the end, the most it grew above the
 warm-up figure and its trend (MB per minute, least squares after the warm-up).
 
-    .venv/bin/python bench/soak.py [--minutes 30] [--label "after fix"] [--out BENCHMARKS.md]
+    .venv/bin/python bench/soak.py [--minutes 30] [--label "after fix"] [--out FILE]
     .venv/bin/python bench/soak.py --serve-arg=--kv-cache-memory=2GiB
 
 Exit status 0 when no request failed, nothing was left running and no process grew

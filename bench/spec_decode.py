@@ -16,7 +16,7 @@ bounded start, whole tree stopped):
 From /metrics after each `on` row: draft tokens, accepted ones, the acceptance rate
 and the mean acceptance length (1 + accepted / speculative rows). Targets:
 copy on / off >= 1.5x output tok/s with identical text, W16 on / off >= 0.95x.
-The markdown section for BENCHMARKS.md goes to stdout (--out FILE appends it). Exit
+The markdown section for a file in bench/results/ goes to stdout (--out FILE appends it). Exit
 status 0 when every row ran with no failed request (texts are compared, not checked:
 bfloat16 may round a near tie the other way; float32 greedy text is identical).
 

@@ -11,7 +11,7 @@ compile is cached after it), then unconstrained, constrained, unconstrained,
 constrained (--repeats pairs), the best of each kind reported. Overhead = 1 -
 constrained / unconstrained output tok/s (aim: under 10%).
 
-    .venv/bin/python bench/structured.py [--model M] [--out BENCHMARKS.md]
+    .venv/bin/python bench/structured.py [--model M] [--out bench/results/DATE-TOPIC.md]
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Servers alternate (dpserve, vLLM, dpserve, vLLM, ... for --repeats rounds), each
 started fresh (start to ready timed), and the median of the rounds is reported
 with the ratio dpserve / vLLM for every figure.
 
-    .venv/bin/python bench/vs_vllm.py [--repeats 2] [--dpserve-options "..."] [--out BENCHMARKS.md]
+    .venv/bin/python bench/vs_vllm.py [--repeats 2] [--dpserve-options "..."] [--out FILE]
 """
 
 from __future__ import annotations
