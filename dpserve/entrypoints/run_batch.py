@@ -47,9 +47,8 @@ from dpserve.server.batch_format import (
     parse_line,
     read_lines,
 )
-from dpserve.server.errors import to_api_error
+from dpserve.server.errors import APIError, to_api_error
 from dpserve.server.protocol import (
-    APIError,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,

@@ -50,9 +50,9 @@ from dpserve.frontend.rank_table import RankView
 from dpserve.server.bodies import query_seconds
 from dpserve.server.control import control_router
 from dpserve.server.engines import engine_rows
+from dpserve.server.errors import APIError
 from dpserve.server.lora_routes import lora_router
 from dpserve.server.profile_routes import profile_router
-from dpserve.server.protocol import APIError
 from dpserve.server.scale import scale_router
 
 ACTIONS = ("cordon", "uncordon", "drain", "restart")

@@ -14,7 +14,7 @@ Not here: the pause / sleep routes (`dpserve.server.control`).
 from __future__ import annotations
 
 from dpserve.frontend.cluster import ClusterView
-from dpserve.server.protocol import APIError
+from dpserve.server.errors import APIError
 
 RETRY_AFTER_S = 1  # the Retry-After of a 503 (paused, asleep) or a 429 (queues full)
 

@@ -63,14 +63,8 @@ from dpserve.server.anthropic_protocol import (
     text_delta,
 )
 from dpserve.server.caller import ANONYMOUS, Caller
-from dpserve.server.errors import to_api_error
-from dpserve.server.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    ChatMessage,
-    ResponseFormat,
-    UsageInfo,
-)
+from dpserve.server.errors import APIError, to_api_error
+from dpserve.server.protocol import ChatCompletionRequest, ChatMessage, ResponseFormat, UsageInfo
 from dpserve.server.serving import ChatRun, OpenAIServing
 from dpserve.server.streams import collect, merge
 from dpserve.server.tool_serving import tool_message

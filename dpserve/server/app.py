@@ -64,12 +64,12 @@ from dpserve.server.bodies import BodyLimit, require_json
 from dpserve.server.caller import DP_RANK_HEADER
 from dpserve.server.embeddings_api import install_embeddings_api
 from dpserve.server.engines import engines_router
-from dpserve.server.errors import to_api_error
+from dpserve.server.errors import APIError, to_api_error
 from dpserve.server.extras import HTTPOptions, install_extras
 from dpserve.server.limits import RequestLimits
 from dpserve.server.metrics import ServerMetrics
 from dpserve.server.pd_metrics import install_pd_metrics
-from dpserve.server.protocol import APIError, ErrorInfo, ErrorResponse
+from dpserve.server.protocol import ErrorInfo, ErrorResponse
 from dpserve.server.responses_api import ResponsesServing, responses_router
 from dpserve.server.responses_store import ResponseStoreOptions
 from dpserve.server.routes_ops import MovedListener, ops_router

@@ -46,8 +46,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dpserve.errors import ConfigError
 from dpserve.security import is_loopback
-from dpserve.server.errors import send_error
-from dpserve.server.protocol import APIError
+from dpserve.server.errors import APIError, send_error
 
 API_KEY_ENV = "DPSERVE_API_KEY"
 # Open without a key (exact paths, any method).

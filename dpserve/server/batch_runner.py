@@ -56,8 +56,7 @@ from dpserve.server.batch_format import (
     read_lines,
 )
 from dpserve.server.batch_store import BatchStore, Claimed
-from dpserve.server.errors import to_api_error
-from dpserve.server.protocol import APIError
+from dpserve.server.errors import APIError, to_api_error
 
 logger = logging.getLogger(__name__)
 

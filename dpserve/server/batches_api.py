@@ -40,6 +40,7 @@ from dpserve.server.batch_options import BatchOptions
 from dpserve.server.batch_runner import BatchHandler, BatchRunner
 from dpserve.server.batch_store import UNFINISHED, BatchStore, init_batch_state
 from dpserve.server.caller import ANONYMOUS, Caller, key_caller
+from dpserve.server.errors import APIError
 from dpserve.server.file_store import FileStore
 from dpserve.server.files_api import (
     MULTIPART_SLACK,
@@ -49,7 +50,7 @@ from dpserve.server.files_api import (
     list_page,
     not_found,
 )
-from dpserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from dpserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from dpserve.server.routes_v1 import drain_check, parse_body
 from dpserve.server.serving import OpenAIServing
 from dpserve.server.state_db import StateDB

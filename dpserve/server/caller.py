@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from dpserve.protocol import RequestTags, Session
-from dpserve.server.protocol import APIError
+from dpserve.server.errors import APIError
 from dpserve.server.sessions import header_session
 from dpserve.tenancy.limits import DEFAULT, TENANT_NAME
 

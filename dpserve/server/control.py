@@ -31,7 +31,7 @@ from dpserve.control import PAUSE_MODES
 from dpserve.frontend.cluster import ClusterView
 from dpserve.protocol import ControlState
 from dpserve.server.bodies import query_seconds
-from dpserve.server.protocol import APIError
+from dpserve.server.errors import APIError
 
 DEFAULT_TIMEOUT_S = 600.0  # a change without ?timeout=
 

@@ -44,8 +44,8 @@ from dpserve.server.embeddings_protocol import (
     EmbeddingResponse,
     EmbeddingUsage,
 )
+from dpserve.server.errors import APIError
 from dpserve.server.limits import LIMIT_CODE, refuse, request_salt, with_deadline
-from dpserve.server.protocol import APIError
 from dpserve.server.serving import OpenAIServing
 from dpserve.server.streams import merge
 

@@ -66,8 +66,8 @@ from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.cluster import ClusterView
 from dpserve.protocol import LoRAReport, SchedulerStats, TPWorkerInfo
 from dpserve.rank_info import TokenRate
+from dpserve.server.errors import APIError
 from dpserve.server.kv_tier_metrics import has_tier
-from dpserve.server.protocol import APIError
 
 _STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 _STATS_TIMEOUT_S = 2.0  # N = 1: how long /engines waits for the engine's figures

@@ -27,9 +27,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse, Response
 
 from dpserve.frontend.async_llm import AsyncLLM
+from dpserve.server.errors import APIError
 from dpserve.server.file_store import FileStore, new_file_id
 from dpserve.server.multipart import FileTooLarge, MultipartError, boundary_of, receive_upload
-from dpserve.server.protocol import APIError
 from dpserve.server.routes_v1 import drain_check
 
 MULTIPART_SLACK = 64 << 10  # the form's own bytes (boundaries, headers, purpose)

@@ -37,7 +37,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from dpserve.frontend.errors import RequestError
-from dpserve.server.protocol import APIError
+from dpserve.server.errors import APIError
 from dpserve.structured.compile_worker import CompileTimeout, CompileWorker, WorkerFailed
 from dpserve.structured.spec import StructuredOutputs
 

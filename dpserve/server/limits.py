@@ -37,7 +37,7 @@ from dpserve.config import RequestLimitsConfig
 from dpserve.errors import ConfigError
 from dpserve.frontend.errors import RequestError
 from dpserve.sampling_params import DEFAULT_MAX_LOGIT_BIAS, DEFAULT_MAX_STOP_TOKEN_IDS
-from dpserve.server.protocol import APIError
+from dpserve.server.errors import APIError
 
 _T = TypeVar("_T")
 LIMIT_CODE = "request_limit_exceeded"  # the `code` of every refusal here

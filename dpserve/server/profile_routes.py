@@ -26,7 +26,7 @@ from typing import Any
 from fastapi import APIRouter
 
 from dpserve.frontend.async_llm import AsyncLLM
-from dpserve.server.protocol import APIError
+from dpserve.server.errors import APIError
 
 PROFILE_TIMEOUT_S = 120.0  # one rank's start or stop (writing the trace included)
 

@@ -36,21 +36,6 @@ def _unsupported(name: str, why: str = "") -> PydanticCustomError:
 # ---- errors -------------------------------------------------------------------
 
 
-class APIError(Exception):
-    """An error answered as `{"error": {...}}` with `status_code`."""
-
-    def __init__(self, status_code: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers  # extra response headers (e.g. Retry-After)
-
-
 class ErrorInfo(_Model):
     message: str
     type: str

@@ -46,8 +46,8 @@ from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.errors import RequestError
 from dpserve.protocol import Session
 from dpserve.server.caller import ANONYMOUS, Caller, caller_of
-from dpserve.server.errors import to_api_error
-from dpserve.server.protocol import APIError, ChatCompletionRequest, ChatCompletionResponse
+from dpserve.server.errors import APIError, to_api_error
+from dpserve.server.protocol import ChatCompletionRequest, ChatCompletionResponse
 from dpserve.server.responses_protocol import (
     ResponsesRequest,
     chat_body,

@@ -30,8 +30,8 @@ from fastapi.responses import JSONResponse, Response
 from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.cluster import ClusterView
 from dpserve.frontend.errors import EngineDeadError
+from dpserve.server.errors import APIError
 from dpserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from dpserve.server.protocol import APIError
 from dpserve.server.routes_v1 import draining_error
 from dpserve.version import __version__
 

@@ -35,13 +35,8 @@ from starlette.types import Send
 
 from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.server.caller import caller_of
-from dpserve.server.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    ModelCard,
-    ModelList,
-)
+from dpserve.server.errors import APIError
+from dpserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from dpserve.server.serving import OpenAIServing
 from dpserve.tracing import child_span
 

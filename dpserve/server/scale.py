@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse
 
 from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.protocol import ScalePhase
-from dpserve.server.protocol import APIError
+from dpserve.server.errors import APIError
 
 SCALE_ROUTE = "/scale_elastic_ep"
 _SIZE_FIELD = "new_data_parallel_size"

@@ -46,6 +46,7 @@ from dpserve.outputs import CompletionOutput, Logprob, RequestOutput
 from dpserve.protocol import RequestTags
 from dpserve.sampling_params import SamplingParams
 from dpserve.server.caller import ANONYMOUS, Caller, caller_tags
+from dpserve.server.errors import APIError
 from dpserve.server.grammar_check import GrammarChecker
 from dpserve.server.limits import (
     RequestLimits,
@@ -56,7 +57,6 @@ from dpserve.server.limits import (
 )
 from dpserve.server.log_options import logged_stream
 from dpserve.server.protocol import (
-    APIError,
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,

@@ -26,7 +26,7 @@ from __future__ import annotations
 from fastapi import Request
 
 from dpserve.protocol import Session
-from dpserve.server.protocol import APIError
+from dpserve.server.errors import APIError
 
 SESSION_HEADER = "X-Session-ID"
 MAX_SESSION_ID_CHARS = 256

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 from dpserve.errors import ConfigError
-from dpserve.server.protocol import APIError
+from dpserve.server.errors import APIError
 from dpserve.tenancy.ledger import Ledger, Refusal
 from dpserve.tenancy.limits import TenantLimits, load_tenant_limits
 
