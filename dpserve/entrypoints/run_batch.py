@@ -7,7 +7,7 @@ loads (a bad line is a one-line error naming it, exit 2). The lines then run
 through the offline `LLM` (one engine, or `--data-parallel-size N` engine
 processes), all at once, with tqdm's bar counting finished requests; the output
 file gets one line per input line, in input order, in the Batch API's output
-format, the bodies shaped as the server's (`dpserve.server.protocol`). A line the
+format, the bodies shaped as the server's (`dpserve.server.openai.protocol`). A line the
 offline path cannot take (a field it does not support, an unknown model name, a
 prompt over the context, /v1/embeddings) gets an error line with a 4xx status
 naming the field; the others run.
@@ -48,7 +48,7 @@ from dpserve.server.batch_format import (
     read_lines,
 )
 from dpserve.server.errors import APIError, to_api_error
-from dpserve.server.protocol import (
+from dpserve.server.openai.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,

@@ -8,7 +8,7 @@ Scope: `install_messages_api(app, async_llm, serving)` mounts
 
 as thin routes over `AnthropicServing` (the same strict parsing, drain 503,
 `X-data-parallel-rank`, `X-Session-ID` and disconnect handling as the OpenAI routes:
-`dpserve.server.routes_v1`), and `AnthropicErrors`, an ASGI middleware that
+`dpserve.server.openai.routes`), and `AnthropicErrors`, an ASGI middleware that
 gives every error answered on these paths Anthropic's body, `{"type": "error",
 "error": {"type", "message"}}` (type by status: 400 invalid_request_error, 401
 authentication_error, 404 not_found_error, 413 request_too_large, ...), whatever
@@ -39,8 +39,8 @@ from dpserve.server.anthropic_serving import AnthropicServing
 from dpserve.server.auth import route_path
 from dpserve.server.caller import caller_of
 from dpserve.server.errors import to_api_error
-from dpserve.server.routes_v1 import drain_check, parse_body, respond
-from dpserve.server.serving import OpenAIServing
+from dpserve.server.openai.routes import drain_check, parse_body, respond
+from dpserve.server.openai.serving import OpenAIServing
 
 MESSAGES_PATH = "/v1/messages"
 _M = TypeVar("_M", bound=BaseModel)

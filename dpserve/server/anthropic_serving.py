@@ -64,11 +64,16 @@ from dpserve.server.anthropic_protocol import (
 )
 from dpserve.server.caller import ANONYMOUS, Caller
 from dpserve.server.errors import APIError, to_api_error
-from dpserve.server.protocol import ChatCompletionRequest, ChatMessage, ResponseFormat, UsageInfo
-from dpserve.server.serving import ChatRun, OpenAIServing
-from dpserve.server.streams import collect, merge
-from dpserve.server.tool_serving import tool_message
-from dpserve.server.tools import loads_or_text, new_call_id
+from dpserve.server.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ResponseFormat,
+    UsageInfo,
+)
+from dpserve.server.openai.serving import ChatRun, OpenAIServing
+from dpserve.server.openai.streams import collect, merge
+from dpserve.server.openai.tool_serving import tool_message
+from dpserve.server.openai.tools import loads_or_text, new_call_id
 
 # Chat fields whose errors name the Messages field instead.
 _RENAMES = {"stop": "stop_sequences", "response_format": "output_config.format"}

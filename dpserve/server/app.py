@@ -2,7 +2,7 @@
 
 Routers, each a module of thin routes:
 
-* v1 (`dpserve.server.routes_v1`): /v1/completions, /v1/chat/completions,
+* v1 (`dpserve.server.openai.routes`): /v1/completions, /v1/chat/completions,
   /v1/models over `OpenAIServing` (503 "server_draining" while the server
   drains; `X-data-parallel-rank: k` pins a request to engine k).
 * messages (`dpserve.server.anthropic_api`): Anthropic's /v1/messages and
@@ -17,7 +17,7 @@ Routers, each a module of thin routes:
   server running batches in the background (`dpserve.server.batch_runner`).
 * ops (`dpserve.server.routes_ops`): /health, /ping, /metrics, /version,
   /debug/request_state, /debug/dp_state; /engines and /dashboard
-  (`dpserve.server.engines`); /tokenize, /detokenize (`dpserve.server.extras`).
+  (`dpserve.server.engines`); /tokenize, /detokenize (`dpserve.server.openai.extras`).
 * admin (`dpserve.server.admin`, only with `enable_admin_api`): per-rank
   controls, pause / sleep (`dpserve.server.control`), scaling
   (`dpserve.server.scale`); their POSTs take only `Content-Type:
@@ -65,16 +65,16 @@ from dpserve.server.caller import DP_RANK_HEADER
 from dpserve.server.embeddings_api import install_embeddings_api
 from dpserve.server.engines import engines_router
 from dpserve.server.errors import APIError, to_api_error
-from dpserve.server.extras import HTTPOptions, install_extras
 from dpserve.server.limits import RequestLimits
 from dpserve.server.metrics import ServerMetrics
+from dpserve.server.openai.extras import HTTPOptions, install_extras
+from dpserve.server.openai.protocol import ErrorInfo, ErrorResponse
+from dpserve.server.openai.routes import v1_router
+from dpserve.server.openai.serving import OpenAIServing
 from dpserve.server.pd_metrics import install_pd_metrics
-from dpserve.server.protocol import ErrorInfo, ErrorResponse
 from dpserve.server.responses_api import ResponsesServing, responses_router
 from dpserve.server.responses_store import ResponseStoreOptions
 from dpserve.server.routes_ops import MovedListener, ops_router
-from dpserve.server.routes_v1 import v1_router
-from dpserve.server.serving import OpenAIServing
 from dpserve.server.tenant_metrics import TenantMetrics
 from dpserve.server.tenants import TenantGate, TenantOptions
 from dpserve.version import __version__
@@ -105,7 +105,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     is the command line's (`check_admin_exposure`).
     `max_num_queued`: (requests, prompt tokens) waiting per engine before a 429.
     `tool_call_parser`: parse tool calls for tool_choice "auto". `http_options`: CORS,
-    model aliases (server/extras.py). `log_requests`: a log line per request arrival
+    model aliases (server/openai/extras.py). `log_requests`: a log line per request arrival
     and finish (server/log_options.py). `request_limits`: the "request limits" options
     (server/limits.py). `response_store`: the Responses API's store (a file every API
     server shares; none: in memory). `batches`: /v1/files and /v1/batches over its

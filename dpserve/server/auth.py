@@ -27,7 +27,7 @@ Key file (`--api-key-file PATH`): one key per line, `KEY` or `NAME KEY`
 starting with `#` are ignored; several keys allowed. A file readable or
 writable by every user (mode o+r / o+w) is refused.
 
-Not here: CORS (`dpserve.server.extras`), body limits and JSON-only admin posts
+Not here: CORS (`dpserve.server.openai.extras`), body limits and JSON-only admin posts
 (`dpserve.server.bodies`).
 """
 

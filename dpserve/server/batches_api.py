@@ -50,9 +50,9 @@ from dpserve.server.files_api import (
     list_page,
     not_found,
 )
-from dpserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from dpserve.server.routes_v1 import drain_check, parse_body
-from dpserve.server.serving import OpenAIServing
+from dpserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from dpserve.server.openai.routes import drain_check, parse_body
+from dpserve.server.openai.serving import OpenAIServing
 from dpserve.server.state_db import StateDB
 
 COMPLETION_WINDOW_S = 24 * 3600

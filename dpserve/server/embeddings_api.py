@@ -17,8 +17,8 @@ from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.server.caller import caller_of
 from dpserve.server.embeddings_protocol import EmbeddingRequest
 from dpserve.server.embeddings_serving import EmbeddingServing
-from dpserve.server.routes_v1 import drain_check, parse_body, respond
-from dpserve.server.serving import OpenAIServing
+from dpserve.server.openai.routes import drain_check, parse_body, respond
+from dpserve.server.openai.serving import OpenAIServing
 
 
 def install_embeddings_api(app: FastAPI, async_llm: AsyncLLM, serving: OpenAIServing) -> None:

@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from dpserve.server.protocol import MAX_ABS_PRIORITY
+from dpserve.server.openai.protocol import MAX_ABS_PRIORITY
 
 
 class _Model(BaseModel):

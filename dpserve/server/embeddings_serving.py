@@ -46,8 +46,8 @@ from dpserve.server.embeddings_protocol import (
 )
 from dpserve.server.errors import APIError
 from dpserve.server.limits import LIMIT_CODE, refuse, request_salt, with_deadline
-from dpserve.server.serving import OpenAIServing
-from dpserve.server.streams import merge
+from dpserve.server.openai.serving import OpenAIServing
+from dpserve.server.openai.streams import merge
 
 _PARAMS = SamplingParams(max_tokens=1)  # a pooling request samples nothing
 

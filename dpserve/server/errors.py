@@ -8,7 +8,7 @@ bad input is a 400 naming its parameter, a rank that cannot take a request a
 500 without a traceback (logged here).
 
 Not here: the error body's pydantic shape (`ErrorResponse`, in
-`dpserve.server.protocol`).
+`dpserve.server.openai.protocol`).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.server.errors import APIError
 from dpserve.server.file_store import FileStore, new_file_id
 from dpserve.server.multipart import FileTooLarge, MultipartError, boundary_of, receive_upload
-from dpserve.server.routes_v1 import drain_check
+from dpserve.server.openai.routes import drain_check
 
 MULTIPART_SLACK = 64 << 10  # the form's own bytes (boundaries, headers, purpose)
 PURPOSES = ("batch",)

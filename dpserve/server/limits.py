@@ -20,7 +20,7 @@ cache_salt combined with its API key's identity under --prefix-cache-salt-per-ke
 and `with_deadline` (--request-timeout: a stream that fails with a 504 past it).
 
 Not here: the request body size (`--max-request-body-bytes`, server/app.py), the
-compile deadline itself (server/grammar_check.py).
+compile deadline itself (server/openai/grammar_check.py).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from fastapi.responses import PlainTextResponse
 from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.lora import LoRAError, load_adapter, unload_adapter
 from dpserve.server.errors import APIError
-from dpserve.server.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from dpserve.server.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 
 
 def lora_router(async_llm: AsyncLLM) -> APIRouter:

@@ -23,7 +23,7 @@ answers as it is.
 Errors are OpenAI's shape: an unknown id 404, a bad item 400 naming it
 (`input[2].type`), a response over the store's per-response limit 413.
 
-Not here: the chat path itself (`dpserve.server.serving`), the SQL
+Not here: the chat path itself (`dpserve.server.openai.serving`), the SQL
 (`dpserve.server.responses_store`).
 """
 
@@ -47,7 +47,9 @@ from dpserve.frontend.errors import RequestError
 from dpserve.protocol import Session
 from dpserve.server.caller import ANONYMOUS, Caller, caller_of
 from dpserve.server.errors import APIError, to_api_error
-from dpserve.server.protocol import ChatCompletionRequest, ChatCompletionResponse
+from dpserve.server.openai.protocol import ChatCompletionRequest, ChatCompletionResponse
+from dpserve.server.openai.routes import drain_check, parse_body, respond
+from dpserve.server.openai.serving import OpenAIServing
 from dpserve.server.responses_protocol import (
     ResponsesRequest,
     chat_body,
@@ -61,8 +63,6 @@ from dpserve.server.responses_protocol import (
 )
 from dpserve.server.responses_store import ResponseStore, StoredResponse, TooLarge
 from dpserve.server.responses_stream import ResponseEvents
-from dpserve.server.routes_v1 import drain_check, parse_body, respond
-from dpserve.server.serving import OpenAIServing
 from dpserve.server.sessions import responses_chain_session, user_session
 
 logger = logging.getLogger(__name__)

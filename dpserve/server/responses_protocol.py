@@ -28,7 +28,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from dpserve.frontend.errors import RequestError
-from dpserve.server.protocol import ChatCompletionRequest, ChatResponseMessage, UsageInfo
+from dpserve.server.openai.protocol import ChatCompletionRequest, ChatResponseMessage, UsageInfo
 
 _ROLES = ("user", "system", "developer", "assistant")
 

@@ -1,7 +1,7 @@
 """A streamed response: the chat stream's chunks -> the Responses API's typed events.
 
-The request runs as a streamed chat completion (`dpserve.server.serving`, tools by
-`dpserve.server.tool_serving`); `ResponseEvents` reads its SSE chunks and writes the
+The request runs as a streamed chat completion (`dpserve.server.openai.serving`, tools by
+`dpserve.server.openai.tool_serving`); `ResponseEvents` reads its SSE chunks and writes the
 events the `openai` client's `responses.stream()` accumulates, each
 `event: <type>\\ndata: {..., "sequence_number": k}`:
 
@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
-from dpserve.server.protocol import UsageInfo
+from dpserve.server.openai.protocol import UsageInfo
 from dpserve.server.responses_protocol import (
     call_item,
     message_item,

@@ -32,7 +32,7 @@ from dpserve.frontend.cluster import ClusterView
 from dpserve.frontend.errors import EngineDeadError
 from dpserve.server.errors import APIError
 from dpserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from dpserve.server.routes_v1 import draining_error
+from dpserve.server.openai.routes import draining_error
 from dpserve.version import __version__
 
 _DEBUG_TIMEOUT_S = 10.0  # a /debug route's utility calls

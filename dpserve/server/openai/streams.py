@@ -6,8 +6,8 @@ Scope: `merge` (several engine streams as one, (stream index, output)),
 delta, usage, an error event if it fails mid-stream, `data: [DONE]`), `sse`
 (one chunk as an SSE line) and the usage / logprob helpers they share.
 
-Not here: the OpenAI shapes of the chunks (`dpserve.server.protocol`, built by
-`dpserve.server.serving` and `dpserve.server.tool_serving`), HTTP.
+Not here: the OpenAI shapes of the chunks (`dpserve.server.openai.protocol`, built by
+`dpserve.server.openai.serving` and `dpserve.server.openai.tool_serving`), HTTP.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pydantic import BaseModel
 
 from dpserve.outputs import CompletionOutput, Logprob, RequestOutput
 from dpserve.server.errors import to_api_error
-from dpserve.server.protocol import ErrorInfo, ErrorResponse, PromptTokensDetails, UsageInfo
+from dpserve.server.openai.protocol import ErrorInfo, ErrorResponse, PromptTokensDetails, UsageInfo
 
 
 @dataclass

@@ -9,7 +9,7 @@ streamed request fails with a status code, not in the middle of a stream.
 
 Request limits (server/limits.py) are checked on the parsed request first;
 a structured-output spec is compiled for the tokenizer off the event loop under
-the compile deadline (server/grammar_check.py); with `--request-timeout` each
+the compile deadline (server/openai/grammar_check.py); with `--request-timeout` each
 engine stream ends with a 504 past it (aborted in the engine); `cache_salt` and,
 with --prefix-cache-salt-per-key, the API key's identity salt the prefix cache; a
 session (the X-Session-ID header, else `user`: `dpserve.server.sessions`) keeps a
@@ -22,7 +22,7 @@ tools, the rendered prompt, the streams): /v1/chat/completions formats its
 `ChatRun` here, other APIs translated to a chat request (Anthropic's Messages,
 server/anthropic_serving.py) format it their own way.
 
-Not here: the streaming pieces shared with tool calls (`dpserve.server.streams`),
+Not here: the streaming pieces shared with tool calls (`dpserve.server.openai.streams`),
 the error mapping (`dpserve.server.errors.to_api_error`), HTTP (the routers).
 """
 
@@ -47,7 +47,6 @@ from dpserve.protocol import RequestTags
 from dpserve.sampling_params import SamplingParams
 from dpserve.server.caller import ANONYMOUS, Caller, caller_tags
 from dpserve.server.errors import APIError
-from dpserve.server.grammar_check import GrammarChecker
 from dpserve.server.limits import (
     RequestLimits,
     check_chat,
@@ -56,7 +55,8 @@ from dpserve.server.limits import (
     with_deadline,
 )
 from dpserve.server.log_options import logged_stream
-from dpserve.server.protocol import (
+from dpserve.server.openai.grammar_check import GrammarChecker
+from dpserve.server.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -75,12 +75,10 @@ from dpserve.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from dpserve.server.sessions import user_session
-from dpserve.server.streams import collect, sse, sse_lines, token_pairs
-from dpserve.server.structured import structured_from_request
-from dpserve.server.tenants import TenantGate
-from dpserve.server.tool_serving import chat_tool_stream, history_message, tool_message
-from dpserve.server.tools import (
+from dpserve.server.openai.streams import collect, sse, sse_lines, token_pairs
+from dpserve.server.openai.structured import structured_from_request
+from dpserve.server.openai.tool_serving import chat_tool_stream, history_message, tool_message
+from dpserve.server.openai.tools import (
     ToolPlan,
     choose_tool_parser,
     plan_tools,
@@ -88,6 +86,8 @@ from dpserve.server.tools import (
     template_supports_tools,
     tool_constraint,
 )
+from dpserve.server.sessions import user_session
+from dpserve.server.tenants import TenantGate
 from dpserve.structured.spec import StructuredOutputs
 from dpserve.tenancy.limits import DEFAULT
 from dpserve.tracing import child_span
@@ -119,7 +119,7 @@ class OpenAIServing:
                  model_aliases: Sequence[str] = (), log_requests: bool = False,
                  tenants: TenantGate | None = None) -> None:
         """`tool_call_parser`: --tool-call-parser (None: from the chat template,
-        `dpserve.server.tools.detect_tool_parser`). `admission`: called with a
+        `dpserve.server.openai.tools.detect_tool_parser`). `admission`: called with a
         request's prompt lengths before it is sent; raises to refuse it
         (`dpserve.server.admission`). `tenants`: the tenants' limits
         (--tenant-limits; `dpserve.server.tenants`). `model_aliases`: more

@@ -18,8 +18,8 @@ one engine while it may take it (`dpserve.server.sessions`; the pin wins).
 `parse_body`, `respond` and `drain_check` are shared with the
 routes of the other APIs on /v1 (`dpserve.server.anthropic_api`).
 
-Not here: the serving logic (`dpserve.server.serving`), /tokenize and
-/detokenize (`dpserve.server.extras`), the error handler (`dpserve.server.app`).
+Not here: the serving logic (`dpserve.server.openai.serving`), /tokenize and
+/detokenize (`dpserve.server.openai.extras`), the error handler (`dpserve.server.app`).
 """
 
 from __future__ import annotations
@@ -36,8 +36,13 @@ from starlette.types import Send
 from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.server.caller import caller_of
 from dpserve.server.errors import APIError
-from dpserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from dpserve.server.serving import OpenAIServing
+from dpserve.server.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from dpserve.server.openai.serving import OpenAIServing
 from dpserve.tracing import child_span
 
 DRAIN_RETRY_AFTER_S = 5  # the Retry-After of a 503 while draining

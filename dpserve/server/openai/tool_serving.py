@@ -16,7 +16,7 @@ from typing import Any
 from dpserve.outputs import CompletionOutput
 from dpserve.sampling_params import SamplingParams
 from dpserve.server.errors import to_api_error
-from dpserve.server.protocol import (
+from dpserve.server.openai.protocol import (
     ChatCompletionChunk,
     ChatMessage,
     ChatResponseMessage,
@@ -27,8 +27,8 @@ from dpserve.server.protocol import (
     FunctionCall,
     ToolCall,
 )
-from dpserve.server.streams import collect, sse, sse_lines
-from dpserve.server.tools import ToolPlan, loads_or_text, new_call_id, parse_tool_calls
+from dpserve.server.openai.streams import collect, sse, sse_lines
+from dpserve.server.openai.tools import ToolPlan, loads_or_text, new_call_id, parse_tool_calls
 
 
 def history_message(role: str, content: str, m: ChatMessage, native: bool) -> dict[str, Any]:

@@ -80,7 +80,7 @@ class SamplingRequest(_Model):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None  # top-k at every prompt position (not streamed)
-    # Structured output (vLLM names; server/structured.py reads them).
+    # Structured output (vLLM names; server/openai/structured.py reads them).
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: str | None = None
@@ -242,7 +242,7 @@ class ChatMessage(_Model):
 
 
 class ResponseFormat(_Model):
-    type: str  # text | json_object | json_schema (server/structured.py)
+    type: str  # text | json_object | json_schema (server/openai/structured.py)
     json_schema: dict[str, Any] | None = None  # {"name", "schema", "strict"}
 
 
@@ -253,7 +253,7 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True  # extension
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None  # server/tools.py
+    tools: list[Any] | None = None  # server/openai/tools.py
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None

@@ -3,9 +3,10 @@
 Accepted, one at a time: `response_format` (`json_object`; `json_schema` with
 `json_schema.schema`), vLLM's `structured_outputs` extra (`json`, `regex`,
 `choice`, `grammar`, `json_object`) and its older `guided_json`, `guided_regex`,
-`guided_choice`, `guided_grammar`. The spec is checked by the caller (server/grammar_check.py:
-compiled for the tokenizer in a worker process, under the compile deadline); a bad
-schema, regex or grammar is then a 400 that names the field and the problem.
+`guided_choice`, `guided_grammar`. The spec is checked by the caller
+(server/openai/grammar_check.py: compiled for the tokenizer in a worker process,
+under the compile deadline); a bad schema, regex or grammar is then a 400 that names
+the field and the problem.
 """
 
 from __future__ import annotations
