@@ -83,7 +83,7 @@ from dpserve.server.batch_options import BatchOptions
 from dpserve.server.limits import RequestLimits
 from dpserve.server.log_options import LogOptions, configure_access_log
 from dpserve.server.openai.extras import HTTPOptions, uvicorn_kwargs
-from dpserve.server.responses_store import ResponseStoreOptions
+from dpserve.server.responses.store import ResponseStoreOptions
 from dpserve.server.stats_log import log_stats_every
 from dpserve.server.tenants import TenantOptions
 

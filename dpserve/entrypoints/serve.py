@@ -76,7 +76,7 @@ from dpserve.server.limits import RequestLimits, add_limit_args
 from dpserve.server.log_options import LogOptions, add_log_args
 from dpserve.server.openai.extras import HTTPOptions, add_http_args
 from dpserve.server.openai.tools import add_tool_args
-from dpserve.server.responses_store import add_response_store_args, store_in
+from dpserve.server.responses.store import add_response_store_args, store_in
 from dpserve.server.state_dir import state_directory
 from dpserve.server.tenants import add_tenant_args
 from dpserve.tracing.options import GROUP as TRACING

@@ -5,12 +5,12 @@ Routers, each a module of thin routes:
 * v1 (`dpserve.server.openai.routes`): /v1/completions, /v1/chat/completions,
   /v1/models over `OpenAIServing` (503 "server_draining" while the server
   drains; `X-data-parallel-rank: k` pins a request to engine k).
-* messages (`dpserve.server.anthropic_api`): Anthropic's /v1/messages and
+* messages (`dpserve.server.anthropic.routes`): Anthropic's /v1/messages and
   /v1/messages/count_tokens over the same chat path; errors there leave in
   Anthropic's shape (its middleware wraps the auth and body-limit ones).
-* responses (`dpserve.server.responses_api`): OpenAI's Responses API, its stored
+* responses (`dpserve.server.responses.routes`): OpenAI's Responses API, its stored
   responses in the server's one `ResponseStore` (`response_store`).
-* embeddings (`dpserve.server.embeddings_api`): OpenAI's /v1/embeddings, pooling
+* embeddings (`dpserve.server.embeddings.routes`): OpenAI's /v1/embeddings, pooling
   requests through the same engines (`app.state.embeddings`: the batch runner's too).
 * files and batches (`dpserve.server.files_api`, `dpserve.server.batches_api`, only
   with a state directory: `batches`): uploads and OpenAI's Batch API, each API
@@ -56,13 +56,13 @@ from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.errors import EngineDeadError
 from dpserve.server.admin import admin_router
 from dpserve.server.admission import Admission
-from dpserve.server.anthropic_api import install_messages_api
+from dpserve.server.anthropic.routes import install_messages_api
 from dpserve.server.auth import API_KEY_ENV, AuthMiddleware, AuthOptions
 from dpserve.server.batch_options import BatchOptions
 from dpserve.server.batches_api import install_batches
 from dpserve.server.bodies import BodyLimit, require_json
 from dpserve.server.caller import DP_RANK_HEADER
-from dpserve.server.embeddings_api import install_embeddings_api
+from dpserve.server.embeddings.routes import install_embeddings_api
 from dpserve.server.engines import engines_router
 from dpserve.server.errors import APIError, to_api_error
 from dpserve.server.limits import RequestLimits
@@ -72,8 +72,8 @@ from dpserve.server.openai.protocol import ErrorInfo, ErrorResponse
 from dpserve.server.openai.routes import v1_router
 from dpserve.server.openai.serving import OpenAIServing
 from dpserve.server.pd_metrics import install_pd_metrics
-from dpserve.server.responses_api import ResponsesServing, responses_router
-from dpserve.server.responses_store import ResponseStoreOptions
+from dpserve.server.responses.routes import ResponsesServing, responses_router
+from dpserve.server.responses.store import ResponseStoreOptions
 from dpserve.server.routes_ops import MovedListener, ops_router
 from dpserve.server.tenant_metrics import TenantMetrics
 from dpserve.server.tenants import TenantGate, TenantOptions

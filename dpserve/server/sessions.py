@@ -18,7 +18,7 @@ Keys carry their source (`x-session-id:`, `response:`, `user:`), so a header and
 never logged, stored or sent to an engine.
 
 Not here: where a session goes (the router), the store's rows
-(`dpserve.server.responses_store`).
+(`dpserve.server.responses.store`).
 """
 
 from __future__ import annotations

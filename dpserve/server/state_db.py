@@ -15,7 +15,7 @@ Rules, enforced here:
   counts anywhere, so a server killed at any moment has lost no answered line.
 * All access runs on one worker thread per process (sqlite3 calls block), never
   on the event loop: `SQLiteThread`, which the Responses API's store
-  (`dpserve.server.responses_store`) uses for its own file too.
+  (`dpserve.server.responses.store`) uses for its own file too.
 
 Not here: what the rows mean (`dpserve.server.file_store`,
 `dpserve.server.batch_store`), where the directory is (`dpserve.server.state_dir`).

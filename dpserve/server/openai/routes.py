@@ -16,7 +16,7 @@ a 400); an `X-Session-ID` header (or the body's `user`) keeps a conversation on
 one engine while it may take it (`dpserve.server.sessions`; the pin wins).
 
 `parse_body`, `respond` and `drain_check` are shared with the
-routes of the other APIs on /v1 (`dpserve.server.anthropic_api`).
+routes of the other APIs on /v1 (`dpserve.server.anthropic.routes`).
 
 Not here: the serving logic (`dpserve.server.openai.serving`), /tokenize and
 /detokenize (`dpserve.server.openai.extras`), the error handler (`dpserve.server.app`).

@@ -20,7 +20,7 @@ against its tenant's limits once checked, before anything reaches an engine
 `start_chat` is the chat path up to the engine (checks, sampling parameters,
 tools, the rendered prompt, the streams): /v1/chat/completions formats its
 `ChatRun` here, other APIs translated to a chat request (Anthropic's Messages,
-server/anthropic_serving.py) format it their own way.
+server/anthropic/serving.py) format it their own way.
 
 Not here: the streaming pieces shared with tool calls (`dpserve.server.openai.streams`),
 the error mapping (`dpserve.server.errors.to_api_error`), HTTP (the routers).

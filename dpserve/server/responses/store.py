@@ -4,7 +4,7 @@ Scope: `ResponseStore`, the stored responses of `/v1/responses` (`store: true`, 
 default). One row per response: its id, the id of the response it follows
 (`previous_response_id`), its status, the response object and its own input items
 (JSON), and a cancel flag. Every API server of one `dpserve serve` opens the same
-file (the launcher names it: `dpserve.server.responses_store.store_path`), so any of
+file (the launcher names it: `dpserve.server.responses.store.store_path`), so any of
 them resolves any id, and the rows outlive an API server's restart.
 
 Rules, enforced here:
@@ -35,7 +35,7 @@ server); without it, `responses.sqlite` in the server's state directory
 Without a path at all (an app built in-process, as tests do) the store is an
 in-memory database of that one process.
 
-Not here: the HTTP routes and the translation to chat (`dpserve.server.responses_api`).
+Not here: the HTTP routes and the translation to chat (`dpserve.server.responses.routes`).
 """
 
 from __future__ import annotations

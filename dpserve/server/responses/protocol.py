@@ -15,8 +15,8 @@ Scope:
 * `output_from_chat(message)` / `new_response(...)` / `usage(...)`: a chat result ->
   the Responses output items and response object.
 
-Not here: running it (`dpserve.server.responses_api`), the stream's events
-(`dpserve.server.responses_stream`), storing it (`dpserve.server.responses_store`).
+Not here: running it (`dpserve.server.responses.routes`), the stream's events
+(`dpserve.server.responses.stream`), storing it (`dpserve.server.responses.store`).
 """
 
 from __future__ import annotations

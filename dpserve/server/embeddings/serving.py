@@ -10,7 +10,7 @@ model's final hidden state (after its final norm), pooled as `--pooler-config`
 says (vLLM's engine option, `ModelConfig.pooler`: `pooling_type` LAST, the default,
 or MEAN; `normalize`, default true), cut to `dimensions` and then normalised.
 
-`create_embedding(body)` is the one entry: the route (server/embeddings_api.py)
+`create_embedding(body)` is the one entry: the route (server/embeddings/routes.py)
 and the batch runner (a /v1/embeddings line of a batch file) both call it, with a
 parsed `EmbeddingRequest` or its JSON object. Bad input is a `RequestError` /
 `APIError` naming the field: an empty input, more inputs than
@@ -18,7 +18,7 @@ parsed `EmbeddingRequest` or its JSON object. Bad input is a `RequestError` /
 (--max-model-len), a token id outside the vocabulary, `dimensions` above the
 hidden size.
 
-Not here: the schemas (server/embeddings_protocol.py), the pooling itself (the
+Not here: the schemas (server/embeddings/protocol.py), the pooling itself (the
 engine: engine/pooling.py, model/pooler.py).
 """
 
@@ -38,7 +38,7 @@ from dpserve.outputs import RequestOutput
 from dpserve.protocol import PoolingParams, RequestTags
 from dpserve.sampling_params import SamplingParams
 from dpserve.server.caller import ANONYMOUS, Caller
-from dpserve.server.embeddings_protocol import (
+from dpserve.server.embeddings.protocol import (
     EmbeddingData,
     EmbeddingRequest,
     EmbeddingResponse,

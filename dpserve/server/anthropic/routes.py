@@ -17,8 +17,8 @@ answered it: the API key check (`x-api-key` or `Authorization: Bearer`,
 error handler, or an unexpected exception (a 500). The status and headers are
 kept; a success passes through untouched (streams are not buffered).
 
-Not here: the translation (`dpserve.server.anthropic_serving`), the schemas
-(`dpserve.server.anthropic_protocol`).
+Not here: the translation (`dpserve.server.anthropic.serving`), the schemas
+(`dpserve.server.anthropic.protocol`).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.errors import RequestError
-from dpserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest, error_body
-from dpserve.server.anthropic_serving import AnthropicServing
+from dpserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest, error_body
+from dpserve.server.anthropic.serving import AnthropicServing
 from dpserve.server.auth import route_path
 from dpserve.server.caller import caller_of
 from dpserve.server.errors import to_api_error

@@ -7,7 +7,7 @@ lists of token ids; `encoding_format` "float" (a JSON list per input) or "base64
 client asks for by default and decodes itself).
 
 Not here: the checks that need the model or the options (`dimensions` against the
-hidden size, the number of inputs, tokens per input: server/embeddings_serving.py).
+hidden size, the number of inputs, tokens per input: server/embeddings/serving.py).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ events the `openai` client's `responses.stream()` accumulates, each
 `on_final(response)` runs before the last event is sent (the store's write), so a
 client that retrieves the id after the stream ends finds it.
 
-Not here: the chunks themselves (chat), the response object (`responses_protocol`).
+Not here: the chunks themselves (chat), the response object (`responses.protocol`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from contextlib import aclosing
 from typing import Any
 
 from dpserve.server.openai.protocol import UsageInfo
-from dpserve.server.responses_protocol import (
+from dpserve.server.responses.protocol import (
     call_item,
     message_item,
     status_of,

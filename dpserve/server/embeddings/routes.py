@@ -5,7 +5,7 @@ cancelled (its engine requests aborted) when the client leaves, the answer as JS
 503 while the server drains, `X-data-parallel-rank: k` pins the inputs to engine k,
 errors in OpenAI's shape (the app's one handler), as on every /v1 route.
 
-Not here: the serving logic (server/embeddings_serving.py).
+Not here: the serving logic (server/embeddings/serving.py).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from fastapi.responses import Response
 
 from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.server.caller import caller_of
-from dpserve.server.embeddings_protocol import EmbeddingRequest
-from dpserve.server.embeddings_serving import EmbeddingServing
+from dpserve.server.embeddings.protocol import EmbeddingRequest
+from dpserve.server.embeddings.serving import EmbeddingServing
 from dpserve.server.openai.routes import drain_check, parse_body, respond
 from dpserve.server.openai.serving import OpenAIServing
 

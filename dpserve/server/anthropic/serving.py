@@ -31,8 +31,8 @@ that are not a JSON object (cut by max_tokens) give `input` {}. Streams send tex
 and a named tool's arguments as they are generated; "auto" and "any" calls are
 known only once the output is complete, so their blocks come at the end.
 
-Not here: the schemas and event frames (`dpserve.server.anthropic_protocol`),
-routes and the error shape (`dpserve.server.anthropic_api`).
+Not here: the schemas and event frames (`dpserve.server.anthropic.protocol`),
+routes and the error shape (`dpserve.server.anthropic.routes`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from contextlib import aclosing
 from typing import Any
 
 from dpserve.frontend.errors import RequestError
-from dpserve.server.anthropic_protocol import (
+from dpserve.server.anthropic.protocol import (
     ContentBlock,
     CountTokensRequest,
     CountTokensResponse,

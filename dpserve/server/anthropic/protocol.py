@@ -6,7 +6,7 @@ strict=True)`: a wrong JSON type is a 400 naming the field); unknown fields
 (`cache_control`, `thinking`, `service_tier`, ...) are ignored. Content blocks
 are parsed loosely (`ContentBlock`: a `type` and the fields of the types
 dpserve reads); which types are allowed where is the translation's check
-(`dpserve.server.anthropic_serving`), so a bad one is named by its position.
+(`dpserve.server.anthropic.serving`), so a bad one is named by its position.
 
 Stream events are SSE frames `event: NAME\\ndata: {...}\\n\\n` in Anthropic's
 order: message_start, per content block content_block_start ->

@@ -2,7 +2,7 @@
 
 A request runs as a chat completion through `OpenAIServing` (the same validation,
 limits, tools, structured output, admission and engine streams as
-/v1/chat/completions; `responses_protocol` translates both ways, `responses_stream`
+/v1/chat/completions; `responses.protocol` translates both ways, `responses.stream`
 writes the stream's typed events). Stored responses (`store`, default true) live in
 the server's one `ResponseStore` (a SQLite file every API server shares), so a
 `previous_response_id`, a retrieve or a cancel works on whichever API server it
@@ -24,7 +24,7 @@ Errors are OpenAI's shape: an unknown id 404, a bad item 400 naming it
 (`input[2].type`), a response over the store's per-response limit 413.
 
 Not here: the chat path itself (`dpserve.server.openai.serving`), the SQL
-(`dpserve.server.responses_store`).
+(`dpserve.server.responses.store`).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from dpserve.server.errors import APIError, to_api_error
 from dpserve.server.openai.protocol import ChatCompletionRequest, ChatCompletionResponse
 from dpserve.server.openai.routes import drain_check, parse_body, respond
 from dpserve.server.openai.serving import OpenAIServing
-from dpserve.server.responses_protocol import (
+from dpserve.server.responses.protocol import (
     ResponsesRequest,
     chat_body,
     input_items,
@@ -61,8 +61,8 @@ from dpserve.server.responses_protocol import (
     usage,
     with_output,
 )
-from dpserve.server.responses_store import ResponseStore, StoredResponse, TooLarge
-from dpserve.server.responses_stream import ResponseEvents
+from dpserve.server.responses.store import ResponseStore, StoredResponse, TooLarge
+from dpserve.server.responses.stream import ResponseEvents
 from dpserve.server.sessions import responses_chain_session, user_session
 
 logger = logging.getLogger(__name__)
