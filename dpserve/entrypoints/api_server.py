@@ -79,7 +79,7 @@ from dpserve.launch.api_server_pipe import (
 from dpserve.logging_utils import name_process
 from dpserve.parent_watch import start_parent_watcher
 from dpserve.server.auth import AuthOptions
-from dpserve.server.batch_options import BatchOptions
+from dpserve.server.batches.options import BatchOptions
 from dpserve.server.limits import RequestLimits
 from dpserve.server.log_options import LogOptions, configure_access_log
 from dpserve.server.openai.extras import HTTPOptions, uvicorn_kwargs

@@ -70,8 +70,8 @@ from dpserve.launch.process import start_engine_forkserver, stop_engine_forkserv
 from dpserve.logging_utils import name_process, scrub_argv
 from dpserve.placement import can_scale
 from dpserve.server.auth import add_auth_args, check_admin_exposure
-from dpserve.server.batch_options import add_batch_args
-from dpserve.server.batch_store import init_batch_state
+from dpserve.server.batches.options import add_batch_args
+from dpserve.server.batches.store import init_batch_state
 from dpserve.server.limits import RequestLimits, add_limit_args
 from dpserve.server.log_options import LogOptions, add_log_args
 from dpserve.server.openai.extras import HTTPOptions, add_http_args

@@ -12,9 +12,9 @@ Routers, each a module of thin routes:
   responses in the server's one `ResponseStore` (`response_store`).
 * embeddings (`dpserve.server.embeddings.routes`): OpenAI's /v1/embeddings, pooling
   requests through the same engines (`app.state.embeddings`: the batch runner's too).
-* files and batches (`dpserve.server.files_api`, `dpserve.server.batches_api`, only
+* files and batches (`dpserve.server.batches.files_routes`, `dpserve.server.batches.routes`, only
   with a state directory: `batches`): uploads and OpenAI's Batch API, each API
-  server running batches in the background (`dpserve.server.batch_runner`).
+  server running batches in the background (`dpserve.server.batches.runner`).
 * ops (`dpserve.server.routes_ops`): /health, /ping, /metrics, /version,
   /debug/request_state, /debug/dp_state; /engines and /dashboard
   (`dpserve.server.engines`); /tokenize, /detokenize (`dpserve.server.openai.extras`).
@@ -58,8 +58,8 @@ from dpserve.server.admin import admin_router
 from dpserve.server.admission import Admission
 from dpserve.server.anthropic.routes import install_messages_api
 from dpserve.server.auth import API_KEY_ENV, AuthMiddleware, AuthOptions
-from dpserve.server.batch_options import BatchOptions
-from dpserve.server.batches_api import install_batches
+from dpserve.server.batches.options import BatchOptions
+from dpserve.server.batches.routes import install_batches
 from dpserve.server.bodies import BodyLimit, require_json
 from dpserve.server.caller import DP_RANK_HEADER
 from dpserve.server.embeddings.routes import install_embeddings_api

@@ -10,9 +10,9 @@ them resolves any id, and the rows outlive an API server's restart.
 Rules, enforced here:
 
 * The file is SQLite in WAL mode (readers never block the one writer; writers wait
-  up to `state_db.BUSY_TIMEOUT_S` for each other) and created with mode 0600 inside a 0700
+  up to `sqlite.BUSY_TIMEOUT_S` for each other) and created with mode 0600 inside a 0700
   directory. All access runs on one worker thread per process (sqlite3 calls block),
-  never on the event loop (`dpserve.server.state_db.SQLiteThread`).
+  never on the event loop (`dpserve.server.sqlite.SQLiteThread`).
 * Bounded: at most `max_responses` rows; a write past it evicts the oldest
   (by insertion order). One response (its object plus its input items, as JSON)
   may take at most `max_bytes`; a larger one is refused (`TooLarge`).
@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpserve.errors import ConfigError
-from dpserve.server.state_db import MEMORY, SQLiteThread, open_sqlite
+from dpserve.server.sqlite import MEMORY, SQLiteThread, open_sqlite
 
 STORE_FILE = "responses.sqlite"
 

@@ -2,18 +2,18 @@
 
 An upload is `multipart/form-data` with a `file` part and `purpose` "batch" (the
 `openai` client's `files.create(file=..., purpose="batch")`); it is streamed to
-the state directory as it arrives (`dpserve.server.multipart`), never held whole
+the state directory as it arrives (`dpserve.server.batches.multipart`), never held whole
 in memory, and a file over `--max-batch-file-bytes` is refused with a 413 naming
 the flag (the body cap of this one route is that flag plus `MULTIPART_SLACK`,
 not --max-request-body-bytes: `dpserve.server.bodies.BodyLimit`). Files are
 shared by every API server of the server and outlive its restart when
-`--state-dir` names the directory (`dpserve.server.file_store`). A batch's output
+`--state-dir` names the directory (`dpserve.server.batches.file_store`). A batch's output
 and error files are listed here too (purpose "batch_output").
 
 Errors are OpenAI's shape: an unknown id 404, a bad field 400 naming it.
 
-Not here: the storage (`dpserve.server.file_store`), batches
-(`dpserve.server.batches_api`).
+Not here: the storage (`dpserve.server.batches.file_store`), batches
+(`dpserve.server.batches.routes`).
 """
 
 from __future__ import annotations
@@ -27,9 +27,14 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse, Response
 
 from dpserve.frontend.async_llm import AsyncLLM
+from dpserve.server.batches.file_store import FileStore, new_file_id
+from dpserve.server.batches.multipart import (
+    FileTooLarge,
+    MultipartError,
+    boundary_of,
+    receive_upload,
+)
 from dpserve.server.errors import APIError
-from dpserve.server.file_store import FileStore, new_file_id
-from dpserve.server.multipart import FileTooLarge, MultipartError, boundary_of, receive_upload
 from dpserve.server.openai.routes import drain_check
 
 MULTIPART_SLACK = 64 << 10  # the form's own bytes (boundaries, headers, purpose)

@@ -6,10 +6,10 @@ A file's metadata is a row of `StateDB`'s `files` table; its contents are
 its row inserted after the rename: a file listed is complete, and a `.part` left
 by a server killed mid-upload is removed when the next one starts (`init_files_dir`). Delete removes
 the row first, then the contents. A batch's output and error files are stored the
-same way by `dpserve.server.batch_store` (purpose "batch_output").
+same way by `dpserve.server.batches.store` (purpose "batch_output").
 
-Not here: the multipart upload (`dpserve.server.multipart`), the routes
-(`dpserve.server.files_api`).
+Not here: the multipart upload (`dpserve.server.batches.multipart`), the routes
+(`dpserve.server.batches.files_routes`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 import uuid
 from typing import Any
 
-from dpserve.server.state_db import StateDB
+from dpserve.server.batches.state_db import StateDB
 
 FILES_DIR = "files"
 _COLUMNS = "id, purpose, filename, bytes, created_at"

@@ -3,7 +3,7 @@
 
 A batch is a JSONL file uploaded to /v1/files (purpose "batch") of
 /v1/chat/completions, /v1/completions or /v1/embeddings requests
-(`dpserve.server.batch_format`). Create answers at once (status "validating");
+(`dpserve.server.batches.format`). Create answers at once (status "validating");
 the API servers' `BatchRunner`s run it in the background at the lowest priority
 through the same serving functions as the HTTP routes (`serving_handlers`), and a
 retrieve on any API server shows its status and `request_counts`; once completed,
@@ -15,8 +15,8 @@ a restart on the same `--state-dir`.
 Errors are OpenAI's shape: an unknown id 404 (a batch's, or its `input_file_id`),
 a bad field 400 naming it, a cancel of a finished batch 409.
 
-Not here: running batches (`dpserve.server.batch_runner`), the SQL
-(`dpserve.server.batch_store`), files (`dpserve.server.files_api`).
+Not here: running batches (`dpserve.server.batches.runner`), the SQL
+(`dpserve.server.batches.store`), files (`dpserve.server.batches.files_routes`).
 """
 
 from __future__ import annotations
@@ -35,14 +35,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from dpserve.frontend.async_llm import AsyncLLM
-from dpserve.server.batch_format import CHAT, COMPLETIONS, EMBEDDINGS, ENDPOINTS
-from dpserve.server.batch_options import BatchOptions
-from dpserve.server.batch_runner import BatchHandler, BatchRunner
-from dpserve.server.batch_store import UNFINISHED, BatchStore, init_batch_state
-from dpserve.server.caller import ANONYMOUS, Caller, key_caller
-from dpserve.server.errors import APIError
-from dpserve.server.file_store import FileStore
-from dpserve.server.files_api import (
+from dpserve.server.batches.file_store import FileStore
+from dpserve.server.batches.files_routes import (
     MULTIPART_SLACK,
     files_router,
     json_response,
@@ -50,10 +44,16 @@ from dpserve.server.files_api import (
     list_page,
     not_found,
 )
+from dpserve.server.batches.format import CHAT, COMPLETIONS, EMBEDDINGS, ENDPOINTS
+from dpserve.server.batches.options import BatchOptions
+from dpserve.server.batches.runner import BatchHandler, BatchRunner
+from dpserve.server.batches.state_db import StateDB
+from dpserve.server.batches.store import UNFINISHED, BatchStore, init_batch_state
+from dpserve.server.caller import ANONYMOUS, Caller, key_caller
+from dpserve.server.errors import APIError
 from dpserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from dpserve.server.openai.routes import drain_check, parse_body
 from dpserve.server.openai.serving import OpenAIServing
-from dpserve.server.state_db import StateDB
 
 COMPLETION_WINDOW_S = 24 * 3600
 MAX_METADATA = (16, 64, 512)  # pairs, key length, value length (OpenAI's)

@@ -27,8 +27,8 @@ recorded; on a drain the lease is given back, so a server started on the same
 state directory resumes the batch at once (after a SIGKILL: once the lease runs
 out), skipping the lines recorded. So every line is answered exactly once.
 
-Not here: the SQL (`dpserve.server.batch_store`), the line format
-(`dpserve.server.batch_format`), the routes (`dpserve.server.batches_api`).
+Not here: the SQL (`dpserve.server.batches.store`), the line format
+(`dpserve.server.batches.format`), the routes (`dpserve.server.batches.routes`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from dpserve.frontend.cluster import ClusterView
-from dpserve.server.batch_format import (
+from dpserve.server.batches.format import (
     BatchLine,
     check_file,
     error_body,
@@ -55,7 +55,7 @@ from dpserve.server.batch_format import (
     parse_line,
     read_lines,
 )
-from dpserve.server.batch_store import BatchStore, Claimed
+from dpserve.server.batches.store import BatchStore, Claimed
 from dpserve.server.errors import APIError, to_api_error
 
 logger = logging.getLogger(__name__)

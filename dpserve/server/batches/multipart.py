@@ -8,7 +8,7 @@ every other part is a small text field (at most `MAX_FIELD_BYTES`, and
 well-formed multipart (no boundary, a part without a name, no closing boundary, a
 second file part) is a `MultipartError` naming what is wrong.
 
-Not here: what the fields mean (`dpserve.server.files_api`); the cap on the whole
+Not here: what the fields mean (`dpserve.server.batches.files_routes`); the cap on the whole
 body (`dpserve.server.bodies.BodyLimit`).
 """
 

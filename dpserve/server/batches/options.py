@@ -3,7 +3,7 @@
 `--state-dir` (where files and batches live: `dpserve.server.state_dir`),
 `--max-batch-file-bytes` (the largest upload: 413 past it, naming the flag) and
 `--max-batch-concurrency` (the lines one API server runs at once, each batch at
-the lowest priority: `dpserve.server.batch_runner`).
+the lowest priority: `dpserve.server.batches.runner`).
 
 Not here: the state directory's making (`dpserve.server.state_dir`).
 """

@@ -10,32 +10,26 @@ whether it succeeded, and which API server answered it).
 Rules, enforced here:
 
 * WAL mode (readers never block the one writer; writers wait up to
-  `BUSY_TIMEOUT_S` for each other); the file is created 0600. A line's result
+  `sqlite.BUSY_TIMEOUT_S` for each other); the file is created 0600. A line's result
   is committed (synchronous=FULL: on disk before the commit returns) before it
   counts anywhere, so a server killed at any moment has lost no answered line.
 * All access runs on one worker thread per process (sqlite3 calls block), never
-  on the event loop: `SQLiteThread`, which the Responses API's store
-  (`dpserve.server.responses.store`) uses for its own file too.
+  on the event loop: `dpserve.server.sqlite.SQLiteThread`, which the Responses
+  API's store (`dpserve.server.responses.store`) uses for its own file too.
 
-Not here: what the rows mean (`dpserve.server.file_store`,
-`dpserve.server.batch_store`), where the directory is (`dpserve.server.state_dir`).
+Not here: what the rows mean (`dpserve.server.batches.file_store`,
+`dpserve.server.batches.store`), where the directory is (`dpserve.server.state_dir`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sqlite3
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
 
 from dpserve.errors import ConfigError
+from dpserve.server.sqlite import SQLiteThread, open_sqlite
 
-BUSY_TIMEOUT_S = 10.0
 DB_FILE = "batches.sqlite"
-MEMORY = ":memory:"  # `open_sqlite`'s private in-memory database
-_T = TypeVar("_T")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -84,58 +78,6 @@ def init_state_db(state_dir: str) -> None:
 
 def _make_tables(db: sqlite3.Connection) -> None:
     db.executescript(_SCHEMA)
-
-
-def open_sqlite(path: str, setup: Callable[[sqlite3.Connection], None],
-                durable: bool = False) -> sqlite3.Connection:
-    """A connection to `path` (created 0600 if missing; `MEMORY`: a private in-memory
-    database), in WAL mode, autocommit, after `setup` made its tables. `durable`:
-    synchronous=FULL (a commit is on disk when it returns)."""
-    if path != MEMORY and not os.path.exists(path):
-        os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
-    db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
-    if path != MEMORY:
-        db.execute("PRAGMA journal_mode=WAL")
-    if durable:
-        db.execute("PRAGMA synchronous=FULL")
-    setup(db)
-    return db
-
-
-class SQLiteThread:
-    """One connection to an SQLite file, opened and used only on its own thread
-    (sqlite3 calls block: never on the event loop)."""
-
-    def __init__(self, path: str, setup: Callable[[sqlite3.Connection], None],
-                 name: str, durable: bool = False) -> None:
-        self.path = path
-        self._setup = setup
-        self._durable = durable
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=name)
-        self._db: sqlite3.Connection | None = None
-
-    def _conn(self) -> sqlite3.Connection:
-        if self._db is None:  # opened on this thread, used only here
-            self._db = open_sqlite(self.path, self._setup, self._durable)
-        return self._db
-
-    async def run(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
-        """`fn(connection)` on the connection's thread."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, lambda: fn(self._conn()))
-
-    def connect(self) -> None:
-        """Open the file now (blocks; for start-up: a broken file fails it)."""
-        self._executor.submit(self._conn).result(timeout=BUSY_TIMEOUT_S)
-
-    def close(self) -> None:
-        def shut() -> None:
-            if self._db is not None:
-                self._db.close()
-                self._db = None
-
-        self._executor.submit(shut).result(timeout=BUSY_TIMEOUT_S)
-        self._executor.shutdown(wait=False)
 
 
 class StateDB(SQLiteThread):

@@ -1,6 +1,6 @@
 """OpenAI's batch file format: the input lines, their checks, and the output lines.
 
-Shared by the server's batches (`dpserve.server.batch_runner`) and `dpserve
+Shared by the server's batches (`dpserve.server.batches.runner`) and `dpserve
 run-batch` (`dpserve.entrypoints.run_batch`), so both read and write the same.
 
 An input line (JSONL, one request per non-blank line):

@@ -17,11 +17,11 @@ Rules, enforced here:
   statement; a runner (this one or the next, after a restart) skips the lines
   recorded (`answered_lines`).
 * The end is written at once: `finish` writes the output and error files
-  (`dpserve.server.file_store`'s layout; their ids derive from the batch's, so a
+  (`dpserve.server.batches.file_store`'s layout; their ids derive from the batch's, so a
   finish redone after a crash overwrites, never duplicates) and then, in one
   transaction, their rows and the final status.
 
-Not here: running the lines (`dpserve.server.batch_runner`), the routes.
+Not here: running the lines (`dpserve.server.batches.runner`), the routes.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from dpserve.server.file_store import FileStore, init_files_dir, insert_file
-from dpserve.server.state_db import StateDB, init_state_db
+from dpserve.server.batches.file_store import FileStore, init_files_dir, insert_file
+from dpserve.server.batches.state_db import StateDB, init_state_db
 
 BATCHES_DIR = "batches"
 LEASE_S = 15.0
