@@ -8,7 +8,7 @@ wave starts. The figures are the engines' `ClusterView`'s (`queued()`: with a
 DP coordinator its counts plus what this API server sent since; without one,
 what this API server has in flight, past `max_num_seqs` running).
 
-Not here: the pause / sleep routes (`dpserve.server.control`).
+Not here: the pause / sleep routes (`dpserve.server.ops.control`).
 """
 
 from __future__ import annotations

@@ -15,12 +15,12 @@ Routers, each a module of thin routes:
 * files and batches (`dpserve.server.batches.files_routes`, `dpserve.server.batches.routes`, only
   with a state directory: `batches`): uploads and OpenAI's Batch API, each API
   server running batches in the background (`dpserve.server.batches.runner`).
-* ops (`dpserve.server.routes_ops`): /health, /ping, /metrics, /version,
+* ops (`dpserve.server.ops.routes`): /health, /ping, /metrics, /version,
   /debug/request_state, /debug/dp_state; /engines and /dashboard
-  (`dpserve.server.engines`); /tokenize, /detokenize (`dpserve.server.openai.extras`).
-* admin (`dpserve.server.admin`, only with `enable_admin_api`): per-rank
-  controls, pause / sleep (`dpserve.server.control`), scaling
-  (`dpserve.server.scale`); their POSTs take only `Content-Type:
+  (`dpserve.server.ops.engines`); /tokenize, /detokenize (`dpserve.server.openai.extras`).
+* admin (`dpserve.server.ops.admin`, only with `enable_admin_api`): per-rank
+  controls, pause / sleep (`dpserve.server.ops.control`), scaling
+  (`dpserve.server.ops.scale`); their POSTs take only `Content-Type:
   application/json` (415).
 
 Everything is built from explicit arguments; nothing is set on the parts
@@ -54,7 +54,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.errors import EngineDeadError
-from dpserve.server.admin import admin_router
 from dpserve.server.admission import Admission
 from dpserve.server.anthropic.routes import install_messages_api
 from dpserve.server.auth import API_KEY_ENV, AuthMiddleware, AuthOptions
@@ -63,19 +62,20 @@ from dpserve.server.batches.routes import install_batches
 from dpserve.server.bodies import BodyLimit, require_json
 from dpserve.server.caller import DP_RANK_HEADER
 from dpserve.server.embeddings.routes import install_embeddings_api
-from dpserve.server.engines import engines_router
 from dpserve.server.errors import APIError, to_api_error
 from dpserve.server.limits import RequestLimits
-from dpserve.server.metrics import ServerMetrics
+from dpserve.server.metrics.pd import install_pd_metrics
+from dpserve.server.metrics.prometheus import ServerMetrics
+from dpserve.server.metrics.tenants import TenantMetrics
 from dpserve.server.openai.extras import HTTPOptions, install_extras
 from dpserve.server.openai.protocol import ErrorInfo, ErrorResponse
 from dpserve.server.openai.routes import v1_router
 from dpserve.server.openai.serving import OpenAIServing
-from dpserve.server.pd_metrics import install_pd_metrics
+from dpserve.server.ops.admin import admin_router
+from dpserve.server.ops.engines import engines_router
+from dpserve.server.ops.routes import MovedListener, ops_router
 from dpserve.server.responses.routes import ResponsesServing, responses_router
 from dpserve.server.responses.store import ResponseStoreOptions
-from dpserve.server.routes_ops import MovedListener, ops_router
-from dpserve.server.tenant_metrics import TenantMetrics
 from dpserve.server.tenants import TenantGate, TenantOptions
 from dpserve.version import __version__
 
@@ -100,7 +100,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     `api_server_index` labels this API server's series in /metrics.
     `auth`: the accepted API keys and `--metrics-auth` (`dpserve.server.auth`);
     without it, `api_key` (default $DPSERVE_API_KEY) is the one key, if any.
-    `enable_admin_api`: mount the admin router (`dpserve.server.admin`); without
+    `enable_admin_api`: mount the admin router (`dpserve.server.ops.admin`); without
     it its routes do not exist (404). The refusal of an admin API without a key
     is the command line's (`check_admin_exposure`).
     `max_num_queued`: (requests, prompt tokens) waiting per engine before a 429.

@@ -19,7 +19,7 @@ tokens (times n) its queued tokens until the first token of any of them, and
 its max_tokens times its completions its reservation against tokens_per_minute.
 
 Not here: who the tenant is (`dpserve.server.caller`), the ledger's rules
-(`dpserve.tenancy.ledger`), the per-tenant metrics (`dpserve.server.tenant_metrics`).
+(`dpserve.tenancy.ledger`), the per-tenant metrics (`dpserve.server.metrics.tenants`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Label cardinality: only the tenants the operator named get their own label (the
 tenant (a `--tenant-header` value the operator never named) is "other", so a
 client cannot grow the series without bound.
 
-Not here: the server-wide series (`dpserve.server.metrics`), the limits
+Not here: the server-wide series (`dpserve.server.metrics.prometheus`), the limits
 (`dpserve.server.tenants`).
 """
 

@@ -12,7 +12,7 @@ N = 1, there is none and these series stay empty):
   (counters): adapters put into a slot, and taken out of one for another,
   summed over the rank's processes (a restarted engine counts from 0 again: each
   incarnation's last figure is kept). With several API servers these are "max"
-  gauges shown as the counters, as `dpserve.server.metrics`' engine totals.
+  gauges shown as the counters, as `dpserve.server.metrics.prometheus`' engine totals.
 
 Not here: the registry (`dpserve.frontend.lora`), the reports (`dpserve.engine.lora_sync`).
 """

@@ -8,7 +8,7 @@ Prometheus and leak checks, all from the engines' `ClusterView`
                                   while rank R serves), else 503 (also once the
                                   engines are dead, or while draining); the body
                                   lists every rank's state
-    GET /metrics                  Prometheus (`dpserve.server.metrics`)
+    GET /metrics                  Prometheus (`dpserve.server.metrics.prometheus`)
     GET /version
     GET /debug/request_state      sizes of the per-request state, here and in
                                   each live engine (all 0 when idle)
@@ -17,7 +17,7 @@ Prometheus and leak checks, all from the engines' `ClusterView`
 `MovedListener` keeps the moved-request counters of /metrics current after
 every engine message.
 
-Not here: /engines and /dashboard (`dpserve.server.engines`), admin routes.
+Not here: /engines and /dashboard (`dpserve.server.ops.engines`), admin routes.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.cluster import ClusterView
 from dpserve.frontend.errors import EngineDeadError
 from dpserve.server.errors import APIError
-from dpserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from dpserve.server.metrics.prometheus import CONTENT_TYPE, ServerMetrics
 from dpserve.server.openai.routes import draining_error
 from dpserve.version import __version__
 

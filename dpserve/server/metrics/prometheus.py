@@ -7,7 +7,7 @@ token and inter-token latencies, finished requests). Engine gauges carry an
 `engine` label (the engine index), so data parallel adds series, not metrics;
 `dpserve:engine_requests_finished` counts finished requests per engine (how
 the load was spread), `dpserve:api_server_requests_finished` per API server.
-The KV host tier's series (`--kv-offload-memory`) are `dpserve.server.kv_tier_metrics`'.
+The KV host tier's series (`--kv-offload-memory`) are `dpserve.server.metrics.kv_tier`'.
 
 One API server (the main process): each instance has its own registry, no
 module-global state. Several API-server processes (`--api-server-count`):
@@ -47,8 +47,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from dpserve.protocol import RankState
-from dpserve.server.kv_tier_metrics import KVTierMetrics
-from dpserve.server.lora_metrics import LoRAMetrics
+from dpserve.server.metrics.kv_tier import KVTierMetrics
+from dpserve.server.metrics.lora import LoRAMetrics
 
 disable_created_metrics()  # no `*_created` series: dpserve's dashboards never read them
 
@@ -93,7 +93,7 @@ class ServerMetrics:
         self._add_engine_metrics()
         self._add_dp_metrics(model_name)
         self.lora = LoRAMetrics(self.registry, None if self.multiprocess_dir is None
-                                else _CUMULATIVE)  # set at scrape time (routes_ops)
+                                else _CUMULATIVE)  # set at scrape time (ops/routes.py)
         self.kv_tier = KVTierMetrics(self.registry, None if self.multiprocess_dir is None
                                      else _CUMULATIVE)  # with each engine's stats
         self._decisions = [0, 0]  # (up, down) already counted

@@ -19,7 +19,7 @@ where it has them (its KV connector's and OffloadingConnector's):
 All carry `model_name` and `engine`. The engine's figures are cumulative per
 process: one API server counts the increments (a restarted engine counts from 0
 again); with several API servers each records the figure in a "max" gauge that the
-export shows as the counter (`dpserve.server.metrics`' engine totals).
+export shows as the counter (`dpserve.server.metrics.prometheus`' engine totals).
 
 Not here: the store (`dpserve.kv_tier`), the engine's counting (`dpserve.engine`).
 """

@@ -3,7 +3,7 @@
 Scope: `engines_router(async_llm, admin)` (no admin flag needed; /engines is
 behind the API key like every data route, while the dashboard page and its two
 static files are open: they hold no data), and `engine_rows(...)`, the per-rank
-rows that both /engines and the admin routes (`dpserve.server.admin`) answer
+rows that both /engines and the admin routes (`dpserve.server.ops.admin`) answer
 with:
 
     {"data_parallel_size": N, "tensor_parallel_size": T, "admin": bool,
@@ -43,7 +43,7 @@ rows (tokens per speculative step), from the same `SchedulerStats` as `kv_tier`.
 token in, the decode rank's first output not yet).
 
 The dashboard is one HTML page with its script and style sheet, shipped in
-`dpserve/server/static/` (package data; no build step, nothing from a CDN);
+`dpserve/server/ops/static/` (package data; no build step, nothing from a CDN);
 it polls /engines every second, sending the API key typed into the page (kept
 in the page only). Its URLs are relative, so it works under --root-path. Every
 dashboard response carries `DASHBOARD_HEADERS`: a Content-Security-Policy that
@@ -51,7 +51,7 @@ allows only this origin's script and style (no inline code, no framing, no
 form targets), `X-Frame-Options: DENY`, `X-Content-Type-Options: nosniff` and
 `Referrer-Policy: no-referrer`.
 
-Not here: cordon / drain / restart (`dpserve.server.admin`).
+Not here: cordon / drain / restart (`dpserve.server.ops.admin`).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ from dpserve.frontend.cluster import ClusterView
 from dpserve.protocol import LoRAReport, SchedulerStats, TPWorkerInfo
 from dpserve.rank_info import TokenRate
 from dpserve.server.errors import APIError
-from dpserve.server.kv_tier_metrics import has_tier
+from dpserve.server.metrics.kv_tier import has_tier
 
 _STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 _STATS_TIMEOUT_S = 2.0  # N = 1: how long /engines waits for the engine's figures
@@ -110,7 +110,7 @@ def engines_router(async_llm: AsyncLLM, admin: bool) -> APIRouter:
 
 
 def _static(name: str) -> bytes:
-    return importlib.resources.files("dpserve.server").joinpath("static", name).read_bytes()
+    return importlib.resources.files("dpserve.server.ops").joinpath("static", name).read_bytes()
 
 
 async def engine_rows(async_llm: AsyncLLM, rates: dict[int, TokenRate] | None = None

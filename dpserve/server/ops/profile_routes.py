@@ -16,7 +16,7 @@ than silently nested. Writing a trace takes a while (seconds for a long session)
 each call waits up to `PROFILE_TIMEOUT_S` per rank, then 504.
 
 Not here: the engines' side (`dpserve.profiling.Profiler`), the admin mount
-(`dpserve.server.admin`).
+(`dpserve.server.ops.admin`).
 """
 
 from __future__ import annotations

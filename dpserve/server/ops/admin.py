@@ -3,9 +3,9 @@
 Scope: `admin_router`, every admin route behind the given dependencies (the
 API key like every route, `dpserve.server.auth`; POSTs only as `Content-Type:
 application/json`, `dpserve.server.bodies.require_json`, which `build_app`
-passes in): pause / sleep (`dpserve.server.control`), `POST /scale_elastic_ep`
-(`dpserve.server.scale`), LoRA adapter loads (`dpserve.server.lora_routes`),
-profiler sessions (`/start_profile`, `/stop_profile`: `dpserve.server.profile_routes`)
+passes in): pause / sleep (`dpserve.server.ops.control`), `POST /scale_elastic_ep`
+(`dpserve.server.ops.scale`), LoRA adapter loads (`dpserve.server.ops.lora_routes`),
+profiler sessions (`/start_profile`, `/stop_profile`: `dpserve.server.ops.profile_routes`)
 and, here, the per-rank controls:
 
     POST /engines/{rank}/cordon     the rank gets no new requests, in every API
@@ -30,7 +30,7 @@ bad timeout: 400; an action not listed: 404; a server without a DP
 coordinator (--data-parallel-size 1): 400. Ranks of `--headless` hosts are
 not restarted (their launcher does not hear the coordinator): 504.
 
-Not here: the read-only /engines and /dashboard (`dpserve.server.engines`);
+Not here: the read-only /engines and /dashboard (`dpserve.server.ops.engines`);
 the coordinator and launcher sides (`dpserve.launch.coordinator`, `supervisor`).
 """
 
@@ -48,12 +48,12 @@ from dpserve.frontend.cluster import ClusterView
 from dpserve.frontend.errors import EngineDeadError
 from dpserve.frontend.rank_table import RankView
 from dpserve.server.bodies import query_seconds
-from dpserve.server.control import control_router
-from dpserve.server.engines import engine_rows
 from dpserve.server.errors import APIError
-from dpserve.server.lora_routes import lora_router
-from dpserve.server.profile_routes import profile_router
-from dpserve.server.scale import scale_router
+from dpserve.server.ops.control import control_router
+from dpserve.server.ops.engines import engine_rows
+from dpserve.server.ops.lora_routes import lora_router
+from dpserve.server.ops.profile_routes import profile_router
+from dpserve.server.ops.scale import scale_router
 
 ACTIONS = ("cordon", "uncordon", "drain", "restart")
 CONTROL_TIMEOUT_S = 10.0  # cordon / uncordon: the coordinator's update comes within this

@@ -23,7 +23,7 @@ All carry `model_name`. Counts are this API server's (several API servers: summe
 by the multiprocess export, the in-flight gauge too).
 
 Not here: the handoff (`dpserve.frontend.handoff`), the other metrics
-(`dpserve.server.metrics`).
+(`dpserve.server.metrics.prometheus`).
 """
 
 from __future__ import annotations
