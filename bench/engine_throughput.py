@@ -145,7 +145,7 @@ def main() -> int:
 
     from transformers import AutoConfig
 
-    from dpserve.model.loader import resolve_model
+    from dpserve.checkpoint.loader import resolve_model
 
     path = str(resolve_model(args.model))
     vocab = AutoConfig.from_pretrained(path).vocab_size

@@ -133,7 +133,7 @@ def cycle_from(start: str, inside: dict[str, set[str]]) -> list[str]:
 
 
 def read_layers() -> dict[str, int]:
-    """ARCHITECTURE.md's "Layers" table: module or folder (`engine`, `model/loader`,
+    """ARCHITECTURE.md's "Layers" table: module or folder (`engine`, `checkpoint/loader`,
     `__init__` for the package's face) -> its layer, 1 the lowest."""
     text = (ROOT / "ARCHITECTURE.md").read_text()
     section = text.split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]

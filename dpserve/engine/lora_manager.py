@@ -27,8 +27,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dpserve.checkpoint.lora_config import WEIGHTS_FILE
 from dpserve.engine_config import LoRAConfig
-from dpserve.model.lora_config import WEIGHTS_FILE
 from dpserve.step import LoRAPlan, SchedulerOutput
 
 

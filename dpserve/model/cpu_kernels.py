@@ -54,8 +54,8 @@ from pathlib import Path
 
 import torch
 
+from dpserve.checkpoint.cache_safety import file_problem, private_dir
 from dpserve.cpu_features import cpu_flags
-from dpserve.model.cache_safety import file_problem, private_dir
 
 logger = logging.getLogger(__name__)
 

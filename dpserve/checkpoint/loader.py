@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
+from dpserve.checkpoint.cache_safety import file_problem, private_dir, tree_problem
 from dpserve.errors import ConfigError
-from dpserve.model.cache_safety import file_problem, private_dir, tree_problem
 
 if TYPE_CHECKING:
     import torch
@@ -203,7 +203,7 @@ def _convert_private(gguf_path: Path, why: str) -> Path:
 
 def _convert_into(gguf_path: Path, cache_dir: Path, name: str) -> None:
     """Convert into a temporary directory, then rename it to `cache_dir/name`."""
-    from dpserve.model.gguf import gguf_to_hf
+    from dpserve.checkpoint.gguf import gguf_to_hf
 
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=cache_dir))
     try:
