@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from dpserve.checkpoint.registry import get_model_class
-from dpserve.config import EngineConfig, SchedulerConfig
 from dpserve.cpu_features import auto_cpu_dtype
+from dpserve.engine_config import EngineConfig, SchedulerConfig
 from dpserve.model import cpu_kernels
 from dpserve.model.attention import AttentionMetadata, build_attention_metadata, token_positions
 from dpserve.model.expert_parallel import ExpertParallel
