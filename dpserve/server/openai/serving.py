@@ -23,13 +23,13 @@ tools, the rendered prompt, the streams): /v1/chat/completions formats its
 server/anthropic/serving.py) format it their own way.
 
 Not here: the streaming pieces shared with tool calls (`dpserve.server.openai.streams`),
+the logprob objects (`dpserve.server.openai.logprobs`, a part `OpenAIServing` holds),
 the error mapping (`dpserve.server.errors.to_api_error`), HTTP (the routers).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -42,7 +42,7 @@ from pydantic import BaseModel
 
 from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.errors import RequestError
-from dpserve.outputs import CompletionOutput, Logprob, RequestOutput
+from dpserve.outputs import CompletionOutput, RequestOutput
 from dpserve.protocol import RequestTags
 from dpserve.sampling_params import SamplingParams
 from dpserve.server.caller import ANONYMOUS, Caller, caller_tags
@@ -56,23 +56,18 @@ from dpserve.server.limits import (
 )
 from dpserve.server.log_options import logged_stream
 from dpserve.server.openai.grammar_check import GrammarChecker
+from dpserve.server.openai.logprobs import LogprobRenderer
 from dpserve.server.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatLogprobs,
     ChatStreamChoice,
-    ChatTokenLogprob,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
-    Logprobs,
-    PromptLogprob,
-    PromptLogprobs,
     SamplingRequest,
-    TopLogprob,
     UsageInfo,
 )
 from dpserve.server.openai.streams import collect, sse, sse_lines, token_pairs
@@ -138,8 +133,7 @@ class OpenAIServing:
             llm.config.model.tokenizer, llm.vocab_size,
             self.limits.structured_outputs_compile_workers,
             self.limits.structured_outputs_compile_timeout)
-        self.token_text = functools.lru_cache(maxsize=65536)(
-            lambda token_id: llm.decode([token_id]))
+        self.logprobs = LogprobRenderer(llm.decode)  # each token's text decoded once
         # generation_config.json defaults for fields a request leaves unset.
         self.defaults = dict(llm.config.model.generation_defaults)
 
@@ -180,8 +174,8 @@ class OpenAIServing:
             CompletionChoice(index=i, text=echo[i // params.n] + "".join(c.text),
                              finish_reason=c.finish_reason,
                              stop_reason=c.stop_reason,
-                             logprobs=self._completion_logprobs(c.logprobs, params.logprobs),
-                             prompt_logprobs=self._prompt_logprobs(c.prompt_logprobs))
+                             logprobs=self.logprobs.completion(c.logprobs, params.logprobs),
+                             prompt_logprobs=self.logprobs.prompt(c.prompt_logprobs))
             for i, c in enumerate(choices)])
 
     async def _echo_first(self, request_id: str, echo: list[str], n: int,
@@ -199,8 +193,8 @@ class OpenAIServing:
         offsets: dict[int, int] = {}  # choice index -> text offset of its next token
 
         def chunk(index: int, c: CompletionOutput) -> BaseModel:
-            logprobs = self._completion_logprobs(token_pairs(c), params.logprobs,
-                                                 offsets.get(index, 0))
+            logprobs = self.logprobs.completion(token_pairs(c), params.logprobs,
+                                                offsets.get(index, 0))
             if logprobs is not None and logprobs.tokens:
                 offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
             return CompletionResponse(id=request_id, model=model, choices=[
@@ -235,9 +229,9 @@ class OpenAIServing:
             message, finish = tool_message("".join(c.text), c.finish_reason, plan)
             out.append(ChatChoice(index=i, message=message, finish_reason=finish,
                                   stop_reason=c.stop_reason,
-                                  logprobs=self._chat_logprobs(c.logprobs, params.logprobs)))
+                                  logprobs=self.logprobs.chat(c.logprobs, params.logprobs)))
         return ChatCompletionResponse(id=request_id, model=model, usage=usage,
-                                      choices=out, prompt_logprobs=self._prompt_logprobs(
+                                      choices=out, prompt_logprobs=self.logprobs.prompt(
                                           choices[0].prompt_logprobs))
 
     async def start_chat(self, req: ChatCompletionRequest, caller: Caller = ANONYMOUS,
@@ -321,7 +315,7 @@ class OpenAIServing:
             return ChatCompletionChunk(id=request_id, model=model, choices=[
                 ChatStreamChoice(index=index, delta=DeltaMessage(content=c.text),
                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                 logprobs=self._chat_logprobs(token_pairs(c), params.logprobs))])
+                                 logprobs=self.logprobs.chat(token_pairs(c), params.logprobs))])
 
         def usage_chunk(usage: UsageInfo) -> BaseModel:
             return ChatCompletionChunk(id=request_id, model=model, choices=[], usage=usage)
@@ -460,52 +454,3 @@ class OpenAIServing:
         room = sum(params.max_tokens or max(0, self.llm.max_model_len - len(ids))
                    for _, ids in prompts)
         return sum(len(ids) for _, ids in prompts) * params.n, room * params.n
-
-    def _completion_logprobs(self, pairs: list[tuple[int, dict[int, Logprob]]],
-                             num: int | None, offset: int = 0) -> Logprobs | None:
-        if num is None:
-            return None
-        out = Logprobs(top_logprobs=[])
-        pos = offset
-        for token_id, entry in pairs:
-            text = self.token_text(token_id)
-            out.tokens.append(text)
-            out.token_logprobs.append(entry[token_id].logprob if token_id in entry else None)
-            assert out.top_logprobs is not None
-            top: dict[str, float] = {}
-            for t, lp in sorted(entry.items(), key=lambda x: (x[0] != token_id, x[1].rank)):
-                if lp.rank <= num or t == token_id:  # the sampled token, then the best N
-                    top.setdefault(self.token_text(t), lp.logprob)  # texts may collide
-            out.top_logprobs.append(top)
-            out.text_offset.append(pos)
-            pos += len(text)
-        return out
-
-    def _prompt_logprobs(self, entries: list[dict[int, Logprob] | None] | None,
-                         ) -> PromptLogprobs | None:
-        """RequestOutput.prompt_logprobs -> vLLM's JSON shape (decoded token texts)."""
-        if entries is None:
-            return None
-        return [None if e is None else {
-            t: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=self.token_text(t))
-            for t, lp in e.items()} for e in entries]
-
-    def _chat_logprobs(self, pairs: list[tuple[int, dict[int, Logprob]]],
-                       num: int | None) -> ChatLogprobs | None:
-        if num is None:
-            return None
-
-        def top(token_id: int, lp: Logprob) -> TopLogprob:
-            text = self.token_text(token_id)
-            return TopLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()))
-
-        content = []
-        for token_id, entry in pairs:
-            sampled = entry.get(token_id) or Logprob(float("nan"), 0)
-            best = sorted(((t, lp) for t, lp in entry.items() if lp.rank <= num),
-                          key=lambda x: x[1].rank)
-            content.append(ChatTokenLogprob(**top(token_id, sampled).model_dump(),
-                                            top_logprobs=[top(t, lp) for t, lp in best]))
-        return ChatLogprobs(content=content)
-
-
