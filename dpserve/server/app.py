@@ -12,9 +12,10 @@ Routers, each a module of thin routes:
   responses in the server's one `ResponseStore` (`response_store`).
 * embeddings (`dpserve.server.embeddings.routes`): OpenAI's /v1/embeddings, pooling
   requests through the same engines (`app.state.embeddings`: the batch runner's too).
-* files and batches (`dpserve.server.batches.files_routes`, `dpserve.server.batches.routes`, only
-  with a state directory: `batches`): uploads and OpenAI's Batch API, each API
-  server running batches in the background (`dpserve.server.batches.runner`).
+* files and batches (`dpserve.server.batches.files_routes`,
+  `dpserve.server.batches.routes`, only with a state directory: `batches`): uploads
+  and OpenAI's Batch API, each API server running batches in the background
+  (`dpserve.server.batches.runner`).
 * ops (`dpserve.server.ops.routes`): /health, /ping, /metrics, /version,
   /debug/request_state, /debug/dp_state; /engines and /dashboard
   (`dpserve.server.ops.engines`); /tokenize, /detokenize (`dpserve.server.openai.extras`).
@@ -113,25 +114,14 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     """
     auth = auth or AuthOptions.from_key(api_key or os.environ.get(API_KEY_ENV))
     http_options = http_options or HTTPOptions()
-    admission = Admission(async_llm.cluster, *max_num_queued,
-                          max_num_seqs=async_llm.config.scheduler.max_num_seqs)
-    serving = OpenAIServing(async_llm, served_model_name, tool_call_parser, request_limits,
-                            admission=admission, model_aliases=http_options.model_aliases,
-                            log_requests=log_requests)
-    metrics = ServerMetrics(served_model_name, api_server_index=api_server_index)
-    async_llm.add_stats_listener(metrics)  # and moves, in every engine message's wake:
-    async_llm.add_stats_listener(MovedListener(metrics, async_llm.cluster))
-    install_pd_metrics(async_llm, metrics.registry, served_model_name)  # with roles only
+    serving = _openai_serving(async_llm, served_model_name, max_num_queued, tool_call_parser,
+                              request_limits, http_options, log_requests)
+    metrics = _server_metrics(async_llm, served_model_name, api_server_index)
     app = FastAPI(title="dpserve", version=__version__, docs_url=None, redoc_url=None)
     app.state.serving, app.state.metrics = serving, metrics
     install_tenants(app, serving, metrics, auth, tenants or TenantOptions())
-    app.include_router(v1_router(async_llm, serving,
-                                 (served_model_name, *http_options.model_aliases)))
-    responses = ResponsesServing(serving, (response_store or ResponseStoreOptions()).open())
-    app.include_router(responses_router(async_llm, responses))
-    install_embeddings_api(app, async_llm, serving)  # app.state.embeddings: batches too
-    app.include_router(ops_router(async_llm, metrics))
-    uploads = install_batches(app, async_llm, serving, batches, api_server_index)
+    uploads = _install_apis(app, async_llm, serving, metrics, response_store, batches,
+                            api_server_index)
     # Middleware, innermost first: body cap, API key, then (extras) counts and CORS.
     app.add_middleware(BodyLimit, limit=max_request_body_bytes, uploads=uploads)
     app.add_middleware(AuthMiddleware, options=auth)
@@ -140,10 +130,52 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     app.include_router(engines_router(async_llm, admin=enable_admin_api))
     if enable_admin_api:
         app.include_router(admin_router(async_llm, [Depends(require_json)]))
+    _install_error_handler(app)
+    return app
+
+
+def _openai_serving(async_llm: AsyncLLM, served_model_name: str,
+                    max_num_queued: tuple[int | None, int | None], tool_call_parser: str | None,
+                    request_limits: RequestLimits | None, http_options: HTTPOptions,
+                    log_requests: bool) -> OpenAIServing:
+    """The chat and completion path every API runs through, with its admission."""
+    admission = Admission(async_llm.cluster, *max_num_queued,
+                          max_num_seqs=async_llm.config.scheduler.max_num_seqs)
+    return OpenAIServing(async_llm, served_model_name, tool_call_parser, request_limits,
+                         admission=admission, model_aliases=http_options.model_aliases,
+                         log_requests=log_requests)
+
+
+def _server_metrics(async_llm: AsyncLLM, served_model_name: str,
+                    api_server_index: int) -> ServerMetrics:
+    """This API server's series, fed by `async_llm`'s stats listeners."""
+    metrics = ServerMetrics(served_model_name, api_server_index=api_server_index)
+    async_llm.add_stats_listener(metrics)  # and moves, in every engine message's wake:
+    async_llm.add_stats_listener(MovedListener(metrics, async_llm.cluster))
+    install_pd_metrics(async_llm, metrics.registry, served_model_name)  # with roles only
+    return metrics
+
+
+def _install_apis(app: FastAPI, async_llm: AsyncLLM, serving: OpenAIServing,
+                  metrics: ServerMetrics, response_store: ResponseStoreOptions | None,
+                  batches: BatchOptions | None, api_server_index: int,
+                  ) -> dict[str, tuple[int, str]]:
+    """OpenAI's /v1 (the model's names: served and aliases), the Responses API,
+    embeddings, the ops routes, files and batches; the upload route's body cap."""
+    app.include_router(v1_router(async_llm, serving,
+                                 (serving.model_name, *serving.model_aliases)))
+    responses = ResponsesServing(serving, (response_store or ResponseStoreOptions()).open())
+    app.include_router(responses_router(async_llm, responses))
+    install_embeddings_api(app, async_llm, serving)  # app.state.embeddings: batches too
+    app.include_router(ops_router(async_llm, metrics))
+    return install_batches(app, async_llm, serving, batches, api_server_index)
+
+
+def _install_error_handler(app: FastAPI) -> None:
+    """The one error handler, for every exception a route can raise."""
     for exc_type in (APIError, ValidationError, RequestValidationError, ValueError,
                      EngineDeadError, StarletteHTTPException, Exception):
         app.add_exception_handler(exc_type, _error_response)
-    return app
 
 
 def install_tenants(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics,

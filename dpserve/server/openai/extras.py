@@ -138,7 +138,13 @@ def install_extras(app: FastAPI, llm: Any, serving: Any, registry: CollectorRegi
     """HTTP-response metrics, CORS (preflights are answered before the API key is asked
     for), the root span of traced requests (the outermost middleware, when tracing) and
     the extra routes (the module docstring)."""
-    from fastapi.middleware.cors import CORSMiddleware
+    _count_responses(app, registry)
+    _cors_and_traces(app, options)
+    _tokenizer_routes(app, llm, serving)
+
+
+def _count_responses(app: FastAPI, registry: CollectorRegistry) -> None:
+    """`dpserve:http_responses` by route and status, counted by a middleware."""
     from prometheus_client import Counter
 
     responses = Counter("dpserve:http_responses", "HTTP responses by route and status.",
@@ -152,6 +158,11 @@ def install_extras(app: FastAPI, llm: Any, serving: Any, registry: CollectorRegi
         responses.labels(path, str(response.status_code)).inc()
         return response
 
+
+def _cors_and_traces(app: FastAPI, options: HTTPOptions) -> None:
+    """CORS (only with --allowed-origins), then, outermost, the traces' root spans."""
+    from fastapi.middleware.cors import CORSMiddleware
+
     if options.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
                            allow_methods=list(options.allowed_methods),
@@ -159,6 +170,10 @@ def install_extras(app: FastAPI, llm: Any, serving: Any, registry: CollectorRegi
                            allow_credentials=options.allow_credentials)
     if tracing.active():  # each traced request's root span, outermost (server/trace_http.py)
         app.add_middleware(TraceMiddleware)
+
+
+def _tokenizer_routes(app: FastAPI, llm: Any, serving: Any) -> None:
+    """POST /tokenize and /detokenize, on `llm`'s tokenizer thread."""
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:

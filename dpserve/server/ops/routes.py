@@ -41,6 +41,19 @@ _DEBUG_TIMEOUT_S = 10.0  # a /debug route's utility calls
 def ops_router(async_llm: AsyncLLM, metrics: ServerMetrics) -> APIRouter:
     """The operations routes (module docstring)."""
     router = APIRouter()
+    _health_routes(router, async_llm)
+    _metrics_route(router, async_llm.cluster, metrics)
+    _debug_routes(router, async_llm)
+
+    @router.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    return router
+
+
+def _health_routes(router: APIRouter, async_llm: AsyncLLM) -> None:
+    """GET /health, GET|POST /ping."""
     cluster = async_llm.cluster
 
     @router.get("/health")
@@ -65,6 +78,10 @@ def ops_router(async_llm: AsyncLLM, metrics: ServerMetrics) -> APIRouter:
                              "data_parallel_size": cluster.data_parallel_size},
                             status_code=200 if ok else 503)
 
+
+def _metrics_route(router: APIRouter, cluster: ClusterView, metrics: ServerMetrics) -> None:
+    """GET /metrics: the series set at scrape time from `cluster`, then rendered."""
+
     @router.get("/metrics")
     async def prometheus_metrics() -> Response:
         metrics.set_wave(cluster.current_wave)  # as this API server last heard it
@@ -74,6 +91,11 @@ def ops_router(async_llm: AsyncLLM, metrics: ServerMetrics) -> APIRouter:
         metrics.set_elastic(cluster.data_parallel_size, cluster.autoscale_decisions)
         metrics.lora.update(cluster.ranks(), cluster.loras)
         return Response(metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+def _debug_routes(router: APIRouter, async_llm: AsyncLLM) -> None:
+    """GET /debug/request_state, GET /debug/dp_state (utility calls to every live engine)."""
+    cluster = async_llm.cluster
 
     @router.get("/debug/request_state")
     async def request_state() -> dict[str, Any]:
@@ -92,12 +114,6 @@ def ops_router(async_llm: AsyncLLM, metrics: ServerMetrics) -> APIRouter:
         experts = await cluster.call_utility_all("expert_info", timeout=_DEBUG_TIMEOUT_S)
         return {"engines": {str(rank): {"dp": dp[rank], "experts": experts.get(rank)}
                             for rank in dp}}
-
-    @router.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": __version__}
-
-    return router
 
 
 class MovedListener:
