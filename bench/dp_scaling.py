@@ -427,7 +427,7 @@ def header_markdown(args: argparse.Namespace, vocab_size: int) -> str:
 
 def vocab_size(model: str | None) -> int:
     """The model's vocabulary (prompt token ids must stay below it)."""
-    from dpserve.model.loader import resolve_model  # the default: a cached conversion
+    from dpserve.checkpoint.loader import resolve_model  # the default: a cached conversion
 
     with open(resolve_model(model) / "config.json") as f:
         return int(json.load(f)["vocab_size"])

@@ -44,11 +44,11 @@ def hash_micro(block_size: int, reps: int = 20000) -> dict[str, float]:
     """ns per block hash, chained as the engine does, best of 5: sha256 vs builtin."""
     import random
 
-    from dpserve.engine import kv_cache
+    from dpserve.block_hash import hash_block
 
     tokens = [random.Random(0).randrange(100, 49152) for _ in range(block_size)]
     out = {}
-    for name, fn in (("sha256", kv_cache.hash_block), ("builtin", _builtin_hash_block)):
+    for name, fn in (("sha256", hash_block), ("builtin", _builtin_hash_block)):
         best = float("inf")
         for _ in range(5):
             parent = None
@@ -145,7 +145,7 @@ def main() -> int:
 
     from transformers import AutoConfig
 
-    from dpserve.model.loader import resolve_model
+    from dpserve.checkpoint.loader import resolve_model
 
     path = str(resolve_model(args.model))
     vocab = AutoConfig.from_pretrained(path).vocab_size

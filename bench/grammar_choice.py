@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from transformers import AutoTokenizer
 
-from dpserve.model.loader import resolve_model
+from dpserve.checkpoint.loader import resolve_model
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},

@@ -78,7 +78,7 @@ def make_adapters(model: str | None, root: Path, n: int, rank: int, seed: int) -
     adapter_model.safetensors; B non-zero so that each changes the model)."""
     from safetensors.numpy import save_file
 
-    from dpserve.model.loader import resolve_model
+    from dpserve.checkpoint.loader import resolve_model
 
     base = resolve_model(model)
     c = json.loads((base / "config.json").read_text())

@@ -101,10 +101,10 @@ def perplexity(model: str | None, setting: str) -> float:
     """exp(mean NLL) of TEXT's tokens, teacher-forced in one prefill."""
     from transformers import AutoTokenizer
 
+    from dpserve.checkpoint.loader import iter_weights
+    from dpserve.checkpoint.registry import get_model_class
     from dpserve.config import EngineArgs
     from dpserve.model.attention import build_attention_metadata
-    from dpserve.model.loader import iter_weights
-    from dpserve.model.registry import get_model_class
 
     dtype_name, quantization, head, head_dtype = SETTINGS[setting]
     dtype = getattr(torch, dtype_name)

@@ -23,6 +23,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from dpserve.checkpoint.lora_config import check_lora_options, lora_config
+from dpserve.checkpoint.sharded_state import LOAD_FORMATS, check_load_format
 from dpserve.engine_config import (
     SCHEDULING_HELP,
     SCHEDULING_POLICIES,
@@ -42,8 +44,6 @@ from dpserve.engine_config import (
 )
 from dpserve.errors import ConfigError
 from dpserve.generation_config import load_generation_defaults
-from dpserve.model.lora_config import check_lora_options, lora_config
-from dpserve.model.sharded_state import LOAD_FORMATS, check_load_format
 from dpserve.placement import (
     DP_BACKENDS,
     PACK_STRATEGIES,
@@ -77,7 +77,7 @@ _LIMITS = "request limits"  # the `dpserve serve` argument group of these option
 
 def _check_quantization(quantization: str, device: str, dtype: str, arch: str) -> None:
     """int8 runs fbgemm CPU kernels on float32 dense Llama-family models only."""
-    from dpserve.model.registry import supports_int8
+    from dpserve.checkpoint.registry import supports_int8
 
     if device != "cpu":
         raise ConfigError(f"quantization {quantization} runs on CPU only (device is {device})")
@@ -365,12 +365,12 @@ class EngineArgs(ProfileArgs, TracingArgs):
     def _model_config(self, device: str) -> ModelConfig:
         """Resolve the model (directory, GGUF file, default, hub) and check it."""
         dtype = resolve_dtype(self.dtype, device, self.quantization)
-        from dpserve.model.loader import resolve_model
+        from dpserve.checkpoint.loader import resolve_model
 
         path = resolve_model(self.model, revision=self.revision)
         hf_config = json.loads((Path(path) / "config.json").read_text())
         archs = hf_config.get("architectures") or []
-        from dpserve.model.registry import supported_architectures
+        from dpserve.checkpoint.registry import supported_architectures
 
         arch = next((a for a in archs if a in supported_architectures()), None)
         if arch is None:

@@ -149,7 +149,7 @@ class ModelConfig:
     generation_defaults: tuple[tuple[str, Any], ...] = ()
     quantization: str | None = None  # "int8": dynamic int8 linears (dpserve.model.quant)
     pooler: PoolerConfig = PoolerConfig()  # how embeddings pool (--pooler-config)
-    load_format: str = "auto"  # "sharded_state": each TP worker's own files (model.sharded_state)
+    load_format: str = "auto"  # "sharded_state": files per TP worker (checkpoint.sharded_state)
 
     def __reduce__(self):
         # MappingProxyType does not pickle; send a plain copy (spawned engines

@@ -9,7 +9,7 @@ returning the path. A session is bounded: one at a time per worker, and stopped
 (its trace written) by `close()` when the engine shuts down mid-session.
 
 The admin routes `POST /start_profile` and `POST /stop_profile` (vLLM's names,
-`dpserve.server.profile_routes`) reach every worker through the engines'
+`dpserve.server.ops.profile_routes`) reach every worker through the engines'
 `start_profile` / `stop_profile` utilities. On a host of its own (`--headless`) the
 traces go to that host's DIR, from its own command line.
 

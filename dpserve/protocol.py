@@ -113,7 +113,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # Migration: tokens another engine already generated for this request (they
     # count as outputs; outputs from here on carry only what comes after them).
     prior_output_token_ids: list[int] | None = None
-    # Prefix-cache salt: folded into the hash of the first block (kv_cache.root_hash),
+    # Prefix-cache salt: folded into the hash of the first block (block_hash.root_hash),
     # so requests share cached blocks only with equal salts (None: unsalted).
     cache_salt: str | None = None
     # The LoRA adapter (its name, as registered with the engine's add_lora) this

@@ -7,7 +7,7 @@ operators' `RankControl`s (cordon), and publishes as `EngineInfo` per rank in
 `CoordinatorUpdate.engines`, so every API server answers /engines alike.
 
 Not here: the coordinator's sockets and loop (`dpserve.launch.coordinator`),
-the HTTP view (`dpserve.server.engines`).
+the HTTP view (`dpserve.server.ops.engines`).
 """
 
 from __future__ import annotations

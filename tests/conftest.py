@@ -71,7 +71,7 @@ def default_hf_model():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dpserve.model.loader import default_gguf_path
+    from dpserve.checkpoint.loader import default_gguf_path
 
     gguf = default_gguf_path()
     return AutoModelForCausalLM.from_pretrained(

@@ -9,7 +9,7 @@ teardown runs, the entry points of a process start are wrapped: `subprocess.Pope
 spawn functions go through these), multiprocessing's `BaseProcess.start` and
 `util.spawnv_passfds` (its spawn and forkserver starts call `_posixsubprocess`
 directly); and so is `open` (builtins and io), for any file of the default model: its
-GGUF file (dpserve.model.loader's `DEFAULT_GGUF`) or its converted directory (named
+GGUF file (dpserve.checkpoint.loader's `DEFAULT_GGUF`) or its converted directory (named
 after the GGUF file's stem). The start or the open is refused (raises) and the test
 fails with a message naming the test, what it started or opened, and the marker to
 add. Outside those phases nothing is wrapped. (Patches, not a `sys.addaudithook`:
@@ -39,7 +39,7 @@ from typing import Any, NoReturn
 
 import pytest
 
-from dpserve.model.loader import DEFAULT_GGUF
+from dpserve.checkpoint.loader import DEFAULT_GGUF
 
 FAST_EXCLUDED = ("procs", "slow")  # make test-fast runs `-m "not procs and not slow"`
 DEFAULT_MODEL_STEM = Path(DEFAULT_GGUF).stem  # "SmolLM2-135M-Instruct.Q4_1"

@@ -214,7 +214,7 @@ import sys
 from types import SimpleNamespace as Fake
 
 from dpserve.protocol import SchedulerStats
-from dpserve.server.metrics import ServerMetrics
+from dpserve.server.metrics.prometheus import ServerMetrics
 
 index, running, *queries = map(int, sys.argv[1:])
 metrics = ServerMetrics("tiny", api_server_index=index)

@@ -13,17 +13,17 @@ import stat
 import pytest
 
 from dpserve.errors import ConfigError
-from dpserve.server.batch_format import check_file
-from dpserve.server.batch_options import BatchOptions, add_batch_args
-from dpserve.server.batch_store import BatchStore, init_batch_state
-from dpserve.server.file_store import FileStore
-from dpserve.server.multipart import (
+from dpserve.server.batches.file_store import FileStore
+from dpserve.server.batches.format import check_file
+from dpserve.server.batches.multipart import (
     FileTooLarge,
     MultipartError,
     boundary_of,
     receive_upload,
 )
-from dpserve.server.state_db import StateDB
+from dpserve.server.batches.options import BatchOptions, add_batch_args
+from dpserve.server.batches.state_db import StateDB
+from dpserve.server.batches.store import BatchStore, init_batch_state
 from dpserve.server.state_dir import state_directory
 
 BOUNDARY = "b0undary-x"

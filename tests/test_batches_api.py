@@ -27,7 +27,7 @@ import openai
 import pytest
 from helpers import metric_sum, output, serve, wait_until
 
-from dpserve.server.files_api import MULTIPART_SLACK
+from dpserve.server.batches.files_routes import MULTIPART_SLACK
 
 pytestmark = [pytest.mark.procs]
 

@@ -72,7 +72,7 @@ def default_model() -> str:
     stand_in = os.environ.get("DPSERVE_CUDA_DEFAULT_MODEL")
     if stand_in:
         return stand_in
-    from dpserve.model.loader import resolve_model
+    from dpserve.checkpoint.loader import resolve_model
 
     return str(resolve_model(None))
 

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from dpserve.model.loader import DEFAULT_GGUF
+from dpserve.checkpoint.loader import DEFAULT_GGUF
 
 pytest_plugins = ["pytester"]
 

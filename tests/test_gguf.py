@@ -17,9 +17,9 @@ import torch
 from gguf_helpers import finish_gguf, gguf_writer
 from safetensors.torch import load_file
 
+from dpserve.checkpoint import gguf as dg
+from dpserve.checkpoint.loader import default_gguf_path, resolve_model
 from dpserve.config import ConfigError
-from dpserve.model import gguf as dg
-from dpserve.model.loader import default_gguf_path, resolve_model
 from dpserve.testing.tiny_model import make_tiny_model
 
 Q = gguf.GGMLQuantizationType
@@ -194,7 +194,7 @@ def test_tiny_round_trip(tmp_path, arch):
 
 
 def test_large_models_are_sharded(tmp_path, monkeypatch):
-    from dpserve.model.loader import iter_weights
+    from dpserve.checkpoint.loader import iter_weights
 
     hf_dir = make_tiny_model(tmp_path / "hf", "llama")
     gguf_file = write_gguf_from_hf(hf_dir, tmp_path / "tiny.gguf", "llama")

@@ -21,8 +21,8 @@ from gguf_helpers import finish_gguf, gguf_writer
 from safetensors.torch import load_file
 
 from dpserve import LLM, SamplingParams
+from dpserve.checkpoint import gguf as dg
 from dpserve.config import ConfigError
-from dpserve.model import gguf as dg
 from dpserve.testing.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.slow  # one model per architecture, compared with transformers

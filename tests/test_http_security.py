@@ -34,7 +34,7 @@ import pytest
 from fastapi import Request
 from helpers import free_port, output, serve, serve_app
 
-from dpserve.server.files_api import MULTIPART_SLACK
+from dpserve.server.batches.files_routes import MULTIPART_SLACK
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(300)]
 
@@ -94,7 +94,7 @@ async def _app(model: str, tmp: Path, auth: object):
     from dpserve.frontend.async_llm import AsyncLLM
     from dpserve.frontend.engine_client import AsyncEngineClient
     from dpserve.server.app import build_app
-    from dpserve.server.batch_options import BatchOptions
+    from dpserve.server.batches.options import BatchOptions
 
     config = EngineArgs(model=model).create_config()
     llm = AsyncLLM(config, AsyncEngineClient(f"ipc://{tmp}/in", f"ipc://{tmp}/out"))

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from dpserve.block_hash import hash_block
 from dpserve.engine.kv_cache import (
     BlockPool,
     FreeBlockQueue,
     KVCacheBlock,
     KVCacheManager,
-    hash_block,
 )
 from dpserve.engine.request import Request
 from dpserve.sampling_params import SamplingParams
@@ -114,7 +114,7 @@ def test_block_hash_resists_the_collisions_builtin_hash_has():
 @pytest.mark.procs
 def test_block_hash_is_the_same_in_another_process():
     """Not randomized per process: other hash seeds give the same digests."""
-    code = ("from dpserve.engine.kv_cache import hash_block as h;"
+    code = ("from dpserve.block_hash import hash_block as h;"
             "print(h(h(None, [1, 2, 3, 4]), [5, 6, 7, 8]).hex())")
     expected = hash_block(hash_block(None, [1, 2, 3, 4]), [5, 6, 7, 8]).hex()
     for seed in ("123", "random"):

@@ -1,4 +1,4 @@
-"""The KV host tier's Prometheus series (`dpserve.server.kv_tier_metrics`, fed by
+"""The KV host tier's Prometheus series (`dpserve.server.metrics.kv_tier`, fed by
 `ServerMetrics` with the engines' `SchedulerStats`) in the real exposition text:
 vLLM's names, per engine, counted from the engines' cumulative figures (a restarted
 engine counts from 0 again), merged over API-server processes, and absent on a
@@ -14,8 +14,8 @@ import sys
 import pytest
 
 from dpserve.protocol import SchedulerStats
-from dpserve.server.engines import _tier
-from dpserve.server.metrics import ServerMetrics
+from dpserve.server.metrics.prometheus import ServerMetrics
+from dpserve.server.ops.engines import _tier
 
 GIB = 1 << 30
 
@@ -70,7 +70,7 @@ def test_no_tier_no_series():
 _RECORD = """
 import sys
 from dpserve.protocol import SchedulerStats
-from dpserve.server.metrics import ServerMetrics
+from dpserve.server.metrics.prometheus import ServerMetrics
 
 index, queries, used = map(int, sys.argv[1:])
 metrics = ServerMetrics("tiny", api_server_index=index)

@@ -29,9 +29,9 @@ import pytest
 import zmq
 from helpers import descendants, dp_args, free_port, start_background, stop, wait_until
 
+from dpserve.block_hash import hash_block, root_hash
 from dpserve.config import EngineArgs
 from dpserve.engine.core import EngineCore
-from dpserve.engine.kv_cache import hash_block, root_hash
 from dpserve.frontend.engine_client import AsyncEngineClient
 from dpserve.kv_tier.arena import leftover_arenas, map_arena
 from dpserve.kv_tier.client import KVTierClient

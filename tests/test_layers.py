@@ -4,7 +4,8 @@
   methods, under `if TYPE_CHECKING:` (see ARCHITECTURE.md, "Layers", for why).
 * The graph has no cycle, and no edge goes up the layer order that ARCHITECTURE.md's
   "Layers" table gives: the test reads that table, so the map and the check are one.
-* Files, classes and functions stay under the sizes of the style guide.
+* Files, classes and functions stay under the sizes of the style guide, and no
+  package folder holds more than `MAX_FOLDER_MODULES` modules.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ PACKAGE = ROOT / "dpserve"
 MAX_FILE_LINES = 600
 MAX_CLASS_LINES = 400
 MAX_FUNCTION_LINES = 60
+MAX_FOLDER_MODULES = 25  # .py files directly in one folder: more, and it wants subfolders
 # Where the sizes hold so far (the rest of the package is being split now).
 
 
@@ -133,7 +135,7 @@ def cycle_from(start: str, inside: dict[str, set[str]]) -> list[str]:
 
 
 def read_layers() -> dict[str, int]:
-    """ARCHITECTURE.md's "Layers" table: module or folder (`engine`, `model/loader`,
+    """ARCHITECTURE.md's "Layers" table: module or folder (`engine`, `checkpoint/loader`,
     `__init__` for the package's face) -> its layer, 1 the lowest."""
     text = (ROOT / "ARCHITECTURE.md").read_text()
     section = text.split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
@@ -212,3 +214,18 @@ def test_files_classes_and_functions_stay_small() -> None:
     assert len(files) > 40, "the size check reads too few files"
     found = [line for path in files for line in oversized(path)]
     assert not found, "over the size limits:\n" + "\n".join(found)
+
+
+def crowded_folders() -> list[str]:
+    """Each package folder with more than MAX_FOLDER_MODULES modules directly in it."""
+    folders = [PACKAGE, *(p for p in sorted(PACKAGE.rglob("*")) if p.is_dir()
+                          and (p / "__init__.py").exists())]
+    counts = {folder: len(list(folder.glob("*.py"))) for folder in folders}
+    return [f"{folder.relative_to(ROOT)}/: {n} modules (limit {MAX_FOLDER_MODULES})"
+            for folder, n in counts.items() if n > MAX_FOLDER_MODULES]
+
+
+def test_no_folder_holds_too_many_modules() -> None:
+    assert len(list(PACKAGE.glob("*.py"))) > 5, "the folder check reads too few modules"
+    found = crowded_folders()
+    assert not found, "package folders over the module limit:\n" + "\n".join(found)

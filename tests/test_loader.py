@@ -22,16 +22,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dpserve.config import ConfigError
-from dpserve.model import gguf as dg
-from dpserve.model import loader
-from dpserve.model.loader import (
+from dpserve.checkpoint import gguf as dg
+from dpserve.checkpoint import loader
+from dpserve.checkpoint.loader import (
     CONVERSION_MARKER,
     default_gguf_path,
     iter_weights,
     resolve_model,
     weight_files,
 )
+from dpserve.config import ConfigError
 from dpserve.testing.tiny_model import make_tiny_model
 
 
@@ -285,8 +285,8 @@ def test_an_unsafe_model_cache_is_not_used(gguf_file, cache, tmp_path, unsafe):
         os.chown(cache, _nobody(), -1)
     script = (
         "import json, sys\n"
-        "from dpserve.model import gguf as dg\n"
-        "from dpserve.model.loader import resolve_model\n"
+        "from dpserve.checkpoint import gguf as dg\n"
+        "from dpserve.checkpoint.loader import resolve_model\n"
         "def fake_converter(src, out):\n"
         "    (out / 'config.json').write_text(json.dumps({'source': str(src)}))\n"
         "dg.gguf_to_hf = fake_converter\n"

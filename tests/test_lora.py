@@ -271,7 +271,7 @@ def test_request_with_adapter_needs_enable_lora(models):
 
 @pytest.mark.slow
 def test_default_model_equals_peft(tmp_path):
-    from dpserve.model.loader import resolve_model
+    from dpserve.checkpoint.loader import resolve_model
 
     base = Path(resolve_model(None))
     adapter = make_adapter(base, tmp_path / "smol", rank=8, scale=0.3,

@@ -15,11 +15,11 @@ import torch
 from helpers import serve
 
 from dpserve import LLM, SamplingParams
+from dpserve.checkpoint.loader import iter_weights
 from dpserve.config import ConfigError, EngineArgs
 from dpserve.cpu_features import cpu_flags
 from dpserve.model import cpu_kernels, quant
 from dpserve.model.llama import LlamaForCausalLM
-from dpserve.model.loader import iter_weights
 
 PROMPTS = [f"Prompt number {i}: the quick brown fox {i * 7}" for i in range(16)]
 TOKENS = 16

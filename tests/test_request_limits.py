@@ -21,7 +21,8 @@ import openai
 import pytest
 from helpers import serve_all, stopping, wait_until
 
-from dpserve.engine.kv_cache import KVCacheManager, hash_block, root_hash
+from dpserve.block_hash import hash_block, root_hash
+from dpserve.engine.kv_cache import KVCacheManager
 from dpserve.engine.request import Request
 from dpserve.frontend.routing import PrefixTracker
 from dpserve.sampling_params import SamplingParams

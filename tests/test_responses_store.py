@@ -12,7 +12,7 @@ import stat
 import pytest
 
 from dpserve.errors import ConfigError
-from dpserve.server.responses_store import (
+from dpserve.server.responses.store import (
     ResponseStore,
     ResponseStoreOptions,
     TooLarge,

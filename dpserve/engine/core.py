@@ -310,8 +310,8 @@ class EngineCore:
         """Every worker of this rank writes its own shard of the weights to `path`, and
         the model's other files (config, tokenizer) are copied there: a directory for
         --load-format sharded_state at this tensor_parallel_size
-        (`dpserve.model.sharded_state`). The files written, worker by worker."""
-        from dpserve.model.sharded_state import copy_model_files
+        (`dpserve.checkpoint.sharded_state`). The files written, worker by worker."""
+        from dpserve.checkpoint.sharded_state import copy_model_files
 
         written = self.executor.collective_rpc("save_sharded_state", path, pattern, max_size)
         copy_model_files(Path(self.config.model.path), Path(path))

@@ -4,7 +4,7 @@ Scope: the contract the scheduler asks (`KVConnector`: how many of a request's
 next blocks the store holds, loads into blocks the scheduler allocated, offers
 of newly full computed blocks, then the step's copies as one `KVTransfer`), and
 its implementation over the host tier's client (`HostTierConnector`). Blocks
-are named by the prefix cache's hashes (`kv_cache.hash_block`: the SHA-256
+are named by the prefix cache's hashes (`block_hash.hash_block`: the SHA-256
 chain with the cache salt and LoRA key), so a block means the same thing on
 every rank that shares the store.
 

@@ -4,7 +4,7 @@ Scope: IO-free bookkeeping the `EngineCore` holds (`--enable-lora`). Three tiers
 
 * registered: name -> path, a per-engine id (1, 2, ...) and a prefix-cache key
   (name + the weights file's sha256: a name reloaded with other weights never
-  hits the old blocks; `kv_cache.root_hash`);
+  hits the old blocks; `block_hash.root_hash`);
 * on the host: every worker's runner keeps the adapter's tensors in host memory,
   at most `--max-cpu-loras` of them (LRU; an adapter evicted from the host is
   read from its path again when a step needs it);
@@ -27,8 +27,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dpserve.checkpoint.lora_config import WEIGHTS_FILE
 from dpserve.engine_config import LoRAConfig
-from dpserve.model.lora_config import WEIGHTS_FILE
 from dpserve.step import LoRAPlan, SchedulerOutput
 
 

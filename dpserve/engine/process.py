@@ -83,7 +83,7 @@ _IDLE_WAIT_S = 0.5  # the busy loop's longest block on an empty input queue
 
 # Utility calls: `core.UTILITY_METHODS` (an allowlist: every other name is refused by
 # name, and the engine serves on), answered by the EngineCore unless the process
-# answers them itself (these, with its own state included). Callers: server/engines.py
+# answers them itself (these, with its own state included). Callers: server/ops/engines.py
 # and app.py (/engines, /debug), async_llm.py's get_stats, the sync client, tests.
 _PROC_UTILITIES = frozenset({"get_dp_state", "request_state_sizes"})
 # Pause / sleep without a coordinator: `control(op, arg, token)` changes this engine's

@@ -94,13 +94,13 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         # Hashes of this request's full blocks, filled by the KV-cache manager; the first
-        # block's parent is the root of its salt (kv_cache.root_hash; None: unsalted).
+        # block's parent is the root of its salt (block_hash.root_hash; None: unsalted).
         self.cache_salt = cache_salt
         # The LoRA adapter (engine id, 0: none) and its prefix-cache key, folded into
         # the root too: two adapters never share cached blocks.
         self.lora_id = lora_id
         self.lora_cache_key = lora_cache_key
-        self.block_hashes: list[bytes] = []  # sha256 digests (kv_cache.hash_block)
+        self.block_hashes: list[bytes] = []  # sha256 digests (block_hash.hash_block)
         self._init_features(sampling_params, pooling)
 
     def _init_features(self, sampling_params: SamplingParams,

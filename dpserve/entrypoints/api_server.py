@@ -48,7 +48,7 @@ when the launcher is gone (pipe closed, or re-parented: polled every second).
 
 Metrics: each child sets PROMETHEUS_MULTIPROC_DIR (the launcher's private
 dir) before prometheus_client is imported, so every scrape sums all M; see
-`dpserve.server.metrics`.
+`dpserve.server.metrics.prometheus`.
 """
 
 from __future__ import annotations
@@ -79,12 +79,12 @@ from dpserve.launch.api_server_pipe import (
 from dpserve.logging_utils import name_process
 from dpserve.parent_watch import start_parent_watcher
 from dpserve.server.auth import AuthOptions
-from dpserve.server.batch_options import BatchOptions
-from dpserve.server.extras import HTTPOptions, uvicorn_kwargs
+from dpserve.server.batches.options import BatchOptions
 from dpserve.server.limits import RequestLimits
 from dpserve.server.log_options import LogOptions, configure_access_log
-from dpserve.server.responses_store import ResponseStoreOptions
-from dpserve.server.stats_log import log_stats_every
+from dpserve.server.metrics.stats_log import log_stats_every
+from dpserve.server.openai.extras import HTTPOptions, uvicorn_kwargs
+from dpserve.server.responses.store import ResponseStoreOptions
 from dpserve.server.tenants import TenantOptions
 
 if TYPE_CHECKING:

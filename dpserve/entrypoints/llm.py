@@ -206,7 +206,7 @@ class LLM:
         directory `path` (`model-rank-{rank}-part-{part}.safetensors`, a new part past
         `max_size` bytes), with the model's config and tokenizer files; serve it with
         `load_format="sharded_state"` at the same tensor_parallel_size. The files
-        written (`dpserve.model.sharded_state`)."""
+        written (`dpserve.checkpoint.sharded_state`)."""
         engine = self._live_engine()
         target = str(Path(path).resolve())  # the engines' working directory may differ
         if isinstance(engine, SyncEngineClient):  # every DP rank holds the same shards

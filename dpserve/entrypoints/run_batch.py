@@ -1,13 +1,13 @@
 """`dpserve run-batch -i in.jsonl -o out.jsonl [model] [engine options]`: an OpenAI
 batch file run offline (vLLM's `vllm run-batch` names), with a progress bar.
 
-The input is the Batch API's JSONL (`dpserve.server.batch_format`: chat and
+The input is the Batch API's JSONL (`dpserve.server.batches.format`: chat and
 completion lines, mixed as they like); every line is checked before the model
 loads (a bad line is a one-line error naming it, exit 2). The lines then run
 through the offline `LLM` (one engine, or `--data-parallel-size N` engine
 processes), all at once, with tqdm's bar counting finished requests; the output
 file gets one line per input line, in input order, in the Batch API's output
-format, the bodies shaped as the server's (`dpserve.server.protocol`). A line the
+format, the bodies shaped as the server's (`dpserve.server.openai.protocol`). A line the
 offline path cannot take (a field it does not support, an unknown model name, a
 prompt over the context, /v1/embeddings) gets an error line with a 4xx status
 naming the field; the others run.
@@ -17,7 +17,7 @@ generation_config.json, as in the server. Prompts are rendered as the server
 renders them (the chat template over text messages; a completion prompt's text
 or token ids), so a greedy line answers as the server's endpoint does.
 
-Not here: the server's /v1/batches (`dpserve.server.batches_api`).
+Not here: the server's /v1/batches (`dpserve.server.batches.routes`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from dpserve.frontend.tokenizer import apply_chat_template
 from dpserve.outputs import RequestOutput
 from dpserve.prompt import PromptError, check_prompt
 from dpserve.sampling_params import SamplingParams
-from dpserve.server.batch_format import (
+from dpserve.server.batches.format import (
     CHAT,
     COMPLETIONS,
     BatchLine,
@@ -47,9 +47,8 @@ from dpserve.server.batch_format import (
     parse_line,
     read_lines,
 )
-from dpserve.server.errors import to_api_error
-from dpserve.server.protocol import (
-    APIError,
+from dpserve.server.errors import APIError, to_api_error
+from dpserve.server.openai.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,

@@ -10,7 +10,7 @@ serves as a model with `--load-format sharded_state` at the same
 A command of its own, not an admin route: it writes a directory the operator names,
 which an HTTP caller should not choose on the server's host.
 
-Not here: the files (`dpserve.model.sharded_state`), the engine utility
+Not here: the files (`dpserve.checkpoint.sharded_state`), the engine utility
 (`EngineCore.save_sharded_state`).
 """
 
@@ -19,8 +19,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from dpserve.checkpoint.sharded_state import DEFAULT_MAX_SIZE, DEFAULT_PATTERN
 from dpserve.config import EngineArgs, parse_memory_size
-from dpserve.model.sharded_state import DEFAULT_MAX_SIZE, DEFAULT_PATTERN
 
 
 def add_save_args(parser: argparse.ArgumentParser) -> None:

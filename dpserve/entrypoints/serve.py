@@ -70,15 +70,15 @@ from dpserve.launch.process import start_engine_forkserver, stop_engine_forkserv
 from dpserve.logging_utils import name_process, scrub_argv
 from dpserve.placement import can_scale
 from dpserve.server.auth import add_auth_args, check_admin_exposure
-from dpserve.server.batch_options import add_batch_args
-from dpserve.server.batch_store import init_batch_state
-from dpserve.server.extras import HTTPOptions, add_http_args
+from dpserve.server.batches.options import add_batch_args
+from dpserve.server.batches.store import init_batch_state
 from dpserve.server.limits import RequestLimits, add_limit_args
 from dpserve.server.log_options import LogOptions, add_log_args
-from dpserve.server.responses_store import add_response_store_args, store_in
+from dpserve.server.openai.extras import HTTPOptions, add_http_args
+from dpserve.server.openai.tools import add_tool_args
+from dpserve.server.responses.store import add_response_store_args, store_in
 from dpserve.server.state_dir import state_directory
 from dpserve.server.tenants import add_tenant_args
-from dpserve.server.tools import add_tool_args
 from dpserve.tracing.options import GROUP as TRACING
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """Pause / sleep from a front-end: send a change to every rank, wait until reached.
 
 Scope: `change_control(client, op, arg)` for the operator routes
-(`dpserve.server.control`). With a DP coordinator the change goes to it (it
+(`dpserve.server.ops.control`). With a DP coordinator the change goes to it (it
 fans out to every engine, on every host, and keeps the state for late API
 servers and restarted engines); the call returns once every serving rank
 reports the new state reached (pause "wait": once their requests finished).

@@ -21,7 +21,7 @@ rank runs `remove_lora` (requests in flight with it finish).
 `LoRAReplay`: without a coordinator, a restarted rank gets the registry from
 the engine client before its first request that names an adapter.
 
-Not here: the HTTP routes and status codes' bodies (`dpserve.server.lora_routes`),
+Not here: the HTTP routes and status codes' bodies (`dpserve.server.ops.lora_routes`),
 the engine's adapters (`dpserve.engine.lora_manager`).
 """
 

@@ -4,7 +4,7 @@ Scope (pure bookkeeping: no I/O, one thread):
 
 * `PrefixTracker`: per rank (or per host, for its KV tier: any hashable key), an
   approximate record of the prefix-cache blocks the prompts sent there left: the
-  engine's block hash chain (`dpserve.engine.kv_cache.hash_block`) over each
+  engine's block hash chain (`dpserve.block_hash.hash_block`) over each
   prompt's full blocks, rooted as the engine roots it (`cache_root`: salt and
   LoRA adapter); an LRU bounded by the rank's KV capacity in blocks
   (`kv_capacity_blocks`, from its `SchedulerStats`), so it forgets roughly what
@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 
-from dpserve.engine.kv_cache import BlockHash, hash_block, root_hash
+from dpserve.block_hash import BlockHash, hash_block, root_hash
 from dpserve.protocol import MAX_PREFIX_FACTS, EngineCoreRequest, PrefixFacts, SchedulerStats
 
 # KV capacity assumed for a rank that has not reported its figures yet (blocks).
@@ -79,7 +79,7 @@ class PrefixTracker:
                ) -> list[BlockHash]:
         """The hash chain of the prompt's blocks that an engine can serve from its cache:
         (n - 1) // block_size full blocks (the last token is always computed), rooted
-        at the request's salt as the engine roots it (kv_cache.root_hash)."""
+        at the request's salt as the engine roots it (block_hash.root_hash)."""
         bs = self.block_size
         chain: list[BlockHash] = []
         for i in range((len(token_ids) - 1) // bs if token_ids else 0):

@@ -128,7 +128,7 @@ from typing import Protocol
 
 import msgspec
 
-from dpserve.engine.kv_cache import BlockHash
+from dpserve.block_hash import BlockHash
 from dpserve.frontend.prefix_record import (
     DEFAULT_CAPACITY_BLOCKS,
     PrefixOutbox,

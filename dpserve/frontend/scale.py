@@ -5,7 +5,7 @@ sent to the DP coordinator waits for its final answer (DONE, FAILED or
 REJECTED) in the coordinator's updates; `AsyncEngineClient.request_scale`
 holds one.
 
-Not here: the HTTP route (`dpserve.server.scale`), the coordinator's rules
+Not here: the HTTP route (`dpserve.server.ops.scale`), the coordinator's rules
 and carrying the change out (`dpserve.launch`).
 """
 

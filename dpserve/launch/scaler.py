@@ -27,7 +27,7 @@ engines and shrinks the tables back (FAILED); every result goes back as
 `ScaleResult`. Every wait is bounded.
 
 Not here: validation of the size and the one-at-a-time rule (the
-coordinator's `dpserve.launch.coordinator.autoscale.ScaleBook`), HTTP (`dpserve.server.scale`).
+coordinator's `dpserve.launch.coordinator.autoscale.ScaleBook`), HTTP (`dpserve.server.ops.scale`).
 """
 
 from __future__ import annotations

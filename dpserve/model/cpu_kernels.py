@@ -33,11 +33,12 @@ starting together never load a half-written library; loaded with ctypes (the
 library shares torch's libgomp). No compiler, or a failed build: one warning,
 and torch's kernels serve every step. `DPSERVE_CPU_KERNELS=0` turns them off.
 
-Trust (`cache_safety`): code is loaded only from a cache directory that is this
-user's alone (created 0700) and from a library file of this user's that is no
-symlink and that nobody else can write. A cached library that fails this is built
-again over it; a cache directory that fails it: one warning, and the library is
-built in a private temporary directory (removed once loaded) for this process.
+Trust (`dpserve.checkpoint.cache_safety`): code is loaded only from a cache
+directory that is this user's alone (created 0700) and from a library file of this
+user's that is no symlink and that nobody else can write. A cached library that
+fails this is built again over it; a cache directory that fails it: one warning,
+and the library is built in a private temporary directory (removed once loaded)
+for this process.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ from pathlib import Path
 
 import torch
 
+from dpserve.checkpoint.cache_safety import file_problem, private_dir
 from dpserve.cpu_features import cpu_flags
-from dpserve.model.cache_safety import file_problem, private_dir
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ Scope, on one worker (every tensor-parallel worker does the same with its shard)
   torch only; nothing at all when no row of the step has an adapter.
 
 Not here: which adapters are registered, resident or pinned (the engine's
-`dpserve.engine.lora_manager`); the adapter config's checks (`lora_config`).
+`dpserve.engine.lora_manager`); the adapter config's checks (`dpserve.checkpoint.lora_config`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from dpserve.model.lora_config import WEIGHTS_FILE, read_adapter_config
+from dpserve.checkpoint.lora_config import WEIGHTS_FILE, read_adapter_config
 
 # PEFT module name (last part) -> (dpserve linear, sub-linear index in it)
 _MODULES = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2),

@@ -28,8 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from dpserve.config import EngineConfig, SchedulerConfig
+from dpserve.checkpoint.registry import get_model_class
 from dpserve.cpu_features import auto_cpu_dtype
+from dpserve.engine_config import EngineConfig, SchedulerConfig
 from dpserve.model import cpu_kernels
 from dpserve.model.attention import AttentionMetadata, build_attention_metadata, token_positions
 from dpserve.model.expert_parallel import ExpertParallel
@@ -37,7 +38,6 @@ from dpserve.model.kv_copy import KVTierCopier
 from dpserve.model.lora import Adapter, LoRASlots, load_adapter, lora_layout
 from dpserve.model.pooler import pool_step
 from dpserve.model.prompt_logprobs import compute_prompt_logprobs
-from dpserve.model.registry import get_model_class
 from dpserve.model.sampler import Sampler, SamplingMetadata, make_generator
 from dpserve.model.spec_verify import split_rows, verify
 from dpserve.model.tensor_parallel import TensorParallel
@@ -110,8 +110,8 @@ class ModelRunner:
     def _read_model(self, device: torch.device) -> Any:
         """The model on `device` with this worker's weights, as the checkpoint has them:
         from the HF files (sliced for this worker), or its own sharded-state files."""
-        from dpserve.model.loader import iter_weights
-        from dpserve.model.sharded_state import load_shard
+        from dpserve.checkpoint.loader import iter_weights
+        from dpserve.checkpoint.sharded_state import load_shard
 
         extra: dict[str, Any] = ({"ep": self.expert_parallel}
                                  if self.expert_parallel is not None else {})
@@ -128,8 +128,8 @@ class ModelRunner:
     def save_sharded_state(self, path: str, pattern: str | None = None,
                            max_size: int | None = None) -> list[str]:
         """Write this worker's weights, as loaded (before quantising or packing: read
-        again, on the host), to `path` (`dpserve.model.sharded_state`); the files."""
-        from dpserve.model.sharded_state import save_shard
+        again, on the host), to `path` (`dpserve.checkpoint.sharded_state`); the files."""
+        from dpserve.checkpoint.sharded_state import save_shard
 
         if self.expert_parallel is not None:
             raise ValueError("save_sharded_state does not cover expert parallelism (a "
@@ -182,7 +182,7 @@ class ModelRunner:
         """Elastic expert parallelism: hold the experts of DP rank `rank` of `size`
         (this TP worker's share of them) from now on, read from the checkpoint (only
         the tensors of the new share). Every TP worker of the rank re-shards."""
-        from dpserve.model.loader import iter_weights
+        from dpserve.checkpoint.loader import iter_weights
 
         ep = self.expert_parallel
         assert ep is not None, "re-sharding experts without expert parallelism"

@@ -8,13 +8,13 @@ wave starts. The figures are the engines' `ClusterView`'s (`queued()`: with a
 DP coordinator its counts plus what this API server sent since; without one,
 what this API server has in flight, past `max_num_seqs` running).
 
-Not here: the pause / sleep routes (`dpserve.server.control`).
+Not here: the pause / sleep routes (`dpserve.server.ops.control`).
 """
 
 from __future__ import annotations
 
 from dpserve.frontend.cluster import ClusterView
-from dpserve.server.protocol import APIError
+from dpserve.server.errors import APIError
 
 RETRY_AFTER_S = 1  # the Retry-After of a 503 (paused, asleep) or a 429 (queues full)
 

@@ -2,25 +2,26 @@
 
 Routers, each a module of thin routes:
 
-* v1 (`dpserve.server.routes_v1`): /v1/completions, /v1/chat/completions,
+* v1 (`dpserve.server.openai.routes`): /v1/completions, /v1/chat/completions,
   /v1/models over `OpenAIServing` (503 "server_draining" while the server
   drains; `X-data-parallel-rank: k` pins a request to engine k).
-* messages (`dpserve.server.anthropic_api`): Anthropic's /v1/messages and
+* messages (`dpserve.server.anthropic.routes`): Anthropic's /v1/messages and
   /v1/messages/count_tokens over the same chat path; errors there leave in
   Anthropic's shape (its middleware wraps the auth and body-limit ones).
-* responses (`dpserve.server.responses_api`): OpenAI's Responses API, its stored
+* responses (`dpserve.server.responses.routes`): OpenAI's Responses API, its stored
   responses in the server's one `ResponseStore` (`response_store`).
-* embeddings (`dpserve.server.embeddings_api`): OpenAI's /v1/embeddings, pooling
+* embeddings (`dpserve.server.embeddings.routes`): OpenAI's /v1/embeddings, pooling
   requests through the same engines (`app.state.embeddings`: the batch runner's too).
-* files and batches (`dpserve.server.files_api`, `dpserve.server.batches_api`, only
-  with a state directory: `batches`): uploads and OpenAI's Batch API, each API
-  server running batches in the background (`dpserve.server.batch_runner`).
-* ops (`dpserve.server.routes_ops`): /health, /ping, /metrics, /version,
+* files and batches (`dpserve.server.batches.files_routes`,
+  `dpserve.server.batches.routes`, only with a state directory: `batches`): uploads
+  and OpenAI's Batch API, each API server running batches in the background
+  (`dpserve.server.batches.runner`).
+* ops (`dpserve.server.ops.routes`): /health, /ping, /metrics, /version,
   /debug/request_state, /debug/dp_state; /engines and /dashboard
-  (`dpserve.server.engines`); /tokenize, /detokenize (`dpserve.server.extras`).
-* admin (`dpserve.server.admin`, only with `enable_admin_api`): per-rank
-  controls, pause / sleep (`dpserve.server.control`), scaling
-  (`dpserve.server.scale`); their POSTs take only `Content-Type:
+  (`dpserve.server.ops.engines`); /tokenize, /detokenize (`dpserve.server.openai.extras`).
+* admin (`dpserve.server.ops.admin`, only with `enable_admin_api`): per-rank
+  controls, pause / sleep (`dpserve.server.ops.control`), scaling
+  (`dpserve.server.ops.scale`); their POSTs take only `Content-Type:
   application/json` (415).
 
 Everything is built from explicit arguments; nothing is set on the parts
@@ -54,28 +55,28 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dpserve.frontend.async_llm import AsyncLLM
 from dpserve.frontend.errors import EngineDeadError
-from dpserve.server.admin import admin_router
 from dpserve.server.admission import Admission
-from dpserve.server.anthropic_api import install_messages_api
+from dpserve.server.anthropic.routes import install_messages_api
 from dpserve.server.auth import API_KEY_ENV, AuthMiddleware, AuthOptions
-from dpserve.server.batch_options import BatchOptions
-from dpserve.server.batches_api import install_batches
+from dpserve.server.batches.options import BatchOptions
+from dpserve.server.batches.routes import install_batches
 from dpserve.server.bodies import BodyLimit, require_json
 from dpserve.server.caller import DP_RANK_HEADER
-from dpserve.server.embeddings_api import install_embeddings_api
-from dpserve.server.engines import engines_router
-from dpserve.server.errors import to_api_error
-from dpserve.server.extras import HTTPOptions, install_extras
+from dpserve.server.embeddings.routes import install_embeddings_api
+from dpserve.server.errors import APIError, to_api_error
 from dpserve.server.limits import RequestLimits
-from dpserve.server.metrics import ServerMetrics
-from dpserve.server.pd_metrics import install_pd_metrics
-from dpserve.server.protocol import APIError, ErrorInfo, ErrorResponse
-from dpserve.server.responses_api import ResponsesServing, responses_router
-from dpserve.server.responses_store import ResponseStoreOptions
-from dpserve.server.routes_ops import MovedListener, ops_router
-from dpserve.server.routes_v1 import v1_router
-from dpserve.server.serving import OpenAIServing
-from dpserve.server.tenant_metrics import TenantMetrics
+from dpserve.server.metrics.pd import install_pd_metrics
+from dpserve.server.metrics.prometheus import ServerMetrics
+from dpserve.server.metrics.tenants import TenantMetrics
+from dpserve.server.openai.extras import HTTPOptions, install_extras
+from dpserve.server.openai.protocol import ErrorInfo, ErrorResponse
+from dpserve.server.openai.routes import v1_router
+from dpserve.server.openai.serving import OpenAIServing
+from dpserve.server.ops.admin import admin_router
+from dpserve.server.ops.engines import engines_router
+from dpserve.server.ops.routes import MovedListener, ops_router
+from dpserve.server.responses.routes import ResponsesServing, responses_router
+from dpserve.server.responses.store import ResponseStoreOptions
 from dpserve.server.tenants import TenantGate, TenantOptions
 from dpserve.version import __version__
 
@@ -100,12 +101,12 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     `api_server_index` labels this API server's series in /metrics.
     `auth`: the accepted API keys and `--metrics-auth` (`dpserve.server.auth`);
     without it, `api_key` (default $DPSERVE_API_KEY) is the one key, if any.
-    `enable_admin_api`: mount the admin router (`dpserve.server.admin`); without
+    `enable_admin_api`: mount the admin router (`dpserve.server.ops.admin`); without
     it its routes do not exist (404). The refusal of an admin API without a key
     is the command line's (`check_admin_exposure`).
     `max_num_queued`: (requests, prompt tokens) waiting per engine before a 429.
     `tool_call_parser`: parse tool calls for tool_choice "auto". `http_options`: CORS,
-    model aliases (server/extras.py). `log_requests`: a log line per request arrival
+    model aliases (server/openai/extras.py). `log_requests`: a log line per request arrival
     and finish (server/log_options.py). `request_limits`: the "request limits" options
     (server/limits.py). `response_store`: the Responses API's store (a file every API
     server shares; none: in memory). `batches`: /v1/files and /v1/batches over its
@@ -113,25 +114,14 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     """
     auth = auth or AuthOptions.from_key(api_key or os.environ.get(API_KEY_ENV))
     http_options = http_options or HTTPOptions()
-    admission = Admission(async_llm.cluster, *max_num_queued,
-                          max_num_seqs=async_llm.config.scheduler.max_num_seqs)
-    serving = OpenAIServing(async_llm, served_model_name, tool_call_parser, request_limits,
-                            admission=admission, model_aliases=http_options.model_aliases,
-                            log_requests=log_requests)
-    metrics = ServerMetrics(served_model_name, api_server_index=api_server_index)
-    async_llm.add_stats_listener(metrics)  # and moves, in every engine message's wake:
-    async_llm.add_stats_listener(MovedListener(metrics, async_llm.cluster))
-    install_pd_metrics(async_llm, metrics.registry, served_model_name)  # with roles only
+    serving = _openai_serving(async_llm, served_model_name, max_num_queued, tool_call_parser,
+                              request_limits, http_options, log_requests)
+    metrics = _server_metrics(async_llm, served_model_name, api_server_index)
     app = FastAPI(title="dpserve", version=__version__, docs_url=None, redoc_url=None)
     app.state.serving, app.state.metrics = serving, metrics
     install_tenants(app, serving, metrics, auth, tenants or TenantOptions())
-    app.include_router(v1_router(async_llm, serving,
-                                 (served_model_name, *http_options.model_aliases)))
-    responses = ResponsesServing(serving, (response_store or ResponseStoreOptions()).open())
-    app.include_router(responses_router(async_llm, responses))
-    install_embeddings_api(app, async_llm, serving)  # app.state.embeddings: batches too
-    app.include_router(ops_router(async_llm, metrics))
-    uploads = install_batches(app, async_llm, serving, batches, api_server_index)
+    uploads = _install_apis(app, async_llm, serving, metrics, response_store, batches,
+                            api_server_index)
     # Middleware, innermost first: body cap, API key, then (extras) counts and CORS.
     app.add_middleware(BodyLimit, limit=max_request_body_bytes, uploads=uploads)
     app.add_middleware(AuthMiddleware, options=auth)
@@ -140,10 +130,52 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     app.include_router(engines_router(async_llm, admin=enable_admin_api))
     if enable_admin_api:
         app.include_router(admin_router(async_llm, [Depends(require_json)]))
+    _install_error_handler(app)
+    return app
+
+
+def _openai_serving(async_llm: AsyncLLM, served_model_name: str,
+                    max_num_queued: tuple[int | None, int | None], tool_call_parser: str | None,
+                    request_limits: RequestLimits | None, http_options: HTTPOptions,
+                    log_requests: bool) -> OpenAIServing:
+    """The chat and completion path every API runs through, with its admission."""
+    admission = Admission(async_llm.cluster, *max_num_queued,
+                          max_num_seqs=async_llm.config.scheduler.max_num_seqs)
+    return OpenAIServing(async_llm, served_model_name, tool_call_parser, request_limits,
+                         admission=admission, model_aliases=http_options.model_aliases,
+                         log_requests=log_requests)
+
+
+def _server_metrics(async_llm: AsyncLLM, served_model_name: str,
+                    api_server_index: int) -> ServerMetrics:
+    """This API server's series, fed by `async_llm`'s stats listeners."""
+    metrics = ServerMetrics(served_model_name, api_server_index=api_server_index)
+    async_llm.add_stats_listener(metrics)  # and moves, in every engine message's wake:
+    async_llm.add_stats_listener(MovedListener(metrics, async_llm.cluster))
+    install_pd_metrics(async_llm, metrics.registry, served_model_name)  # with roles only
+    return metrics
+
+
+def _install_apis(app: FastAPI, async_llm: AsyncLLM, serving: OpenAIServing,
+                  metrics: ServerMetrics, response_store: ResponseStoreOptions | None,
+                  batches: BatchOptions | None, api_server_index: int,
+                  ) -> dict[str, tuple[int, str]]:
+    """OpenAI's /v1 (the model's names: served and aliases), the Responses API,
+    embeddings, the ops routes, files and batches; the upload route's body cap."""
+    app.include_router(v1_router(async_llm, serving,
+                                 (serving.model_name, *serving.model_aliases)))
+    responses = ResponsesServing(serving, (response_store or ResponseStoreOptions()).open())
+    app.include_router(responses_router(async_llm, responses))
+    install_embeddings_api(app, async_llm, serving)  # app.state.embeddings: batches too
+    app.include_router(ops_router(async_llm, metrics))
+    return install_batches(app, async_llm, serving, batches, api_server_index)
+
+
+def _install_error_handler(app: FastAPI) -> None:
+    """The one error handler, for every exception a route can raise."""
     for exc_type in (APIError, ValidationError, RequestValidationError, ValueError,
                      EngineDeadError, StarletteHTTPException, Exception):
         app.add_exception_handler(exc_type, _error_response)
-    return app
 
 
 def install_tenants(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics,

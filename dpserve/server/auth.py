@@ -27,7 +27,7 @@ Key file (`--api-key-file PATH`): one key per line, `KEY` or `NAME KEY`
 starting with `#` are ignored; several keys allowed. A file readable or
 writable by every user (mode o+r / o+w) is refused.
 
-Not here: CORS (`dpserve.server.extras`), body limits and JSON-only admin posts
+Not here: CORS (`dpserve.server.openai.extras`), body limits and JSON-only admin posts
 (`dpserve.server.bodies`).
 """
 
@@ -46,8 +46,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dpserve.errors import ConfigError
 from dpserve.security import is_loopback
-from dpserve.server.errors import send_error
-from dpserve.server.protocol import APIError
+from dpserve.server.errors import APIError, send_error
 
 API_KEY_ENV = "DPSERVE_API_KEY"
 # Open without a key (exact paths, any method).

@@ -29,8 +29,7 @@ from collections.abc import Mapping
 from fastapi import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from dpserve.server.errors import send_error
-from dpserve.server.protocol import APIError
+from dpserve.server.errors import APIError, send_error
 
 MAX_WAIT_S = 3600.0  # the largest ?timeout= a control route accepts
 

@@ -2,7 +2,7 @@
 
 Scope: `Caller`, read once per HTTP request by `caller_of` from its headers and
 what the auth layer left in `request.state`, and handed to the serving layer
-(`dpserve.server.serving` and the APIs built on it) in place of loose
+(`dpserve.server.openai.serving` and the APIs built on it) in place of loose
 arguments: the pinned engine (`X-data-parallel-rank`), the API key's id (prefix
 cache salting), the session (`X-Session-ID`), the tenant (the key's name, the
 unit of fairness and limits) and the W3C trace context headers (when this API server
@@ -21,7 +21,7 @@ without the header, or without the option, the API key's name (its name in
 every engine request of it carries.
 
 Not here: checking the key (`dpserve.server.auth`), what a session is
-(`dpserve.server.sessions`), the body's own fields (`dpserve.server.protocol`).
+(`dpserve.server.sessions`), the body's own fields (`dpserve.server.openai.protocol`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from dpserve.protocol import RequestTags, Session
-from dpserve.server.protocol import APIError
+from dpserve.server.errors import APIError
 from dpserve.server.sessions import header_session
 from dpserve.tenancy.limits import DEFAULT, TENANT_NAME
 

@@ -1,4 +1,5 @@
-"""`to_api_error`: any exception -> the OpenAI-shaped error it is answered with;
+"""`APIError`: an error the server answers, with its status, type, param and code;
+`to_api_error`: any exception -> the OpenAI-shaped error it is answered with;
 `send_error`: an error answered straight from an ASGI middleware (before any route).
 
 The app's one exception handler and the in-stream error event both use it:
@@ -6,7 +7,8 @@ bad input is a 400 naming its parameter, a rank that cannot take a request a
 503 "engine_unavailable", dead engines a 503 "engine_dead", anything else a
 500 without a traceback (logged here).
 
-Not here: the error body's shape (`dpserve.server.protocol.APIError`).
+Not here: the error body's pydantic shape (`ErrorResponse`, in
+`dpserve.server.openai.protocol`).
 """
 
 from __future__ import annotations
@@ -20,11 +22,25 @@ from starlette.types import Send
 
 from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError, RequestError
 from dpserve.sampling_params import SamplingParams
-from dpserve.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
 
 _PARAM_FIELDS = set(SamplingParams.__struct_fields__)
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {...}}` with `status_code`."""
+
+    def __init__(self, status_code: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers  # extra response headers (e.g. Retry-After)
 
 
 def to_api_error(exc: BaseException) -> APIError:

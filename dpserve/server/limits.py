@@ -20,7 +20,7 @@ cache_salt combined with its API key's identity under --prefix-cache-salt-per-ke
 and `with_deadline` (--request-timeout: a stream that fails with a 504 past it).
 
 Not here: the request body size (`--max-request-body-bytes`, server/app.py), the
-compile deadline itself (server/grammar_check.py).
+compile deadline itself (server/openai/grammar_check.py).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from dpserve.config import RequestLimitsConfig
 from dpserve.errors import ConfigError
 from dpserve.frontend.errors import RequestError
 from dpserve.sampling_params import DEFAULT_MAX_LOGIT_BIAS, DEFAULT_MAX_STOP_TOKEN_IDS
-from dpserve.server.protocol import APIError
+from dpserve.server.errors import APIError
 
 _T = TypeVar("_T")
 LIMIT_CODE = "request_limit_exceeded"  # the `code` of every refusal here

@@ -2,7 +2,7 @@
 finish (`--enable-log-requests`), uvicorn's access log (on by default; off with
 `--disable-uvicorn-access-log`, or for some paths with
 `--disable-access-log-for-endpoints /health,/metrics`), and the periodic stats line
-(`--log-stats-interval`, `--disable-log-stats`; server/stats_log.py).
+(`--log-stats-interval`, `--disable-log-stats`; server/metrics/stats_log.py).
 
 `add_log_args` adds the flags, `LogOptions.from_args` reads them once,
 `configure_access_log` sets uvicorn's access logger up, `logged_stream` wraps a

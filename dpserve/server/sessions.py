@@ -18,7 +18,7 @@ Keys carry their source (`x-session-id:`, `response:`, `user:`), so a header and
 never logged, stored or sent to an engine.
 
 Not here: where a session goes (the router), the store's rows
-(`dpserve.server.responses_store`).
+(`dpserve.server.responses.store`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 from fastapi import Request
 
 from dpserve.protocol import Session
-from dpserve.server.protocol import APIError
+from dpserve.server.errors import APIError
 
 SESSION_HEADER = "X-Session-ID"
 MAX_SESSION_ID_CHARS = 256

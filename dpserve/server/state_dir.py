@@ -1,9 +1,9 @@
 """The server's state directory: the one folder for what outlives a request.
 
 It holds the Responses API's store (`responses.sqlite`, unless `--response-store`
-names another file: `dpserve.server.responses_store`), and the files and batches
+names another file: `dpserve.server.responses.store`), and the files and batches
 of /v1/files and /v1/batches (`batches.sqlite`, their metadata and every batch
-line's result; `files/`, each file's contents, mode 0600: `dpserve.server.batch_store`).
+line's result; `files/`, each file's contents, mode 0600: `dpserve.server.batches.store`).
 Every API server of one `dpserve serve` gets the same path in its options.
 
 Where it is: `--state-dir PATH` (created with mode 0700 when missing; kept after

@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from dpserve.security import secure
-from dpserve.server.protocol import APIError
+from dpserve.server.errors import APIError
 from dpserve.tenancy.ledger import Refusal
 from dpserve.tenancy.messages import (
     SYNC_INTERVAL_S,

@@ -19,7 +19,7 @@ tokens (times n) its queued tokens until the first token of any of them, and
 its max_tokens times its completions its reservation against tokens_per_minute.
 
 Not here: who the tenant is (`dpserve.server.caller`), the ledger's rules
-(`dpserve.tenancy.ledger`), the per-tenant metrics (`dpserve.server.tenant_metrics`).
+(`dpserve.tenancy.ledger`), the per-tenant metrics (`dpserve.server.metrics.tenants`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 from dpserve.errors import ConfigError
-from dpserve.server.protocol import APIError
+from dpserve.server.errors import APIError
 from dpserve.tenancy.ledger import Ledger, Refusal
 from dpserve.tenancy.limits import TenantLimits, load_tenant_limits
 

@@ -20,7 +20,7 @@ about a tenth of a core until it is killed, while an ordinary one (milliseconds)
 still finishes promptly. It exits when its stdin closes or its parent dies.
 
 Not here: the pool, the deadline's policy and the verdict cache
-(`dpserve.server.grammar_check`); the engine's own compiles (`manager.py`).
+(`dpserve.server.openai.grammar_check`); the engine's own compiles (`manager.py`).
 """
 
 from __future__ import annotations

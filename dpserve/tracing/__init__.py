@@ -15,7 +15,7 @@ None`, `Request.trace is not None`) before any of it. Spans carry sizes, ids, ra
 and timings, never a prompt's or an output's text or tokens (SECURITY.md).
 
 Not here: where spans are made (the API server: `dpserve.server.trace_http` and
-`dpserve.server.serving`; routing: `dpserve.frontend.route_trace`; the engine:
+`dpserve.server.openai.serving`; routing: `dpserve.frontend.route_trace`; the engine:
 `dpserve.engine.scheduler`'s hooks into `engine_trace`).
 """
 

@@ -19,7 +19,7 @@ Scope (inside the coordinator process, no sockets here):
   shown as `dpserve:autoscale_decisions_total{direction}`).
 
 Not here: starting or stopping engines (`dpserve.launch.scaler`), HTTP
-(`dpserve.server.scale`).
+(`dpserve.server.ops.scale`).
 """
 
 from __future__ import annotations

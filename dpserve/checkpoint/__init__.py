@@ -1,0 +1,1 @@
+"""A checkpoint found, converted and trusted, without torch model code (below config)."""

@@ -1,0 +1,1 @@
+"""/v1/files and /v1/batches: the stored files, the batches, their runner and their state."""

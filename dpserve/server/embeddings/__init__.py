@@ -1,0 +1,1 @@
+"""The embeddings API: /v1/embeddings, pooled final hidden states."""

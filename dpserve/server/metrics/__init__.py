@@ -1,0 +1,1 @@
+"""The server's Prometheus series (/metrics) and the periodic stats line."""

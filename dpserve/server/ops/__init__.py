@@ -1,0 +1,1 @@
+"""The operator routes: health, /metrics, /engines and the dashboard, the admin API."""
