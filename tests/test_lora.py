@@ -220,7 +220,9 @@ def test_bad_adapters_are_refused_in_one_line(models, tmp_path):
 def test_moe_expert_targets_are_refused(tmp_path):
     base = make_tiny_model(tmp_path / "moe", "qwen2_moe", moe_intermediate_size=32,
                            shared_expert_intermediate_size=64)
-    adapter = make_adapter(base, tmp_path / "moe_a", rank=2, targets=("q_proj", "up_proj"))
+    # peft >= 0.22 adapts fused MoE experts through target_parameters (both gate and up)
+    adapter = make_adapter(base, tmp_path / "moe_a", rank=2,
+                           targets=("q_proj", "gate_proj", "up_proj"))
     llm = LLM(str(base), max_loras=1, **ENGINE)
     with pytest.raises(ValueError) as e:
         llm.engine.add_lora("m", str(adapter))

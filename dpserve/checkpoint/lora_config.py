@@ -56,6 +56,9 @@ def read_adapter_config(path: str | Path, max_rank: int) -> AdapterConfig:
     kind = c.get("peft_type", "LORA")
     if str(kind).upper() != "LORA":
         raise ValueError(f"{path}: peft_type {kind!r} is not supported (only LORA)")
+    if c.get("target_parameters"):  # PEFT's LoRA on fused parameters: MoE experts
+        raise ValueError(f"{path}: target_parameters {c['target_parameters']!r}: LoRA on "
+                         f"mixture-of-experts layers is not supported")
     for key, what in (("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out"),
                       ("modules_to_save", "modules_to_save"), ("rank_pattern", "rank_pattern"),
                       ("alpha_pattern", "alpha_pattern"),
