@@ -53,10 +53,8 @@ import zmq
 from dpserve.config import EngineConfig
 from dpserve.engine.build import build_engine_core, place_engine
 from dpserve.engine.control import ControlCalls, EngineControl
-from dpserve.engine.core import UTILITY_METHODS
 from dpserve.engine.dp import DPLink
 from dpserve.engine.input_reader import CLIENT_NEWS, IO_FAILED, PEER_LOST, InputReader
-from dpserve.engine.lora_sync import lora_report, replay_registry
 from dpserve.engine.output_sender import DEAD_LINGER_MS, OutputSender, connect_outputs
 from dpserve.logging_utils import name_process
 from dpserve.parent_watch import start_parent_watcher
@@ -81,7 +79,7 @@ logger = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT_S = 120.0  # wait for the launcher's init metadata
 _IDLE_WAIT_S = 0.5  # the busy loop's longest block on an empty input queue
 
-# Utility calls: `core.UTILITY_METHODS` (an allowlist: every other name is refused by
+# Utility calls: the EngineCore's `UtilityTable` (every other name is refused by
 # name, and the engine serves on), answered by the EngineCore unless the process
 # answers them itself (these, with its own state included). Callers: server/engines.py
 # and app.py (/engines, /debug), async_llm.py's get_stats, the sync client, tests.
@@ -187,12 +185,12 @@ class EngineCoreProc:
             publish=self._publish,
             report_done=self.dp.report_control_done if self.dp is not None else None)
         if self.dp is not None:  # all subscribed; READY brings the LoRA registry; group next
-            replay_registry(self.engine_core, self.dp.wait_ready(), self.rank)
+            self.engine_core.lora.replay(self.dp.wait_ready(), self.rank)
         # Start registering with the front-ends before READY: the launcher
         # starts them on READY, and the frames wait in our sockets till then.
         self._start_io_threads(init)
         if self.dp is not None:
-            self.dp.start_heartbeats(self.engine_core.tp_worker_info)
+            self.dp.start_heartbeats(self.engine_core.workers.tp_worker_info)
         return HandshakeReady(local=local, num_kv_blocks=self.engine_core.num_kv_blocks,
                               # capped to what the KV cache holds
                               max_model_len=self.engine_core.scheduler.max_model_len)
@@ -232,7 +230,7 @@ class EngineCoreProc:
                 self.dp.ttft_s, self.dp.ttft_at = (core.scheduler.recent_ttft.mean(
                     time.monotonic()), time.monotonic())
                 self.dp.generated_tokens = core.scheduler.num_generated_tokens
-                self.dp.lora = lora_report(core.lora)
+                self.dp.lora = core.lora.report()
                 self._leave_group_if_ep_failed()
                 self.dp.after_step(executed=core.num_forward_passes > forward_passes,
                                    has_work=has_work,
@@ -371,7 +369,7 @@ class EngineCoreProc:
         self._client_of[request.request_id] = client
 
     def _call_utility(self, call: UtilityCall, client_index: int) -> None:
-        """Run a listed utility (`UTILITY_METHODS`, `_PROC_UTILITIES`, `control`); any
+        """Run a utility (`_PROC_UTILITIES`, `control`, the core's table); any
         other name, and any failure, is answered with an error, never fatal."""
         out = UtilityOutput(call.call_id)
         if call.method == _CONTROL_UTILITY:
@@ -380,10 +378,8 @@ class EngineCoreProc:
         try:
             if call.method in _PROC_UTILITIES:
                 result = getattr(self, call.method)(*call.args)
-            elif call.method in UTILITY_METHODS:
-                result = getattr(self.engine_core, call.method)(*call.args)
-            else:
-                raise AttributeError(f"the engine has no utility method {call.method!r}")
+            else:  # AttributeError for a name the table lacks
+                result = self.engine_core.call_utility(call.method, *call.args)
             self._result_checker.encode(result)  # fail here, not in the output thread
             out.result = result
         except Exception as e:

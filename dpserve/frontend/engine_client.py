@@ -292,7 +292,7 @@ class AsyncEngineClient:
 
     async def call_utility(self, method: str, *args: Any, engine: int | None = None,
                            timeout: float = 30.0, result_type: Any = None) -> Any:
-        """Run `EngineCore.<method>(*args)` in an engine and return its result.
+        """Run utility `method` in an engine (`EngineCore.call_utility`); its result.
 
         engine: the rank (default: the lowest live one). result_type: convert
         the msgpack result to this type (e.g. SchedulerStats). Raises
