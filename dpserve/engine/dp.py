@@ -58,8 +58,10 @@ import msgspec
 import zmq
 
 from dpserve.engine.scheduler import TTFT_WINDOW_S
+from dpserve.engine_config import EngineConfig
 from dpserve.protocol import (
     COORDINATOR_READY,
+    EngineInitMetadata,
     EngineReport,
     LoRAReport,
     RegroupDP,
@@ -82,6 +84,23 @@ class DPLink:
     / `on_start_wave` / `on_regroup` for inputs, `join_pending` while
     `needs_group()`, `after_step` after each step, `report` after each change.
     """
+
+    @classmethod
+    def from_init(cls, init: EngineInitMetadata, config: EngineConfig, rank: int,
+                  incarnation: int) -> DPLink | None:
+        """The link the launcher's init metadata names (None: no coordinator, DP 1)."""
+        if init.coordinator_input is None or init.coordinator_output is None:
+            return None
+        parallel = config.parallel
+        return cls(rank, init.dp_size, report_address=init.coordinator_output,
+                   publish_address=init.coordinator_input,
+                   secret=parallel.data_parallel_secret,
+                   lockstep=parallel.data_parallel_lockstep, incarnation=incarnation,
+                   sync_interval=parallel.data_parallel_sync_interval,
+                   master_ip=init.dp_master_ip, master_port=init.dp_master_port,
+                   kv_store_address=config.cache.kv_tier_remote_address,
+                   collective_timeout=parallel.data_parallel_collective_timeout,
+                   expert_parallel=parallel.enable_expert_parallel)
 
     def __init__(self, rank: int, dp_size: int, report_address: str, publish_address: str,
                  *, lockstep: bool = False, sync_interval: int = 32,
