@@ -198,7 +198,7 @@ class EngineCore:
             try:
                 runner_output = self.executor.execute(scheduler_output)
             except ExpertParallelError as e:
-                self.scheduler.kv_step_failed(scheduler_output)
+                self.scheduler.tier.step_failed(scheduler_output)
                 self.runner.forget_requests(scheduler_output.finished_req_ids)
                 self._drop_failed_step(str(e))
                 return []
@@ -206,7 +206,7 @@ class EngineCore:
             if self.scheduler.spec is not None:  # drafts are planned by what a row costs
                 self.scheduler.spec.observe_step(scheduler_output, time.perf_counter() - started)
         # (host tier: the step's loads are done, its saves copied by worker 0)
-        self.scheduler.kv_step_done(scheduler_output)
+        self.scheduler.tier.step_done(scheduler_output)
         # 3. Update: append tokens, check stops, free finished requests.
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.lora.release([o.request_id for o in failed + outputs if o.finished])
@@ -273,7 +273,7 @@ class EngineCore:
         """Tensor parallel: host-tier saves wait for the next step to prove that every
         worker copied them (`HostTierConnector`); with no step coming (idle, or
         nothing to run), an rpc that every worker answers proves it instead."""
-        tier = self.scheduler.kv_connector
+        tier = self.scheduler.tier.connector
         if tier is not None and tier.has_pending_commits():
             self.executor.collective_rpc("kv_tier_barrier")
             tier.commit_pending()
@@ -299,7 +299,7 @@ class EngineCore:
     def get_stats(self) -> SchedulerStats:
         stats = self.scheduler.make_stats()
         stats.num_waiting += len(self.structured.pending)
-        if (tier := self.scheduler.kv_connector) is not None:
+        if (tier := self.scheduler.tier.connector) is not None:
             stats.kv_tier_load_seconds = self.runner.kv_copier.load_seconds
             stats.kv_tier_num_blocks, stats.kv_tier_used_blocks = tier.store_blocks(
                 time.monotonic())
@@ -328,8 +328,8 @@ class EngineCore:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and leave the host tier, export the spans
         not yet sent (idempotent)."""
-        if self.scheduler.kv_connector is not None:
-            self.scheduler.kv_connector.close()
+        if self.scheduler.tier.connector is not None:
+            self.scheduler.tier.connector.close()
         if self.runner.profiler.running:  # a session left open: its trace, written
             with contextlib.suppress(Exception):
                 self.workers.stop_profile()

@@ -57,7 +57,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from dpserve.engine.scheduler import TTFT_WINDOW_S
+from dpserve.engine.step_update import TTFT_WINDOW_S
 from dpserve.engine_config import EngineConfig
 from dpserve.protocol import (
     COORDINATOR_READY,

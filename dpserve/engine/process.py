@@ -214,9 +214,10 @@ class EngineCoreProc:
                 # still runs while paused requests wait, so resume needs no wake-up.
                 self.dp.has_work = has_work and self.control.can_step
                 self.dp.kv_cache_usage = core.scheduler.kv_cache.usage
-                self.dp.ttft_s, self.dp.ttft_at = (core.scheduler.recent_ttft.mean(
+                update = core.scheduler.updater  # what the update slot counted
+                self.dp.ttft_s, self.dp.ttft_at = (update.recent_ttft.mean(
                     time.monotonic()), time.monotonic())
-                self.dp.generated_tokens = core.scheduler.num_generated_tokens
+                self.dp.generated_tokens = update.num_generated_tokens
                 self.dp.lora = core.lora.report()
                 self._leave_group_if_ep_failed()
                 self.dp.after_step(executed=core.num_forward_passes > forward_passes,
