@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -71,15 +72,15 @@ from dpserve.frontend.engine_sockets import EngineSockets, UtilityCallError, Uti
 from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError
 from dpserve.frontend.handoff import HandoffSender
 from dpserve.frontend.lora import LoRAReplay
-from dpserve.frontend.migration import Evacuation, InFlightBook, ended
-from dpserve.frontend.rank_table import EngineState, RankTable, StatusChange
+from dpserve.frontend.migration import InFlightBook, ended
+from dpserve.frontend.moves import MoveSender
+from dpserve.frontend.rank_table import EngineState, RankTable
 from dpserve.frontend.roles import first_leg, roles_of
-from dpserve.frontend.route_trace import RouteTrace, migrate_span
+from dpserve.frontend.route_trace import RouteTrace
 from dpserve.frontend.routing import DEFAULT_LOAD_BALANCE, Router, sendable
 from dpserve.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
-    RankState,
     RankStatus,
     RequestType,
     WakeEngines,
@@ -91,6 +92,21 @@ __all__ = ["AsyncEngineClient", "EngineState", "UtilityCallError", "from_config"
 logger = logging.getLogger(__name__)
 
 _DEAD = object()  # the output-queue item that stands for "the engines are dead"
+
+
+def _on_loop(method: Callable[..., None]) -> Callable[..., None]:
+    """A client method callable from any thread: it runs on the client's loop (from
+    another thread, soon; a closed loop has nobody to tell)."""
+
+    @functools.wraps(method)
+    def on_loop(self: AsyncEngineClient, *args: Any) -> None:
+        if threading.get_ident() != self._loop_thread:
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(on_loop, self, *args)
+            return
+        method(self, *args)
+
+    return on_loop
 
 
 class AsyncEngineClient:
@@ -127,10 +143,11 @@ class AsyncEngineClient:
                                fail_stop=fail_stop)
         self.book = InFlightBook(max_migrations)
         self.handoffs = HandoffSender(self, secret)
+        self.moves = MoveSender(self, self._spawn)  # carries out rank news: moves, death
         self.dead = False
         self.dead_reason: str | None = None
         self._dead_event = asyncio.Event()
-        self._closed = False
+        self.closed = False
         self._outputs: asyncio.Queue[Any] = asyncio.Queue()
         self._calls = UtilityCalls()
         self._watch_stop = threading.Event()
@@ -225,13 +242,13 @@ class AsyncEngineClient:
             request, engine, self.max_model_len) else None)  # a handoff's first leg
         self.table.assign(engine, len(request.prompt_token_ids))
         try:
-            await self._send(engine, RequestType.ADD, sent)
+            await self.send(engine, RequestType.ADD, sent)
         except BaseException:
             self._forget(request.request_id)
             raise
-        await self._wake_if_paused(request, engine)
+        await self.wake_if_paused(request, engine)
 
-    async def _wake_if_paused(self, request: EngineCoreRequest, engine: EngineState) -> None:
+    async def wake_if_paused(self, request: EngineCoreRequest, engine: EngineState) -> None:
         if self.lockstep and not self.news.running:
             # Paused: our engine starts itself, the coordinator the others; assume running.
             self.news.running = True
@@ -251,7 +268,7 @@ class AsyncEngineClient:
             engine = self.engines.get(rank)  # None: removed (its requests are moving)
             with contextlib.suppress(EngineUnavailableError):  # gone: nothing to abort there
                 if engine is not None:
-                    await self._send(engine, RequestType.ABORT, ids)
+                    await self.send(engine, RequestType.ABORT, ids)
 
     async def get_output(self) -> EngineCoreOutputs:
         """The next outputs message from any engine (one engine, one front-end).
@@ -274,7 +291,13 @@ class AsyncEngineClient:
         if flight is not None:
             self.table.release(flight.rank)
 
-    async def _send(self, engine: EngineState, request_type: RequestType, body: Any) -> None:
+    async def abort_now(self, rank: int, request_ids: list[str]) -> None:
+        """ABORT at `rank` without waiting for it (it may be gone, or back)."""
+        with contextlib.suppress(zmq.ZMQError):
+            await self._sockets.send(engine_identity(rank), RequestType.ABORT, request_ids,
+                                     flags=zmq.NOBLOCK)
+
+    async def send(self, engine: EngineState, request_type: RequestType, body: Any) -> None:
         await self._sockets.wait_for(lambda: engine.registered, self._dead_event,
                                      self.register_timeout)
         self.check_alive()
@@ -304,7 +327,7 @@ class AsyncEngineClient:
             raise ValueError(f"no engine of rank {engine} (engines: {sorted(self.engines)})")
         target = self.engines[engine] if engine is not None else self.table.placeable()[0]
         return await self._calls.call(
-            lambda call: self._send(target, RequestType.UTILITY, call), target.rank, method,
+            lambda call: self.send(target, RequestType.UTILITY, call), target.rank, method,
             args, timeout, result_type)
 
     async def call_utility_all(self, method: str, *args: Any, timeout: float = 30.0,
@@ -327,72 +350,21 @@ class AsyncEngineClient:
 
     # ---- rank news, and carrying out what the table and the book decide -----------------
 
+    @_on_loop
     def set_rank_status(self, rank: int, status: RankStatus) -> None:
         """News of a rank (the coordinator's, or its launcher's); callable from any thread.
         A rank that stops serving has its requests moved (`RankTable.apply_status`)."""
-        if threading.get_ident() != self._loop_thread:
-            with contextlib.suppress(RuntimeError):
-                self._loop.call_soon_threadsafe(self.set_rank_status, rank, status)
-            return
-        self._apply(self.table.apply_status(rank, status))
+        self.moves.apply(self.table.apply_status(rank, status))
 
+    @_on_loop
     def mark_engine_dead(self, rank: int, reason: str) -> None:
         """Direct evidence that a rank's current process is gone; callable from any thread."""
-        if threading.get_ident() != self._loop_thread:
-            with contextlib.suppress(RuntimeError):
-                self._loop.call_soon_threadsafe(self.mark_engine_dead, rank, reason)
-            return
-        self._apply(self.table.mark_dead(rank, reason))
-
-    def _apply(self, change: StatusChange | None) -> None:
-        """Carry out a rank's change: log it, die (policy stop) or move its requests."""
-        if change is None:
-            return
-        status = change.status
-        if not self._closed:
-            logger.log(logging.INFO if status.state is RankState.SERVING else logging.WARNING,
-                       "front-end %d: rank %d %s (incarnation %d)%s", self.client_index,
-                       change.rank, status.state.value, status.incarnation,
-                       f": {status.reason}" if status.reason else "")
-        if change.fail_stop is not None:
-            self.mark_dead(change.fail_stop)
-        elif change.evacuate:
-            self._spawn(self._evacuate(change))
+        self.moves.apply(self.table.mark_dead(rank, reason))
 
     def _spawn(self, coro: Any) -> None:
         task = self._loop.create_task(coro)
         self._tasks.append(task)
         task.add_done_callback(lambda t: t in self._tasks and self._tasks.remove(t))
-
-    async def _evacuate(self, change: StatusChange) -> None:
-        """Plan the moves off a rank that stopped serving (at once, when the task runs:
-        news that came with the change is in the table), then send them."""
-        plan = self.book.plan_evacuation(change.rank, change.why, change.abort_first,
-                                         self.table, self.current_wave)
-        if plan.abort:  # it may come back (or still runs): no duplicates
-            with contextlib.suppress(zmq.ZMQError):
-                await self._sockets.send(engine_identity(plan.rank), RequestType.ABORT,
-                                         plan.abort, flags=zmq.NOBLOCK)
-        for failure in plan.failures:
-            self.put_output(ended(failure.rank, failure.request_id, failure.error))
-        await self.send_moves(plan, change.why)
-
-    async def send_moves(self, plan: Evacuation, why: str) -> None:
-        for move in plan.moves:
-            if move.request.trace_headers is not None:
-                move = migrate_span(move, why)  # a span (frontend/route_trace.py)
-            flight = self.book.flights.get(move.request_id)
-            target = self.engines.get(move.target)
-            if flight is None or flight.rank != move.target or target is None:
-                continue  # finished, or moved on again meanwhile
-            logger.log(plan.log_level, "front-end %d: %s %s from %s to rank %d (%d tokens "
-                       "so far)", self.client_index, "migrating" if move.num_tokens else
-                       "re-sending", move.request_id, why, move.target, move.num_tokens)
-            try:
-                await self._send(target, RequestType.ADD, move.request)
-                await self._wake_if_paused(move.request, target)
-            except EngineUnavailableError:
-                pass  # the target died in turn: its own evacuation moves the request on
 
     # ---- the socket readers ------------------------------------------------------------
 
@@ -404,7 +376,7 @@ class AsyncEngineClient:
             elif registration:  # an unknown rank: scaling up (elastic), kept for later
                 logger.debug("engine %d registered with front-end %d", rank,
                              self.client_index)
-                self._apply(self.table.register(rank))
+                self.moves.apply(self.table.register(rank))
 
     async def _read_outputs(self) -> None:
         async for outputs in self._sockets.outputs():
@@ -420,7 +392,7 @@ class AsyncEngineClient:
         async for update in self.coordinator().updates():
             self.news.note(update)
             for change in self.table.apply_update(update):
-                self._apply(change)
+                self.moves.apply(change)
             self.lora_replay.reconcile(self)  # ranks that missed an adapter
 
     def _dispatch(self, outputs: EngineCoreOutputs) -> None:
@@ -444,15 +416,12 @@ class AsyncEngineClient:
 
     # ---- death and closing ---------------------------------------------------------------
 
+    @_on_loop
     def mark_dead(self, reason: str) -> None:
         """Declare the engines dead (callable from any thread; idempotent)."""
-        if threading.get_ident() != self._loop_thread:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to tell
-                self._loop.call_soon_threadsafe(self.mark_dead, reason)
-            return
         if self.dead:
             return
-        if not self._closed:
+        if not self.closed:
             logger.error("engine client %d: engines dead: %s", self.client_index, reason)
         self.dead, self.dead_reason = True, reason
         self._calls.fail_all(reason)
@@ -477,9 +446,9 @@ class AsyncEngineClient:
 
     def shutdown(self) -> None:
         """Close without awaiting the tasks (prefer `aclose` inside the loop)."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         self._watch_stop.set()
         for task in self._tasks:
             task.cancel()
