@@ -123,7 +123,7 @@ def test_host_cache_evicts_and_reloads(models):
             == [peft_greedy(base, Path(r.lora_path), PROMPT, MAX_TOKENS)]
         on_host = [e["name"] for e in llm.engine.call_utility("list_loras") if e["on_host"]]
         assert on_host == [r.lora_name]
-        assert set(llm.engine.runner.lora_adapters) == {llm.engine.lora.manager.by_name[
+        assert set(llm.engine.runner.lora.adapters) == {llm.engine.lora.manager.by_name[
             r.lora_name].lora_id}
     llm.shutdown()
 
@@ -166,7 +166,7 @@ def test_remove_lets_requests_in_flight_finish(models):
     while core.has_unfinished_requests():
         out += [t for o in core.step() for t in o.new_token_ids]
     assert out == peft_greedy(base, a, PROMPT, MAX_TOKENS)
-    assert core.call_utility("list_loras") == [] and core.runner.lora_adapters == {}
+    assert core.call_utility("list_loras") == [] and core.runner.lora.adapters == {}
     with pytest.raises(ValueError, match="not loaded"):
         core.add_request(EngineCoreRequest("r3", PROMPT, GREEDY, lora_name="a"))
     core.call_utility("add_lora", "a", str(a))  # the name is free again
@@ -208,7 +208,7 @@ def test_bad_adapters_are_refused_in_one_line(models, tmp_path):
         core.call_utility("add_lora", "broken", str(broken))
     assert "adapter_model.safetensors cannot be read" in _one_line(e)
     # Nothing of the failed adds stays, on the engine or its runner.
-    assert core.call_utility("list_loras") == [] and core.runner.lora_adapters == {}
+    assert core.call_utility("list_loras") == [] and core.runner.lora.adapters == {}
     with pytest.raises(ValueError) as e:
         core.add_request(EngineCoreRequest("r", PROMPT, GREEDY, lora_name="nope"))
     assert "LoRA adapter 'nope' is not loaded" in _one_line(e)
