@@ -1,52 +1,26 @@
 """AsyncEngineClient: one front-end's asyncio connection to its engines (the shell).
 
-Scope: the front-end ends of the engine sockets (it BINDS a ROUTER for
-requests and a PULL for outputs at its client index's addresses), sending
-ADD / ABORT / UTILITY, handing decoded `EngineCoreOutputs` to the caller
-through `get_output()`, utility calls as futures keyed by call id, engine
-death, and the DP coordinator's publishes (its front XPUB). It decides
-nothing itself: the IO-free parts it holds do, and it carries out what they
-return:
+Scope: the front-end ends of the engine sockets (it BINDS a ROUTER for requests
+and a PULL for outputs at its client index's addresses), sending ADD / ABORT /
+UTILITY, handing decoded `EngineCoreOutputs` to the caller through
+`get_output()`, utility calls as futures keyed by call id, engine death, and the
+DP coordinator's publishes (its front XPUB). It decides nothing itself: its
+IO-free parts do (`RankTable`: rank states, placement through the `Router`;
+`InFlightBook`: requests in flight, evacuation plans), and it carries out what
+they return (`MoveSender`: rank changes and moves; `HandoffSender`: prefill /
+decode continuations). It implements `ClusterView` through `cluster`.
 
-* `RankTable` (`dpserve.frontend.rank_table`): rank states and their
-  freshness (incarnations; direct evidence of a death outranks older news),
-  cordon, placement (pinned rank, else the `Router` of
-  `dpserve.frontend.routing` among the placeable ranks, by the coordinator's
-  loads or, without one, the requests in flight from here), resize when the
-  engine count changes (elastic). Rank news comes from the coordinator's
-  updates, from the launcher (`set_rank_status`: in-process or over an API
-  server's pipe) and from direct evidence (`mark_engine_dead`:
-  ENGINE_CORE_DEAD, an unreachable socket).
-* `InFlightBook` (`dpserve.frontend.migration`): each request in flight; when
-  a rank stops serving, its plan says which request goes where with which
-  prior tokens, and which end with an error output (pinned, moved
-  `max_migrations` times, or no serving rank left). `fail_stop=True`
-  (`--engine-failure-policy stop`): a rank that dies kills the client instead.
-* Handoffs (`--data-parallel-roles`): a new request placed on a prefill rank goes
-  there as a first leg (`dpserve.frontend.roles.first_leg`); when the book sees it
-  done, a `HandoffSender` task (`dpserve.frontend.handoff`) sends its continuation
-  to a decode rank as a migration; an abort in between ends it here.
-* Waves: each request carries the wave this client last heard of from the
-  coordinator. In lockstep mode (`lockstep=True`), a request sent while the
-  coordinator said "paused" is followed by `WakeEngines(wave, engine)` so the
-  coordinator starts the wave on every other engine.
-* Prefix sharing (`share_prefixes=True`: several API servers, a coordinator,
-  `cache-aware`): the router's placements go to the coordinator in batches
-  (`CoordinatorLink`, which reads the updates), and the other API servers' come
-  back in its updates (`RankTable.apply_update` -> `Router.learn`).
+Invariants: direct evidence of a death outranks older news of a rank; a request
+that moves is aborted at its old rank first (no duplicates); once dead, every
+pending utility call fails with `EngineDeadError`, and `get_output()` raises it
+after the outputs received before. Use it from the loop it was created in; only
+`mark_dead`, `mark_engine_dead` and `set_rank_status` may be called from other
+threads. `from_config` builds it from an `EngineConfig`.
 
-It implements `ClusterView` (`dpserve.frontend.cluster`), what the HTTP
-server uses of it. Death of the client (`dead`): `mark_dead(reason)`
-(closing, the launcher stopping, policy stop), or a process watched by
-`watch_processes` exiting: every pending utility call fails at once with
-`EngineDeadError`, and `get_output()` raises it once the outputs received
-before are drained. Create it inside a running event loop and use it from
-that loop's thread (only `mark_dead`, `mark_engine_dead` and
-`set_rank_status` may be called from elsewhere); `await aclose()` (or
-`shutdown()`) when done. `from_config` builds it from an `EngineConfig`.
+Not here: tokenising, detokenising, stop strings (the output processor), HTTP,
+process spawning and restarts (`dpserve.launch`).
 
-Not here: tokenising, detokenising, stop strings (the output processor),
-HTTP, process spawning and restarts (`dpserve.launch`).
+Design: docs/design/engine-client.md
 """
 
 from __future__ import annotations
@@ -486,7 +460,7 @@ def from_config(config: EngineConfig, input_address: str | Sequence[str],
     secret, migrations, failure policy, elastic, KV block size and host tier, LoRA,
     prefill / decode roles); the
     one place both the API server and the offline LLM build it. `share_prefixes`: one of
-    several API servers (module docstring). Call inside the loop it will use."""
+    several API servers (docs/design/engine-client.md). Call inside the loop it will use."""
     parallel = config.parallel
     client = AsyncEngineClient(input_address, output_address, engine_ranks=engine_ranks,
                              client_index=client_index, max_model_len=max_model_len,

@@ -1,69 +1,34 @@
 """The DP coordinator process: its sockets and its loop (`DPCoordinatorProc`).
 
-Scope:
-* Load: keeps each engine's `[waiting, running]` counts (from `EngineReport`)
-  and publishes them to every front-end as `CoordinatorUpdate`: at most once
-  per `stats_interval_s` while they change, every `idle_publish_s` otherwise.
-* Waves: keeps the global request wave and running/paused state. Rank 0 says
-  `wave_complete=w` (all ranks paused) -> wave w+1, paused. A front-end that
-  sent a request while paused (`WakeEngines`), or an engine that got a request
-  of a finished wave (`start_wave`), makes the coordinator broadcast
-  START_DP_WAVE to the engines. Wave news is published to front-ends at once.
-* Scale: a front-end's `ScaleRequest` (or the autoscaler, `--data-parallel-
-  autoscale`) becomes a `ScaleStatus` that the launcher (`dpserve.launch.scaler`)
-  carries out; `ScaleEngines` from it resizes the tables (new ranks STARTING),
-  its `ScaleResult` ends the change (`dpserve.launch.coordinator.autoscale.ScaleBook`).
-* Pause / sleep (`ControlChange` from a front-end): keeps the `ControlState`
-  (rules in `dpserve.control`), broadcasts it to every engine as CONTROL (and
-  to an engine that subscribes late, after READY), records the seq each
-  engine reports reached (`control_done`), publishes both to the front-ends.
-* Operators (`RankControl` from an API server): cordon / uncordon a rank
-  (published in `EngineInfo.cordoned`: front-ends send it nothing new), or
-  restart it (published once as `CoordinatorUpdate.restart`; the launcher that
-  runs the rank restarts it). Per-rank figures for /engines (`RankInfoTable`:
-  KV usage, tokens/s, pid, host from heartbeats) are published with the
-  counts, at most every `INFO_PUBLISH_S` when only they changed.
-  The load and health tables are in `dpserve.launch.coordinator.tables`.
-* LoRA adapters (`loras` given: --enable-lora): the DP-wide registry, name ->
-  path, starting with --lora-modules. An API server that loaded an adapter on
-  every live rank (`dpserve.frontend.lora`) sends `LoRAChange` add; one that
-  unloads, `LoRAChange` remove. The registry goes out in every publish, and with
-  READY to each engine (the second frame), so a restarted, added or Ray rank
-  loads what it lacks before it serves. A restarted coordinator publishes no
-  registry until an engine's heartbeat lists its adapters (paths included).
-  A change's rules: `dpserve.launch.coordinator.loras`.
-* Prefix facts (`PrefixFacts` from API servers: several, cache-aware): relayed at
-  once to every front-end, or dropped over the caps
-  (`dpserve.launch.coordinator.prefix_relay.PrefixRelay`).
-* Tenants (`tenant_address` given: --tenant-limits): hosts the one tenant
-  ledger every API server asks before it sends a request
-  (`dpserve.launch.coordinator.tenants.TenantDesk`: admit / started / finished).
-* Lockstep DP group (`dp_store` given): hosts the engines' rendezvous store
-  (`dpserve.engine.dp_store.DPStoreServer`: ZMQ, CURVE with the secret; here, so
-  that any rank may die) and decides each group generation (`DPGroup`): the
-  serving ranks that have sent a heartbeat (so are loaded and stepping), sent
-  as REGROUP_DP `SETTLE_GROUP_S` after that set changes (start-up, a rank
-  dead, isolated, back), and `REFORM_DELAY_S` after an engine reports a
-  failed collective of the current generation
-  (`dpserve.launch.coordinator.dp_group`).
+Scope: the loop that reads the front-ends, the engines' reports and late
+subscriptions, and the tenant desk, and publishes `CoordinatorUpdate`s: the
+load counts (at most every `stats_interval_s` while they change, every
+`idle_publish_s` otherwise), rank health, pause / sleep, scale news, per-rank
+figures, the LoRA registry. Its state is in IO-free parts: `LoadTable`,
+`HealthTable`, `ControlBook` (tables.py), `Waves` (waves.py), `DPGroup`
+(dp_group.py), `ScaleBook` (autoscale.py), `LoRARegistry` (loras.py),
+`PrefixRelay` (prefix_relay.py), `TenantDesk` (tenants.py). In lockstep mode it
+hosts the engines' DP group store, so that any rank may die.
 
-Not here: the launcher's handle on the process (`dpserve.launch.coordinator.handle`),
-load-balancing decisions (front-ends), the all-reduce that decides when a wave
-ends (engines), starting engines (`dpserve.launch.engines`).
+Invariants: waves only move forward, and only the DP group's leader reports a
+wave complete (`Waves`); an engine's counts only move forward in (wave, step)
+(`LoadTable`); a restarted or added engine gets READY (with the LoRA registry)
+and the current control state.
 
-Sockets (all bound here; the wire format is in `dpserve.protocol`):
-    front_publish_address   XPUB  -> CoordinatorUpdate to front-ends (XSUB),
-                                  <- WakeEngines / ScaleEngines from them
-    engine_report_address   PULL  <- EngineReport from engines (PUSH)
-    engine_publish_address  XPUB  -> COORDINATOR_READY, then START_DP_WAVE and
-                                  REGROUP_DP (SUB)
-    dp_store (lockstep)     ROUTER at tcp://host:port <- StoreRequest (gloo's rendezvous)
-    tenant_address          ROUTER <-> TenantAdmit / TenantVerdict, ... (API servers'
-                                  DEALERs; `dpserve.tenancy.messages`)
+Sockets (all bound here; the wire format is in `dpserve.protocol`): front
+publish XPUB (updates out; WakeEngines, scale and control messages in), engine
+report PULL, engine publish XPUB (READY, START_DP_WAVE, REGROUP_DP, CONTROL),
+the DP store ROUTER (lockstep), the tenant ROUTER (--tenant-limits).
 
-The process exits on SIGTERM (it ignores Ctrl-C's SIGINT: the parent stops
-it), when its parent dies (polled every second), or with exit code 1 when not
-every engine subscribes in time.
+The process exits on SIGTERM (it ignores Ctrl-C's SIGINT: the parent stops it),
+when its parent dies, or with exit code 1 when not every engine subscribes in
+time.
+
+Not here: the launcher's handle on the process (`handle.py`), load-balancing
+decisions (front-ends), the all-reduce that ends a wave (engines), starting
+engines (`dpserve.launch.engines`).
+
+Design: docs/design/coordinator.md
 """
 
 from __future__ import annotations
