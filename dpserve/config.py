@@ -329,7 +329,7 @@ class EngineArgs(ProfileArgs, TracingArgs):
     def check_options(self) -> None:
         """Raise ConfigError for an option that is wrong whatever the model and the
         machine (`create_config` checks them too; this is the fast, early check)."""
-        self._validate_plain_options()
+        _check_plain_options(self)
         self.checked_profile_dir()
 
     def create_config(self) -> EngineConfig:
@@ -345,7 +345,7 @@ class EngineArgs(ProfileArgs, TracingArgs):
             gpu_memory_utilization=self.gpu_memory_utilization,
             enable_prefix_caching=self.enable_prefix_caching, num_kv_blocks=self.num_kv_blocks,
             kv_offload_bytes=_kv_offload_bytes(self))
-        parallel = self._parallel_config(device, model.hf_config, model.architecture)
+        parallel = _parallel_config(self, device, model.hf_config, model.architecture)
         check_tensor_parallel(self, model.hf_config, device, parallel.enable_expert_parallel)
         check_load_format(model.path, self.load_format, self.tensor_parallel_size,
                           parallel.enable_expert_parallel)
@@ -393,98 +393,104 @@ class EngineArgs(ProfileArgs, TracingArgs):
             _check_quantization(self.quantization, device, dtype, arch)
         return model
 
-    def _parallel_config(self, device: str, hf_config: Mapping[str, Any],
-                         arch: str) -> ParallelConfig:
-        """The data-parallel options resolved (`dpserve.placement`) for this model."""
-        autoscale = autoscale_config(self)
-        elastic, most = elastic_scaling(self, autoscale)
-        return ParallelConfig(
-            data_parallel_size=self.data_parallel_size,
-            tensor_parallel_size=self.tensor_parallel_size,
-            threads_per_engine=threads_per_engine(self, device),
-            cpu_groups=cpu_groups(self, device),
-            data_parallel_lockstep=(self.data_parallel_lockstep or _is_moe(hf_config))
-            and (elastic or self.data_parallel_size > 1),
-            data_parallel_sync_interval=self.data_parallel_sync_interval,
-            data_parallel_collective_timeout=self.data_parallel_collective_timeout,
-            enable_expert_parallel=_expert_parallel(self, hf_config, arch, most or 0),
-            data_parallel_size_local=size_local(self),
-            data_parallel_start_rank=start_rank(self),
-            data_parallel_address=self.data_parallel_address,
-            data_parallel_rpc_port=self.data_parallel_rpc_port,
-            data_parallel_rank=self.data_parallel_rank,
-            data_parallel_hybrid_lb=self.data_parallel_hybrid_lb,
-            data_parallel_roles=data_parallel_roles(self),
-            data_parallel_backend=self.data_parallel_backend,
-            data_parallel_pack_strategy=self.data_parallel_pack_strategy,
-            data_parallel_secret=data_plane_secret(self),
-            data_parallel_insecure=self.data_parallel_insecure,
-            ray_address=self.ray_address,
-            engine_heartbeat_timeout=self.engine_heartbeat_timeout,
-            engine_stall_timeout=self.engine_stall_timeout,
-            engine_failure_policy=self.engine_failure_policy,
-            max_engine_restarts=self.max_engine_restarts,
-            max_request_migrations=self.max_request_migrations,
-            engine_output_backlog=parse_memory_size(self.engine_output_backlog,
-                                                    "engine_output_backlog"),
-            engine_output_stall_timeout=self.engine_output_stall_timeout,
-            enable_elastic_ep=elastic, data_parallel_size_max=most, autoscale=autoscale)
 
-    def _need(self, ok: bool, name: str, what: str) -> None:
+# ---- resolutions and checks over the options (as `dpserve.placement`'s) -------------
+
+
+def _parallel_config(args: EngineArgs, device: str, hf_config: Mapping[str, Any],
+                     arch: str) -> ParallelConfig:
+    """The data-parallel options resolved (`dpserve.placement`) for this model."""
+    autoscale = autoscale_config(args)
+    elastic, most = elastic_scaling(args, autoscale)
+    return ParallelConfig(
+        data_parallel_size=args.data_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+        threads_per_engine=threads_per_engine(args, device),
+        cpu_groups=cpu_groups(args, device),
+        data_parallel_lockstep=(args.data_parallel_lockstep or _is_moe(hf_config))
+        and (elastic or args.data_parallel_size > 1),
+        data_parallel_sync_interval=args.data_parallel_sync_interval,
+        data_parallel_collective_timeout=args.data_parallel_collective_timeout,
+        enable_expert_parallel=_expert_parallel(args, hf_config, arch, most or 0),
+        data_parallel_size_local=size_local(args),
+        data_parallel_start_rank=start_rank(args),
+        data_parallel_address=args.data_parallel_address,
+        data_parallel_rpc_port=args.data_parallel_rpc_port,
+        data_parallel_rank=args.data_parallel_rank,
+        data_parallel_hybrid_lb=args.data_parallel_hybrid_lb,
+        data_parallel_roles=data_parallel_roles(args),
+        data_parallel_backend=args.data_parallel_backend,
+        data_parallel_pack_strategy=args.data_parallel_pack_strategy,
+        data_parallel_secret=data_plane_secret(args),
+        data_parallel_insecure=args.data_parallel_insecure,
+        ray_address=args.ray_address,
+        engine_heartbeat_timeout=args.engine_heartbeat_timeout,
+        engine_stall_timeout=args.engine_stall_timeout,
+        engine_failure_policy=args.engine_failure_policy,
+        max_engine_restarts=args.max_engine_restarts,
+        max_request_migrations=args.max_request_migrations,
+        engine_output_backlog=parse_memory_size(args.engine_output_backlog,
+                                                "engine_output_backlog"),
+        engine_output_stall_timeout=args.engine_output_stall_timeout,
+        enable_elastic_ep=elastic, data_parallel_size_max=most, autoscale=autoscale)
+
+
+def _check_plain_options(args: EngineArgs) -> None:
+    """ConfigError for an option that is wrong whatever the model and the machine,
+    naming it and the value given."""
+
+    def need(ok: bool, name: str, what: str) -> None:
         if not ok:
-            raise ConfigError(f"{name} {what}, got {getattr(self, name)!r}")
+            raise ConfigError(f"{name} {what}, got {getattr(args, name)!r}")
 
-    def _validate_plain_options(self) -> None:
-        need = self._need
-
-        need(self.dtype in _DTYPES, "dtype", f"must be one of {', '.join(_DTYPES)}")
-        need(self.device in _DEVICES, "device", f"must be one of {', '.join(_DEVICES)}")
-        need(self.quantization in (None, "int8"), "quantization", "must be int8 (or unset)")
-        need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
-             "must be a power of two in [1, 128]")
-        need(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
-             "must be in (0, 1]")
-        need(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks",
-             "must be at least 1")
-        need(self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1")
-        PoolerConfig.parse(self.pooler_config)
-        SpeculativeConfig.parse(self.speculative_config)
-        need(self.max_num_batched_tokens is None or self.max_num_batched_tokens
-             >= self.max_num_seqs, "max_num_batched_tokens", "must be at least max_num_seqs")
-        need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
-             "must be at least 1")
-        need(self.data_parallel_size >= 1, "data_parallel_size", "must be at least 1")
-        need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")
-        need(self.threads_per_engine is None or self.threads_per_engine >= 1,
-             "threads_per_engine", "must be at least 1")
-        need(self.cpu_bind.strip() != "" and (self.data_parallel_backend != "ray" or
-                                              self.cpu_bind.strip() in ("auto", "none")),
-             "cpu_bind", "must be 'auto', 'none' or core lists (with Ray: 'auto' or 'none'; "
-             "Ray places the engines)")
-        need(self.data_parallel_sync_interval >= 1, "data_parallel_sync_interval",
-             "must be at least 1")
-        need(self.data_parallel_collective_timeout > 0, "data_parallel_collective_timeout",
-             "must be positive")
-        need(self.engine_heartbeat_timeout > 0, "engine_heartbeat_timeout", "must be positive")
-        need(self.engine_stall_timeout > 0, "engine_stall_timeout", "must be positive")
-        need(self.engine_failure_policy in _FAILURE_POLICIES, "engine_failure_policy",
-             f"must be one of {', '.join(_FAILURE_POLICIES)}")
-        need(self.max_engine_restarts >= 0, "max_engine_restarts", "must be at least 0")
-        need(self.max_request_migrations >= 0, "max_request_migrations", "must be at least 0")
-        parse_memory_size(self.engine_output_backlog, "engine_output_backlog")
-        need(2 <= self.engine_output_stall_timeout < float("inf"), "engine_output_stall_timeout",
-             "must be a number of seconds >= 2")
-        need(0 <= self.shutdown_timeout < float("inf"), "shutdown_timeout",
-             "must be a number of seconds >= 0")
-        need(self.max_stop_token_ids >= 0, "max_stop_token_ids", "must be at least 0")
-        need(self.max_logit_bias >= 0, "max_logit_bias", "must be at least 0")
-        need(0 < self.structured_outputs_compile_timeout < float("inf"),
-             "structured_outputs_compile_timeout", "must be a positive number of seconds")
-        check_lora_options(self)
-        check_placement(self)
-        if self.kv_cache_memory is not None:
-            parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
-        _kv_offload_bytes(self)
+    need(args.dtype in _DTYPES, "dtype", f"must be one of {', '.join(_DTYPES)}")
+    need(args.device in _DEVICES, "device", f"must be one of {', '.join(_DEVICES)}")
+    need(args.quantization in (None, "int8"), "quantization", "must be int8 (or unset)")
+    need(args.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
+         "must be a power of two in [1, 128]")
+    need(0.0 < args.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+         "must be in (0, 1]")
+    need(args.num_kv_blocks is None or args.num_kv_blocks >= 1, "num_kv_blocks",
+         "must be at least 1")
+    need(args.max_num_seqs >= 1, "max_num_seqs", "must be at least 1")
+    PoolerConfig.parse(args.pooler_config)
+    SpeculativeConfig.parse(args.speculative_config)
+    need(args.max_num_batched_tokens is None or args.max_num_batched_tokens
+         >= args.max_num_seqs, "max_num_batched_tokens", "must be at least max_num_seqs")
+    need(args.max_model_len is None or args.max_model_len >= 1, "max_model_len",
+         "must be at least 1")
+    need(args.data_parallel_size >= 1, "data_parallel_size", "must be at least 1")
+    need(args.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")
+    need(args.threads_per_engine is None or args.threads_per_engine >= 1,
+         "threads_per_engine", "must be at least 1")
+    need(args.cpu_bind.strip() != "" and (args.data_parallel_backend != "ray" or
+                                          args.cpu_bind.strip() in ("auto", "none")),
+         "cpu_bind", "must be 'auto', 'none' or core lists (with Ray: 'auto' or 'none'; "
+         "Ray places the engines)")
+    need(args.data_parallel_sync_interval >= 1, "data_parallel_sync_interval",
+         "must be at least 1")
+    need(args.data_parallel_collective_timeout > 0, "data_parallel_collective_timeout",
+         "must be positive")
+    need(args.engine_heartbeat_timeout > 0, "engine_heartbeat_timeout", "must be positive")
+    need(args.engine_stall_timeout > 0, "engine_stall_timeout", "must be positive")
+    need(args.engine_failure_policy in _FAILURE_POLICIES, "engine_failure_policy",
+         f"must be one of {', '.join(_FAILURE_POLICIES)}")
+    need(args.max_engine_restarts >= 0, "max_engine_restarts", "must be at least 0")
+    need(args.max_request_migrations >= 0, "max_request_migrations", "must be at least 0")
+    parse_memory_size(args.engine_output_backlog, "engine_output_backlog")
+    need(2 <= args.engine_output_stall_timeout < float("inf"), "engine_output_stall_timeout",
+         "must be a number of seconds >= 2")
+    need(0 <= args.shutdown_timeout < float("inf"), "shutdown_timeout",
+         "must be a number of seconds >= 0")
+    need(args.max_stop_token_ids >= 0, "max_stop_token_ids", "must be at least 0")
+    need(args.max_logit_bias >= 0, "max_logit_bias", "must be at least 0")
+    need(0 < args.structured_outputs_compile_timeout < float("inf"),
+         "structured_outputs_compile_timeout", "must be a positive number of seconds")
+    check_lora_options(args)
+    check_placement(args)
+    if args.kv_cache_memory is not None:
+        parse_memory_size(args.kv_cache_memory, "kv_cache_memory")
+    _kv_offload_bytes(args)
 
 
 def _expert_parallel(args: EngineArgs, hf_config: Mapping[str, Any], arch: str, most: int

@@ -131,7 +131,7 @@ def test_moe_gguf_serves_like_transformers(tmp_path, monkeypatch, arch):
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                             SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
         assert [list(o.outputs[0].token_ids) for o in outs] == expected
-        info = llm.engine.expert_info()  # one engine, in this process
+        info = llm.engine.call_utility("expert_info")  # one engine, in this process
         assert info["num_experts"] == 8 and info["experts"] == [0, 8]
     finally:
         llm.shutdown()

@@ -183,7 +183,7 @@ def test_store_killed_while_a_load_is_in_flight(tiny_llama, store, expected):
         assert generate(rank0, {"c": PROMPTS["c"]}) == {"c": expected["c"]}
         # The restarted store serves again: after the client's back-off, a hello has
         # every worker map its new arena, and blocks go there and come back.
-        client = rank1.scheduler.kv_connector.client
+        client = rank1.scheduler.tier.connector.client
         deadline = time.monotonic() + 30
         while client.generation != store.generation:
             assert time.monotonic() < deadline, "the engine never came back to the store"

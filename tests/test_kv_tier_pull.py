@@ -373,7 +373,7 @@ def test_an_engine_on_another_host_continues_from_pulled_blocks(tiny_llama) -> N
         first, second = hosts
         cores = [make_core(tiny_llama, first, 0), make_core(tiny_llama, second, 1)]
         assert generate(cores[0], PROMPT) == expected
-        tier = cores[1].scheduler.kv_connector.client  # the second engine's, of its store
+        tier = cores[1].scheduler.tier.connector.client  # the second engine's, of its store
         assert tier.stats()["ready"] == 0
         hashes = prompt_hashes(PROMPT)
         assert len(hashes) == 10

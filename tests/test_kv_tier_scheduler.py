@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from dpserve.engine.kv_connector import HostTierConnector
+from dpserve.engine.kv_connector import HostTierConnector, TierLink
 from dpserve.engine.request import RequestStatus
 from dpserve.model.kv_copy import KVTierCopier
 from dpserve.step import KVTransfer
@@ -80,15 +80,14 @@ def tiered(client: FakeTierClient, deferred_commit: bool = False, **kw):
     connector = HostTierConnector(client, block_size=BS, slot_bytes=SLOT_BYTES,
                                   shard_bytes=SLOT_BYTES, deferred_commit=deferred_commit)
     sched = make_scheduler(**kw)
-    sched.kv_connector = connector  # as Scheduler(kv_connector=...) sets it up
-    sched.kv_cache.new_full_blocks = []
+    sched.tier = TierLink(connector, sched.kv_cache)  # as Scheduler(kv_connector=...)
     return sched
 
 
 def run_step(sched, tokens=None):
-    """schedule -> (a worker's copies) -> kv_step_done -> update, as EngineCore.step."""
+    """schedule -> (a worker's copies) -> tier.step_done -> update, as EngineCore.step."""
     out = sched.schedule()
-    sched.kv_step_done(out)
+    sched.tier.step_done(out)
     return out, sched.update_from_output(out, runner_output(out, tokens))
 
 
@@ -117,7 +116,7 @@ def test_a_prefix_another_rank_saved_is_loaded_and_counts_as_computed():
     assert out.kv_transfer.loads == [(client.ready[h], b) for h, b in zip(hashes, s.block_ids)]
     assert out.kv_transfer.saves == []  # the store holds them already
     assert client.num_pins() == 3  # held while the step copies
-    sched.kv_step_done(out)
+    sched.tier.step_done(out)
     assert client.num_pins() == 0
     stats = sched.make_stats()
     assert (stats.kv_tier_hits, stats.kv_tier_queries) == (12, 12)
@@ -161,7 +160,7 @@ def test_blocks_a_step_makes_full_are_saved_after_it_and_committed():
     (s,) = out.scheduled
     assert out.kv_transfer.saves == [(s.block_ids[0], client.writing[req.block_hashes[0]]),
                                      (s.block_ids[1], client.writing[req.block_hashes[1]])]
-    sched.kv_step_done(out)  # uniproc: worker 0 copied them
+    sched.tier.step_done(out)  # uniproc: worker 0 copied them
     assert set(client.ready) == set(req.block_hashes) and not client.writing
     sched.update_from_output(out, runner_output(out))
     # Decode: tokens 9, 10, 11 fill block 2 (an output block) in the step computing 11.
@@ -180,14 +179,14 @@ def test_tensor_parallel_saves_commit_after_the_next_step_or_the_barrier():
     sched.add_request(make_request("r", PROMPT[:9], max_tokens=8))
     run_step(sched)
     assert len(client.writing) == 2 and not client.ready  # the peers may still copy
-    assert sched.kv_connector.has_pending_commits()
+    assert sched.tier.connector.has_pending_commits()
     out, _ = run_step(sched)  # its collectives: the peers are past the last step's copies
     assert out.kv_transfer is None and len(client.ready) == 2
     sched.add_request(make_request("s", PROMPT[:5], max_tokens=1))  # makes block 0... again
     sched.add_request(make_request("t", [7] * 5, max_tokens=1))
     run_step(sched)
-    assert len(client.writing) == 1 and sched.kv_connector.has_pending_commits()
-    sched.kv_connector.commit_pending()  # the engine's barrier once idle
+    assert len(client.writing) == 1 and sched.tier.connector.has_pending_commits()
+    sched.tier.connector.commit_pending()  # the engine's barrier once idle
     assert not client.writing and len(client.ready) == 3
 
 
@@ -215,7 +214,7 @@ def test_a_request_that_does_not_fit_lets_its_hits_go():
     sched.add_request(make_request("big2", [5] * 21, max_tokens=1))
     out = sched.schedule()  # "big" finished: "r" fits now
     assert shape_of(out) == [("r", 12, 2)]
-    sched.kv_step_done(out)
+    sched.tier.step_done(out)
     sched.update_from_output(out, runner_output(out))
     # "big2" needs 6 blocks and "r" holds 4: looked up, not admitted, hits let go.
     out = sched.schedule()
@@ -264,7 +263,7 @@ def test_a_failed_step_releases_its_pins_and_aborts_its_saves():
     sched.add_request(make_request("r", PROMPT))
     out = sched.schedule()
     assert client.num_pins() == 1 and len(client.writing) == 2
-    sched.kv_step_failed(out)
+    sched.tier.step_failed(out)
     assert client.num_pins() == 0 and not client.writing and len(client.ready) == 1
 
 
@@ -328,7 +327,7 @@ def test_every_worker_maps_a_new_arena_before_a_step_names_it():
         return answer["ok"]
 
     sched = tiered(client)
-    sched.kv_connector._attach = attach
+    sched.tier.connector._attach = attach
     sched.add_request(make_request("r", PROMPT, max_tokens=1))
     out, _ = run_step(sched)  # a worker could not map it: a miss, its pins let go
     assert shape_of(out) == [("r", 0, 14)] and out.kv_transfer is None

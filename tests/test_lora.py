@@ -73,7 +73,7 @@ def test_mixed_batch_equals_peft(models, arch):
     for name in ("a", "b"):  # each alone equals the mixed batch
         alone = llm.generate([ids(PROMPT)], GREEDY, use_tqdm=False, lora_request=reqs[name])
         assert tokens(alone) == [refs[name]]
-    listing = {e["name"]: e for e in llm.engine.list_loras()}
+    listing = {e["name"]: e for e in llm.engine.call_utility("list_loras")}
     assert set(listing) == {"a", "b"} and all(e["requests"] == 0 for e in listing.values())
     assert llm.engine.request_state_sizes()["lora_requests"] == 0
     llm.shutdown()
@@ -93,22 +93,22 @@ def test_one_slot_lru_and_pin(models):
     for r in reqs * 2:  # alternating: every call evicts the other
         assert tokens(llm.generate([ids(PROMPT)], GREEDY, use_tqdm=False,
                                    lora_request=r)) == [refs[Path(r.lora_path)]]
-    manager = llm.engine.lora
+    manager = llm.engine.lora.manager
     assert manager.evictions >= 5
     with pytest.raises(ValueError, match="pin"):  # one slot: none may be pinned
-        llm.engine.pin_lora("a")
+        llm.engine.call_utility("pin_lora", "a")
     llm.shutdown()
     # Two slots, one pinned: b and c take turns in the other; a stays resident.
     llm = LLM(str(base), max_loras=2, **ENGINE)
     llm.generate([ids(PROMPT)], GREEDY, use_tqdm=False, lora_request=reqs[0])
-    llm.engine.pin_lora("a")
+    llm.engine.call_utility("pin_lora", "a")
     rc = LoRARequest("c", 3, str(c))
     for r in (reqs[1], rc, reqs[1], rc):
         assert tokens(llm.generate([ids(PROMPT)], GREEDY, use_tqdm=False,
                                    lora_request=r)) == [refs[Path(r.lora_path)]]
-        listing = {e["name"]: e for e in llm.engine.list_loras()}
+        listing = {e["name"]: e for e in llm.engine.call_utility("list_loras")}
         assert listing["a"]["resident"] and listing["a"]["pinned"]
-    assert llm.engine.lora.loads == 5  # a once, then b and c twice each
+    assert llm.engine.lora.manager.loads == 5  # a once, then b and c twice each
     assert tokens(llm.generate([ids(PROMPT)], GREEDY, use_tqdm=False,
                                lora_request=reqs[0])) == [refs[a]]
     llm.shutdown()
@@ -121,9 +121,9 @@ def test_host_cache_evicts_and_reloads(models):
     for r in reqs * 2:  # each turn reads the other adapter from its path again
         assert tokens(llm.generate([ids(PROMPT)], GREEDY, use_tqdm=False, lora_request=r)) \
             == [peft_greedy(base, Path(r.lora_path), PROMPT, MAX_TOKENS)]
-        on_host = [e["name"] for e in llm.engine.list_loras() if e["on_host"]]
+        on_host = [e["name"] for e in llm.engine.call_utility("list_loras") if e["on_host"]]
         assert on_host == [r.lora_name]
-        assert set(llm.engine.runner.lora_adapters) == {llm.engine.lora.by_name[
+        assert set(llm.engine.runner.lora.adapters) == {llm.engine.lora.manager.by_name[
             r.lora_name].lora_id}
     llm.shutdown()
 
@@ -158,18 +158,19 @@ def test_remove_lets_requests_in_flight_finish(models):
     core.add_request(EngineCoreRequest("r1", PROMPT, GREEDY, lora_name="a"))
     out: list[int] = []
     out += [t for o in core.step() for t in o.new_token_ids]  # prefill: running now
-    assert core.remove_lora("a")
+    assert core.call_utility("remove_lora", "a")
     with pytest.raises(ValueError, match="'a' is being removed"):
         core.add_request(EngineCoreRequest("r2", PROMPT, GREEDY, lora_name="a"))
-    assert core.list_loras()[0]["removing"] and core.list_loras()[0]["requests"] == 1
+    [entry] = core.call_utility("list_loras")
+    assert entry["removing"] and entry["requests"] == 1
     while core.has_unfinished_requests():
         out += [t for o in core.step() for t in o.new_token_ids]
     assert out == peft_greedy(base, a, PROMPT, MAX_TOKENS)
-    assert core.list_loras() == [] and core.runner.lora_adapters == {}
+    assert core.call_utility("list_loras") == [] and core.runner.lora.adapters == {}
     with pytest.raises(ValueError, match="not loaded"):
         core.add_request(EngineCoreRequest("r3", PROMPT, GREEDY, lora_name="a"))
-    core.add_lora("a", str(a))  # the name is free again
-    assert [e["name"] for e in core.list_loras()] == ["a"]
+    core.call_utility("add_lora", "a", str(a))  # the name is free again
+    assert [e["name"] for e in core.call_utility("list_loras")] == ["a"]
     llm.shutdown()
 
 
@@ -184,19 +185,19 @@ def test_bad_adapters_are_refused_in_one_line(models, tmp_path):
     llm = LLM(str(base), max_loras=2, max_lora_rank=4, **ENGINE)
     core = llm.engine
     with pytest.raises(ValueError) as e:  # r=8 over max_lora_rank=4
-        core.add_lora("a", str(a))
+        core.call_utility("add_lora", "a", str(a))
     assert "LoRA rank 8 exceeds max_lora_rank 4" in _one_line(e)
     with pytest.raises(ValueError) as e:
-        core.add_lora("x", str(tmp_path))
+        core.call_utility("add_lora", "x", str(tmp_path))
     assert "is not a LoRA adapter directory" in _one_line(e)
     head = make_adapter(base, tmp_path / "head", rank=2, targets=("q_proj", "lm_head"))
     with pytest.raises(ValueError) as e:
-        core.add_lora("head", str(head))
+        core.call_utility("add_lora", "head", str(head))
     assert "target module 'lm_head' is not in the model" in _one_line(e)
     other = make_tiny_model(tmp_path / "other", "llama", hidden_size=32)
     wrong = make_adapter(other, tmp_path / "wrong", rank=2)
     with pytest.raises(ValueError) as e:
-        core.add_lora("wrong", str(wrong))
+        core.call_utility("add_lora", "wrong", str(wrong))
     assert "do not match the base model" in _one_line(e)
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -204,16 +205,16 @@ def test_bad_adapters_are_refused_in_one_line(models, tmp_path):
     (broken / "adapter_config.json").write_text(json.dumps({**config, "r": 2}))
     (broken / "adapter_model.safetensors").write_bytes(b"\x10\x00not safetensors")
     with pytest.raises(ValueError) as e:
-        core.add_lora("broken", str(broken))
+        core.call_utility("add_lora", "broken", str(broken))
     assert "adapter_model.safetensors cannot be read" in _one_line(e)
     # Nothing of the failed adds stays, on the engine or its runner.
-    assert core.list_loras() == [] and core.runner.lora_adapters == {}
+    assert core.call_utility("list_loras") == [] and core.runner.lora.adapters == {}
     with pytest.raises(ValueError) as e:
         core.add_request(EngineCoreRequest("r", PROMPT, GREEDY, lora_name="nope"))
     assert "LoRA adapter 'nope' is not loaded" in _one_line(e)
     assert core.request_state_sizes()["requests"] == 0
     with pytest.raises(ValueError, match="not loaded"):
-        core.remove_lora("nope")
+        core.call_utility("remove_lora", "nope")
     llm.shutdown()
 
 
@@ -225,7 +226,7 @@ def test_moe_expert_targets_are_refused(tmp_path):
                            targets=("q_proj", "gate_proj", "up_proj"))
     llm = LLM(str(base), max_loras=1, **ENGINE)
     with pytest.raises(ValueError) as e:
-        llm.engine.add_lora("m", str(adapter))
+        llm.engine.call_utility("add_lora", "m", str(adapter))
     assert "mixture-of-experts layers is not supported" in _one_line(e)
     # Attention-only adapters serve on MoE models.
     attn = make_adapter(base, tmp_path / "moe_attn", rank=2, targets=("q_proj", "v_proj"))
@@ -298,7 +299,8 @@ def test_tensor_parallel_equals_peft(models):
     out = llm.generate([ids(PROMPT)] * 3, GREEDY, use_tqdm=False, lora_request=reqs)
     assert tokens(out) == [peft_greedy(base, p, PROMPT, MAX_TOKENS) for p in (a, None, b)]
     with pytest.raises(ValueError, match="is not a LoRA adapter directory"):
-        llm.engine.add_lora("x", str(base))  # refused on every worker; the rank lives on
+        # refused on every worker; the rank lives on
+        llm.engine.call_utility("add_lora", "x", str(base))
     assert tokens(llm.generate([ids(PROMPT)], GREEDY, use_tqdm=False,
                                lora_request=reqs[0])) == [tokens(out)[0]]
     llm.shutdown()
@@ -320,14 +322,14 @@ def test_cli_flags_and_sleep_wake(models):
     # --lora-modules loaded at start; a CPU sleep at level 2 reloads the model (and
     # empties the slots): the adapters still give their tokens after waking.
     llm = LLM(str(base), max_loras=2, lora_modules=[f"a={a}", f"b={b}"], **ENGINE)
-    assert [e["name"] for e in llm.engine.list_loras()] == ["a", "b"]
+    assert [e["name"] for e in llm.engine.call_utility("list_loras")] == ["a", "b"]
     refs = [peft_greedy(base, p, PROMPT, MAX_TOKENS) for p in (a, b)]
     reqs = [LoRARequest("a", 1, str(a)), LoRARequest("b", 2, str(b))]
     assert tokens(llm.generate([ids(PROMPT)] * 2, GREEDY, use_tqdm=False,
                                lora_request=reqs)) == refs
     llm.engine.sleep(2)
     llm.engine.wake_up()
-    assert not any(e["resident"] for e in llm.engine.list_loras())
+    assert not any(e["resident"] for e in llm.engine.call_utility("list_loras"))
     assert tokens(llm.generate([ids(PROMPT)] * 2, GREEDY, use_tqdm=False,
                                lora_request=reqs)) == refs
     llm.shutdown()

@@ -342,7 +342,7 @@ def test_profile_run_works_on_cpu(driver, model_path, monkeypatch):
 
     monkeypatch.setattr(runner.model, "forward", spy_forward)
     monkeypatch.setattr(runner.model, "compute_logits", spy_logits)
-    runner._profile_run()
+    runner.kv.profile_run(runner.model)
     input_ids, logits = seen
     assert input_ids.shape == (sched.max_num_batched_tokens,)
     assert logits.shape == (min(sched.max_num_batched_tokens, sched.max_num_seqs),

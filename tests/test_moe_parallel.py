@@ -73,7 +73,7 @@ def _wait_settled(get_states, timeout: float = 30.0) -> list[dict]:
 def test_expert_parallel_equals_one_engine_with_half_the_experts(tiny_mixtral):
     one = LLM(str(tiny_mixtral), threads_per_engine=1, max_model_len=256)
     expected = _tokens(one)
-    whole = one.engine.expert_info()
+    whole = one.engine.call_utility("expert_info")
     assert whole["experts"] == [0, 8] and not whole["expert_parallel"]
     ep = LLM(str(tiny_mixtral), data_parallel_size=2, enable_expert_parallel=True,
              max_model_len=256, max_num_batched_tokens=16, max_num_seqs=8)

@@ -4,6 +4,10 @@ It owns the scheduler, the KV-cache manager (inside the scheduler) and the
 model runner. `step()` is schedule -> execute -> update and returns the new
 tokens of each request that made progress. No sockets, no threads: a process
 wrapper or the offline `LLM` drives it.
+
+Utility calls (what a front-end may ask between two steps) go through its
+`UtilityTable` (`dpserve.engine.utilities`): `call_utility(name, *args)`. The
+core registers its views there, and each feature its own calls.
 """
 
 from __future__ import annotations
@@ -11,16 +15,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 from dpserve import tracing
 from dpserve.config import EngineConfig
 from dpserve.engine.executor import make_executor
 from dpserve.engine.kv_connector import make_host_tier
-from dpserve.engine.lora_manager import LoRAManager, adapter_cache_key
+from dpserve.engine.lora_sync import EngineLoRA
 from dpserve.engine.request import Request, RequestStatus
 from dpserve.engine.scheduler import Scheduler
+from dpserve.engine.utilities import UtilityTable, WorkerUtilities
 from dpserve.errors import ExpertParallelError
 from dpserve.prompt import check_prompt
 from dpserve.protocol import (
@@ -28,7 +32,6 @@ from dpserve.protocol import (
     EngineCoreRequest,
     FinishReason,
     SchedulerStats,
-    TPWorkerInfo,
 )
 from dpserve.step import ModelRunnerOutput
 from dpserve.structured.manager import StructuredOutputManager
@@ -37,15 +40,6 @@ from dpserve.tracing.engine_trace import RequestTrace
 logger = logging.getLogger(__name__)
 
 _EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-
-# The EngineCore methods a front-end may call as utilities (an allowlist, used by the
-# engine process and the in-process client alike): read-only views, the prefix-cache
-# reset, LoRA adapters and profiler sessions. Not the request path, sleep / wake-up
-# (only through the engine's control, which aborts first) or DP steps.
-UTILITY_METHODS = frozenset({"get_stats", "get_request_counts", "reset_prefix_cache",
-                             "expert_info", "request_state_sizes", "tp_worker_info",
-                             "add_lora", "remove_lora", "list_loras", "pin_lora",
-                             "start_profile", "stop_profile", "save_sharded_state"})
 
 
 class EngineCore:
@@ -68,16 +62,26 @@ class EngineCore:
             self.executor.shutdown()
             raise
         # LoRA adapters (--enable-lora): registered, on the host, resident in slots.
-        self.lora = LoRAManager(config.lora) if config.lora is not None else None
+        self.lora = EngineLoRA(config.lora, self.executor)
+        manager = self.lora.manager
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks,
-                                   lora_fits=self.lora.fits if self.lora else None,
+                                   lora_fits=manager.fits if manager else None,
                                    kv_connector=kv_tier)
         try:
             for name, path in config.lora.modules if config.lora else ():
-                self.add_lora(name, path)
+                self.lora.add(name, path)
         except BaseException:
             self.executor.shutdown()
             raise
+        # What a front-end may call between two steps: the core's views, each feature's.
+        self.utilities = UtilityTable()
+        self.utilities.register(get_stats=self.get_stats,
+                                get_request_counts=self.get_request_counts,
+                                reset_prefix_cache=self.reset_prefix_cache,
+                                request_state_sizes=self.request_state_sizes)
+        self.workers = WorkerUtilities(self.executor, config.model.path)
+        self.workers.register(self.utilities)
+        self.lora.register(self.utilities)
         self.vocab_size = int(config.model.hf_config["vocab_size"])
         # Requests with structured output wait here until their grammar is compiled.
         self.structured = StructuredOutputManager(
@@ -108,7 +112,7 @@ class EngineCore:
             extra += 1
         request.sampling_params.check_limits(limits.max_stop_token_ids + extra,
                                              limits.max_logit_bias)
-        lora_id, lora_key = self._request_lora(request)
+        lora_id, lora_key = self.lora.acquire(request)
         req = Request(
             request.request_id, ids, request.sampling_params,
             eos_token_id=request.eos_token_id, arrival_time=request.arrival_time or None,
@@ -121,7 +125,7 @@ class EngineCore:
             self._queue(req)
         except BaseException:
             if lora_id:  # the adapter this call acquired
-                self._release_lora([req.request_id])
+                self.lora.release([req.request_id])
             raise
         if request.do_remote_decode:
             self.handoffs.add(req.request_id)
@@ -138,20 +142,6 @@ class EngineCore:
         if request.sampling_params.structured_outputs is not None:
             raise ValueError(f"request {request.request_id!r}: a pooling request samples "
                              f"nothing, so it takes no structured output")
-
-    def _request_lora(self, request: EngineCoreRequest) -> tuple[int, str | None]:
-        """(adapter id, prefix-cache key) of the adapter a request names: (0, None) for
-        none; ValueError for an adapter this engine does not hold."""
-        name = request.lora_name
-        if name is None:
-            return 0, None
-        if self.lora is None:
-            raise ValueError(f"request {request.request_id!r} names LoRA adapter {name!r}, "
-                             f"but LoRA is not enabled (--enable-lora)")
-        if request.request_id in self.lora.request_lora:
-            raise ValueError(f"request {request.request_id!r} is already in the engine")
-        entry = self.lora.acquire(name, request.request_id)
-        return entry.lora_id, entry.cache_key
 
     def _queue(self, req: Request) -> None:
         if req.sampling_params.structured_outputs is None:
@@ -173,7 +163,7 @@ class EngineCore:
         outputs = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         outputs += [EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ABORT)
                     for r in self.structured.abort(request_ids)]
-        self._release_lora([o.request_id for o in outputs])
+        self.lora.release([o.request_id for o in outputs])
         self.handoffs.difference_update(request_ids)
         self._forget_if_idle()
         return outputs
@@ -200,8 +190,7 @@ class EngineCore:
         # 1. Schedule: which requests compute how many tokens this step (and, with
         #    LoRA, which slot holds each one's adapter).
         scheduler_output = self.scheduler.schedule()
-        if self.lora is not None:
-            self.lora.plan(scheduler_output)
+        self.lora.plan(scheduler_output)
         # 2. Execute: one forward pass over all of them, then sample.
         runner_output = _EMPTY_OUTPUT
         if not scheduler_output.is_empty:
@@ -209,7 +198,7 @@ class EngineCore:
             try:
                 runner_output = self.executor.execute(scheduler_output)
             except ExpertParallelError as e:
-                self.scheduler.kv_step_failed(scheduler_output)
+                self.scheduler.tier.step_failed(scheduler_output)
                 self.runner.forget_requests(scheduler_output.finished_req_ids)
                 self._drop_failed_step(str(e))
                 return []
@@ -217,11 +206,10 @@ class EngineCore:
             if self.scheduler.spec is not None:  # drafts are planned by what a row costs
                 self.scheduler.spec.observe_step(scheduler_output, time.perf_counter() - started)
         # (host tier: the step's loads are done, its saves copied by worker 0)
-        self.scheduler.kv_step_done(scheduler_output)
+        self.scheduler.tier.step_done(scheduler_output)
         # 3. Update: append tokens, check stops, free finished requests.
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if self.lora is not None:
-            self._release_lora([o.request_id for o in failed + outputs if o.finished])
+        self.lora.release([o.request_id for o in failed + outputs if o.finished])
         if scheduler_output.is_empty:  # no step comes to prove the host-tier saves copied
             self._commit_kv_saves()
         if self.handoffs:
@@ -257,7 +245,7 @@ class EngineCore:
         outputs = [EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ABORT,
                                     error=f"request {r.request_id}: {e}")
                    for r, e in failed]  # (logged by the manager)
-        self._release_lora([o.request_id for o in outputs])
+        self.lora.release([o.request_id for o in outputs])
         return outputs
 
     def _drop_failed_step(self, reason: str) -> None:
@@ -285,37 +273,20 @@ class EngineCore:
         """Tensor parallel: host-tier saves wait for the next step to prove that every
         worker copied them (`HostTierConnector`); with no step coming (idle, or
         nothing to run), an rpc that every worker answers proves it instead."""
-        tier = self.scheduler.kv_connector
+        tier = self.scheduler.tier.connector
         if tier is not None and tier.has_pending_commits():
             self.executor.collective_rpc("kv_tier_barrier")
             tier.commit_pending()
 
-    # ---- utility methods ------------------------------------------------
+    # ---- views, utility calls, sleep and the end ------------------------------
+
+    def call_utility(self, name: str, *args: Any) -> Any:
+        """Run utility `name` (`UtilityTable`); AttributeError for one not registered."""
+        return self.utilities.call(name, *args)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block; False if requests still hold blocks."""
         return self.scheduler.reset_prefix_cache()
-
-    def start_profile(self) -> bool:
-        """A torch profiler session on every worker of this rank (--profile-dir;
-        `dpserve.profiling`); False when one runs already."""
-        return all(self.executor.collective_rpc("start_profile"))
-
-    def stop_profile(self) -> list[str]:
-        """End the session: the trace files written, one per worker (none: no session)."""
-        return [path for path in self.executor.collective_rpc("stop_profile") if path]
-
-    def save_sharded_state(self, path: str, pattern: str | None = None,
-                           max_size: int | None = None) -> list[str]:
-        """Every worker of this rank writes its own shard of the weights to `path`, and
-        the model's other files (config, tokenizer) are copied there: a directory for
-        --load-format sharded_state at this tensor_parallel_size
-        (`dpserve.checkpoint.sharded_state`). The files written, worker by worker."""
-        from dpserve.checkpoint.sharded_state import copy_model_files
-
-        written = self.executor.collective_rpc("save_sharded_state", path, pattern, max_size)
-        copy_model_files(Path(self.config.model.path), Path(path))
-        return [f for files in written for f in files]
 
     def request_state_sizes(self) -> dict[str, int]:
         """Entries in every per-request structure of the scheduler, KV manager and model
@@ -323,38 +294,12 @@ class EngineCore:
         return {**self.scheduler.state_sizes(), "generators": len(self.runner.generators),
                 "grammar_pending": len(self.structured.pending),
                 "handoffs": len(self.handoffs),
-                "lora_requests": len(self.lora.request_lora) if self.lora else 0}
-
-    def sleep(self, level: int) -> None:
-        """Free the KV cache (level 1) and the weights (level 2). Every request must
-        be finished first (EngineControl aborts them); cached prefixes are forgotten."""
-        if self.has_unfinished_requests():
-            raise RuntimeError("sleep with requests in flight; abort them first")
-        self.scheduler.reset_prefix_cache()
-        self.executor.collective_rpc("set_sleep_level", level)
-
-    def wake_up(self) -> None:
-        """Restore what `sleep` freed; the KV cache (and the LoRA slots) come back empty."""
-        self.executor.collective_rpc("set_sleep_level", 0)
-        if self.lora is not None:
-            self.lora.forget_slots()
-            self.executor.collective_rpc("clear_lora_slots")
-
-    def shutdown(self) -> None:
-        """Stop the tensor-parallel workers and leave the host tier, export the spans
-        not yet sent (idempotent)."""
-        if self.scheduler.kv_connector is not None:
-            self.scheduler.kv_connector.close()
-        if self.runner.profiler.running:  # a session left open: its trace, written
-            with contextlib.suppress(Exception):
-                self.stop_profile()
-        self.executor.shutdown()
-        tracing.shutdown()
+                "lora_requests": self.lora.num_requests()}
 
     def get_stats(self) -> SchedulerStats:
         stats = self.scheduler.make_stats()
         stats.num_waiting += len(self.structured.pending)
-        if (tier := self.scheduler.kv_connector) is not None:
+        if (tier := self.scheduler.tier.connector) is not None:
             stats.kv_tier_load_seconds = self.runner.kv_copier.load_seconds
             stats.kv_tier_num_blocks, stats.kv_tier_used_blocks = tier.store_blocks(
                 time.monotonic())
@@ -367,75 +312,26 @@ class EngineCore:
             logger.warning("expert-parallel dummy batch failed (%s)", str(e).splitlines()[0])
             self.ep_failure = str(e)
 
-    def tp_worker_info(self) -> list[TPWorkerInfo]:
-        """Utility: this rank's tensor-parallel workers (worker 0 is this process):
-        pid, device, resident memory."""
-        return self.executor.worker_info()
+    def sleep(self, level: int) -> None:
+        """Free the KV cache (level 1) and the weights (level 2). Every request must
+        be finished first (EngineControl aborts them); cached prefixes are forgotten."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("sleep with requests in flight; abort them first")
+        self.scheduler.reset_prefix_cache()
+        self.executor.collective_rpc("set_sleep_level", level)
 
-    def expert_info(self) -> dict[str, Any] | None:
-        """Utility: the routed experts this engine holds (range, parameter bytes, and
-        the expert-parallel collectives run); None for a dense model."""
-        model = self.runner.model
-        if model is None or not hasattr(model, "expert_info"):
-            return None
-        ep = self.runner.expert_parallel
-        return {**model.expert_info(), "collectives": ep.collectives if ep else 0}
+    def wake_up(self) -> None:
+        """Restore what `sleep` freed; the KV cache (and the LoRA slots) come back empty."""
+        self.executor.collective_rpc("set_sleep_level", 0)
+        self.lora.wake_up()
 
-    # ---- LoRA adapters (utility methods) ------------------------------------
-
-    def add_lora(self, name: str, path: str) -> dict[str, Any]:
-        """Utility: load the PEFT adapter in directory `path` (on this server's
-        filesystem) as `name` on every worker: all of them or none (ValueError, one
-        line: not an adapter, rank over max_lora_rank, a module the model lacks, a
-        shape mismatch, a name in use). Returns its `list_loras` entry."""
-        lora = self._lora_on()
-        lora.check_new(name)
-        lora_id = lora.next_id()
-        errors = self.executor.collective_rpc("load_lora", lora_id, str(path))
-        error = next((e for e in errors if e is not None), None)
-        try:
-            if error is not None:
-                raise ValueError(error)
-            key = adapter_cache_key(name, path)
-        except (OSError, ValueError) as e:
-            self.executor.collective_rpc("drop_lora", lora_id)
-            raise ValueError(str(e).splitlines()[0] if str(e) else repr(e)) from None
-        for dropped in lora.register(name, str(path), key):
-            self.executor.collective_rpc("drop_lora", dropped)
-        logger.info("LoRA adapter %r loaded from %s (id %d)", name, path, lora_id)
-        return next(e for e in lora.listing() if e["name"] == name)
-
-    def remove_lora(self, name: str) -> bool:
-        """Utility: refuse new requests for adapter `name` now; it is dropped (slot and
-        host memory freed) once its requests in flight finish. ValueError if unknown."""
-        dropped = self._lora_on().remove(name)
-        if dropped is not None:
-            self.executor.collective_rpc("drop_lora", dropped)
-        logger.info("LoRA adapter %r removed%s", name,
-                    "" if dropped is not None else " (once its requests finish)")
-        return True
-
-    def list_loras(self) -> list[dict[str, Any]]:
-        """Utility: every adapter: name, lora_int_id (this engine's), path, cache_key
-        (the prefix-cache root's key: name + weights sha256), resident (in a device
-        slot), on_host, pinned, requests in flight, removing."""
-        return self.lora.listing() if self.lora is not None else []
-
-    def pin_lora(self, name: str) -> bool:
-        """Utility: keep adapter `name` in its device slot once loaded (never evicted)."""
-        self._lora_on().pin(name)
-        return True
-
-    def _lora_on(self) -> LoRAManager:
-        if self.lora is None:
-            raise ValueError("LoRA is not enabled on this engine (--enable-lora)")
-        return self.lora
-
-    def _release_lora(self, request_ids: list[str]) -> None:
-        """Requests ended: an adapter being removed goes with its last one."""
-        if self.lora is None:
-            return
-        for request_id in request_ids:
-            dropped = self.lora.release(request_id)
-            if dropped is not None:
-                self.executor.collective_rpc("drop_lora", dropped)
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and leave the host tier, export the spans
+        not yet sent (idempotent)."""
+        if self.scheduler.tier.connector is not None:
+            self.scheduler.tier.connector.close()
+        if self.runner.profiler.running:  # a session left open: its trace, written
+            with contextlib.suppress(Exception):
+                self.workers.stop_profile()
+        self.executor.shutdown()
+        tracing.shutdown()

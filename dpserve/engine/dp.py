@@ -1,47 +1,25 @@
 """DPLink: the data-parallel part of one engine process (held by `EngineCoreProc`).
 
-Scope: this engine's link to the DP coordinator, and, in lockstep mode, the
-request waves, dummy batches and the periodic all-reduce that keep every
-engine stepping together. `EngineCoreProc` holds one when `dp_size > 1`
-(composition: the engine process is the same class with or without it).
+Scope: this engine's link to the DP coordinator (built by `from_init` when the
+init metadata names one): load reports (`report`), heartbeats from their own
+thread, and in lockstep mode the request waves, dummy batches and the periodic
+all-reduce that keep every engine stepping together, over the DP group
+generation the coordinator names (`on_regroup`, `join_pending`).
 
-Load (every mode): after each change, report `(waiting, running)` with this
-engine's `(step, wave)` to the coordinator as an `EngineReport`.
+Invariants: all engines run the same number of all-reduces per wave (they
+leave a wave on the same one), so their collectives always match; an engine
+without a formed group does not step; a failed collective is never fatal (the
+engine leaves the group, says `group_failed` and waits, paused).
 
-Lockstep (`ParallelConfig.data_parallel_lockstep`; expert-parallel MoE needs
-it, `--data-parallel-lockstep` forces it). The engines are either *running*
-a wave (every engine steps, with a dummy batch when it has nothing to do) or
-*paused* (all idle). While running, every `sync_interval` steps the engines
-all-reduce "does any engine have unfinished work?" over their own gloo
-group; when none has, the wave ends everywhere at the same all-reduce: rank
-0 tells the coordinator `wave_complete=w` and every engine moves to w+1,
-paused. A front-end stamps each request with the wave it last saw:
-* a newer wave than ours: adopt it;
-* an older one while we are paused: that wave is over and the others may
-  be paused too, so ask the coordinator to start ours (`start_wave`);
-* START_DP_WAVE(w, skip) from the coordinator starts wave w here unless we
-  are the engine to skip (it already got the request that started it).
-Invariant: all engines run the same number of all-reduces per wave (they
-leave a wave on the same one), so their collectives always match.
+Sockets (the coordinator binds both): report PUSH -> coordinator PULL
+(`EngineReport`); publish SUB <- coordinator XPUB (COORDINATOR_READY, then
+START_DP_WAVE and REGROUP_DP; read here until READY, then handed to the input
+thread). DP group: gloo, over the store the coordinator hosts.
 
-Group generations (lockstep). The coordinator names the DP group: REGROUP_DP
-(generation, members) at start-up and whenever its membership changes (a rank
-died, was isolated, came back) or a member reports a failed collective. An
-engine without a formed group does not step: it keeps every request queued
-and waits (`needs_group`); a member then joins (`join_pending`: a gloo group
-over the generation's own store prefix, so a stale collective never matches a
-new one) and agrees with the others on (wave, running) by one all-reduce MAX.
-Every collective is bounded by `collective_timeout`; a failed one (a peer
-died: at once; a peer frozen: after the timeout) is never fatal: the engine
-leaves the group, tells the coordinator (`group_failed`) and waits, paused.
+Not here: the coordinator's side (`dpserve.launch.coordinator`), the engine's
+loop (`dpserve.engine.process`).
 
-Sockets (the coordinator binds both; see `dpserve.launch.coordinator`):
-    report   PUSH -> coordinator PULL   EngineReport (main thread)
-    publish  SUB  <- coordinator XPUB   COORDINATOR_READY, then START_DP_WAVE and
-             REGROUP_DP; read here until READY, then handed to the engine's input thread
-DP group (lockstep only): a gloo process group per generation over the TCP
-store that the coordinator hosts at the DP master address and port from the
-init metadata (not rank 0: any rank may die).
+Design: docs/design/dp-waves.md
 """
 
 from __future__ import annotations
@@ -57,9 +35,11 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from dpserve.engine.scheduler import TTFT_WINDOW_S
+from dpserve.engine.step_update import TTFT_WINDOW_S
+from dpserve.engine_config import EngineConfig
 from dpserve.protocol import (
     COORDINATOR_READY,
+    EngineInitMetadata,
     EngineReport,
     LoRAReport,
     RegroupDP,
@@ -75,13 +55,30 @@ HEARTBEAT_S = 1.0  # heartbeats to the coordinator, from their own thread
 
 
 class DPLink:
-    """One engine's data-parallel part; see the module docstring.
+    """One engine's data-parallel part; module docstring, and docs/design/dp-waves.md.
 
     Connect at construction (so the subscription travels while the model
     loads); `wait_ready()` before serving; then the engine calls `on_request`
     / `on_start_wave` / `on_regroup` for inputs, `join_pending` while
     `needs_group()`, `after_step` after each step, `report` after each change.
     """
+
+    @classmethod
+    def from_init(cls, init: EngineInitMetadata, config: EngineConfig, rank: int,
+                  incarnation: int) -> DPLink | None:
+        """The link the launcher's init metadata names (None: no coordinator, DP 1)."""
+        if init.coordinator_input is None or init.coordinator_output is None:
+            return None
+        parallel = config.parallel
+        return cls(rank, init.dp_size, report_address=init.coordinator_output,
+                   publish_address=init.coordinator_input,
+                   secret=parallel.data_parallel_secret,
+                   lockstep=parallel.data_parallel_lockstep, incarnation=incarnation,
+                   sync_interval=parallel.data_parallel_sync_interval,
+                   master_ip=init.dp_master_ip, master_port=init.dp_master_port,
+                   kv_store_address=config.cache.kv_tier_remote_address,
+                   collective_timeout=parallel.data_parallel_collective_timeout,
+                   expert_parallel=parallel.enable_expert_parallel)
 
     def __init__(self, rank: int, dp_size: int, report_address: str, publish_address: str,
                  *, lockstep: bool = False, sync_interval: int = 32,

@@ -2,8 +2,9 @@
 
 Scope: the contract the scheduler asks (`KVConnector`: how many of a request's
 next blocks the store holds, loads into blocks the scheduler allocated, offers
-of newly full computed blocks, then the step's copies as one `KVTransfer`), and
-its implementation over the host tier's client (`HostTierConnector`). Blocks
+of newly full computed blocks, then the step's copies as one `KVTransfer`), its
+implementation over the host tier's client (`HostTierConnector`), and the part
+the scheduler holds to drive it (`TierLink`: every call a no-op without a tier). Blocks
 are named by the prefix cache's hashes (`block_hash.hash_block`: the SHA-256
 chain with the cache salt and LoRA key), so a block means the same thing on
 every rank that shares the store.
@@ -30,7 +31,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from dpserve.step import KVTransfer
+from dpserve.engine.kv_cache import KVCacheManager
+from dpserve.engine.request import Request
+from dpserve.protocol import SchedulerStats
+from dpserve.step import KVTransfer, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +89,69 @@ class KVConnector(Protocol):
     def commit_pending(self) -> None: ...
     def close(self) -> None: ...
     def store_blocks(self, now: float) -> tuple[int, int]: ...
+
+
+class TierLink:
+    """The scheduler's side of its KV connector (`connector` None: no tier, and every
+    call does nothing). Invariant, as for local prefix hits: a request's last token
+    is always computed, never loaded."""
+
+    def __init__(self, connector: KVConnector | None, kv_cache: KVCacheManager) -> None:
+        self.connector = connector
+        self.block_size = kv_cache.block_size
+        if connector is not None:
+            kv_cache.new_full_blocks = []  # each step's, offered to the store
+
+    def lookup(self, request: Request, num_hit_blocks: int) -> int:
+        """Tokens of the request's next full blocks (past its `num_hit_blocks` local
+        hits) that the store holds, held there for it (0: no tier, or none)."""
+        if self.connector is None or request.needs_every_position:
+            return 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = request.block_hashes[num_hit_blocks:max_blocks]
+        if not hashes:
+            return 0
+        return self.connector.lookup(request.request_id, hashes) * self.block_size
+
+    def admitted(self, request: Request, block_ids: list[int] | None, first: int,
+                 num_loaded: int) -> None:
+        """After a hit of `num_loaded` tokens: their blocks (from `first` in the
+        request's table) are loaded before this step's forward; or, not admitted
+        (`block_ids` None), the hits are let go."""
+        if not num_loaded or self.connector is None:
+            return
+        if block_ids is None:
+            self.connector.cancel(request.request_id)
+            return
+        self.connector.load(request.request_id,
+                            block_ids[first:first + num_loaded // self.block_size])
+
+    def step_transfer(self, kv_cache: KVCacheManager) -> KVTransfer | None:
+        """Offer the blocks this step makes full; the step's copies (None: none)."""
+        if self.connector is None:
+            return None
+        self.connector.offer(kv_cache.take_new_full_blocks())
+        return self.connector.build_transfer()
+
+    def step_done(self, scheduler_output: SchedulerOutput) -> None:
+        """The step's execute returned: the read pins go, saves are committed (see
+        `HostTierConnector`)."""
+        if self.connector is not None:
+            self.connector.step_done(scheduler_output.kv_transfer,
+                                     executed=not scheduler_output.is_empty)
+
+    def step_failed(self, scheduler_output: SchedulerOutput) -> None:
+        """The step's execute raised: pins released, its reservations dropped."""
+        if self.connector is not None:
+            self.connector.step_failed(scheduler_output.kv_transfer)
+
+    def fill(self, stats: SchedulerStats) -> None:
+        """The tier's counters into the scheduler's stats (SchedulerStats.kv_tier_*)."""
+        if self.connector is not None:
+            tier = self.connector.counters
+            stats.kv_tier_queries, stats.kv_tier_hits = tier.queries, tier.hits
+            stats.kv_tier_loaded_bytes = tier.loaded_bytes
+            stats.kv_tier_saved_bytes = tier.saved_bytes
 
 
 @dataclass

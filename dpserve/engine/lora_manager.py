@@ -17,7 +17,7 @@ Scope: IO-free bookkeeping the `EngineCore` holds (`--enable-lora`). Three tiers
 host memory freed, the name free again) when its last request in flight ends.
 
 Not here: reading and applying the weights (`dpserve.model.lora`), the calls to
-the workers (`EngineCore`).
+the workers (`EngineLoRA`, `dpserve.engine.lora_sync`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,11 @@
-"""OutputSender: an engine's outputs to its front-ends, never held up by one of them.
+"""An engine's outputs to its front-ends, never held up by one of them.
 
-Scope: the engine's output sockets (one PUSH per front-end, i.e. per API server)
-and the loop of its "output" thread (`run`): encode each `EngineCoreOutputs` and
+Scope: `OutputRouter`, the busy loop's side: which front-end each request in
+flight answers to, the front-ends dropped for not reading, and each step's
+outputs grouped by front-end onto the output queue (a scheduler snapshot rides
+every message). `OutputSender`, the output thread's side: the engine's output
+sockets (one PUSH per front-end, i.e. per API server) and the loop of its
+"output" thread (`run`): encode each `EngineCoreOutputs` and
 send it without blocking. What a socket does not take (ZMQ's send high-water
 mark and the kernel buffer are full: the front-end stopped reading) waits in that
 client's backlog, first in first out, capped in bytes. A client is **dropped**
@@ -26,8 +30,8 @@ out). ZMQ keeps the order of one socket's messages, so the notice comes after
 the outputs that socket took before the drop: the client sees a prefix of each
 stream, then its end.
 
-Not here: which front-end a request belongs to and aborting requests (the busy
-loop, `dpserve.engine.process`), the input side.
+Not here: aborting a dropped front-end's requests (the busy loop,
+`dpserve.engine.process`), the input side.
 """
 
 from __future__ import annotations
@@ -35,14 +39,20 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections import deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 import zmq
 
-from dpserve.protocol import ENGINE_CORE_DEAD, EngineCoreOutput, EngineCoreOutputs, FinishReason
+from dpserve.protocol import (
+    ENGINE_CORE_DEAD,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    SchedulerStats,
+)
 from dpserve.security import secure
 
 logger = logging.getLogger(__name__)
@@ -53,6 +63,66 @@ SEND_HWM = 64  # messages ZMQ queues per socket before our backlog (whose age we
 _RETRY_S = 0.01  # with a backlog: try its socket again this often
 _DROPPED_RETRY_S = 0.1  # a dropped client only: look for it coming back this often
 _NOTHING = object()  # the output queue had nothing
+
+
+# What the busy loop queues for the output thread: (client index, outputs | None = its
+# requests all aborted), ENGINE_CORE_DEAD, or None = stop.
+OutputItem = tuple[int, EngineCoreOutputs | None] | bytes | None
+
+
+class OutputRouter:
+    """The busy loop's side of its outputs (module docstring); `stats` is a fresh
+    scheduler snapshot, sent with every outputs message."""
+
+    def __init__(self, rank: int, num_clients: int, stats: Callable[[], SchedulerStats],
+                 output_queue: queue.Queue[OutputItem]) -> None:
+        self.rank = rank
+        self.num_clients = num_clients
+        self.stats = stats
+        self.queue = output_queue  # emptied by the output thread
+        self.owner: dict[str, int] = {}  # request_id -> client index, until finished
+        self.dropped: set[int] = set()  # front-ends dropped for not reading (no new work)
+        self.num_dropped = 0  # drops so far (request_state_sizes)
+
+    def publish(self, outputs: list[EngineCoreOutput], idle: bool) -> None:
+        """Outputs to their front-ends (a finished request forgets its own); `idle`:
+        stats to every other front-end served too (its gauges: else stale until its
+        next request here; with several, the last write wins)."""
+        if not outputs:
+            return
+        by_client: dict[int, list[EngineCoreOutput]] = defaultdict(list)
+        for out in outputs:
+            client = (self.owner.pop(out.request_id, None) if out.finished
+                      else self.owner.get(out.request_id))
+            if client is None:
+                logger.warning("output for unknown request %s dropped", out.request_id)
+                continue
+            by_client[client].append(out)
+        for client in range(self.num_clients):
+            if client in by_client or (idle and client not in self.dropped):
+                self.send(client, by_client.get(client, []))
+
+    def send(self, client: int, outputs: list[EngineCoreOutput]) -> None:
+        self.put(client, EngineCoreOutputs(engine_index=self.rank, outputs=outputs,
+                                           scheduler_stats=self.stats(),
+                                           timestamp=time.monotonic()))
+
+    def put(self, client: int, outputs: EngineCoreOutputs | None) -> None:
+        """One message for `client` as it is (None: its requests are all aborted)."""
+        self.queue.put_nowait((client, outputs))
+
+    def drop(self, client: int) -> list[str]:
+        """A front-end dropped for not reading: no new work from it; its requests."""
+        self.dropped.add(client)
+        self.num_dropped += 1
+        return [rid for rid, owner in self.owner.items() if owner == client]
+
+    def sizes(self) -> dict[str, int]:
+        """The routing map (`client_of_<i>`: front-end i's requests) and the drops."""
+        per_client = Counter(self.owner.values())
+        return {"client_of": len(self.owner),
+                **{f"client_of_{i}": per_client[i] for i in range(self.num_clients)},
+                "dropped_clients": self.num_dropped}
 
 
 @dataclass

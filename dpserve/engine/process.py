@@ -1,11 +1,12 @@
 """EngineCoreProc: one EngineCore in its own process, wired to front-ends by ZMQ.
 
-Scope: the start-up handshake with the launcher, two IO threads (sockets ->
-input queue: `InputReader` in `dpserve.engine.input_reader`; output queue ->
-sockets: `OutputSender` in `dpserve.engine.output_sender`), the busy loop that
-drives the `EngineCore` it holds, utility calls (pause / sleep ones through
-`ControlCalls`, `dpserve.engine.control`), the engine-dead signal, signal
-handling and the parent-death watcher. `run_engine_core`: the process target.
+Scope: the start-up handshake with the launcher, the busy loop that drives the
+`EngineCore` it holds, utility calls (pause / sleep ones through `ControlCalls`,
+`dpserve.engine.control`), the engine-dead signal, signal handling and the
+parent-death watcher. Its parts: `EngineIO` (`dpserve.engine.io_threads`: two IO
+threads, sockets -> input queue and output queue -> sockets) and `OutputRouter`
+(`dpserve.engine.output_sender`: which front-end owns each request).
+`run_engine_core`: the process target.
 
 Not here: scheduling and the model (`EngineCore`), address allocation and process
 spawning (`dpserve.launch`), the data-parallel part (`DPLink` in `dpserve.engine.dp`:
@@ -41,10 +42,7 @@ import os
 import queue
 import signal
 import sys
-import threading
 import time
-from collections import Counter, defaultdict
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -53,15 +51,13 @@ import zmq
 from dpserve.config import EngineConfig
 from dpserve.engine.build import build_engine_core, place_engine
 from dpserve.engine.control import ControlCalls, EngineControl
-from dpserve.engine.core import UTILITY_METHODS
 from dpserve.engine.dp import DPLink
-from dpserve.engine.input_reader import CLIENT_NEWS, IO_FAILED, PEER_LOST, InputReader
-from dpserve.engine.lora_sync import lora_report, replay_registry
-from dpserve.engine.output_sender import DEAD_LINGER_MS, OutputSender, connect_outputs
+from dpserve.engine.input_reader import CLIENT_NEWS, IO_FAILED, PEER_LOST
+from dpserve.engine.io_threads import EngineIO
+from dpserve.engine.output_sender import OutputRouter
 from dpserve.logging_utils import name_process
 from dpserve.parent_watch import start_parent_watcher
 from dpserve.protocol import (
-    ENGINE_CORE_DEAD,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -70,6 +66,7 @@ from dpserve.protocol import (
     HandshakeHello,
     HandshakeReady,
     RequestType,
+    SchedulerStats,
     UtilityCall,
     UtilityOutput,
     engine_identity,
@@ -81,7 +78,7 @@ logger = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT_S = 120.0  # wait for the launcher's init metadata
 _IDLE_WAIT_S = 0.5  # the busy loop's longest block on an empty input queue
 
-# Utility calls: `core.UTILITY_METHODS` (an allowlist: every other name is refused by
+# Utility calls: the EngineCore's `UtilityTable` (every other name is refused by
 # name, and the engine serves on), answered by the EngineCore unless the process
 # answers them itself (these, with its own state included). Callers: server/ops/engines.py
 # and app.py (/engines, /debug), async_llm.py's get_stats, the sync client, tests.
@@ -113,15 +110,9 @@ class EngineCoreProc:
         self.secret = config.parallel.data_parallel_secret
         self.handshake_timeout = handshake_timeout
         self.identity = engine_identity(rank)
-        # (type, decoded body, index of the front-end it came from)
-        self.input_queue: queue.Queue[tuple[Any, Any, int]] = queue.Queue()
-        # (client index, outputs | None = its requests all aborted), ENGINE_CORE_DEAD, None = stop
-        self.output_queue: queue.Queue[tuple[int, EngineCoreOutputs | None] | bytes | None] = (
-            queue.Queue())
-        self._stop_io = threading.Event()
-        self._client_of: dict[str, int] = {}  # request_id -> client index, until finished
-        self._dropped: set[int] = set()  # front-ends dropped for not reading (no new work)
-        self.num_dropped_clients = 0  # drops so far (request_state_sizes)
+        # The input and output threads, and their queues.
+        self.io = EngineIO(rank, self.identity, self.secret, not local, config.parallel)
+        self.input_queue = self.io.input_queue
         self.drain_deadline: float | None = None  # set by a SIGTERM with requests in flight
         self._drain_logged = False
         self._result_checker = msgspec.msgpack.Encoder()
@@ -157,17 +148,11 @@ class EngineCoreProc:
     def _start(self, init: EngineInitMetadata, local: bool) -> HandshakeReady:
         """Build the engine and connect it as `init` says; return the READY message."""
         self.num_clients = len(init.output_addresses)
-        if init.coordinator_input is not None and init.coordinator_output is not None:
-            # Subscribe now, so the coordinator hears from us while the model loads.
-            parallel = self.config.parallel
-            self.dp = DPLink(self.rank, init.dp_size, report_address=init.coordinator_output,
-                             publish_address=init.coordinator_input, secret=self.secret,
-                             lockstep=parallel.data_parallel_lockstep, incarnation=self.incarnation,
-                             sync_interval=parallel.data_parallel_sync_interval,
-                             master_ip=init.dp_master_ip, master_port=init.dp_master_port,
-                             kv_store_address=self.config.cache.kv_tier_remote_address,
-                             collective_timeout=parallel.data_parallel_collective_timeout,
-                             expert_parallel=parallel.enable_expert_parallel)
+        # Which front-end owns each request; the queue the output thread empties.
+        self.outputs = OutputRouter(self.rank, self.num_clients, self._stats,
+                                    self.io.output_queue)
+        # Subscribe now, so the coordinator hears from us while the model loads.
+        self.dp = DPLink.from_init(init, self.config, self.rank, self.incarnation)
         place_engine(self.config, self.rank)
         if self.config.parallel.enable_expert_parallel and init.dp_size > 0 and \
                 init.dp_size != self.config.parallel.data_parallel_size:
@@ -176,23 +161,23 @@ class EngineCoreProc:
             self.config = dataclasses.replace(self.config, parallel=dataclasses.replace(
                 self.config.parallel, data_parallel_size=init.dp_size))
         self.engine_core = build_engine_core(self.config, self.rank, self.incarnation,
-                                             on_failure=_fatal_input(self.input_queue))
+                                             on_failure=self.io.fail)
         ep = self.engine_core.runner.expert_parallel
         if ep is not None and self.dp is not None:  # MoE layers use the lockstep DP group
             ep.group_source = self.dp.expert_group
         self.control = EngineControl(self.engine_core)  # pause / sleep (dpserve.control)
         self.control_calls = ControlCalls(
             self.control, self.rank, self.num_clients,
-            send=lambda client, outs: self.output_queue.put_nowait((client, outs)),
+            send=self.outputs.put,
             publish=self._publish,
             report_done=self.dp.report_control_done if self.dp is not None else None)
         if self.dp is not None:  # all subscribed; READY brings the LoRA registry; group next
-            replay_registry(self.engine_core, self.dp.wait_ready(), self.rank)
+            self.engine_core.lora.replay(self.dp.wait_ready(), self.rank)
         # Start registering with the front-ends before READY: the launcher
         # starts them on READY, and the frames wait in our sockets till then.
-        self._start_io_threads(init)
+        self.io.start(init, self.dp.take_publish_socket() if self.dp is not None else None)
         if self.dp is not None:
-            self.dp.start_heartbeats(self.engine_core.tp_worker_info)
+            self.dp.start_heartbeats(self.engine_core.workers.tp_worker_info)
         return HandshakeReady(local=local, num_kv_blocks=self.engine_core.num_kv_blocks,
                               # capped to what the KV cache holds
                               max_model_len=self.engine_core.scheduler.max_model_len)
@@ -229,10 +214,11 @@ class EngineCoreProc:
                 # still runs while paused requests wait, so resume needs no wake-up.
                 self.dp.has_work = has_work and self.control.can_step
                 self.dp.kv_cache_usage = core.scheduler.kv_cache.usage
-                self.dp.ttft_s, self.dp.ttft_at = (core.scheduler.recent_ttft.mean(
+                update = core.scheduler.updater  # what the update slot counted
+                self.dp.ttft_s, self.dp.ttft_at = (update.recent_ttft.mean(
                     time.monotonic()), time.monotonic())
-                self.dp.generated_tokens = core.scheduler.num_generated_tokens
-                self.dp.lora = lora_report(core.lora)
+                self.dp.generated_tokens = update.num_generated_tokens
+                self.dp.lora = core.lora.report()
                 self._leave_group_if_ep_failed()
                 self.dp.after_step(executed=core.num_forward_passes > forward_passes,
                                    has_work=has_work,
@@ -264,12 +250,12 @@ class EngineCoreProc:
         if not self._drain_logged:
             self._drain_logged = True
             logger.info("engine %d: draining %d request(s) (up to %g s)", self.rank,
-                        len(self._client_of), self.config.shutdown_timeout)
+                        len(self.outputs.owner), self.config.shutdown_timeout)
         timed_out = time.monotonic() >= self.drain_deadline
-        if timed_out and self._client_of:
+        if timed_out and self.outputs.owner:
             logger.warning("engine %d: shutdown timeout: aborting %d request(s)", self.rank,
-                           len(self._client_of))
-            self._publish(self.engine_core.abort_requests(list(self._client_of)))
+                           len(self.outputs.owner))
+            self._publish(self.engine_core.abort_requests(list(self.outputs.owner)))
         if timed_out or not self.holds_work():
             self._take_queued()  # ADDs that came in meanwhile get their ABORT, not silence
             logger.info("engine %d: drained", self.rank)
@@ -356,7 +342,7 @@ class EngineCoreProc:
                                  f"(this engine serves {self.num_clients} front-ends)")
             if self.drain_deadline is not None:
                 raise ValueError("the engine is shutting down")
-            if client in self._dropped:
+            if client in self.outputs.dropped:
                 raise ValueError(f"front-end {client} was dropped for leaving outputs unread")
             if self.control.rejects_new:
                 raise ValueError("the engine is paused or asleep")
@@ -366,12 +352,12 @@ class EngineCoreProc:
         except ValueError as e:
             logger.warning("rejected request %s: %s", request.request_id, e)
             rejected = EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ABORT)
-            self._send(client, [rejected])
+            self.outputs.send(client, [rejected])
             return
-        self._client_of[request.request_id] = client
+        self.outputs.owner[request.request_id] = client
 
     def _call_utility(self, call: UtilityCall, client_index: int) -> None:
-        """Run a listed utility (`UTILITY_METHODS`, `_PROC_UTILITIES`, `control`); any
+        """Run a utility (`_PROC_UTILITIES`, `control`, the core's table); any
         other name, and any failure, is answered with an error, never fatal."""
         out = UtilityOutput(call.call_id)
         if call.method == _CONTROL_UTILITY:
@@ -380,123 +366,58 @@ class EngineCoreProc:
         try:
             if call.method in _PROC_UTILITIES:
                 result = getattr(self, call.method)(*call.args)
-            elif call.method in UTILITY_METHODS:
-                result = getattr(self.engine_core, call.method)(*call.args)
-            else:
-                raise AttributeError(f"the engine has no utility method {call.method!r}")
+            else:  # AttributeError for a name the table lacks
+                result = self.engine_core.call_utility(call.method, *call.args)
             self._result_checker.encode(result)  # fail here, not in the output thread
             out.result = result
         except Exception as e:
             logger.warning("utility call %s%s failed: %s", call.method, tuple(call.args), e)
             out.failure_message = f"{call.method}() failed: {type(e).__name__}: {e}"
-        self.output_queue.put_nowait((client_index, EngineCoreOutputs(
-            engine_index=self.rank, utility_output=out, timestamp=time.monotonic())))
+        self.outputs.put(client_index, EngineCoreOutputs(
+            engine_index=self.rank, utility_output=out, timestamp=time.monotonic()))
 
     def _publish(self, outputs: list[EngineCoreOutput]) -> None:
-        """Outputs to their front-ends (a finished request forgets its own); idle: stats to all."""
-        if not outputs:
-            return
-        by_client: dict[int, list[EngineCoreOutput]] = defaultdict(list)
-        for out in outputs:
-            client = (self._client_of.pop(out.request_id, None) if out.finished
-                      else self._client_of.get(out.request_id))
-            if client is None:
-                logger.warning("output for unknown request %s dropped", out.request_id)
-                continue
-            by_client[client].append(out)
-        idle = not self.engine_core.has_unfinished_requests()
-        for client in _recipients(by_client, self.num_clients, self._dropped, idle):
-            self._send(client, by_client.get(client, []))
+        """Outputs to their front-ends (`OutputRouter`); idle: stats to all."""
+        self.outputs.publish(outputs, idle=not self.engine_core.has_unfinished_requests())
 
-    def _send(self, client: int, outputs: list[EngineCoreOutput]) -> None:
+    def _stats(self) -> SchedulerStats:
         stats = self.engine_core.get_stats()
         if self.dp is not None:
             stats.wave = self.dp.wave
-        self.output_queue.put_nowait((client, EngineCoreOutputs(
-            engine_index=self.rank, outputs=outputs, scheduler_stats=stats,
-            timestamp=time.monotonic())))
+        return stats
 
     def _client_news(self, client: int, reason: str | None) -> None:
         """A front-end dropped for not reading (`reason`): abort its requests, take no new
         ones until it reads again (None); their ends reach it then (OutputSender)."""
         if reason is None:
-            self._dropped.discard(client)
+            self.outputs.dropped.discard(client)
             return
-        self._dropped.add(client)
-        self.num_dropped_clients += 1
-        ids = [rid for rid, owner in self._client_of.items() if owner == client]
+        ids = self.outputs.drop(client)
         logger.warning("engine %d: dropped front-end %d: %s; aborting its %d request(s)",
                        self.rank, client, reason, len(ids))
         self._publish(self.engine_core.abort_requests(ids))
-        self.output_queue.put_nowait((client, None))  # after the aborts: it may come back
+        self.outputs.put(client, None)  # after the aborts: it may come back
 
     def request_state_sizes(self) -> dict[str, int]:
-        """Utility: the core's sizes, the routing map (`client_of_<i>`: front-end i's), drops."""
-        per_client = Counter(self._client_of.values())
-        return {**self.engine_core.request_state_sizes(), "client_of": len(self._client_of),
-                **{f"client_of_{i}": per_client[i] for i in range(self.num_clients)},
-                "dropped_clients": self.num_dropped_clients}
+        """Utility: the core's sizes, the routing map and the drops (`OutputRouter`)."""
+        return {**self.engine_core.request_state_sizes(), **self.outputs.sizes()}
 
     def get_dp_state(self) -> dict[str, int | bool] | None:
         """Utility: this engine's DP state (wave, dummy batches...); None without DP."""
         return self.dp.state() if self.dp is not None else None
 
-    # ---- IO threads --------------------------------------------------------
-
-    def _start_io_threads(self, init: EngineInitMetadata) -> None:
-        coordinator = self.dp.take_publish_socket() if self.dp is not None else None
-        reader = InputReader(init.input_addresses, coordinator, self.identity, self.secret,
-                             not self.local, self.input_queue, self._stop_io)
-        self.input_thread = threading.Thread(target=self._guarded, args=(reader.run,),
-                                             name=f"EngineCore_{self.rank}_input", daemon=True)
-        self.output_thread = threading.Thread(
-            target=self._guarded, args=(self._output_loop, init.output_addresses),
-            name=f"EngineCore_{self.rank}_output", daemon=True)
-        self.input_thread.start()
-        self.output_thread.start()
-
-    def _guarded(self, loop: Any, *args: Any) -> None:
-        """Run an IO loop; if it dies, tell the busy loop (which then dies loudly)."""
-        try:
-            loop(*args)
-        except Exception as e:
-            logger.exception("%s failed", threading.current_thread().name)
-            self.input_queue.put_nowait((IO_FAILED, f"engine IO thread failed: {e!r}", -1))
-
-    def _output_loop(self, addresses: list[str]) -> None:
-        """Output queue -> sockets, never blocked by one front-end (`OutputSender`)."""
-        with zmq.Context() as ctx:  # leaving it waits for the flush (linger)
-            OutputSender(
-                connect_outputs(ctx, addresses, self.secret), self.rank,
-                max_backlog_bytes=self.config.parallel.engine_output_backlog,
-                stall_timeout=self.config.parallel.engine_output_stall_timeout,
-                on_change=lambda c, why: self.input_queue.put_nowait((CLIENT_NEWS, why, c)),
-            ).run(self.output_queue, self.identity)
-
     # ---- the end -----------------------------------------------------------
 
     def send_engine_dead(self) -> None:
         """Tell every front-end this engine is dead; wait (bounded) for the flush."""
-        self.output_queue.put_nowait(ENGINE_CORE_DEAD)
-        self.output_thread.join(timeout=DEAD_LINGER_MS / 1000 + 1)
-        if self.output_thread.is_alive():
-            logger.error("could not flush ENGINE_CORE_DEAD to the front-ends in time")
+        self.io.send_engine_dead()
 
     def shutdown(self) -> None:
         """Stop the TP workers, then the IO threads (bounded); queued outputs go first."""
         self.engine_core.shutdown()
-        self._stop_io.set()
-        self.output_queue.put_nowait(None)
-        for thread in (self.input_thread, self.output_thread):
-            thread.join(timeout=2.0)
+        self.io.stop()
         if self.dp is not None:
             self.dp.close()
-
-
-def _fatal_input(input_queue: queue.Queue) -> Callable[[str], None]:
-    """A dead TP worker (the executor's monitor thread calls this) is fatal to the
-    busy loop, even an idle one waiting on its input queue."""
-    return lambda reason: input_queue.put_nowait((IO_FAILED, reason, -1))
 
 
 def _no_dummy() -> None:
@@ -567,12 +488,6 @@ def _exit_now(code: int) -> None:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
-
-
-def _recipients(by_client: dict, num_clients: int, dropped: set[int], idle: bool) -> list[int]:
-    """Front-ends with outputs and, the engine idle, every other one served, stats only (its
-    gauges: else stale until its next request here; with several, the last write wins)."""
-    return [c for c in range(num_clients) if c in by_client or (idle and c not in dropped)]
 
 
 class _StopSignals:

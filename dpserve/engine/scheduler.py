@@ -16,45 +16,21 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from dpserve.config import CacheConfig, SchedulerConfig
 from dpserve.engine.kv_cache import KVCacheManager
-from dpserve.engine.kv_connector import KVConnector
+from dpserve.engine.kv_connector import KVConnector, TierLink
 from dpserve.engine.pooling import PoolingCounts
 from dpserve.engine.request import Request, RequestStatus
 from dpserve.engine.spec_decode import SpecDecoder
+from dpserve.engine.step_update import StepUpdater
 from dpserve.engine.waiting_queue import WaitingQueue
-from dpserve.protocol import EngineCoreOutput, SchedulerStats, TokenLogprobs
-from dpserve.step import Logprobs, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from dpserve.protocol import EngineCoreOutput, SchedulerStats
+from dpserve.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-
-TTFT_WINDOW_S = 10.0
-
-
-class RecentMean:
-    """The mean of the values added in the last `window_s` seconds (0.0 when none)."""
-
-    def __init__(self, window_s: float) -> None:
-        self.window_s = window_s
-        self._values: deque[tuple[float, float]] = deque()  # (time, value), oldest first
-
-    def add(self, now: float, value: float) -> None:
-        self._values.append((now, value))
-        self._drop_old(now)
-
-    def mean(self, now: float) -> float:
-        self._drop_old(now)
-        return sum(v for _, v in self._values) / len(self._values) if self._values else 0.0
-
-    def _drop_old(self, now: float) -> None:
-        while self._values and self._values[0][0] < now - self.window_s:
-            self._values.popleft()
 
 
 @dataclass
@@ -101,11 +77,13 @@ class Scheduler:
       compute); the hits get blocks, are loaded at the start of the step and
       count as computed at once (they cost no token budget). Blocks the step
       makes full are offered to the store; `SchedulerOutput.kv_transfer` says
-      what to copy, and `kv_step_done` / `kv_step_failed` follow the execute.
+      what to copy, and `tier.step_done` / `tier.step_failed` follow the execute
+      (`TierLink`, engine/kv_connector.py).
     * `update_from_output(out, runner_out)` appends sampled tokens, checks
       stops, frees finished requests at once, and returns one
       `EngineCoreOutput` per request that got a token or finished. Rows for
-      requests finished or aborted since `schedule()` are skipped.
+      requests finished or aborted since `schedule()` are skipped. The part
+      `updater` does it (`StepUpdater`, engine/step_update.py).
     * `--speculative-config` (engine/spec_decode.py): a running request computing
       its last known token may also compute up to K drafts (those worth their rows,
       within the budget and the KV lookahead); `update_from_output` keeps the accepted
@@ -140,24 +118,21 @@ class Scheduler:
                            config.max_model_len, capacity)
         self.kv_cache = KVCacheManager(num_blocks, cache_config.block_size,
                                        cache_config.enable_prefix_caching)
-        # The host tier (None: off, and nothing below costs anything).
-        self.kv_connector = kv_connector
-        if kv_connector is not None:
-            assert cache_config.enable_prefix_caching, "the tier names blocks by their hashes"
-            self.kv_cache.new_full_blocks = []
+        # The host tier (no connector: off, and nothing below costs anything).
+        assert kv_connector is None or cache_config.enable_prefix_caching, (
+            "the tier names blocks by their hashes")
+        self.tier = TierLink(kv_connector, self.kv_cache)
         self.requests: dict[str, Request] = {}  # request_id -> unfinished request
         self.waiting = WaitingQueue(config.policy == "priority", self.max_model_len)
         self.running: list[Request] = []
         self._finished_ids: list[str] = []  # finished since the last schedule()
         self.num_preemptions = 0
-        # Time to first token inside this engine (arrival -> first sampled token), over
-        # the last TTFT_WINDOW_S: heartbeats carry it to the autoscaler and /engines.
-        self.recent_ttft = RecentMean(TTFT_WINDOW_S)
-        self.num_generated_tokens = 0  # output tokens sampled, cumulative (/engines tokens/s)
         self.pooling = PoolingCounts()  # pooling requests held now, finished, their steps
         # Draft-free speculative decoding (--speculative-config; None: off).
         self.spec = (SpecDecoder(config.speculative, self.max_model_len)
                      if config.speculative is not None else None)
+        # The update slot: runner outputs -> tokens, stops, deltas (and their counts).
+        self.updater = StepUpdater(self.max_model_len, self.kv_cache, self.spec, self.pooling)
 
     # ---- queues --------------------------------------------------------------
 
@@ -224,21 +199,17 @@ class Scheduler:
         return self.kv_cache.reset_prefix_cache()
 
     def make_stats(self) -> SchedulerStats:
-        kv = self.kv_cache
+        kv, generated = self.kv_cache, self.updater.num_generated_tokens
         stats = SchedulerStats(
             num_waiting=len(self.waiting), num_running=len(self.running),
             kv_cache_usage=kv.usage, prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits, num_preemptions=self.num_preemptions,
-            num_free_blocks=kv.num_free_blocks, num_generated_tokens=self.num_generated_tokens,
+            num_free_blocks=kv.num_free_blocks, num_generated_tokens=generated,
             num_pooled_requests=self.pooling.requests, num_pooling_steps=self.pooling.steps,
             waiting_by_priority=self.waiting.counts_by_priority())
         if self.spec is not None:
             self.spec.counters.fill(stats)
-        if self.kv_connector is not None:
-            tier = self.kv_connector.counters
-            stats.kv_tier_queries, stats.kv_tier_hits = tier.queries, tier.hits
-            stats.kv_tier_loaded_bytes = tier.loaded_bytes
-            stats.kv_tier_saved_bytes = tier.saved_bytes
+        self.tier.fill(stats)
         return stats
 
     # ---- schedule ------------------------------------------------------------
@@ -264,10 +235,7 @@ class Scheduler:
         others = [s for s in step.scheduled if s.num_new_tokens != 1 and not s.spec_token_ids]
         finished = self.take_finished_ids()
         # 4. Host tier: offer the blocks this step makes full; the step's copies.
-        transfer = None
-        if self.kv_connector is not None:
-            self.kv_connector.offer(self.kv_cache.take_new_full_blocks())
-            transfer = self.kv_connector.build_transfer()
+        transfer = self.tier.step_transfer(self.kv_cache)
         return SchedulerOutput(
             scheduled=decodes + others, num_decodes=len(decodes),
             total_num_tokens=sum(s.num_new_tokens for s in step.scheduled),
@@ -337,16 +305,15 @@ class Scheduler:
         """Start the waiting `request` (the queue's next) if its first chunk gets blocks:
         into `running` at `step.done`, its chunk scheduled. False: no blocks."""
         hit_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
-        tier, block_size = self.kv_connector, self.kv_cache.block_size
-        num_loaded = _tier_lookup(tier, block_size, request, len(hit_blocks))
+        num_loaded = self.tier.lookup(request, len(hit_blocks))  # host-tier hits after them
         num_new = min(request.num_tokens - num_hit - num_loaded, step.budget)
         block_ids = self.kv_cache.allocate_slots(request, num_loaded + num_new, hit_blocks)
         if block_ids is None:
-            _tier_admitted(tier, block_size, request, None, 0, num_loaded)  # hits let go
+            self.tier.admitted(request, None, 0, num_loaded)  # hits let go
             return False
         self.waiting.pop(request)
         assert request.num_computed_tokens == 0
-        _tier_admitted(tier, block_size, request, block_ids, len(hit_blocks), num_loaded)
+        self.tier.admitted(request, block_ids, len(hit_blocks), num_loaded)
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit + num_loaded
         if request.scheduled_at is None:
@@ -370,18 +337,6 @@ class Scheduler:
         step.preempted.append(victim.request_id)
         return True
 
-    def kv_step_done(self, scheduler_output: SchedulerOutput) -> None:
-        """The step's execute returned: the tier's read pins go, saves are committed
-        (see `HostTierConnector`). Nothing without a tier."""
-        if self.kv_connector is not None:
-            self.kv_connector.step_done(scheduler_output.kv_transfer,
-                                        executed=not scheduler_output.is_empty)
-
-    def kv_step_failed(self, scheduler_output: SchedulerOutput) -> None:
-        """The step's execute raised: pins released, its reservations dropped."""
-        if self.kv_connector is not None:
-            self.kv_connector.step_failed(scheduler_output.kv_transfer)
-
     def preempt_all(self) -> None:
         """Preempt every running request (a failed expert-parallel step)."""
         while self.running:
@@ -403,60 +358,11 @@ class Scheduler:
         Rows of `runner_output` are matched to requests by id, so a request
         finished or aborted since `scheduler_output` was made is just skipped.
         """
-        logprob_rows = _logprob_rows(runner_output.logprobs)
-        for req_id, (start, entries) in runner_output.prompt_logprobs.items():
-            request = self.requests.get(req_id)
-            if request is not None and request.status == RequestStatus.RUNNING:
-                request.add_prompt_logprobs(start, entries)
-        outputs = []
-        any_finished = False
-        for row, (req_id, token) in enumerate(zip(runner_output.req_ids,
-                                                  runner_output.sampled_token_ids,
-                                                  strict=True)):
-            request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # finished or aborted since schedule(): its row is stale
-            produced = runner_output.spec_token_ids.get(req_id) or [token]
-            tokens, finished = _append(request, produced, self.max_model_len)
-            self.num_generated_tokens += len(tokens)
-            if request.spec_token_ids and self.spec is not None:
-                self.spec.verified(request, len(produced), len(tokens))
-            if request.first_token_at is None:
-                request.first_token_at = now = time.monotonic()
-                self.recent_ttft.add(now, now - request.engine_arrival)
-            self.kv_cache.update_block_hashes(request)
-            new_logprobs = None
-            num_logprobs = request.sampling_params.logprobs
-            if num_logprobs is not None and logprob_rows is not None:
-                new_logprobs = [_token_logprobs(logprob_rows, row, num_logprobs)]
-            outputs.append(EngineCoreOutput(
-                req_id, tokens, finish_reason=request.finish_reason,
-                stop_reason=request.stop_reason, new_logprobs=new_logprobs,
-                num_cached_tokens=max(request.num_cached_tokens, 0),
-                prompt_logprobs=request.take_prompt_logprobs(),
-                phase_times=request.phase_times(time.monotonic()) if finished else None))
-            if finished:
-                self._free_request(request)
-                any_finished = True
-        if runner_output.pooled:
-            any_finished |= self._update_pooled(runner_output.pooled, outputs)
+        outputs, any_finished = self.updater.apply(self.requests, runner_output,
+                                                   self._free_request)
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
-
-    def _update_pooled(self, pooled: dict[str, tuple[int, Any]],
-                       outputs: list[EngineCoreOutput]) -> bool:
-        """Each running pooling request's share of the step (requests finished or aborted
-        since schedule() are skipped); those whose prompt is now computed finish (stop)
-        with their vector. True if any finished."""
-        done = [r for req_id, (start, part) in pooled.items()
-                if (r := self.requests.get(req_id)) is not None
-                and r.status == RequestStatus.RUNNING and r.add_pooled(start, part)]
-        for request in done:
-            outputs.append(request.pooled_output(time.monotonic()))
-            self._free_request(request)
-        self.pooling.count_finished(len(done))
-        return bool(done)
 
     def _free_request(self, request: Request) -> None:
         """Forget a finished request: free its blocks and tell the runner next step.
@@ -476,83 +382,3 @@ def _scheduled(request: Request, num_new: int, block_ids: list[int]) -> Schedule
     return request.for_step(start, num_new, block_ids,
                             sample=start + num_new == request.num_tokens
                             and request.pooling is None)
-
-
-def _tier_lookup(connector: KVConnector | None, block_size: int, request: Request,
-                 num_hit_blocks: int) -> int:
-    """Tokens of the request's next full blocks (past its `num_hit_blocks` local
-    hits) that the host tier holds, held there for it (0: no tier, or none).
-    Invariant, as for local hits: the last token is always computed."""
-    if connector is None or request.needs_every_position:
-        return 0
-    max_blocks = (request.num_tokens - 1) // block_size
-    hashes = request.block_hashes[num_hit_blocks:max_blocks]
-    if not hashes:
-        return 0
-    return connector.lookup(request.request_id, hashes) * block_size
-
-def _tier_admitted(connector: KVConnector | None, block_size: int, request: Request,
-                   block_ids: list[int] | None, first: int, num_loaded: int) -> None:
-    """After a tier hit of `num_loaded` tokens: their blocks (from `first` in the
-    request's table) are loaded before this step's forward; or, not admitted
-    (`block_ids` None), the hits are let go."""
-    if not num_loaded or connector is None:
-        return
-    if block_ids is None:
-        connector.cancel(request.request_id)
-        return
-    connector.load(request.request_id,
-                           block_ids[first:first + num_loaded // block_size])
-
-
-def _append(request: Request, tokens: list[int], max_model_len: int) -> tuple[list[int], bool]:
-    """Append a row's tokens (one, or a speculative row's accepted run), each checked
-    for a stop: the tokens kept (up to the one that ended the request, the rest
-    discarded) and whether it finished."""
-    for i, token in enumerate(tokens):
-        request.append_output_token(token)
-        if request.grammar is not None:
-            request.grammar.accept(token)
-        if _check_stop(request, token, max_model_len):
-            return tokens[:i + 1], True
-    return tokens, False
-
-
-def _check_stop(request: Request, token: int, max_model_len: int) -> bool:
-    """Set a finished status if `token` ends the request; True if it did."""
-    params = request.sampling_params
-    num_out = request.num_output_tokens
-    # 0. A grammar that took its stop token is complete.
-    if request.grammar is not None and request.grammar.terminated:
-        request.status = RequestStatus.FINISHED_STOPPED
-        return True
-    # 1. Below min_tokens only the length limits below can stop a request.
-    if num_out >= params.min_tokens:
-        # 2. EOS, 3. stop token ids.
-        if token == request.eos_token_id and not params.ignore_eos:
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
-        if token in params.stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = token
-            return True
-    # 4. Length limits.
-    max_tokens = max_model_len if params.max_tokens is None else params.max_tokens
-    if num_out >= max_tokens or request.num_tokens >= max_model_len:
-        request.status = RequestStatus.FINISHED_LENGTH
-        return True
-    return False
-
-
-def _logprob_rows(logprobs: Logprobs | None) -> tuple[list, list, list] | None:
-    """The runner's tensors as Python lists, converted once per step."""
-    if logprobs is None:
-        return None
-    return (logprobs.token_ids.tolist(), logprobs.logprobs.tolist(),
-            logprobs.sampled_ranks.tolist())
-
-
-def _token_logprobs(rows: tuple[list, list, list], row: int, n: int) -> TokenLogprobs:
-    token_ids, logprobs = rows[0][row], rows[1][row]
-    return TokenLogprobs(token_id=token_ids[0], logprob=logprobs[0], rank=rows[2][row],
-                         top=list(zip(token_ids[1:n + 1], logprobs[1:n + 1], strict=True)))

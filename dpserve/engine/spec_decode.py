@@ -1,48 +1,24 @@
 """Draft-free speculative decoding, the scheduler's side: n-gram (prompt lookup)
 proposals, and what a verified step leaves behind.
 
-Scope: `--speculative-config '{"method": "ngram", ...}'` (`SpeculativeConfig`). Each
-step, a running request about to decode one token may get up to K draft tokens:
-the tokens that followed the earliest earlier occurrence of its longest suffix
-n-gram (prompt_lookup_min <= n <= prompt_lookup_max), vLLM's rule. The scheduler
-then computes 1 + k tokens for it (KV slots for the drafts: `allocate_slots`'s
-lookahead, never registered in the prefix cache), the runner samples at every one
-of those positions and keeps the drafts its own sampling agrees with
-(`dpserve.model.spec_verify`), and `SpecDecoder.verified` rolls
-`num_computed_tokens` back past the rejected ones: their KV slots are written again
-when the request gets that far.
+Scope: `--speculative-config '{"method": "ngram", ...}'` (`SpeculativeConfig`).
+`SpecDecoder`: up to K drafts for a running request about to decode one token
+(the tokens after the earliest earlier occurrence of its longest suffix n-gram,
+vLLM's rule); their KV slots (`allocate`: a lookahead, never in the prefix
+cache); how many drafts a step carries (`plan`: each request's acceptance rate,
+`DraftState`, against the step's fitted cost, `StepCosts`); the rollback past
+rejected drafts (`verified`). `can_speculate`: the requests that never get
+drafts (structured output, logprobs, penalties, seeded sampling, pooling...).
 
-Invariant: drafts are never in `Request.all_token_ids` (or in a block hash) and
-`num_computed_tokens` never counts them; `Request.spec_token_ids` holds the drafts
-of the step in flight only.
-
-The proposer reads nothing but the request's own tokens (prompt + outputs, kept
-in a numpy copy on the request, `Request.draft_state`, made from them when
-missing): a request that moves to another engine (its rank died, or a prefill
-rank handed it to a decode rank) gets proposals there at once, with nothing to
-carry.
-
-How many drafts a step carries (`SpecDecoder.plan`): each draft costs a row of the
-verifying forward whether or not it is accepted, and is worth the chance that it is.
-Each request keeps its acceptance rate (`DraftState`: accepted drafts over accepted
-plus rejections, decayed; a new one starts from the engine's), so its i-th draft is
-worth about rate^i tokens; the engine fits its decode steps' time as F + c x rows
-(`StepCosts`, least squares over recent decode-shaped steps). Drafts are taken, the
-most valuable first, while they raise the step's tokens per second (SmartSpec's
-goodput rule): on a step that is bound by reading the weights (one stream, or a
-GPU) nearly every draft pays; on one bound by arithmetic (many streams on a CPU)
-only likely ones do. Until the fit has steps of two sizes, every proposal is taken
-(up to K). `disable_by_batch_size` still turns drafts off above a batch size.
-A new request starts from the engine's rate, and its first proposal is verified
-whatever the plan, one draft at least (a probe: on a busy engine whose drafts mostly
-fail, a copy-heavy newcomer still finds out that its own drafts pass).
-
-Requests that never get drafts (`can_speculate`): structured output, logprobs,
-penalties, seeded random sampling (its draws would differ), below min_tokens,
-pooling, prompt logprobs not yet sent. Their rows batch beside speculative ones.
+Invariants: drafts are never in `Request.all_token_ids` (or in a block hash) and
+`num_computed_tokens` never counts them; `Request.spec_token_ids` holds the
+drafts of the step in flight only. The proposer reads only the request's own
+tokens, so a request that moves to another engine carries nothing.
 
 Not here: verification (`dpserve.model.spec_verify`), the config's parsing
 (`dpserve.engine_config.SpeculativeConfig`).
+
+Design: docs/design/speculative-decoding.md
 """
 
 from __future__ import annotations

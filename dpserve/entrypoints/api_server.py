@@ -1,54 +1,25 @@
 """API servers: the HTTP front-end of `dpserve serve`, in the main process or in M of its own.
 
-Scope: `serve_http` (one API server: AsyncEngineClient -> AsyncLLM ->
-FastAPI app -> uvicorn on a socket the launcher bound), the process target
-`run_api_server` for `--api-server-count M > 1` and its end of the pipe to
-the launcher (`_LauncherLink`).
+Scope: `serve_http` (one API server: AsyncEngineClient -> AsyncLLM -> FastAPI
+app -> uvicorn on a socket the launcher bound), the process target
+`run_api_server` for `--api-server-count M > 1` and its end of the pipe to the
+launcher (`_LauncherLink`: READY / FAILED, then SERVE, STOPPING, DRAIN, DRAINED,
+CLOSE), and the drain (`DrainingServer`: /v1/* and /health answer 503, requests
+in flight get `shutdown_timeout` s, then the rest are aborted).
+
+Invariants: API server i owns the engine sockets of client index i (outputs
+come back by `client_index`); with M > 1 none serves before all M are ready,
+and none closes its connections before every one has drained; a second signal
+stops at once (128 + the signal); an API server stops when its engines die or
+its launcher is gone (pipe closed, or re-parented: polled every second). Each
+child sets PROMETHEUS_MULTIPROC_DIR before prometheus_client is imported.
 
 Not here: binding the listening socket (`dpserve.entrypoints.serve`), the
 launcher's side of the API-server processes and the watch over every process
 (`dpserve.launch.api_servers`, `dpserve.launch.api_server_watch`), the pipe's
 messages (`dpserve.launch.api_server_pipe`), the HTTP routes (`dpserve.server.app`).
 
-Processes and sockets with M API servers (i < M):
-
-    launcher  "dpserve::Launcher"      binds host:port once (no listen), spawns:
-    child     "dpserve::APIServer_<i>" gets a duplicate of that socket (multiprocessing
-                                       passes its fd); uvicorn listens/accepts on it, the
-                                       kernel hands each new connection to one of the M
-      ROUTER inputs[i] (bind) / PULL outputs[i] (bind)   its own engine sockets, client
-                                       index i (outputs come back by `client_index`)
-      XSUB -> coordinator front XPUB   (N > 1) its own subscription; placement scans
-                                       the engines from its own index
-      Pipe <-> launcher                `ControlMessage`s, below
-
-Start-up handshake over the pipe (every wait bounded, every wait watching the
-other side):
-
-    child:    build client, AsyncLLM, app  --READY--> (or --FAILED(reason)--> exit 1)
-    launcher: all M READY (or the first FAILED / death / timeout fails the launch)
-              --SERVE--> to each: now they serve, so the port opens with all M up
-    later:    --STOPPING(reason)--> when any dpserve process died: fail in-flight
-              requests with the reason (503), exit 1
-              --DRAIN--> on the launcher's SIGTERM/SIGINT: drain (below), exit 0
-    child:    <--DRAINED-- its own requests are done; it answers 503 on
-    launcher: --CLOSE--> once every API server has drained (or exited): now all exit,
-              so none closes its connections while another still drains
-
-Drain (`DrainingServer`; the first SIGTERM/SIGINT of this process, or DRAIN):
-`AsyncLLM.draining` is set, so /v1/* and /health answer 503 with Retry-After;
-requests in flight get `config.shutdown_timeout` seconds to finish, then the
-rest are aborted in the engines (their streams end with finish_reason
-"abort"); uvicorn then closes the connections and `serve_http` returns 0 (with
-M > 1, only after DRAINED / CLOSE: one API server's clients may still be
-streaming when another's are done, and new connections land on any of them). A
-second signal stops at once (128 + the signal). An API server also stops
-when its engines die (ENGINE_CORE_DEAD, or STOPPING from the launcher), or
-when the launcher is gone (pipe closed, or re-parented: polled every second).
-
-Metrics: each child sets PROMETHEUS_MULTIPROC_DIR (the launcher's private
-dir) before prometheus_client is imported, so every scrape sums all M; see
-`dpserve.server.metrics.prometheus`.
+Design: docs/design/processes.md
 """
 
 from __future__ import annotations

@@ -212,7 +212,8 @@ class LLM:
         if isinstance(engine, SyncEngineClient):  # every DP rank holds the same shards
             return engine.call_utility("save_sharded_state", target, pattern, max_size,
                                        rank=0, timeout=_SAVE_TIMEOUT_S)
-        return engine.save_sharded_state(target, pattern, max_size)  # type: ignore[attr-defined]
+        return engine.call_utility(  # type: ignore[attr-defined]
+            "save_sharded_state", target, pattern, max_size)
 
     def get_stats(self, data_parallel_rank: int = 0) -> SchedulerStats:
         """A scheduler snapshot of one engine (`data_parallel_rank`, default 0)."""
@@ -283,7 +284,7 @@ class LLM:
 
     def _lora_names(self, requests: Any, n: int) -> list[str | None]:
         """One adapter name (or None) per prompt; adapters not seen before are loaded
-        into every engine (`EngineCore.add_lora`; ValueError when one refuses)."""
+        into every engine (utility `add_lora`; ValueError when one refuses)."""
         if requests is None or isinstance(requests, LoRARequest):
             requests = [requests] * n
         requests = list(requests)
@@ -305,7 +306,7 @@ class LLM:
             for rank in range(self.data_parallel_size):
                 engine.call_utility("add_lora", r.lora_name, r.lora_path, rank=rank)
         else:
-            engine.add_lora(r.lora_name, r.lora_path)  # type: ignore[attr-defined]
+            engine.call_utility("add_lora", r.lora_name, r.lora_path)  # type: ignore[attr-defined]
         self._loras[r.lora_name] = r.lora_path
 
     def _add(self, text: str | None, token_ids: list[int], params: SamplingParams,

@@ -11,7 +11,7 @@ A command of its own, not an admin route: it writes a directory the operator nam
 which an HTTP caller should not choose on the server's host.
 
 Not here: the files (`dpserve.checkpoint.sharded_state`), the engine utility
-(`EngineCore.save_sharded_state`).
+(`save_sharded_state`, `dpserve.engine.utilities`).
 """
 
 from __future__ import annotations

@@ -1,45 +1,25 @@
 """`dpserve serve`: launch the engines and serve them over OpenAI-compatible HTTP.
 
-Processes (N = --data-parallel-size engines, M = --api-server-count API servers):
+Scope: the launcher. It checks the options and binds host:port once, before
+loading anything; resolves the config once; starts the coordinator (N > 1) and
+the engines, waits for every READY; then runs uvicorn itself (M == 1) or starts
+the M API-server processes (`dpserve.entrypoints.api_server`), waits for all of
+them and watches every process. It makes the shared state directory
+(`--state-dir`, else a private one removed at exit) and, with M > 1, the
+Prometheus multiprocess directory.
 
-    M == 1:
-    main process  "dpserve::APIServer_0"     launcher + FastAPI/uvicorn
-    M > 1:
-    main process  "dpserve::Launcher"        launcher only; watches every process
-    children      "dpserve::APIServer_<i>"   FastAPI/uvicorn, i < M (entrypoints/api_server.py)
-    ------
-      |  API server i: ROUTER inputs[i] (bind) / PULL outputs[i] (bind)  (AsyncEngineClient)
-      v
-    children      "dpserve::EngineCore_<r>"  EngineCoreProc (model + KV cache), r < N
-    child (N > 1) "dpserve::DPCoordinator"   engines' load counts -> every API server
+Invariants: a port in use fails before any model loads, and no other process
+can take it meanwhile; any engine, the coordinator or an API server dying stops
+the server with exit code 1 (in-flight requests get a 503 first); SIGTERM or
+Ctrl-C drain it (exit 0; with M > 1 bounded by the timeout plus
+`DRAIN_MARGIN_S`), a second signal stops at once; every child is shut down
+(terminate -> join -> kill tree), API servers first, before the launcher exits.
 
-The launcher validates the options and binds host:port once, before loading
-anything (so a port in use fails at once, and no other process can take it
-while the engines load); every API server serves on that one socket. It
-resolves the config once, starts the coordinator (N > 1) and then the engines
-(their init metadata names the coordinator's and all M API servers'
-addresses) and waits for every READY (failing at once, with one line, if any
-of them dies). Then, with M == 1, it runs uvicorn itself; with M > 1 it
-starts the M API-server processes, waits for all of them to be ready (one
-line if any fails), lets them serve and watches every process.
+Not here: an API server's own start-up and drain (`dpserve.entrypoints.api_server`),
+the engines' drain (`dpserve.engine.process`), spawning and watching
+(`dpserve.launch`).
 
-Any engine, the coordinator or an API server dying stops the server with exit
-code 1 (in-flight requests fail with a 503 first). SIGTERM or Ctrl-C drain it:
-new requests and /health get 503, requests in flight get --shutdown-timeout
-seconds to finish, then the rest are aborted (finish_reason "abort"), and the
-exit code is 0 (see `dpserve.entrypoints.api_server`). With M == 1 uvicorn's
-signal handling does it; with M > 1 the launcher sends DRAIN to every API
-server and waits for them (bounded: the timeout plus `DRAIN_MARGIN_S`). A
-second signal stops at once (128 + the signal). Engines ignore SIGINT (Ctrl-C
-reaches the whole process group; their launcher decides); `--headless` hosts
-pass SIGTERM/SIGINT on to their engines as SIGTERM, which drain alike
-(`dpserve.engine.process`). Either way every child is shut down (terminate ->
-join -> kill tree), API servers first, before the launcher exits. With M > 1 the
-API servers' Prometheus values live in a private PROMETHEUS_MULTIPROC_DIR
-that the launcher removes at exit. The server's state (the Responses API's stored
-responses, /v1/files and /v1/batches) lives in one state directory all M API
-servers share (`--state-dir`, kept; else a private one the launcher makes and
-removes at exit: `dpserve.server.state_dir`).
+Design: docs/design/processes.md
 """
 
 from __future__ import annotations

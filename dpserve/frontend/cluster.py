@@ -97,7 +97,7 @@ class ClusterView(Protocol):
 
     async def call_utility(self, method: str, *args: Any, engine: int | None = None,
                            timeout: float = 30.0, result_type: Any = None) -> Any:
-        """`EngineCore.<method>(*args)` in rank `engine` (None: any live one)."""
+        """Utility `method` (`EngineCore.call_utility`) in rank `engine` (None: any live one)."""
 
     async def call_utility_all(self, method: str, *args: Any, timeout: float = 30.0,
                                result_type: Any = None) -> dict[int, Any]:

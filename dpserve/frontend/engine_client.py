@@ -1,58 +1,33 @@
 """AsyncEngineClient: one front-end's asyncio connection to its engines (the shell).
 
-Scope: the front-end ends of the engine sockets (it BINDS a ROUTER for
-requests and a PULL for outputs at its client index's addresses), sending
-ADD / ABORT / UTILITY, handing decoded `EngineCoreOutputs` to the caller
-through `get_output()`, utility calls as futures keyed by call id, engine
-death, and the DP coordinator's publishes (its front XPUB). It decides
-nothing itself: the IO-free parts it holds do, and it carries out what they
-return:
+Scope: the front-end ends of the engine sockets (it BINDS a ROUTER for requests
+and a PULL for outputs at its client index's addresses), sending ADD / ABORT /
+UTILITY, handing decoded `EngineCoreOutputs` to the caller through
+`get_output()`, utility calls as futures keyed by call id, engine death, and the
+DP coordinator's publishes (its front XPUB). It decides nothing itself: its
+IO-free parts do (`RankTable`: rank states, placement through the `Router`;
+`InFlightBook`: requests in flight, evacuation plans), and it carries out what
+they return (`MoveSender`: rank changes and moves; `HandoffSender`: prefill /
+decode continuations). It implements `ClusterView` through `cluster`.
 
-* `RankTable` (`dpserve.frontend.rank_table`): rank states and their
-  freshness (incarnations; direct evidence of a death outranks older news),
-  cordon, placement (pinned rank, else the `Router` of
-  `dpserve.frontend.routing` among the placeable ranks, by the coordinator's
-  loads or, without one, the requests in flight from here), resize when the
-  engine count changes (elastic). Rank news comes from the coordinator's
-  updates, from the launcher (`set_rank_status`: in-process or over an API
-  server's pipe) and from direct evidence (`mark_engine_dead`:
-  ENGINE_CORE_DEAD, an unreachable socket).
-* `InFlightBook` (`dpserve.frontend.migration`): each request in flight; when
-  a rank stops serving, its plan says which request goes where with which
-  prior tokens, and which end with an error output (pinned, moved
-  `max_migrations` times, or no serving rank left). `fail_stop=True`
-  (`--engine-failure-policy stop`): a rank that dies kills the client instead.
-* Handoffs (`--data-parallel-roles`): a new request placed on a prefill rank goes
-  there as a first leg (`dpserve.frontend.roles.first_leg`); when the book sees it
-  done, a `HandoffSender` task (`dpserve.frontend.handoff`) sends its continuation
-  to a decode rank as a migration; an abort in between ends it here.
-* Waves: each request carries the wave this client last heard of from the
-  coordinator. In lockstep mode (`lockstep=True`), a request sent while the
-  coordinator said "paused" is followed by `WakeEngines(wave, engine)` so the
-  coordinator starts the wave on every other engine.
-* Prefix sharing (`share_prefixes=True`: several API servers, a coordinator,
-  `cache-aware`): the router's placements go to the coordinator in batches
-  (`CoordinatorLink`, which reads the updates), and the other API servers' come
-  back in its updates (`RankTable.apply_update` -> `Router.learn`).
+Invariants: direct evidence of a death outranks older news of a rank; a request
+that moves is aborted at its old rank first (no duplicates); once dead, every
+pending utility call fails with `EngineDeadError`, and `get_output()` raises it
+after the outputs received before. Use it from the loop it was created in; only
+`mark_dead`, `mark_engine_dead` and `set_rank_status` may be called from other
+threads. `from_config` builds it from an `EngineConfig`.
 
-It implements `ClusterView` (`dpserve.frontend.cluster`), what the HTTP
-server uses of it. Death of the client (`dead`): `mark_dead(reason)`
-(closing, the launcher stopping, policy stop), or a process watched by
-`watch_processes` exiting: every pending utility call fails at once with
-`EngineDeadError`, and `get_output()` raises it once the outputs received
-before are drained. Create it inside a running event loop and use it from
-that loop's thread (only `mark_dead`, `mark_engine_dead` and
-`set_rank_status` may be called from elsewhere); `await aclose()` (or
-`shutdown()`) when done. `from_config` builds it from an `EngineConfig`.
+Not here: tokenising, detokenising, stop strings (the output processor), HTTP,
+process spawning and restarts (`dpserve.launch`).
 
-Not here: tokenising, detokenising, stop strings (the output processor),
-HTTP, process spawning and restarts (`dpserve.launch`).
+Design: docs/design/engine-client.md
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -71,15 +46,15 @@ from dpserve.frontend.engine_sockets import EngineSockets, UtilityCallError, Uti
 from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError
 from dpserve.frontend.handoff import HandoffSender
 from dpserve.frontend.lora import LoRAReplay
-from dpserve.frontend.migration import Evacuation, InFlightBook, ended
-from dpserve.frontend.rank_table import EngineState, RankTable, StatusChange
+from dpserve.frontend.migration import InFlightBook, ended
+from dpserve.frontend.moves import MoveSender
+from dpserve.frontend.rank_table import EngineState, RankTable
 from dpserve.frontend.roles import first_leg, roles_of
-from dpserve.frontend.route_trace import RouteTrace, migrate_span
+from dpserve.frontend.route_trace import RouteTrace
 from dpserve.frontend.routing import DEFAULT_LOAD_BALANCE, Router, sendable
 from dpserve.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
-    RankState,
     RankStatus,
     RequestType,
     WakeEngines,
@@ -91,6 +66,21 @@ __all__ = ["AsyncEngineClient", "EngineState", "UtilityCallError", "from_config"
 logger = logging.getLogger(__name__)
 
 _DEAD = object()  # the output-queue item that stands for "the engines are dead"
+
+
+def _on_loop(method: Callable[..., None]) -> Callable[..., None]:
+    """A client method callable from any thread: it runs on the client's loop (from
+    another thread, soon; a closed loop has nobody to tell)."""
+
+    @functools.wraps(method)
+    def on_loop(self: AsyncEngineClient, *args: Any) -> None:
+        if threading.get_ident() != self._loop_thread:
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(on_loop, self, *args)
+            return
+        method(self, *args)
+
+    return on_loop
 
 
 class AsyncEngineClient:
@@ -127,10 +117,11 @@ class AsyncEngineClient:
                                fail_stop=fail_stop)
         self.book = InFlightBook(max_migrations)
         self.handoffs = HandoffSender(self, secret)
+        self.moves = MoveSender(self, self._spawn)  # carries out rank news: moves, death
         self.dead = False
         self.dead_reason: str | None = None
         self._dead_event = asyncio.Event()
-        self._closed = False
+        self.closed = False
         self._outputs: asyncio.Queue[Any] = asyncio.Queue()
         self._calls = UtilityCalls()
         self._watch_stop = threading.Event()
@@ -225,13 +216,13 @@ class AsyncEngineClient:
             request, engine, self.max_model_len) else None)  # a handoff's first leg
         self.table.assign(engine, len(request.prompt_token_ids))
         try:
-            await self._send(engine, RequestType.ADD, sent)
+            await self.send(engine, RequestType.ADD, sent)
         except BaseException:
             self._forget(request.request_id)
             raise
-        await self._wake_if_paused(request, engine)
+        await self.wake_if_paused(request, engine)
 
-    async def _wake_if_paused(self, request: EngineCoreRequest, engine: EngineState) -> None:
+    async def wake_if_paused(self, request: EngineCoreRequest, engine: EngineState) -> None:
         if self.lockstep and not self.news.running:
             # Paused: our engine starts itself, the coordinator the others; assume running.
             self.news.running = True
@@ -251,7 +242,7 @@ class AsyncEngineClient:
             engine = self.engines.get(rank)  # None: removed (its requests are moving)
             with contextlib.suppress(EngineUnavailableError):  # gone: nothing to abort there
                 if engine is not None:
-                    await self._send(engine, RequestType.ABORT, ids)
+                    await self.send(engine, RequestType.ABORT, ids)
 
     async def get_output(self) -> EngineCoreOutputs:
         """The next outputs message from any engine (one engine, one front-end).
@@ -274,7 +265,13 @@ class AsyncEngineClient:
         if flight is not None:
             self.table.release(flight.rank)
 
-    async def _send(self, engine: EngineState, request_type: RequestType, body: Any) -> None:
+    async def abort_now(self, rank: int, request_ids: list[str]) -> None:
+        """ABORT at `rank` without waiting for it (it may be gone, or back)."""
+        with contextlib.suppress(zmq.ZMQError):
+            await self._sockets.send(engine_identity(rank), RequestType.ABORT, request_ids,
+                                     flags=zmq.NOBLOCK)
+
+    async def send(self, engine: EngineState, request_type: RequestType, body: Any) -> None:
         await self._sockets.wait_for(lambda: engine.registered, self._dead_event,
                                      self.register_timeout)
         self.check_alive()
@@ -292,7 +289,7 @@ class AsyncEngineClient:
 
     async def call_utility(self, method: str, *args: Any, engine: int | None = None,
                            timeout: float = 30.0, result_type: Any = None) -> Any:
-        """Run `EngineCore.<method>(*args)` in an engine and return its result.
+        """Run utility `method` in an engine (`EngineCore.call_utility`); its result.
 
         engine: the rank (default: the lowest live one). result_type: convert
         the msgpack result to this type (e.g. SchedulerStats). Raises
@@ -304,7 +301,7 @@ class AsyncEngineClient:
             raise ValueError(f"no engine of rank {engine} (engines: {sorted(self.engines)})")
         target = self.engines[engine] if engine is not None else self.table.placeable()[0]
         return await self._calls.call(
-            lambda call: self._send(target, RequestType.UTILITY, call), target.rank, method,
+            lambda call: self.send(target, RequestType.UTILITY, call), target.rank, method,
             args, timeout, result_type)
 
     async def call_utility_all(self, method: str, *args: Any, timeout: float = 30.0,
@@ -327,72 +324,21 @@ class AsyncEngineClient:
 
     # ---- rank news, and carrying out what the table and the book decide -----------------
 
+    @_on_loop
     def set_rank_status(self, rank: int, status: RankStatus) -> None:
         """News of a rank (the coordinator's, or its launcher's); callable from any thread.
         A rank that stops serving has its requests moved (`RankTable.apply_status`)."""
-        if threading.get_ident() != self._loop_thread:
-            with contextlib.suppress(RuntimeError):
-                self._loop.call_soon_threadsafe(self.set_rank_status, rank, status)
-            return
-        self._apply(self.table.apply_status(rank, status))
+        self.moves.apply(self.table.apply_status(rank, status))
 
+    @_on_loop
     def mark_engine_dead(self, rank: int, reason: str) -> None:
         """Direct evidence that a rank's current process is gone; callable from any thread."""
-        if threading.get_ident() != self._loop_thread:
-            with contextlib.suppress(RuntimeError):
-                self._loop.call_soon_threadsafe(self.mark_engine_dead, rank, reason)
-            return
-        self._apply(self.table.mark_dead(rank, reason))
-
-    def _apply(self, change: StatusChange | None) -> None:
-        """Carry out a rank's change: log it, die (policy stop) or move its requests."""
-        if change is None:
-            return
-        status = change.status
-        if not self._closed:
-            logger.log(logging.INFO if status.state is RankState.SERVING else logging.WARNING,
-                       "front-end %d: rank %d %s (incarnation %d)%s", self.client_index,
-                       change.rank, status.state.value, status.incarnation,
-                       f": {status.reason}" if status.reason else "")
-        if change.fail_stop is not None:
-            self.mark_dead(change.fail_stop)
-        elif change.evacuate:
-            self._spawn(self._evacuate(change))
+        self.moves.apply(self.table.mark_dead(rank, reason))
 
     def _spawn(self, coro: Any) -> None:
         task = self._loop.create_task(coro)
         self._tasks.append(task)
         task.add_done_callback(lambda t: t in self._tasks and self._tasks.remove(t))
-
-    async def _evacuate(self, change: StatusChange) -> None:
-        """Plan the moves off a rank that stopped serving (at once, when the task runs:
-        news that came with the change is in the table), then send them."""
-        plan = self.book.plan_evacuation(change.rank, change.why, change.abort_first,
-                                         self.table, self.current_wave)
-        if plan.abort:  # it may come back (or still runs): no duplicates
-            with contextlib.suppress(zmq.ZMQError):
-                await self._sockets.send(engine_identity(plan.rank), RequestType.ABORT,
-                                         plan.abort, flags=zmq.NOBLOCK)
-        for failure in plan.failures:
-            self.put_output(ended(failure.rank, failure.request_id, failure.error))
-        await self.send_moves(plan, change.why)
-
-    async def send_moves(self, plan: Evacuation, why: str) -> None:
-        for move in plan.moves:
-            if move.request.trace_headers is not None:
-                move = migrate_span(move, why)  # a span (frontend/route_trace.py)
-            flight = self.book.flights.get(move.request_id)
-            target = self.engines.get(move.target)
-            if flight is None or flight.rank != move.target or target is None:
-                continue  # finished, or moved on again meanwhile
-            logger.log(plan.log_level, "front-end %d: %s %s from %s to rank %d (%d tokens "
-                       "so far)", self.client_index, "migrating" if move.num_tokens else
-                       "re-sending", move.request_id, why, move.target, move.num_tokens)
-            try:
-                await self._send(target, RequestType.ADD, move.request)
-                await self._wake_if_paused(move.request, target)
-            except EngineUnavailableError:
-                pass  # the target died in turn: its own evacuation moves the request on
 
     # ---- the socket readers ------------------------------------------------------------
 
@@ -404,7 +350,7 @@ class AsyncEngineClient:
             elif registration:  # an unknown rank: scaling up (elastic), kept for later
                 logger.debug("engine %d registered with front-end %d", rank,
                              self.client_index)
-                self._apply(self.table.register(rank))
+                self.moves.apply(self.table.register(rank))
 
     async def _read_outputs(self) -> None:
         async for outputs in self._sockets.outputs():
@@ -420,7 +366,7 @@ class AsyncEngineClient:
         async for update in self.coordinator().updates():
             self.news.note(update)
             for change in self.table.apply_update(update):
-                self._apply(change)
+                self.moves.apply(change)
             self.lora_replay.reconcile(self)  # ranks that missed an adapter
 
     def _dispatch(self, outputs: EngineCoreOutputs) -> None:
@@ -444,15 +390,12 @@ class AsyncEngineClient:
 
     # ---- death and closing ---------------------------------------------------------------
 
+    @_on_loop
     def mark_dead(self, reason: str) -> None:
         """Declare the engines dead (callable from any thread; idempotent)."""
-        if threading.get_ident() != self._loop_thread:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to tell
-                self._loop.call_soon_threadsafe(self.mark_dead, reason)
-            return
         if self.dead:
             return
-        if not self._closed:
+        if not self.closed:
             logger.error("engine client %d: engines dead: %s", self.client_index, reason)
         self.dead, self.dead_reason = True, reason
         self._calls.fail_all(reason)
@@ -477,9 +420,9 @@ class AsyncEngineClient:
 
     def shutdown(self) -> None:
         """Close without awaiting the tasks (prefer `aclose` inside the loop)."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         self._watch_stop.set()
         for task in self._tasks:
             task.cancel()
@@ -517,7 +460,7 @@ def from_config(config: EngineConfig, input_address: str | Sequence[str],
     secret, migrations, failure policy, elastic, KV block size and host tier, LoRA,
     prefill / decode roles); the
     one place both the API server and the offline LLM build it. `share_prefixes`: one of
-    several API servers (module docstring). Call inside the loop it will use."""
+    several API servers (docs/design/engine-client.md). Call inside the loop it will use."""
     parallel = config.parallel
     client = AsyncEngineClient(input_address, output_address, engine_ranks=engine_ranks,
                              client_index=client_index, max_model_len=max_model_len,

@@ -18,7 +18,7 @@ run as a task by the engine client for each first leg its book saw finish
    it goes on anyway: the decode rank recomputes what its host lacks (slower,
    never wrong).
 3. The book moves the flight (`commit_handoff`: unless it was aborted or moved
-   by an evacuation meanwhile) and the client sends it like a migration.
+   by an evacuation meanwhile) and it is sent like a migration (`MoveSender`).
 
 The decode rank's scheduler loads the prompt's blocks from its host's tier (the
 prefill rank's engine committed them before its first token left: `roles.
@@ -36,6 +36,7 @@ from typing import Protocol
 
 from dpserve.frontend.errors import EngineUnavailableError
 from dpserve.frontend.migration import PENDING, Evacuation, InFlightBook, ended
+from dpserve.frontend.moves import MoveSender
 from dpserve.frontend.rank_table import EngineState, RankTable
 from dpserve.frontend.routing import PrefixTracker, cache_root
 from dpserve.kv_tier.pull import pull
@@ -52,11 +53,11 @@ class HandoffClient(Protocol):
     table: RankTable
     book: InFlightBook
     client_index: int
+    moves: MoveSender
 
     @property
     def current_wave(self) -> int: ...
     def put_output(self, outputs: EngineCoreOutputs) -> None: ...
-    async def send_moves(self, plan: Evacuation, why: str) -> None: ...
 
 
 class HandoffSender:
@@ -85,7 +86,7 @@ class HandoffSender:
                 target = self._place(request_id, continuation)
         move = target and book.commit_handoff(request_id, target, table, client.current_wave)
         if move:
-            await client.send_moves(Evacuation(move.source, [], [move], [], logging.DEBUG),
+            await client.moves.send(Evacuation(move.source, [], [move], [], logging.DEBUG),
                                     "a prefill rank (handoff)")
 
     def _place(self, request_id: str, continuation: EngineCoreRequest) -> EngineState | None:

@@ -9,7 +9,7 @@ server, waiting until this one hears it back; without a coordinator, in this
 front-end's own copy).
 
 A load is two-phase: 1. every serving rank (cordoned ones too) runs
-`EngineCore.add_lora` at once, which validates and loads, all or nothing on that
+the engine utility `add_lora` at once, which validates and loads, all or nothing on that
 rank; 2. if every rank loaded it, the registry gets it (every API server now
 accepts `model: <name>`; a rank that starts later gets it with READY,
 `dpserve.engine.lora_sync`) and a rank that started serving meanwhile is

@@ -1,121 +1,25 @@
 """Engine choice: which serving rank gets a request (`--load-balance`).
 
 Scope: the placement policy of one front-end (`Router.choose(live, request,
-balanced)`), over the engines the `RankTable` (`dpserve.frontend.rank_table`)
-says may take new work (serving, not cordoned, not excluded). Pinned requests
-(`data_parallel_rank`) and rank states are the table's, moving requests the
-`InFlightBook`'s (`dpserve.frontend.migration`); the router only picks among
-`live` and remembers, for cache-aware placement, what it sent where.
+balanced)`) among the ranks the `RankTable` says may take new work (serving,
+not cordoned, not excluded): a rank's load (the coordinator's `4*waiting +
+running`, or this client's requests in flight; waiting requests less urgent
+than the request left out), the policies (`least-loaded`, `round-robin`,
+`cache-aware`, the default), tenants spread over equally busy ranks
+(`TenantTurns`), the host tier's and LoRA adapters' preferences, sessions
+(`SessionTable`, `rendezvous_rank`), and what other API servers placed
+(`learn`, `outbox`).
 
-A rank's load (`Router.load`): with a DP coordinator (`balanced`), its
-`4*waiting + running` from the coordinator's last publish, where what this
-client sent it since that publish counts as waiting (so bursts spread);
-without one, the requests this client has in flight there. Priorities
-(`--scheduling-policy priority`): for a request of priority p, the rank's
-waiting requests of a priority after p (a higher number: they will not run
-before it) do not count, by the rank's last `SchedulerStats.waiting_by_priority`
-to this front-end (empty while all are 0), so an urgent request goes where
-fewer urgent requests wait, whatever the backlog of less urgent ones. Every
-policy that reads loads (least-loaded, cache-aware, the hot rule of sessions)
-sees that count.
+Invariants: the router only picks among `live` and remembers what it sent
+where; its prefix record is a hint (a wrong one costs a cache miss, never a
+wrong answer); a pinned request wins over its session; a session never reaches
+an engine (`sendable`).
 
-Policies (`LOAD_BALANCE_POLICIES`):
+Not here: pinned requests and rank states (`dpserve.frontend.rank_table`),
+moving requests (`dpserve.frontend.migration`), the block-hash record itself
+(`dpserve.frontend.prefix_record`).
 
-* `least-loaded`: the lowest load; with a coordinator, scanning from
-  this client's own index (ties go to the first) so several API servers start
-  on different ranks; without one, ties go to the lowest rank. A request of a
-  named tenant (`EngineCoreRequest.tenant`, not the anonymous `default`) goes
-  instead to the next rank, in that tenant's own turn, among the ranks within
-  `TENANT_SPREAD_SLACK` of the lowest load: each tenant's requests spread evenly
-  over equally busy ranks, so every rank's queue holds the same mix of tenants
-  and the engines' per-rank fair shares (deficit round robin, `dpserve.engine.
-  waiting_queue`) add up to fair shares of the whole server (`TenantTurns`).
-* `round-robin`: live ranks in turn from this client's own index, blind to load
-  (a baseline for benchmarks, and what simple balancers do).
-* `cache-aware` (the default, `DEFAULT_LOAD_BALANCE`): like SGLang's router. The
-  router keeps, per rank, an approximate record of the prefix-cache blocks the
-  prompts sent there left (`PrefixTracker`, `dpserve.frontend.prefix_record`:
-  the engine's block hash chain, an LRU bounded by the rank's KV capacity). A
-  rank is *hot* when its load exceeds the least-loaded
-  rank's by more than `balance_abs` AND is more than `balance_rel` times it.
-  The rank holding the longest prefix of the prompt gets the request when that
-  prefix covers at least `cache_threshold` of the prompt and the rank is not
-  hot; when it is hot, the least-loaded rank (which from then on holds the
-  prefix too). With no such prefix anywhere (a new session), the rank with the
-  smallest record among those within `new_prefix_slack` (two waiting requests)
-  of the least loaded (ties: the least loaded), so new prefixes spread over the
-  ranks' caches when loads (nearly) tie, as SGLang's smallest tree does, and go
-  by load otherwise (a prompt shorter than a block, which leaves none, by load
-  alone). A
-  named tenant's new prefix goes instead to its next turn, as with
-  `least-loaded` (so the per-rank fair shares add up under the default too).
-  Remaining ties: scanning from this client's own index. A rank that dies or
-  restarts is forgotten (its cache is gone).
-
-The KV host tier (`cache-aware`, `--kv-offload-memory`: every host runs a store
-that all its ranks save full blocks to and load from, `dpserve.kv_tier`): the
-router also keeps, per host, the blocks any rank of that host was sent (a second
-`PrefixTracker` keyed by host, an LRU of the store's capacity in blocks from the
-ranks' `SchedulerStats.kv_tier_num_blocks`). A rank *reaches* a prompt's blocks
-that it holds itself, plus those after them that its host's tier holds (what its
-scheduler would look up: local hits first, then the tier). Ranks on other hosts
-(`EngineInfo.host`, from heartbeats; a rank not heard from yet shares with none)
-have their own tier. Own blocks count above tier blocks above nothing:
-
-* the rank holding the longest prefix keeps the request when that prefix covers
-  `cache_threshold` of the prompt, it is not hot, and its load is within
-  `tier_balance_abs` of the least-loaded rank that is not hot and reaches
-  `cache_threshold` of the prompt (own blocks + its tier's);
-* otherwise that least-loaded reaching rank gets it (ties: the one holding more
-  itself) and pays a tier load instead of a recompute: leaving the owner is cheap,
-  so the margin is much smaller than `balance_abs`;
-* no rank reaches the prefix (or only hot ones): the rules above.
-
-The tier record is not forgotten when a rank dies (the store outlives its ranks); a
-store restart (an empty tier) is not seen, nor are two launchers on one machine
-(a head and a headless host on one box: two stores, one host name, taken for one
-tier): a wrong hint costs a recompute.
-
-LoRA adapters (`cache-aware` only; `least-loaded` is the count-only baseline): a
-request that names an adapter goes, among the ranks that are not hot, to those
-holding it warmest: resident in a device slot (the rank's last heartbeat,
-`EngineInfo.lora`, or this router's own record of the adapters it sent each rank
-lately, an LRU of the rank's `max_loras`, which covers the second between
-heartbeats), then cached in host memory, then a rank with a free slot, then any;
-the prefix rule above picks among them (its record keyed by adapter too, as the
-engine's cache is). A hot rank yields as for prefixes.
-
-Sessions (every policy): a request may belong to a session (`EngineCoreRequest.
-session`: an `X-Session-ID` header, a Responses API chain, or the `user` field;
-`dpserve.server.sessions`). Its follow-ups should go where its prefix is. The
-session's rank is, in order: where its last turn ran as the request says
-(`Session.rank`: the Responses API's store, which every API server shares), this
-router's record (`SessionTable`: key -> the rank its last request went to, an LRU
-of `MAX_SESSIONS` hashed keys), or, for a session new here, the key's rendezvous
-rank over the live ranks (`rendezvous_rank`: the highest hash of key and rank;
-every API server computes the same without sharing anything, and a rank leaving
-moves only its own sessions). The request goes there when that rank is live
-(serving, not cordoned, not excluded: the `RankTable`'s `placeable`) and not hot
-(the rule and thresholds of `cache-aware` above, under every policy); otherwise
-the policy picks (with `cache-aware` and a host tier, preferably a rank that
-reaches the prefix through the tier, so the move costs a block load, not a
-prefill) and the session moves there. A pinned request (`data_parallel_rank`)
-wins over its session, which moves to the pinned rank. The session never reaches
-an engine (`sendable`); a request moved off a failed rank (`dpserve.frontend.
-migration`) is placed without it. With several API servers, an `X-Session-ID` or
-`user` session that moved (hot, cordoned, dead) is known moved only to the API
-servers that saw it move: a follow-up landing on another one goes to the key's
-rendezvous rank, or its own stale record, when that rank may take it (a prefix
-miss, nothing worse); a Responses follow-up carries its chain's rank from the store.
-
-With `--api-server-count N` (N > 1, cache-aware), each router also records what
-the others placed: its own placements go out through the coordinator
-(`outbox`, a `PrefixOutbox`), theirs come in as `PrefixFacts` (`learn`), within
-about `prefix_record.SHARE_INTERVAL_S`; facts dropped under pressure (or sent
-while the coordinator restarts) are a weaker hint, nothing else. With one API
-server nothing is sent. Generated tokens are not recorded (only prompts), and an
-operator's prefix-cache reset or a sleep that drops the cache is not seen: the
-record is a hint, and a wrong one costs a cache miss, nothing else.
+Design: docs/design/routing.md
 """
 
 from __future__ import annotations
@@ -202,7 +106,7 @@ class CacheAwareOptions:
 
 class AdapterTracker:
     """Per rank, the adapters this router sent there lately (an LRU of the rank's
-    device slots), and each rank's tier for an adapter (module docstring)."""
+    device slots), and each rank's tier for an adapter (the design page)."""
 
     def __init__(self) -> None:
         self._sent: dict[int, OrderedDict[str, None]] = {}
@@ -299,7 +203,7 @@ def sendable(request: EngineCoreRequest, client_index: int, wave: int) -> Engine
 
 
 class Router:
-    """One front-end's engine choice (module docstring). `policy` is one of
+    """One front-end's engine choice (the design page). `policy` is one of
     LOAD_BALANCE_POLICIES; `block_size` is the engines' KV block size; `kv_tier`: the
     hosts run a KV host tier (`--kv-offload-memory`)."""
 
@@ -334,7 +238,7 @@ class Router:
 
     @staticmethod
     def load(engine: RankLoad, view: LoadView) -> int:
-        """The rank's load in the units the thresholds use (module docstring)."""
+        """The rank's load in the units the thresholds use (the design page)."""
         later = less_urgent_waiting(engine.stats, view.priority)
         if view.balanced:
             waiting = max(engine.waiting - later, 0)
@@ -344,7 +248,7 @@ class Router:
     def choose(self, live: Sequence[RankLoad], request: EngineCoreRequest, *,
                balanced: bool) -> RankLoad:
         """The rank among `live` (non-empty) that gets `request`: its session's rank when
-        that may take it, else the policy's choice (module docstring)."""
+        that may take it, else the policy's choice (the design page)."""
         view = LoadView(balanced, request.priority)
         session = request.session
         if session is not None:
@@ -364,7 +268,7 @@ class Router:
 
     def _session_rank(self, live: Sequence[RankLoad], session: Session, view: LoadView
                       ) -> RankLoad | None:
-        """The session's rank (module docstring) if it is in `live` and not hot."""
+        """The session's rank (the design page) if it is in `live` and not hot."""
         rank = session.rank if session.rank is not None else self.sessions.get(session.key)
         if rank is None:
             rank = rendezvous_rank(session.key, [e.rank for e in live])
@@ -455,7 +359,7 @@ class Router:
     def _spread(self, live: Sequence[RankLoad], least: RankLoad, view: LoadView,
                 tenant: str | None) -> RankLoad:
         """`least`, or for a named tenant its next turn among the ranks nearly as idle
-        (module docstring)."""
+        (the design page)."""
         if tenant is None or tenant == ANONYMOUS_TENANT or len(live) < 2:
             return least
         floor = self.load(least, view)
@@ -465,7 +369,7 @@ class Router:
 
     def _warmest(self, live: Sequence[RankLoad], name: str, least: RankLoad,
                  view: LoadView) -> list[RankLoad]:
-        """The ranks, not hot, where adapter `name` is warmest (module docstring)."""
+        """The ranks, not hot, where adapter `name` is warmest (the design page)."""
         floor = self.load(least, view)
         cool = [e for e in live if not self._hot(self.load(e, view), floor)]
         tiers = {e.rank: self.adapters.tier(e, name) for e in cool}
@@ -481,7 +385,7 @@ class Router:
                      tenant: str | None = None) -> RankLoad:
         """The rank with the longest remembered prefix (ties: the least loaded) if it
         covers `cache_threshold` of the prompt and is not hot; else the rule for new
-        prefixes or hot ranks (module docstring)."""
+        prefixes or hot ranks (the design page)."""
         floor = self.load(least, view)
         loads = {engine.rank: self.load(engine, view) for engine in live}
         matched = {engine.rank: self.tracker.matched_blocks(engine.rank, chain)
@@ -511,8 +415,8 @@ class Router:
                     num_tokens: int, matched: dict[int, int], loads: dict[int, int],
                     owner: RankLoad, floor: int) -> RankLoad | None:
         """With a host tier: the owner, or the least-loaded rank that reaches the prefix
-        through its host's tier; None when no rank that is not hot reaches it (module
-        docstring)."""
+        through its host's tier; None when no rank that is not hot reaches it (the
+        design page)."""
         assert self.tier is not None
         bs, threshold = self.tracker.block_size, self.options.cache_threshold * num_tokens
 

@@ -150,8 +150,8 @@ class SyncEngineClient:
 
     def call_utility(self, method: str, *args: Any, rank: int = 0,
                      timeout: float = 30.0) -> Any:
-        """`EngineCore.<method>(*args)` in engine `rank` (e.g. "expert_info"), answered
-        within `timeout` s."""
+        """Utility `method` (`EngineCore.call_utility`) in engine `rank` (e.g.
+        "expert_info"), answered within `timeout` s."""
         self._check_alive()
         return self._call(self._client().call_utility(method, *args, engine=rank,
                                                       timeout=timeout),

@@ -1,48 +1,23 @@
 """The Ray backend: data-parallel engines as Ray actors, one placement group per rank.
 
-Scope: connecting to Ray (join a cluster, or start a local instance),
-one STRICT_PACK placement group per rank pinned to the node the planner
-(`dpserve.launch.ray_placement`) chose, the engine actors
-(`dpserve.launch.ray_actor.EngineCoreActor`),
-waiting for them to start (bounded, with a liveness check), watching their
-run refs, restarting a rank's actor, and tearing everything down
-(`dpserve.launch.ray_teardown`). `RayEngineManager` plays the role of
-`EngineProcManager` + `wait_for_engine_startup` for `--data-parallel-backend ray`.
+Scope: `RayEngineManager`, what the process manager and its start-up wait are
+for local engines under `--data-parallel-backend ray`: connecting to Ray (join
+a cluster, or start a local instance), one STRICT_PACK placement group per rank
+on the node the planner chose (`dpserve.launch.ray_placement`), the engine
+actors (`dpserve.launch.ray_actor.EngineCoreActor`), waiting for their READY
+(bounded, with a liveness check), watching their run refs, restarting a rank's
+actor (incarnation + 1, same init metadata, same placement group), and the
+teardown (`dpserve.launch.ray_teardown`).
 
-Not here: addresses (`dpserve.launch.addresses.AddressAllocator`), the coordinator,
-the front-ends. `import ray` happens only when a manager is built
-(`pip install dpserve[ray]`).
+Invariants: every socket the engines connect to is tcp:// on the DP master
+address (actors may run on other hosts); every Ray call at teardown has a
+deadline, and none is made once the local instance's processes are gone or
+stopped; `import ray` happens only when a manager is built.
 
-Launch order (the launcher's side):
-    1. addresses: `AddressAllocator(local_only=False, host=ip)`, where `ip` is
-       the DP master address (this host, a Ray node); every socket the
-       engines connect to is tcp:// on `ip` (actors may run on other hosts);
-    2. the coordinator (DP > 1), on that allocator; its addresses go into the
-       init metadata together with the front-ends' and the DP master ip/port;
-    3. `RayEngineManager(config, init)`: connect, place, create the actors
-       (each builds its engine: model, KV cache, coordinator link, front-end
-       registration);
-    4. `wait_for_startup()` -> rank -> HandshakeReady; then the front-ends
-       bind their sockets and serve; the launcher's Supervisor waits on the
-       run refs (`wait_for_exits`) and restarts a rank whose run ended
-       (death, fatal error): `restart()` kills the old actor and starts a new
-       one (incarnation + 1, same init metadata) in the rank's placement
-       group. (`watch_engines(callback)` instead only reports an ending.)
-    5. `close()` (`dpserve.launch.ray_teardown`): kill the actors, remove the
-       placement groups, leave Ray as found (shut down / disconnected if the
-       manager connected it).
-       Bounded even when Ray's own processes are gone or going: a stop
-       signal sent to the launcher's whole process group (`timeout`, systemd,
-       `kill -- -PGID`) reaches the local instance's gcs_server and raylet
-       too, and Ray's calls then block for about a minute. So each Ray call
-       gets a deadline (Ray's exit hook is dropped if shutdown hangs); none
-       is made when a process of the local instance has already exited or
-       is stopped, since each would then block for its whole deadline. Then
-       every process this manager knows on this host (the engine actors
-       here, the local instance's processes and their descendants) that
-       still runs is killed.
+Not here: addresses (`dpserve.launch.addresses.AddressAllocator`), the
+coordinator, the front-ends, where each rank runs (`ray_placement`).
 
-Where each rank runs (resources per rank, pack strategies): `dpserve.launch.ray_placement`.
+Design: docs/design/ray.md
 """
 from __future__ import annotations
 
@@ -100,7 +75,7 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its error messages
 
 class RayEngineManager:
     """Starts the DP engines as Ray actors, restarts one (`restart`), and tears them
-    down (module docstring).
+    down (docs/design/ray.md).
 
     `init`: what every engine connects to; all addresses tcp://. The other
     options default to the config's (`ray_address`, `data_parallel_address`

@@ -1,43 +1,19 @@
 """Where each DP rank of the Ray backend runs: its resources, the nodes, the plan.
 
 Scope (pure but for `cluster_nodes`, which reads Ray's view of its nodes):
-`engine_bundles` / `rank_needs` (what one rank needs), `RayNode` (a node as
-the planner sees it), `plan_placement` (the node of each rank, per pack
-strategy), `master_node` (the node of the DP master address).
+`engine_bundles` / `rank_needs` (what one rank needs: one bundle per CPU
+tensor-parallel worker, or one GPU bundle and one CPU bundle), `RayNode` (a node
+as the planner sees it), `plan_placement` (the node of each rank, per pack
+strategy: fill, strict, span), `master_node` (the node of the DP master address).
+
+Invariants: a rank is one placement group on one node (its TP workers run where
+its actor runs); rank 0 runs on the DP master's node; a rank that cannot fit
+fails before any placement group is made, with what it needs, what is missing
+and what each node has.
 
 Not here: creating placement groups and actors (`dpserve.launch.ray_backend`).
 
-Resources per rank (one placement group, STRICT_PACK = one node: a rank's
-tensor-parallel workers are processes its engine actor starts, so they run
-where it runs):
-    CPU engines:  one bundle per TP worker, [{"CPU": threads per worker}] x
-                  tensor_parallel_size (threads_per_engine shared out, at least
-                  1 each); the actor takes the first, the others reserve its
-                  workers' cores on the same node.
-    CUDA engines: [{"GPU": tensor_parallel_size}, {"CPU": threads or 1}]; the
-                  actor takes the GPU bundle, so Ray sets CUDA_VISIBLE_DEVICES
-                  to the rank's devices and its workers (which inherit it) take
-                  one each; the CPU bundle reserves the host threads. (One GPU
-                  bundle for all of them: an actor's resources come from one
-                  bundle, and a worker process cannot claim a bundle of its own.)
-
-Pack strategies (nodes are ordered: the DP master's node first, then the
-others by IP and node id; rank 0 always runs on the master node, where the
-launcher and coordinator run, the coordinator hosting the lockstep group's
-store at the DP master address; a node's room is how many ranks its free
-resources hold):
-    fill    nodes in order, each filled to its room before the next one.
-    strict  every node used runs the same number of ranks, contiguous
-            (`ranks_per_node`, default: the master node's room; the last
-            node may run fewer); a node with less room than that is skipped.
-            Each node then runs a fixed rank range, as per-node front-ends need.
-    span    one rank per node, nodes in order: DP=N needs N nodes.
-Planning uses the nodes' free resources; when the ranks fit only counting
-resources in use now (another job's, or a view not yet updated), the plan
-counts everything and Ray gets `placement_timeout` seconds to place it. A
-rank that does not fit even then fails at once, before any placement group
-is made; a placement group not placed in time fails the start too. Both
-messages say what a rank needs, what is missing and what each node has.
+Design: docs/design/ray.md
 """
 
 from __future__ import annotations
@@ -85,7 +61,7 @@ class RayNode:
 
 
 def engine_bundles(config: EngineConfig) -> list[dict[str, float]]:
-    """The placement-group bundles of one DP rank (module docstring)."""
+    """The placement-group bundles of one DP rank (docs/design/ray.md: what one rank needs)."""
     tp = config.parallel.tensor_parallel_size
     threads = config.parallel.threads_per_engine
     if config.device == "cuda":
@@ -112,7 +88,7 @@ def room(free: dict[str, float], need: dict[str, float]) -> int:
 def plan_placement(nodes: Sequence[RayNode], master_id: str, need: dict[str, float],
                    num_ranks: int, strategy: str, *, ranks_per_node: int | None = None,
                    use_total: bool = False, first_rank: int = 0) -> list[RayNode]:
-    """The node of each rank first_rank..first_rank+num_ranks-1 (module docstring:
+    """The node of each rank first_rank..first_rank+num_ranks-1 (docs/design/ray.md:
     pack strategies; ranks added by scaling, first_rank > 0, may run on any node).
 
     Plans on the nodes' free resources (`use_total`: on all they have).

@@ -1,44 +1,26 @@
 """dpserve's own CPU kernels, in C (`gemv.c`, `decode_attention.c`, `fused_ops.c`,
-`int8_gemm.c`, `decode_layers.c`).
+`int8_gemm.c`, `decode_layers.c`): built, trusted, loaded, called.
 
-Why: where torch's kernels fall well short of what the machine can do.
-* `gemv`: a one-stream decode step reads every weight once, so its speed is
-  memory bandwidth. oneDNN's packed kernels read a weight at 14-23 GB/s at one
-  row on this machine (bench/roofline.py), where the memory gives about 32;
-  `gemv.c` streams the plain [out, in] matrix front to back at 29-32.
-  `layers.linear` runs it for steps of up to `kernel_rows(dtype)` rows when the
-  model kept the plain weights, oneDNN otherwise. From two rows it runs 4 x 4 tiles
-  of sums on float32 FMAs (bfloat16 weights converted once per four rows of x).
-* `decode_attention`: one query token per row attends straight from the paged
-  cache through the block table (`attention.py` otherwise gathers each row's
-  blocks into a padded copy and runs SDPA with a mask).
-* `add_rms_norm`, `rotary_kv` (every step): a layer's residual add + RMSNorm,
-  and RoPE + the KV cache write, each one pass instead of a chain of 4-7 small
-  torch ops (each a dispatch, a fresh tensor and a pass over memory).
-* `decode_layers`: a decode step of a few rows runs every decoder layer of a plain
-  Llama-family model in one call (the kernels above, in the order the layer's
-  Python calls them): the dozen Python calls per layer between them cost about 4 ms
-  of a 15.7 ms one-row bfloat16 step of the default model.
-* `int8_pack`, `int8_linear` (`--quantization int8` on CPUs with AVX512-VNNI): the
-  int8 weight packed for VNNI dot products, activations quantised per row (scale
-  and zero point) inside the call; fbgemm's dynamic linear (per tensor) otherwise.
+Scope: the Python side of the kernels torch falls short on: `gemv` (steps of up
+to `kernel_rows(dtype)` rows on plain weights, at memory speed),
+`decode_attention` (straight from the paged cache), `add_rms_norm` and
+`rotary_kv` (one pass each), `decode_layers` (a few-row decode step through every
+layer in one call), `int8_pack` / `int8_linear` (`--quantization int8` with
+AVX512-VNNI). The library is built at first use with the host's compiler
+(`cc -O3 -march=native -fopenmp`; `DPSERVE_KERNEL_MARCH`), cached by sources,
+flags and CPU (`DPSERVE_KERNEL_CACHE`, default ~/.cache/dpserve/kernels), and
+loaded with ctypes. `DPSERVE_CPU_KERNELS=0` turns them off.
 
-How they are built: at first use, with the host's C compiler (`cc -O3
--march=native -fopenmp`; DPSERVE_KERNEL_MARCH names another -march, e.g. a
-fleet's oldest CPU, or x86-64-v3 to run the AVX2 code on an AVX-512 machine),
-into one library in a cache directory keyed by the
-sources, the flags and the CPU (`DPSERVE_KERNEL_CACHE`, default
-~/.cache/dpserve/kernels), through a temporary file and a rename, so engines
-starting together never load a half-written library; loaded with ctypes (the
-library shares torch's libgomp). No compiler, or a failed build: one warning,
-and torch's kernels serve every step. `DPSERVE_CPU_KERNELS=0` turns them off.
+Invariants: no compiler, or a failed build, costs one warning and torch's
+kernels serve every step; a library is written to a temporary file and renamed,
+so engines starting together never load half of one; code is loaded only from a
+cache directory of this user's alone and a file of this user's that is no
+symlink and nobody else can write (`cache_safety`; else a private temporary
+directory for this process).
 
-Trust (`dpserve.checkpoint.cache_safety`): code is loaded only from a cache
-directory that is this user's alone (created 0700) and from a library file of this
-user's that is no symlink and that nobody else can write. A cached library that
-fails this is built again over it; a cache directory that fails it: one warning,
-and the library is built in a private temporary directory (removed once loaded)
-for this process.
+Not here: when a layer calls which kernel (`dpserve.model.layers`, `llama`).
+
+Design: docs/design/cpu-kernels.md
 """
 
 from __future__ import annotations

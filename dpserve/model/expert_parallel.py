@@ -1,59 +1,26 @@
 """Expert parallelism (EP) over every worker of a lockstep DP group: the DP
 ranks, and under tensor parallelism each rank's TP workers.
 
-Scope: which experts a worker holds, and the collectives of one MoE layer.
-With `enable_expert_parallel`, DP size D and TP size T (EP size N = D*T, as
-vLLM does), worker t of DP rank d is EP index r = d*T + t and holds experts
-[r*E//N, (r+1)*E//N), whole (no tensor-parallel split of their intermediate
-dimension); attention, the router, shared experts and the KV cache stay
-replicated over the DP ranks (and tensor parallel within a rank).
+Scope: which experts a worker holds (EP index r = d*T + t of N = D*T holds
+experts [r*E//N, (r+1)*E//N), whole; attention, router, shared experts and KV
+cache stay replicated), and the collectives of one MoE layer: worker 0 of each
+rank all-gathers the hidden states and routing over the DP group and broadcasts
+them to its TP peers, every worker computes its own experts for all of them,
+the rank sums over TP, worker 0 reduce-scatters over DP. `group_source` gives
+the current DP group (None before one is formed); without one nothing is
+gathered.
 
-Only worker 0 of each rank is a member of the DP group (the lockstep DP group
-that the engine process forms: gloo; tensors on CUDA are staged through host
-memory; `group_source` returns the current one, or None before one is formed).
-The TP workers of one rank hold the same hidden states and routing (the
-model's all-reduces give every worker the same result). Each forward first
-all-gathers every rank's token count over the DP group (once for all layers;
-worker 0 then broadcasts the counts, or "no group", to its TP peers as a
-small header); each MoE layer then
-
-1. worker 0 all-gathers the hidden states and the routing (top-k ids and
-   weights) of every rank, padded to the largest rank's token count, and
-   broadcasts the gathered tokens and routing to its TP peers;
-2. every worker computes its own experts' contributions for all of them;
-3. the rank's workers' contributions are all-reduced over the TP group
-   (float32), worker 0 reduce-scatters them over the DP group (a sum over
-   ranks) and so gets back the finished MoE output of its rank's own tokens;
-   the peers return zeros, and `FusedMoE`'s closing TP all-reduce (which
-   also sums the shared expert's slices) hands every worker those rows.
-
-After the last layer worker 0 broadcasts to its peers whether its DP
-exchange failed (below), so a forward with a DP group runs 1 + 3L DP
-collectives on worker 0 (L MoE layers) and 2 + 3L TP ones on every worker
-(header, tokens, routing, sums, flag), besides the model's own.
-
-Without a DP group (DP size 1, or the CUDA start-up profile run) nothing is
-gathered: each worker computes its experts for its own tokens and the TP sum
-finishes the layer (exact at DP size 1; at DP size > 1 only the profile run
-forwards then, and it needs only the shapes).
-
-Every worker must therefore run every forward with the others: the lockstep
-machinery (`dpserve.engine.dp`) steps all ranks together, a rank with
-nothing to do runs a dummy batch, whose forward goes through the same
-collectives, and every TP worker of a rank runs each of its rank's forwards.
-A failed DP collective (a peer rank died: at once; froze: after the group's
-timeout) raises `ExpertParallelError`; the engine then drops the step
-(`EngineCore.step`) and leaves the DP group. Under TP every worker of the rank
-raises it, at the forward's end (`end_forward`): till then worker 0 runs the
-forward's TP collectives on without the DP group (zeros for the other ranks'
-tokens, or, when the count all-gather failed, each worker's own experts, the
-header saying so), then tells its peers it failed, so the rank's workers all
-drop the same step at the same point and stay in step for the next one. A
-failed TP collective raises `TensorParallelError` (the rank goes down as a
-group).
+Invariants: every worker runs every forward with the others (lockstep steps
+all ranks together; an idle rank runs a dummy batch through the same
+collectives); a failed DP collective raises `ExpertParallelError` on every
+worker of the rank at the same point, the forward's end (`end_forward`), so
+they drop the same step and stay in step; a failed TP collective raises
+`TensorParallelError` (the rank goes down as a group).
 
 Not here: forming the groups (the engine process and the TP executor), and the
 elastic re-shard's reading of weights (`ModelRunner.reshard_experts`).
+
+Design: docs/design/expert-parallel.md
 """
 
 from __future__ import annotations

@@ -22,6 +22,8 @@ Scope, on one worker (every tensor-parallel worker does the same with its shard)
   out[rows] += (x[rows] @ A[slot]^T) @ B[slot]^T, one pair of matmuls per active
   adapter (grouped by slot, like `moe.fused_experts` groups rows by expert),
   torch only; nothing at all when no row of the step has an adapter.
+* `WorkerLoRA`: what the `ModelRunner` holds: the host copies (lora id -> this
+  worker's `Adapter`) and the slots, filled as each step's `LoRAPlan` says.
 
 Not here: which adapters are registered, resident or pinned (the engine's
 `dpserve.engine.lora_manager`); the adapter config's checks (`dpserve.checkpoint.lora_config`).
@@ -30,6 +32,7 @@ Not here: which adapters are registered, resident or pinned (the engine's
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -266,3 +269,62 @@ class LoRAHook:
                 out[rows] += (x[rows] @ a.T) @ b.T
             else:
                 out.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)
+
+
+class WorkerLoRA:
+    """One worker's adapters: host copies (lora id -> this worker's shard) and the
+    device slots a step's adapters run from (`slots`: set by `attach`)."""
+
+    def __init__(self, max_loras: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.dtype, self.device = dtype, device
+        self.adapters: dict[int, Adapter] = {}
+        self.slots: LoRASlots | None = None
+
+    def attach(self, model: Any) -> None:
+        """Empty slots, their hooks on `model`'s linears (a model read again gets new ones)."""
+        self.slots = LoRASlots(model, self.max_loras, self.max_rank, self.dtype, self.device)
+
+    def load(self, model: Any, lora_id: int, path: str) -> str | None:
+        """Read and check adapter `path`, keep this worker's shard on the host as
+        `lora_id`. Returns the error (one line) instead of raising: a peer worker that
+        raised would take the rank down."""
+        try:
+            self.adapters[lora_id] = load_adapter(path, lora_layout(model), self.max_rank,
+                                                  self.dtype)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def drop(self, lora_id: int) -> None:
+        """Forget adapter `lora_id`'s host copy. Its slot, if any, is left as is: the
+        engine points no row at a removed adapter, and a slot still in use keeps its
+        copy when only the host's is evicted."""
+        self.adapters.pop(lora_id, None)
+
+    def clear_slots(self) -> None:
+        """Empty every slot (wake-up: the engine forgot which adapter each held)."""
+        if self.slots is not None:
+            for t in (*self.slots.a.values(), *self.slots.b.values()):
+                t.zero_()
+
+    def apply_plan(self, model: Any, loads: Sequence[tuple[int, int, str]],
+                   host_drops: Sequence[int]) -> None:
+        """A step's `LoRAPlan`: put its adapters into their slots (from the host copy,
+        or read from their path again when it was evicted), then drop evicted host
+        copies."""
+        assert self.slots is not None
+        for slot, lora_id, path in loads:
+            adapter = self.adapters.get(lora_id)
+            if adapter is None:  # checked when it was added; the files must still be there
+                adapter = self.adapters[lora_id] = load_adapter(
+                    path, lora_layout(model), self.max_rank, self.dtype)
+            self.slots.load(slot, adapter)
+        for lora_id in host_drops:
+            self.adapters.pop(lora_id, None)
+
+    def begin_step(self, token_slots: np.ndarray | None) -> None:
+        """The step's slot per token ([T], -1: no adapter; None: no row has one)."""
+        assert self.slots is not None
+        self.slots.begin_step(token_slots)

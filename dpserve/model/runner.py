@@ -1,9 +1,10 @@
 """ModelRunner: turns a SchedulerOutput into one forward pass plus sampling.
 
-It owns the model, the paged KV cache (one tensor per layer, layout in
-`attention.py`, plus one scratch block for dummy runs), the sampler and the
-per-request generators of seeded requests (created on first sight, dropped
-when the scheduler reports the request finished).
+It owns the model, the paged KV cache (`KVCacheMemory` in `kv_memory.py`: one
+tensor per layer, plus one scratch block for dummy runs), the sampler, the
+worker's LoRA adapters (`WorkerLoRA` in `lora.py`) and the per-request
+generators of seeded requests (created on first sight, dropped when the
+scheduler reports the request finished).
 
 One step:
 1. build inputs on the host with numpy (token ids, positions, slot mapping,
@@ -35,14 +36,15 @@ from dpserve.model import cpu_kernels
 from dpserve.model.attention import AttentionMetadata, build_attention_metadata, token_positions
 from dpserve.model.expert_parallel import ExpertParallel
 from dpserve.model.kv_copy import KVTierCopier
-from dpserve.model.lora import Adapter, LoRASlots, load_adapter, lora_layout
+from dpserve.model.kv_memory import KVCacheMemory
+from dpserve.model.lora import WorkerLoRA
 from dpserve.model.pooler import pool_step
 from dpserve.model.prompt_logprobs import compute_prompt_logprobs
 from dpserve.model.sampler import Sampler, SamplingMetadata, make_generator
 from dpserve.model.spec_verify import split_rows, verify
 from dpserve.model.tensor_parallel import TensorParallel
 from dpserve.profiling import Profiler
-from dpserve.step import LoRAPlan, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from dpserve.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +91,9 @@ class ModelRunner:
                                 and (size > 1 or elastic) else None)
         # LoRA (--enable-lora): adapters on the host (lora id -> this worker's shard),
         # and the device slots the step's adapters run from (model.lora).
-        self.lora_adapters: dict[int, Adapter] = {}
-        self.lora_slots: LoRASlots | None = None
+        lora = config.lora
+        self.lora = (WorkerLoRA(lora.max_loras, lora.max_lora_rank, self.dtype, self.device)
+                     if lora is not None else None)
         self.model = self._load_model()
         self.sleep_level = 0  # 1: KV cache freed; 2: weights too (see set_sleep_level)
         self.vocab_size = self.model.dims.vocab
@@ -98,8 +101,9 @@ class ModelRunner:
         self.kv_elems_per_token = self.kv_heads * self.model.dims.head_dim
         self.sampler = Sampler(config.model.seed, self.device)
         self.generators: dict[str, torch.Generator] = {}  # request id -> its seeded generator
-        self.kv_caches: list[torch.Tensor] = []
-        self.num_blocks = 0  # usable blocks; block `num_blocks` is the scratch block
+        dims = self.model.dims
+        self.kv = KVCacheMemory(config.cache, config.scheduler, dims.layers, self.kv_heads,
+                                dims.head_dim, self.dtype, self.device)
         # The host tier's loads and saves of this worker's shard (a step's kv_transfer).
         self.kv_copier = KVTierCopier(
             self.tp.rank, (self.model.dims.layers, 2, self.block_size, self.kv_heads,
@@ -140,10 +144,8 @@ class ModelRunner:
     def _load_model(self) -> Any:
         """Build the model and read its weights from the checkpoint."""
         model = self._read_model(self.device)
-        lora = self.config.lora
-        if lora is not None:  # empty slots, their hooks on the layers' linears
-            self.lora_slots = LoRASlots(model, lora.max_loras, lora.max_lora_rank,
-                                        self.dtype, self.device)
+        if self.lora is not None:  # empty slots, their hooks on the layers' linears
+            self.lora.attach(model)
         # This worker's share of the checkpoint, as loaded (before any packing).
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         logger.info("model %s loaded: %s on %s%s", self.config.model.architecture,
@@ -214,8 +216,8 @@ class ModelRunner:
         too: on CUDA moved to host memory, on CPU dropped and read again from the
         checkpoint on wake (pre-packed CPU weights cannot be copied out). Going
         back to a lower level restores what it needs (the KV cache zeroed)."""
-        if level >= 1 and self.kv_caches:
-            self.kv_caches = []
+        if level >= 1 and self.kv.caches:
+            self.kv.free()
         if level >= 2 and self.sleep_level < 2:
             if self.device.type == "cuda":
                 self.model.to("cpu")
@@ -228,81 +230,32 @@ class ModelRunner:
                 self.model = self._load_model()
         self.sleep_level = level
         _release_memory(self.device)
-        if level == 0 and not self.kv_caches:
-            self.initialize_kv_cache(self.num_blocks)
+        if level == 0 and not self.kv.caches:
+            self.kv.allocate(self.kv.num_blocks)
 
     # ---- KV cache --------------------------------------------------------
 
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        """[layers] this worker's KV cache tensors (`KVCacheMemory`)."""
+        return self.kv.caches
+
+    @property
+    def num_blocks(self) -> int:
+        """Usable KV blocks; block `num_blocks` is the scratch block."""
+        return self.kv.num_blocks
+
     def block_bytes(self) -> int:
         """Bytes of one KV block over all layers."""
-        d = self.model.dims
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        return d.layers * 2 * self.block_size * self.kv_heads * d.head_dim * elem
+        return self.kv.block_bytes()
 
     def determine_num_blocks(self) -> int:
-        """KV blocks the budget holds, capped at what max_num_seqs full requests need.
-
-        Raises ValueError when the budget cannot hold one max_model_len request.
-        """
-        cache, sched = self.config.cache, self.config.scheduler
-        if cache.num_kv_blocks is not None:
-            return cache.num_kv_blocks
-        if self.device.type == "cuda":
-            budget, option = self._cuda_kv_budget(), "gpu_memory_utilization"
-        else:
-            budget, option = cache.kv_cache_memory or (2 << 30), "kv_cache_memory"
-        per_seq = -(-sched.max_model_len // self.block_size)
-        num_blocks = max(budget, 0) // self.block_bytes()
-        if num_blocks < per_seq:
-            raise ValueError(
-                f"the KV cache budget ({budget / 2**20:.1f} MiB, set by {option}) holds "
-                f"{num_blocks} blocks of {self.block_size} tokens, but one request of "
-                f"max_model_len={sched.max_model_len} needs {per_seq}; raise {option} "
-                f"or lower max_model_len")
-        return min(num_blocks, sched.max_num_seqs * per_seq)
-
-    def _cuda_kv_budget(self) -> int:
-        """Bytes left for the KV cache after weights, a max-size forward and other users."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._profile_run()
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)  # weights + activations
-        free, total = torch.cuda.mem_get_info(self.device)
-        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
-        return int(total * self.config.cache.gpu_memory_utilization) - peak - non_torch
-
-    @torch.inference_mode()
-    def _profile_run(self) -> None:
-        """A forward of max_num_batched_tokens tokens + logits of max_num_seqs rows."""
-        sched = self.config.scheduler
-        d = self.model.dims
-        tokens, seq_len = sched.max_num_batched_tokens, sched.max_model_len
-        lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
-        query_lens = np.array(lens, dtype=np.int64)
-        caches = [torch.zeros(2, 1, self.block_size, self.kv_heads, d.head_dim, dtype=self.dtype,
-                              device=self.device) for _ in range(d.layers)]
-        table = np.zeros((len(lens), -(-seq_len // self.block_size)), dtype=np.int64)
-        meta = build_attention_metadata(query_lens, np.zeros_like(query_lens), table, 0,
-                                        self.block_size, self.dtype, self.device)
-        meta.slot_mapping.remainder_(self.block_size)  # everything in the one block
-        positions = torch.from_numpy(token_positions(query_lens, np.zeros_like(query_lens)))
-        hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device),
-                            positions.to(self.device), meta, caches)
-        rows = torch.arange(min(tokens, sched.max_num_seqs), device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
-        logits.softmax(dim=-1)
+        """KV blocks the budget holds (`KVCacheMemory.determine_num_blocks`)."""
+        return self.kv.determine_num_blocks(self.model)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate `num_blocks` zeroed blocks per layer, plus one scratch block."""
-        d = self.model.dims
-        self.num_blocks = num_blocks
-        self.kv_caches = [
-            torch.zeros(2, num_blocks + 1, self.block_size, self.kv_heads, d.head_dim,
-                        dtype=self.dtype, device=self.device)
-            for _ in range(d.layers)]
-        logger.info("KV cache: %d blocks x %d tokens, %.1f MiB", num_blocks, self.block_size,
-                    (num_blocks + 1) * self.block_bytes() / 2**20)
+        self.kv.allocate(num_blocks)
 
     # ---- steps -----------------------------------------------------------
 
@@ -312,8 +265,10 @@ class ModelRunner:
         self.forget_requests(scheduler_output.finished_req_ids)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        if scheduler_output.lora is not None:
-            self._apply_lora_plan(scheduler_output.lora)
+        if scheduler_output.lora is not None:  # the step's adapters into their slots
+            assert self.lora is not None
+            plan = scheduler_output.lora
+            self.lora.apply_plan(self.model, plan.loads, plan.host_drops)
         inputs = self.prepare_inputs(scheduler_output)
         kv = scheduler_output.kv_transfer
         if kv is not None and kv.loads:  # before any attention reads the blocks
@@ -397,10 +352,9 @@ class ModelRunner:
         meta = build_attention_metadata(query_lens, context_lens, table, so.num_decodes, bs,
                                         self.dtype, self.device, self.kv_elems_per_token)
         positions = token_positions(query_lens, context_lens)
-        if self.lora_slots is not None:  # each token's adapter slot (-1: none)
+        if self.lora is not None:  # each token's adapter slot (-1: none)
             slots = np.fromiter((s.lora_slot for s in sched), np.int64, num_reqs)
-            self.lora_slots.begin_step(np.repeat(slots, query_lens) if (slots >= 0).any()
-                                       else None)
+            self.lora.begin_step(np.repeat(slots, query_lens) if (slots >= 0).any() else None)
         return StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64).to(self.device),
             positions=torch.from_numpy(positions).to(self.device), attn_meta=meta,
@@ -415,48 +369,26 @@ class ModelRunner:
                                         np.full((1, 1), self.num_blocks, dtype=np.int64), 1,
                                         self.block_size, self.dtype, self.device)
         zero = torch.zeros(1, dtype=torch.int64, device=self.device)
-        if self.lora_slots is not None:
-            self.lora_slots.begin_step(None)
+        if self.lora is not None:
+            self.lora.begin_step(None)
         self.model(zero, zero, meta, self.kv_caches)
 
     # ---- LoRA adapters (EngineCore drives them: engine.lora_manager) -------
 
     def load_lora(self, lora_id: int, path: str) -> str | None:
-        """Read and check adapter `path`, keep this worker's shard on the host as
-        `lora_id`. Returns the error (one line) instead of raising: a peer worker that
-        raised would take the rank down."""
-        assert self.lora_slots is not None and self.config.lora is not None
-        try:
-            self.lora_adapters[lora_id] = load_adapter(
-                path, lora_layout(self.model), self.config.lora.max_lora_rank, self.dtype)
-        except ValueError as e:
-            return str(e)
-        return None
+        """Keep adapter `path` on the host as `lora_id` (`WorkerLoRA.load`); the error."""
+        assert self.lora is not None
+        return self.lora.load(self.model, lora_id, path)
 
     def drop_lora(self, lora_id: int) -> None:
-        """Forget adapter `lora_id`'s host copy. Its slot, if any, is left as is: the
-        engine points no row at a removed adapter, and a slot still in use keeps its
-        copy when only the host's is evicted."""
-        self.lora_adapters.pop(lora_id, None)
+        """Forget adapter `lora_id`'s host copy (`WorkerLoRA.drop`)."""
+        if self.lora is not None:
+            self.lora.drop(lora_id)
 
     def clear_lora_slots(self) -> None:
         """Empty every slot (wake-up: the engine forgot which adapter each held)."""
-        if self.lora_slots is not None:
-            for t in (*self.lora_slots.a.values(), *self.lora_slots.b.values()):
-                t.zero_()
-
-    def _apply_lora_plan(self, plan: LoRAPlan) -> None:
-        """Put the step's adapters into their slots (from the host copy, or read from
-        their path again when it was evicted), then drop evicted host copies."""
-        assert self.lora_slots is not None and self.config.lora is not None
-        for slot, lora_id, path in plan.loads:
-            adapter = self.lora_adapters.get(lora_id)
-            if adapter is None:  # checked when it was added; the files must still be there
-                adapter = self.lora_adapters[lora_id] = load_adapter(
-                    path, lora_layout(self.model), self.config.lora.max_lora_rank, self.dtype)
-            self.lora_slots.load(slot, adapter)
-        for lora_id in plan.host_drops:
-            self.lora_adapters.pop(lora_id, None)
+        if self.lora is not None:
+            self.lora.clear_slots()
 
 
 def _max_logits_rows(sched: SchedulerConfig) -> int:

@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 
 from dpserve.config import EngineConfig
-from dpserve.engine.core import UTILITY_METHODS, EngineCore
+from dpserve.engine.core import EngineCore
 from dpserve.frontend.errors import EngineDeadError, EngineUnavailableError
 from dpserve.frontend.migration import HandoffCounts, MovedCounts
 from dpserve.frontend.rank_table import RankView
@@ -91,15 +91,15 @@ class InprocEngineClient:
 
     async def call_utility(self, method: str, *args: Any, engine: int | None = None,
                            timeout: float = 30.0, result_type: Any = None) -> Any:
-        """Run `EngineCore.<method>(*args)` between two steps (a method of
-        `UTILITY_METHODS`, as in an engine process); returns its result.
+        """Run utility `method` of the core's table (`EngineCore.call_utility`) between
+        two steps, as in an engine process; returns its result.
         `engine`: None or 0 (the one engine); TimeoutError after `timeout` s."""
         loop = self._ready()
         if engine not in (None, 0):
             raise ValueError(f"no engine of rank {engine} (engines: [0])")
         if method in _PROCESS_UTILITIES:
             return _PROCESS_UTILITIES[method]()
-        if method not in UTILITY_METHODS:
+        if method not in self.core.utilities:
             raise ValueError(f"the engine has no utility method {method!r}")
         call_id = next(self._call_ids)
         future = loop.create_future()
@@ -289,7 +289,7 @@ class InprocEngineClient:
 
     def _call(self, call_id: int, method: str, args: tuple[Any, ...]) -> None:
         try:
-            result, error = getattr(self.core, method)(*args), None
+            result, error = self.core.call_utility(method, *args), None
         except Exception as e:  # noqa: BLE001 - reported to the caller
             result, error = None, e
         self._to_loop(self._resolve, call_id, result, error)

@@ -2,10 +2,12 @@
 
     handle.py     `DPCoordinator`: the launcher's handle (spawn, restart, stop)
     proc.py       `DPCoordinatorProc`: the process's sockets and loop, `run_coordinator`
-    tables.py     `LoadTable`, `HealthTable`: each rank's counts and health
+    tables.py     `LoadTable`, `HealthTable`, `ControlBook`: each rank's counts, health,
+                  pause / sleep
+    waves.py      `Waves`: the request wave, running or paused
     dp_group.py   `DPGroup`: lockstep DP group generations
     autoscale.py  `ScaleBook`, `Autoscaler`: run-time changes of the engine count
-    loras.py      `apply_lora_change`: the LoRA registry's changes
+    loras.py      `LoRARegistry`: the DP-wide LoRA adapter registry
     prefix_relay.py  `PrefixRelay`: API servers' prefix facts, relayed to the others
 """
 

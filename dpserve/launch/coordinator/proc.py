@@ -1,69 +1,34 @@
 """The DP coordinator process: its sockets and its loop (`DPCoordinatorProc`).
 
-Scope:
-* Load: keeps each engine's `[waiting, running]` counts (from `EngineReport`)
-  and publishes them to every front-end as `CoordinatorUpdate`: at most once
-  per `stats_interval_s` while they change, every `idle_publish_s` otherwise.
-* Waves: keeps the global request wave and running/paused state. Rank 0 says
-  `wave_complete=w` (all ranks paused) -> wave w+1, paused. A front-end that
-  sent a request while paused (`WakeEngines`), or an engine that got a request
-  of a finished wave (`start_wave`), makes the coordinator broadcast
-  START_DP_WAVE to the engines. Wave news is published to front-ends at once.
-* Scale: a front-end's `ScaleRequest` (or the autoscaler, `--data-parallel-
-  autoscale`) becomes a `ScaleStatus` that the launcher (`dpserve.launch.scaler`)
-  carries out; `ScaleEngines` from it resizes the tables (new ranks STARTING),
-  its `ScaleResult` ends the change (`dpserve.launch.coordinator.autoscale.ScaleBook`).
-* Pause / sleep (`ControlChange` from a front-end): keeps the `ControlState`
-  (rules in `dpserve.control`), broadcasts it to every engine as CONTROL (and
-  to an engine that subscribes late, after READY), records the seq each
-  engine reports reached (`control_done`), publishes both to the front-ends.
-* Operators (`RankControl` from an API server): cordon / uncordon a rank
-  (published in `EngineInfo.cordoned`: front-ends send it nothing new), or
-  restart it (published once as `CoordinatorUpdate.restart`; the launcher that
-  runs the rank restarts it). Per-rank figures for /engines (`RankInfoTable`:
-  KV usage, tokens/s, pid, host from heartbeats) are published with the
-  counts, at most every `INFO_PUBLISH_S` when only they changed.
-  The load and health tables are in `dpserve.launch.coordinator.tables`.
-* LoRA adapters (`loras` given: --enable-lora): the DP-wide registry, name ->
-  path, starting with --lora-modules. An API server that loaded an adapter on
-  every live rank (`dpserve.frontend.lora`) sends `LoRAChange` add; one that
-  unloads, `LoRAChange` remove. The registry goes out in every publish, and with
-  READY to each engine (the second frame), so a restarted, added or Ray rank
-  loads what it lacks before it serves. A restarted coordinator publishes no
-  registry until an engine's heartbeat lists its adapters (paths included).
-  A change's rules: `dpserve.launch.coordinator.loras`.
-* Prefix facts (`PrefixFacts` from API servers: several, cache-aware): relayed at
-  once to every front-end, or dropped over the caps
-  (`dpserve.launch.coordinator.prefix_relay.PrefixRelay`).
-* Tenants (`tenant_address` given: --tenant-limits): hosts the one tenant
-  ledger every API server asks before it sends a request
-  (`dpserve.launch.coordinator.tenants.TenantDesk`: admit / started / finished).
-* Lockstep DP group (`dp_store` given): hosts the engines' rendezvous store
-  (`dpserve.engine.dp_store.DPStoreServer`: ZMQ, CURVE with the secret; here, so
-  that any rank may die) and decides each group generation (`DPGroup`): the
-  serving ranks that have sent a heartbeat (so are loaded and stepping), sent
-  as REGROUP_DP `SETTLE_GROUP_S` after that set changes (start-up, a rank
-  dead, isolated, back), and `REFORM_DELAY_S` after an engine reports a
-  failed collective of the current generation
-  (`dpserve.launch.coordinator.dp_group`).
+Scope: the loop that reads the front-ends, the engines' reports and late
+subscriptions, and the tenant desk, and publishes `CoordinatorUpdate`s: the
+load counts (at most every `stats_interval_s` while they change, every
+`idle_publish_s` otherwise), rank health, pause / sleep, scale news, per-rank
+figures, the LoRA registry. Its state is in IO-free parts: `LoadTable`,
+`HealthTable`, `ControlBook` (tables.py), `Waves` (waves.py), `DPGroup`
+(dp_group.py), `ScaleBook` (autoscale.py), `LoRARegistry` (loras.py),
+`PrefixRelay` (prefix_relay.py), `TenantDesk` (tenants.py). In lockstep mode it
+hosts the engines' DP group store, so that any rank may die.
 
-Not here: the launcher's handle on the process (`dpserve.launch.coordinator.handle`),
-load-balancing decisions (front-ends), the all-reduce that decides when a wave
-ends (engines), starting engines (`dpserve.launch.engines`).
+Invariants: waves only move forward, and only the DP group's leader reports a
+wave complete (`Waves`); an engine's counts only move forward in (wave, step)
+(`LoadTable`); a restarted or added engine gets READY (with the LoRA registry)
+and the current control state.
 
-Sockets (all bound here; the wire format is in `dpserve.protocol`):
-    front_publish_address   XPUB  -> CoordinatorUpdate to front-ends (XSUB),
-                                  <- WakeEngines / ScaleEngines from them
-    engine_report_address   PULL  <- EngineReport from engines (PUSH)
-    engine_publish_address  XPUB  -> COORDINATOR_READY, then START_DP_WAVE and
-                                  REGROUP_DP (SUB)
-    dp_store (lockstep)     ROUTER at tcp://host:port <- StoreRequest (gloo's rendezvous)
-    tenant_address          ROUTER <-> TenantAdmit / TenantVerdict, ... (API servers'
-                                  DEALERs; `dpserve.tenancy.messages`)
+Sockets (all bound here; the wire format is in `dpserve.protocol`): front
+publish XPUB (updates out; WakeEngines, scale and control messages in), engine
+report PULL, engine publish XPUB (READY, START_DP_WAVE, REGROUP_DP, CONTROL),
+the DP store ROUTER (lockstep), the tenant ROUTER (--tenant-limits).
 
-The process exits on SIGTERM (it ignores Ctrl-C's SIGINT: the parent stops
-it), when its parent dies (polled every second), or with exit code 1 when not
-every engine subscribes in time.
+The process exits on SIGTERM (it ignores Ctrl-C's SIGINT: the parent stops it),
+when its parent dies, or with exit code 1 when not every engine subscribes in
+time.
+
+Not here: the launcher's handle on the process (`handle.py`), load-balancing
+decisions (front-ends), the all-reduce that ends a wave (engines), starting
+engines (`dpserve.launch.engines`).
+
+Design: docs/design/coordinator.md
 """
 
 from __future__ import annotations
@@ -79,19 +44,17 @@ import msgspec
 import zmq
 
 from dpserve.config import AutoscaleConfig
-from dpserve.control import next_state
 from dpserve.launch.coordinator.autoscale import ScaleBook
 from dpserve.launch.coordinator.dp_group import DPGroup
-from dpserve.launch.coordinator.loras import apply_lora_change
+from dpserve.launch.coordinator.loras import LoRARegistry
 from dpserve.launch.coordinator.prefix_relay import PrefixRelay
-from dpserve.launch.coordinator.tables import HealthTable, LoadTable
+from dpserve.launch.coordinator.tables import ControlBook, HealthTable, LoadTable
 from dpserve.launch.coordinator.tenants import TenantDesk
+from dpserve.launch.coordinator.waves import Waves
 from dpserve.logging_utils import name_process
 from dpserve.parent_watch import start_parent_watcher
 from dpserve.protocol import (
-    COORDINATOR_READY,
     ControlChange,
-    ControlState,
     CoordinatorRequest,
     CoordinatorUpdate,
     EngineReport,
@@ -104,7 +67,6 @@ from dpserve.protocol import (
     ScaleRequest,
     ScaleResult,
     StartDPWave,
-    WakeEngines,
 )
 from dpserve.rank_info import INFO_PUBLISH_S, RankInfoTable
 from dpserve.security import secure
@@ -132,21 +94,15 @@ class DPCoordinatorProc:
                  autoscale: AutoscaleConfig | None = None,
                  loras: dict[str, str] | None = None, tenant_address: str | None = None,
                  tenant_limits: TenantLimits | None = None) -> None:
-        self.loras = dict(loras) if loras is not None else None  # LoRA registry (None: off)
-        # Published once confirmed: by a change, or by the first engine heartbeat (its
-        # adapters: a restarted coordinator learns what was loaded at run time).
-        self._loras_heard = False
+        self.loras = LoRARegistry(loras)  # the DP-wide adapter registry (LoRA on)
         self.loads = LoadTable(num_engines)
         self.scaling = ScaleBook(size_max, autoscale)  # run-time changes of the engine count
         self.health = HealthTable(num_engines, heartbeat_timeout_s, stall_timeout_s)
         self.info = RankInfoTable(num_engines)  # what /engines shows besides counts
         self.group = DPGroup() if dp_store is not None else None  # lockstep only
         self._store = _host_store(*dp_store, secret) if dp_store is not None else None
-        self.wave = 0  # the current request wave
-        self.running = False  # engines are in a running wave (else paused)
-        self.control = ControlState()  # pause / sleep state of every rank
-        self.control_done = [0] * num_engines  # the control seq each engine reached
-        self._published_wave = 0
+        self.waves = Waves()  # the request wave, running or paused
+        self.control = ControlBook(num_engines)  # pause / sleep of every rank
         self.stats_interval_s = stats_interval_s
         self.idle_publish_s = idle_publish_s
         self.startup_timeout_s = startup_timeout_s
@@ -262,7 +218,7 @@ class DPCoordinatorProc:
         if frame[:1] == bytes([_SUBSCRIBE]):
             logger.info("an engine subscribed after start-up; sending READY")
             self._send_ready()
-            if self.control.seq:  # it starts paused / asleep like the others
+            if self.control.state.seq:  # it starts paused / asleep like the others
                 self._send_control()
         elif frame[:1] != b"\x00":
             logger.error("engine socket: dropping a frame that is no subscription: %r",
@@ -288,7 +244,8 @@ class DPCoordinatorProc:
             if body[:1] == bytes([_SUBSCRIBE]):
                 self._publish_counts()  # a new front-end gets the state at once
             return
-        if self.prefixes.on_frame(body, len(self.loads), self.wave, self.running):
+        waves = self.waves
+        if self.prefixes.on_frame(body, len(self.loads), waves.wave, waves.running):
             return  # an API server's prefix facts, relayed (or dropped)
         try:
             request = self._request_decoder.decode(body)
@@ -301,21 +258,22 @@ class DPCoordinatorProc:
             answer = self.scaling.on_request(request, len(self.loads), time.monotonic())
             if answer is not None:  # to the asker only in effect: others ignore its id
                 self.front.send(msgspec.msgpack.encode(CoordinatorUpdate(
-                    None, self.wave, self.running, scale=answer)))
+                    None, waves.wave, waves.running, scale=answer)))
             else:
                 self._publish_counts()
         elif isinstance(request, RankEvent):
             self._on_rank_event(request)
-        elif isinstance(request, ControlChange):
-            self._on_control(request)
+        elif isinstance(request, ControlChange):  # pause / sleep ... on every engine
+            if self.control.change(request):
+                self._send_control()
+                self._publish_counts()
         elif isinstance(request, RankControl):
             self._on_rank_control(request)
         elif isinstance(request, LoRAChange):  # the registry changes, published at once
-            if apply_lora_change(self.loras, request):
-                self._loras_heard = True
+            if self.loras.apply(request):
                 self._publish_counts()
-        else:
-            self._on_wake(request)
+        else:  # WakeEngines: a request sent while the engines seemed paused
+            self._start_wave(self.waves.on_wake(request))
 
     def _on_rank_event(self, event: RankEvent) -> None:
         if not 0 <= event.rank < len(self.loads):
@@ -347,47 +305,13 @@ class DPCoordinatorProc:
         else:
             logger.warning("unknown rank control %r dropped", control.action)
 
-    def _seed_loras(self, report: EngineReport) -> None:
-        """The first heartbeat with adapters completes the registry (a restarted
-        coordinator starts with --lora-modules only), which is then published."""
-        if self._loras_heard or self.loras is None or report.lora is None:
-            return
-        self.loras.update(report.lora.adapters)
-        self._loras_heard = True
-        self._publish_counts()
-
-    def _on_wake(self, request: WakeEngines) -> None:
-        """A front-end sent a request while it thought the engines were paused."""
-        if self.running:
-            return  # someone already started the wave
-        exclude = request.engine_index
-        if request.wave < self.wave:
-            exclude = None  # a stale-wave request: every engine must hear the start
-        self.running = True
-        self._send_start_wave(self.wave, exclude)
-        self._publish_wave_state()
-
-    def _on_control(self, change: ControlChange) -> None:
-        """Pause / resume / sleep / wake_up / reset_prefix_cache on every engine."""
-        try:
-            self.control = next_state(self.control, change)
-        except ValueError as e:
-            logger.error("ignoring a control change: %s", e)
-            return
-        logger.info("control state %d: %s %s", self.control.seq, change.op, change.arg)
-        self._send_control()
-        self._publish_counts()
-
     def _send_ready(self) -> None:
         """READY; with LoRA on, the adapter registry as a second frame."""
-        if self.loras is None:
-            self.engines.send(COORDINATOR_READY)
-        else:
-            self.engines.send_multipart([COORDINATOR_READY, msgspec.msgpack.encode(self.loras)])
+        self.engines.send_multipart(self.loras.ready_frames())
 
     def _send_control(self) -> None:
         self.engines.send_multipart([RequestType.CONTROL.value,
-                                     msgspec.msgpack.encode(self.control)])
+                                     msgspec.msgpack.encode(self.control.state)])
 
     def _on_scale(self, num_engines: int) -> None:
         old = len(self.loads)
@@ -396,12 +320,10 @@ class DPCoordinatorProc:
             return
         self.loads.resize(num_engines)
         self.health.resize(num_engines)
-        self.control_done = (self.control_done + [0] * num_engines)[:num_engines]
+        self.control.resize(num_engines)
         self.info.resize(num_engines)
         if num_engines > old:
-            # New engines start in wave 0 and paused; say "paused" so the next
-            # request wakes everyone rather than leaving old engines behind.
-            self.running = False
+            self.waves.scaled_up()  # paused: the next request wakes every engine
         logger.info("scaled from %d to %d engines", old, num_engines)
         self._publish_counts()
 
@@ -424,7 +346,8 @@ class DPCoordinatorProc:
             return
         if report.heartbeat:
             self.info.on_heartbeat(report, time.monotonic())
-            self._seed_loras(report)
+            if self.loras.seed(report):  # a restarted coordinator's registry, complete
+                self._publish_counts()
             if self.health.on_heartbeat(report, time.monotonic()):
                 logger.info("rank %d serving (incarnation %d)", index, report.incarnation)
                 self._publish_counts()
@@ -434,48 +357,29 @@ class DPCoordinatorProc:
                                 report.waiting_tokens):
                 self.info.on_wave(index, report.wave)
         if report.control_done is not None:
-            self.control_done[index] = report.control_done
+            self.control.done[index] = report.control_done
             self._publish_counts()  # a front-end may wait for it
         if report.group_failed is not None and self.group is not None:
             logger.warning("engine %d: DP group generation %d failed there", index,
                            report.group_failed)
             self.group.on_failed(report.group_failed, time.monotonic())
         if report.wave_complete is not None:
-            self._on_wave_complete(index, report.wave_complete)
+            leader = self.group.leader if self.group is not None else 0
+            if self.waves.on_wave_complete(index, report.wave_complete, leader):
+                self._publish_wave_state()
         elif report.start_wave is not None:
-            self._on_start_wave(index, report.start_wave)
-
-    def _on_wave_complete(self, index: int, wave: int) -> None:
-        # Invariant: the group's leader alone reports wave completion (it speaks
-        # for all members after their all-reduce); a report from another rank is
-        # ignored. The leader is the lowest member (rank 0 unless it is out).
-        leader = self.group.leader if self.group is not None else 0
-        if index != leader:
-            logger.error("engine %d reported wave_complete=%d; only rank %d may", index,
-                         wave, leader)
-            return
-        # Invariant: waves only move forward; late news of an older wave is dropped.
-        if wave < self.wave:
-            return
-        self.wave, self.running = wave + 1, False
-        self._publish_wave_state()
-
-    def _on_start_wave(self, index: int, wave: int) -> None:
-        """Engine `index` got a request of a finished wave while paused: start `wave`."""
-        # Invariant: waves only move forward; a start of an older wave, or of
-        # the current one while it already runs, is dropped.
-        if wave < self.wave or (wave == self.wave and self.running):
-            return
-        self.wave, self.running = wave, True
-        self._send_start_wave(wave, exclude=index)
-        self._publish_wave_state()
+            self._start_wave(self.waves.on_start_wave(index, report.start_wave))
 
     # ---- sending ----------------------------------------------------------------
 
-    def _send_start_wave(self, wave: int, exclude: int | None) -> None:
-        body = msgspec.msgpack.encode(StartDPWave(wave, exclude))
+    def _start_wave(self, start: StartDPWave | None) -> None:
+        """START_DP_WAVE to the engines (but the one excluded), then the news."""
+        if start is None:
+            return
+        body = msgspec.msgpack.encode(start)
         self.engines.send_multipart([RequestType.START_DP_WAVE.value, body])
-        logger.debug("START_DP_WAVE wave=%d exclude=%s", wave, exclude)
+        logger.debug("START_DP_WAVE wave=%d exclude=%s", start.wave, start.exclude_engine_index)
+        self._publish_wave_state()
 
     def _regroup(self) -> None:
         """Lockstep: broadcast REGROUP_DP when `DPGroup` says a generation is due."""
@@ -489,23 +393,22 @@ class DPCoordinatorProc:
                                      msgspec.msgpack.encode(message)])
 
     def _publish_wave_state(self) -> None:
-        assert self.wave >= self._published_wave, "waves only move forward"
-        self._published_wave = self.wave
-        self.front.send(msgspec.msgpack.encode(CoordinatorUpdate(None, self.wave, self.running)))
+        self.waves.publish()
+        update = CoordinatorUpdate(None, self.waves.wave, self.waves.running)
+        self.front.send(msgspec.msgpack.encode(update))
 
     def _publish_counts(self, restart: RestartRank | None = None) -> None:
         counts = self.loads.take()
-        update = CoordinatorUpdate(counts if self.publish_counts else None, self.wave,
-                                   self.running, list(self.health.status),
-                                   # (no news while nothing was ever changed or waits)
-                                   self.control if self.control.seq else None,
-                                   list(self.control_done) if self.control.seq else None,
+        control, control_done = self.control.published()
+        update = CoordinatorUpdate(counts if self.publish_counts else None, self.waves.wave,
+                                   self.waves.running, list(self.health.status),
+                                   control, control_done,
                                    list(self.loads.tokens) if self.publish_counts
                                    and any(self.loads.tokens) else None,
                                    engines=self.info.take(), restart=restart,
                                    scale=self.scaling.status,
                                    autoscale_decisions=self.scaling.decisions(),
-                                   loras=self.loras if self._loras_heard else None)
+                                   loras=self.loras.published())
         self.front.send(msgspec.msgpack.encode(update))
         self._last_publish = time.monotonic()
 

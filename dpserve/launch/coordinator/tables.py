@@ -1,9 +1,11 @@
-"""The coordinator's rank tables: each engine's load counts and each rank's health.
+"""The coordinator's rank tables: load counts, health, pause / sleep of each rank.
 
 Scope (inside the coordinator process, no sockets here): `LoadTable` (each
-engine's `[waiting, running]` counts, ordered by (wave, step)) and
-`HealthTable` (each rank's `RankStatus`, from heartbeats and the launchers'
-`RankEvent`s). The per-rank figures for /engines are `dpserve.rank_info.RankInfoTable`.
+engine's `[waiting, running]` counts, ordered by (wave, step)), `HealthTable`
+(each rank's `RankStatus`, from heartbeats and the launchers' `RankEvent`s) and
+`ControlBook` (the pause / sleep `ControlState` of every rank, rules in
+`dpserve.control`, and the seq each engine reports it reached). The per-rank
+figures for /engines are `dpserve.rank_info.RankInfoTable`.
 
 Not here: the sockets and the loop that feed them (`dpserve.launch.coordinator.proc`).
 """
@@ -13,7 +15,8 @@ from __future__ import annotations
 import logging
 import time
 
-from dpserve.protocol import EngineReport, RankState, RankStatus
+from dpserve.control import next_state
+from dpserve.protocol import ControlChange, ControlState, EngineReport, RankState, RankStatus
 
 logger = logging.getLogger("dpserve.launch.coordinator")
 
@@ -154,3 +157,32 @@ class HealthTable:
             logger.warning("rank %d unhealthy: %s", rank, reason)
             changed.append(rank)
         return changed
+
+
+class ControlBook:
+    """Pause / sleep of every rank: the state the engines are told (CONTROL), and
+    the control seq each engine reported reached (`done`)."""
+
+    def __init__(self, num_engines: int) -> None:
+        self.state = ControlState()
+        self.done = [0] * num_engines  # the control seq each engine reached
+
+    def change(self, change: ControlChange) -> bool:
+        """Pause / resume / sleep / wake_up / reset_prefix_cache on every engine;
+        True: the new state goes to the engines (and the front-ends)."""
+        try:
+            self.state = next_state(self.state, change)
+        except ValueError as e:
+            logger.error("ignoring a control change: %s", e)
+            return False
+        logger.info("control state %d: %s %s", self.state.seq, change.op, change.arg)
+        return True
+
+    def resize(self, num_engines: int) -> None:
+        self.done = (self.done + [0] * num_engines)[:num_engines]
+
+    def published(self) -> tuple[ControlState | None, list[int] | None]:
+        """(state, done) for a publish; no news while nothing was ever changed."""
+        if not self.state.seq:
+            return None, None
+        return self.state, list(self.done)
