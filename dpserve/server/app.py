@@ -1,41 +1,25 @@
 """The FastAPI app: `build_app` assembles the routers, the middleware and one error handler.
 
-Routers, each a module of thin routes:
+Routers, each a module of thin routes: the OpenAI API (`openai.routes`), Anthropic's
+Messages API (`anthropic.routes`, errors in Anthropic's shape), the Responses API
+(`responses.routes`, over the one `ResponseStore`), embeddings (`embeddings.routes`),
+files and batches (`batches.files_routes`, `batches.routes`; only with a state
+directory, each API server running batches in the background), the operations
+routes (`ops.routes`, `ops.engines`, `openai.extras` for /tokenize), and the admin
+routes (`ops.admin`, only with `enable_admin_api`; their POSTs take only JSON, 415).
+Every route with its status codes: docs/reference/http.md.
 
-* v1 (`dpserve.server.openai.routes`): /v1/completions, /v1/chat/completions,
-  /v1/models over `OpenAIServing` (503 "server_draining" while the server
-  drains; `X-data-parallel-rank: k` pins a request to engine k).
-* messages (`dpserve.server.anthropic.routes`): Anthropic's /v1/messages and
-  /v1/messages/count_tokens over the same chat path; errors there leave in
-  Anthropic's shape (its middleware wraps the auth and body-limit ones).
-* responses (`dpserve.server.responses.routes`): OpenAI's Responses API, its stored
-  responses in the server's one `ResponseStore` (`response_store`).
-* embeddings (`dpserve.server.embeddings.routes`): OpenAI's /v1/embeddings, pooling
-  requests through the same engines (`app.state.embeddings`: the batch runner's too).
-* files and batches (`dpserve.server.batches.files_routes`,
-  `dpserve.server.batches.routes`, only with a state directory: `batches`): uploads
-  and OpenAI's Batch API, each API server running batches in the background
-  (`dpserve.server.batches.runner`).
-* ops (`dpserve.server.ops.routes`): /health, /ping, /metrics, /version,
-  /debug/request_state, /debug/dp_state; /engines and /dashboard
-  (`dpserve.server.ops.engines`); /tokenize, /detokenize (`dpserve.server.openai.extras`).
-* admin (`dpserve.server.ops.admin`, only with `enable_admin_api`): per-rank
-  controls, pause / sleep (`dpserve.server.ops.control`), scaling
-  (`dpserve.server.ops.scale`); their POSTs take only `Content-Type:
-  application/json` (415).
-
-Everything is built from explicit arguments; nothing is set on the parts
-afterwards. The engines are known only through `AsyncLLM.cluster` (a
-`ClusterView`). Admission (`dpserve.server.admission`: 503 while paused or
-asleep, 429 when every engine's queue is full) is `OpenAIServing`'s.
-With an API key, every route but a short allowlist needs it
-(`dpserve.server.auth`: one middleware in front of all of them); every body is
-capped at `max_request_body_bytes` (`dpserve.server.bodies`: 413). FastAPI's
-/docs and /redoc are off (they load scripts from a CDN); /openapi.json is
-behind the key like any route. Every error, whatever raised it, leaves as an
-OpenAI-shaped body `{"error": {"message", "type", "param", "code"}}` (Anthropic's
-shape on /v1/messages) with a 4xx status for bad input, never a 500. A client
-that disconnects, streaming or not, has its request aborted in the engine.
+Invariants:
+* Everything is built from explicit arguments; nothing is set on the parts
+  afterwards. The engines are known only through `AsyncLLM.cluster`.
+* With an API key, every route but a short allowlist needs it (`auth`: one
+  middleware in front of all); every body is capped (`bodies`: 413).
+* FastAPI's /docs and /redoc are off (they load scripts from a CDN);
+  /openapi.json is behind the key like any route.
+* Every error, whatever raised it, leaves as an OpenAI-shaped body
+  `{"error": {"message", "type", "param", "code"}}` (Anthropic's shape on
+  /v1/messages) with a 4xx status for bad input, never a 500.
+* A client that disconnects, streaming or not, has its request aborted in the engine.
 
 Not here: starting uvicorn or the engine (`dpserve serve` does that).
 """

@@ -4,52 +4,22 @@ Scope: `engines_router(async_llm, admin)` (no admin flag needed; /engines is
 behind the API key like every data route, while the dashboard page and its two
 static files are open: they hold no data), and `engine_rows(...)`, the per-rank
 rows that both /engines and the admin routes (`dpserve.server.ops.admin`) answer
-with:
+with. Their fields and where each comes from: docs/reference/http.md.
 
-    {"data_parallel_size": N, "tensor_parallel_size": T, "admin": bool,
-     "engines": [{"rank", "state", "cordoned", "waiting", "running",
-     "kv_cache_usage", "tokens_per_s", "wave", "restarts", "incarnation", "host",
-     "pid", "ttft_s", "tp_workers": [{"tp_rank", "pid", "device", "rss_bytes"},
-     ...], "lora": null | {"resident", "cached", "loads", "evictions",
-     "max_loras"}, "kv_tier": null | {"hits", "queries", "loaded_bytes",
-     "saved_bytes", "load_seconds", "used_blocks", "num_blocks"}, "spec_decode":
-     null | {"drafts", "draft_tokens", "accepted_tokens", "acceptance_rate",
-     "mean_acceptance_length"}, "role", "handoffs"}, ...]}
-
-Where the figures come from: with a DP coordinator (N > 1) everything is
-what the coordinator last published to every API server (counts from the
-engines' load reports; state; `EngineInfo`: cordon, KV usage, tokens/s over
-the last ~8 s, wave, pid, host and the rank's tensor-parallel workers from
-heartbeats), so every API server answers alike. Without one (N = 1) the engine
-is asked for its `SchedulerStats` (`get_stats`) and its workers
-(`tp_worker_info`), and tokens/s is taken between this API server's polls.
-`tp_workers` lists worker 0 (the engine core's process) first; empty while a
-rank cannot say (dead, restarting).
-`restarts` is the rank's processes after its first (= `incarnation`).
-`lora` (--enable-lora; else null): the adapter names resident in the rank's
-device slots and those only in its host memory, its slot loads / evictions
-and slots (heartbeats; N = 1: `list_loras`, without loads / evictions).
-`kv_tier` (--kv-offload-memory; else null): the rank's use of its host's KV tier,
-cumulative in its process (tokens found there / looked up, bytes loaded / saved,
-seconds loading), and the store's blocks held / it can hold (`num_blocks` 0: the
-store is down). From the last `SchedulerStats` the rank sent with outputs to this
-API server (N = 1: `get_stats`), so null until it sent some, and with several API
-servers each shows its own last copy.
-`spec_decode` (--speculative-config; null before the rank's first draft): rows
-verified with drafts, draft tokens, accepted ones, their ratio, and 1 + accepted /
-rows (tokens per speculative step), from the same `SchedulerStats` as `kv_tier`.
-`role` (--data-parallel-roles): "prefill", "decode", or "both" (no roles);
-`handoffs`: requests this API server has mid-handoff from or to the rank (first
-token in, the decode rank's first output not yet).
-
-The dashboard is one HTML page with its script and style sheet, shipped in
-`dpserve/server/ops/static/` (package data; no build step, nothing from a CDN);
-it polls /engines every second, sending the API key typed into the page (kept
-in the page only). Its URLs are relative, so it works under --root-path. Every
-dashboard response carries `DASHBOARD_HEADERS`: a Content-Security-Policy that
-allows only this origin's script and style (no inline code, no framing, no
-form targets), `X-Frame-Options: DENY`, `X-Content-Type-Options: nosniff` and
-`Referrer-Policy: no-referrer`.
+Invariants:
+* With a DP coordinator (N > 1) every figure is what the coordinator last
+  published, so every API server answers alike; without one the engine is asked
+  (`get_stats`, `tp_worker_info`) and tokens/s is taken between this server's polls.
+* `tp_workers` lists worker 0 (the engine core's process) first; empty while a
+  rank cannot say (dead, restarting).
+* The dashboard is one HTML page with its script and style sheet in `static/`
+  (package data; no build step, nothing from a CDN). It polls /engines every
+  second with the API key typed into the page (kept in the page only); its URLs
+  are relative, so it works under --root-path. Every dashboard response carries
+  `DASHBOARD_HEADERS`: a Content-Security-Policy allowing only this origin's
+  script and style (no inline code, no framing, no form targets),
+  `X-Frame-Options: DENY`, `X-Content-Type-Options: nosniff` and
+  `Referrer-Policy: no-referrer`.
 
 Not here: cordon / drain / restart (`dpserve.server.ops.admin`).
 """
