@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is tests/unit/...)
 PACKAGE = ROOT / "dpserve"
 
 MAX_FILE_LINES = 600

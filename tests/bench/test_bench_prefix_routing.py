@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is tests/bench/...)
 sys.path.insert(0, str(ROOT / "bench"))
 
 import prefix_routing  # noqa: E402  (bench/ is not a package)
