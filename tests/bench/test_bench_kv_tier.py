@@ -6,36 +6,20 @@ section with both rows complete and their prompt tokens by tier. Measures nothin
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from bench_smoke import run_smoke, table_rows
 
 pytestmark = [pytest.mark.procs, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is tests/bench/...)
-
 
 def test_the_kv_tier_benchmark_runs_in_smoke_mode(tiny_llama, tmp_path):
-    out = tmp_path / "benchmarks.md"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "kv_tier.py"), "--smoke",
-                           "--model", str(tiny_llama), "--out", str(out)],
-                          capture_output=True, text=True, timeout=600,
-                          stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    text = out.read_text()
-    assert text.strip() == proc.stdout.strip()  # the section, printed and appended
+    text = run_smoke("kv_tier.py", tiny_llama, tmp_path / "benchmarks.md")
     assert "## KV host tier at DP=2 (bench/kv_tier.py)" in text
     assert "--kv-offload-memory 64MiB" in text
-    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| (no tier|tier) \|.*$", text,
-                                                        re.M)}
+    rows = table_rows(text, "no tier|tier")
     assert set(rows) == {"no tier", "tier"}, text
-    for row in rows.values():
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        assert cells[-1] == "4 ok", row  # every request of the row completed
+    for cells in rows.values():
+        assert cells[-1] == "4 ok", cells  # every request of the row completed
         assert float(cells[1]) > 0  # output tok/s
-        assert all(c.endswith("%") for c in cells[4:7]), row  # own cache, tier, computed
-    no_tier = [c.strip() for c in rows["no tier"].strip("|").split("|")]
-    assert no_tier[5] == "0.0%"  # without a tier no prompt token comes from one
+        assert all(c.endswith("%") for c in cells[4:7]), cells  # own cache, tier, computed
+    assert rows["no tier"][5] == "0.0%"  # without a tier no prompt token comes from one
