@@ -212,3 +212,21 @@ def test_files_classes_and_functions_stay_small() -> None:
     assert len(files) > 40, "the size check reads too few files"
     found = [line for path in files for line in oversized(path)]
     assert not found, "over the size limits:\n" + "\n".join(found)
+
+
+MAX_TESTS_FOLDER_FILES = 40
+
+
+def test_no_tests_folder_holds_more_than_40_files() -> None:
+    """tests/ and each folder under it hold at most 40 files (caches aside), and no two
+    test modules share a name: pytest imports each by its name alone."""
+    tests = ROOT / "tests"
+    folders = [tests, *sorted(p for p in tests.rglob("*") if p.is_dir()
+                              and "__pycache__" not in p.parts)]
+    assert len(folders) > 5, "the layout check reads too few folders"
+    crowded = [f"{folder.relative_to(ROOT)}: {count} files"
+               for folder in folders
+               if (count := sum(p.is_file() for p in folder.iterdir())) > MAX_TESTS_FOLDER_FILES]
+    assert not crowded, f"over {MAX_TESTS_FOLDER_FILES} files:\n" + "\n".join(crowded)
+    names = [p.name for p in tests.rglob("test_*.py")]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
