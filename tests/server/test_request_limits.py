@@ -151,6 +151,9 @@ def test_engine_compile_deadline_backstop(tiny_llama, tmp_path, monkeypatch) -> 
 
 COMPILE_TIMEOUT = 1.0
 REQUEST_TIMEOUT = 1.5
+# The timeout server's engine sleeps 10 ms before each forward (a test-only fault): a
+# 1000-token request takes 10 s or more on any machine, past the timeout by construction.
+SLOW_FORWARDS = {"DPSERVE_FAULT_FORWARD_DELAY_S": "0.01"}
 
 
 TENANT_KEYS = {"alice": "alice-key-0123456789abcdef", "bob": "bob-key-fedcba9876543210"}
@@ -170,7 +173,7 @@ def servers(tiny_llama, tmp_path_factory):
                     "--structured-outputs-compile-workers", "1"],
                    [model, "--request-timeout", str(REQUEST_TIMEOUT)],
                    [model, "--api-key-file", str(keys), "--prefix-cache-salt-per-key"],
-                   env=[hold_compiles(never), {}, {}], timeout=180) as started:
+                   env=[hold_compiles(never), SLOW_FORWARDS, {}], timeout=180) as started:
         yield dict(zip(("limits", "timeout", "per_key"), started))
 
 
@@ -401,7 +404,8 @@ def test_request_timeout_aborts_in_the_engine(servers) -> None:
     proc, url = servers["timeout"]
     with stopping((proc, url)):
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-        # 16 long completions: past the timeout (the streamed one proves it ran).
+        # 16 completions of 1000 tokens, 10 s of forwards at least (SLOW_FORWARDS): past
+        # the timeout (the streamed one proves it ran).
         body = {"model": model, "prompt": "Once", "max_tokens": 1000, "n": 16,
                 "ignore_eos": True, "temperature": 1.0}
         start = time.monotonic()
