@@ -1,16 +1,22 @@
 """Shared fixtures: tiny random checkpoints built once per test session, and a
 real DP coordinator process with a ZMQ context for its scripted peers; the
-test-fast guard (fast_guard.py), registered for every run."""
+test-fast guard (fast_guard.py), registered for every run; under `-m`, test modules
+whose own marks leave none of their tests selected are not imported."""
 
 from __future__ import annotations
 
+import ast
 import faulthandler
+import itertools
 import os
+import re
 import signal
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import zmq
+from _pytest.mark.expression import Expression
 from fast_guard import FastGuard
 
 # Keep converted models of the test run out of the user's cache only when asked;
@@ -54,6 +60,44 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Longest files first (a stable sort: pytest-randomly's order within and after)."""
     rank = {name: i for i, name in enumerate(LONGEST_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+def module_marks(path: Path) -> set[str]:
+    """The names of the `pytest.mark.<name>` marks of a test module's module-level
+    `pytestmark`, read from its source (empty when it has none)."""
+    for node in ast.parse(path.read_bytes(), str(path)).body:
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, ast.AnnAssign) else []
+        if any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in targets):
+            return {n.attr for n in ast.walk(node.value) if isinstance(n, ast.Attribute)
+                    and isinstance(n.value, ast.Attribute) and n.value.attr == "mark"}
+    return set()
+
+
+def selects_none(markexpr: str, marks: set[str]) -> bool:
+    """Whether `-m markexpr` deselects every test of a module marked `marks`, whatever
+    marks its tests add (each subset of the other names in the expression). False for
+    an expression with marker arguments (`name(key=value)`): those are not decided here."""
+    names = set(re.findall(r"[^\s()]+", markexpr)) - {"and", "or", "not"} - marks
+    if "(" in markexpr or len(names) > 8:
+        return False
+    expression = Expression.compile(markexpr)
+    for chosen in itertools.product((False, True), repeat=len(names)):
+        present = marks | {n for n, on in zip(sorted(names), chosen, strict=True) if on}
+        if expression.evaluate(present.__contains__):
+            return False
+    return True
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """A test module that `-m` deselects whole, by its module-level marks, is not even
+    imported (make test-fast: 69 modules that only start processes or run long, about
+    5 s of imports; make test's lanes likewise). The tests selected are the same."""
+    markexpr = config.option.markexpr
+    if markexpr and collection_path.suffix == ".py" and collection_path.name.startswith(
+            "test_") and selects_none(markexpr, module_marks(collection_path)):
+        return True
+    return None
 
 
 def pytest_configure(config: pytest.Config) -> None:

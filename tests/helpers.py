@@ -2,8 +2,11 @@
 read their metrics, greedy references from one in-process engine, and GGUF
 files written from tiny checkpoints as llama.cpp's converter writes them.
 
-Imported by test modules as `from helpers import ...` (pytest puts tests/ on
-sys.path); no test module imports another test module."""
+Imported by test modules as `from helpers import ...`: pytest (its default
+"prepend" import mode) puts tests/ on sys.path for conftest.py, and each test's own
+folder for the test. So a test module may import a neighbour in its own folder
+(`from test_scheduler import ...`), never one in another folder: what two folders
+share lives here, in tests/ (helpers, fakes, bench_smoke, the *_checks modules)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@
 #   env          torch, CUDA, nvidia-smi
 #   build        dpserve's CPU kernels (--cpu only: they are CPU-only, unused on CUDA)
 #   models       the checkpoints (parts.py models: the default model or its stand-in)
-#   tests        tests/test_cuda.py: greedy tokens against transformers on CUDA in
+#   tests        tests/model/test_cuda.py: greedy tokens against transformers on CUDA in
 #                float32 and bfloat16, preemption, prefix hits, sleep level 1 and 2,
 #                served DP=2 and expert parallelism on one GPU
 #   bandwidth    copy bandwidth and bf16 TFLOP/s (the roofline's ceilings)
@@ -22,7 +22,7 @@
 #   serve-*      dpserve serve under W16 and a larger load, per model
 #   dp2          --data-parallel-size 2 on one GPU: as a user starts it (the memory
 #                split, or why it fails), then capped (W16 and the memory split)
-#   tp           tensor parallelism: its CUDA tests are in tests/test_cuda.py
+#   tp           tensor parallelism: its CUDA tests are in tests/model/test_cuda.py
 #
 # Results under $OUT (set by the caller; else a new temporary folder, printed at the
 # end), at most 8 files: summary.json (each part's status, seconds and figures),
@@ -117,7 +117,7 @@ else
 fi
 
 export DPSERVE_CUDA_DEFAULT_MODEL=$DEFAULT DPSERVE_CUDA_FIGURES=$FIG/tests.jsonl
-part tests 300 "$PY" -m pytest tests/test_cuda.py -p no:randomly -p no:cacheprovider -q \
+part tests 300 "$PY" -m pytest tests/model/test_cuda.py -p no:randomly -p no:cacheprovider -q \
   -rs --timeout 150 --junitxml "$FIG/tests.xml"
 cp "$LOGS/tests.log" "$OUT/tests.log" 2>/dev/null
 
@@ -137,8 +137,8 @@ for name in default large; do
 done
 
 record tp in_tests 0 0 0
-note "tp: tests/test_cuda.py: TP=2 over NCCL needs a GPU per worker (skipped on one GPU, where -tp 2 is refused before anything starts: that refusal is tested); the executor's NCCL group calls were checked alone on an H200"
-note "expert parallelism: over the lockstep DP group's gloo collectives (CUDA tensors staged through host memory), not NCCL; tests/test_cuda.py runs EP=2 on one GPU"
+note "tp: tests/model/test_cuda.py: TP=2 over NCCL needs a GPU per worker (skipped on one GPU, where -tp 2 is refused before anything starts: that refusal is tested); the executor's NCCL group calls were checked alone on an H200"
+note "expert parallelism: over the lockstep DP group's gloo collectives (CUDA tensors staged through host memory), not NCCL; tests/model/test_cuda.py runs EP=2 on one GPU"
 note "CUDA graphs: not built in dpserve; decode steps run eagerly"
 
 # ---------------------------------------------------------------- results

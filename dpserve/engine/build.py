@@ -24,10 +24,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Test-only fault injection: the engine's N-th model execution raises, or hangs;
-# optionally only on one rank (see `_maybe_inject_forward_fault`).
+# Test-only fault injection: the engine's N-th model execution raises, or hangs, or
+# every one first sleeps S seconds (a slow forward: work that outlasts a deadline on
+# any machine); optionally only on one rank (see `_maybe_inject_forward_fault`).
 FAULT_FORWARD_ENV = "DPSERVE_FAULT_FORWARD_AT"
 FAULT_HANG_ENV = "DPSERVE_FAULT_FORWARD_HANG_AT"
+FAULT_DELAY_ENV = "DPSERVE_FAULT_FORWARD_DELAY_S"
 FAULT_RANK_ENV = "DPSERVE_FAULT_RANK"
 # Test-only: "RANK:PATH": that rank's first process waits until PATH exists before it
 # loads its model (at most HOLD_START_LIMIT_S), so a test holds it in STARTING.
@@ -107,13 +109,15 @@ def _maybe_hold_start(rank: int, incarnation: int) -> None:
 def _maybe_inject_forward_fault(engine_core: EngineCore, rank: int, incarnation: int) -> None:
     """TEST-ONLY fault injection, from the environment: the N-th call of
     `executor.execute` raises RuntimeError (DPSERVE_FAULT_FORWARD_AT=N) or never
-    returns (DPSERVE_FAULT_FORWARD_HANG_AT=N). With DPSERVE_FAULT_RANK=r only
-    rank r's first process is affected (its restarts run clean)."""
+    returns (DPSERVE_FAULT_FORWARD_HANG_AT=N); every call first sleeps S seconds
+    (DPSERVE_FAULT_FORWARD_DELAY_S=S). With DPSERVE_FAULT_RANK=r only rank r's
+    first process is affected (its restarts run clean)."""
     raise_at, hang_at = (int(os.environ.get(name) or 0) for name in
                          (FAULT_FORWARD_ENV, FAULT_HANG_ENV))
+    delay = float(os.environ.get(FAULT_DELAY_ENV) or 0)
     only_rank = os.environ.get(FAULT_RANK_ENV)
-    if not (raise_at or hang_at) or (only_rank is not None and
-                                     (int(only_rank) != rank or incarnation > 0)):
+    if not (raise_at or hang_at or delay) or (only_rank is not None and
+                                              (int(only_rank) != rank or incarnation > 0)):
         return
     execute = engine_core.executor.execute
     calls = itertools.count(1)
@@ -126,8 +130,14 @@ def _maybe_inject_forward_fault(engine_core: EngineCore, rank: int, incarnation:
             logger.warning("TEST-ONLY: forward #%d hangs (%s)", hang_at, FAULT_HANG_ENV)
             while True:
                 time.sleep(3600)
+        if delay:
+            time.sleep(delay)
         return execute(scheduler_output)
 
     engine_core.executor.execute = execute_with_fault  # type: ignore[method-assign]
-    logger.warning("TEST-ONLY fault injection: forward #%d will %s", raise_at or hang_at,
-                   "raise" if raise_at else "hang")
+    if raise_at or hang_at:
+        logger.warning("TEST-ONLY fault injection: forward #%d will %s", raise_at or hang_at,
+                       "raise" if raise_at else "hang")
+    if delay:
+        logger.warning("TEST-ONLY fault injection: every forward sleeps %g s first (%s)",
+                       delay, FAULT_DELAY_ENV)

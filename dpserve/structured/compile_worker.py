@@ -161,7 +161,7 @@ def main(argv: list[str]) -> int:
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
-    from dpserve.structured.grammar import _grammar, spec_from_key
+    from dpserve.structured.grammar import compile_spec, spec_from_key
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
@@ -176,7 +176,7 @@ def main(argv: list[str]) -> int:
             return 0  # stdin closed: the parent is done with us
         kind, text = request
         try:
-            compiler.compile_grammar(_grammar(spec_from_key(kind, text)))
+            compile_spec(compiler, spec_from_key(kind, text))
             answer = [True, ""]
         except Exception as e:  # noqa: BLE001 - the spec's problem, sent to the parent
             answer = [False, str(e) or type(e).__name__]

@@ -16,13 +16,23 @@ keys in the schema's order.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
+import time
 from typing import Any
 
 from dpserve.structured.spec import StructuredOutputs
 
+logger = logging.getLogger(__name__)
+
 _SEPARATORS = (", ", ": ")
 _LOCATION = re.compile(r"^\[[0-9:]+\] \S+\.cc:\d+: ")
+# Test-only fault injection: "MARKER:PATH": a compile of a spec whose text holds MARKER
+# waits until PATH exists (at most HOLD_COMPILE_LIMIT_S), so a test has a compile past
+# its deadline on any machine, in the engine and in the API server's compile worker.
+FAULT_HOLD_COMPILE_ENV = "DPSERVE_FAULT_HOLD_COMPILE"
+HOLD_COMPILE_LIMIT_S = 300.0
 
 
 def choice_ebnf(choices: list[str]) -> str:
@@ -114,4 +124,19 @@ def validate(spec: StructuredOutputs) -> None:
 
 def compile_spec(compiler: Any, spec: StructuredOutputs) -> Any:
     """spec -> xgrammar CompiledGrammar for the compiler's tokenizer."""
+    _maybe_hold_compile(spec)
     return compiler.compile_grammar(_grammar(spec))
+
+
+def _maybe_hold_compile(spec: StructuredOutputs) -> None:
+    """TEST-ONLY: with DPSERVE_FAULT_HOLD_COMPILE=MARKER:PATH, a spec whose text holds
+    MARKER compiles only once PATH exists (the test creates it to release the compile),
+    or after HOLD_COMPILE_LIMIT_S; every other spec compiles at once."""
+    marker, _, path = os.environ.get(FAULT_HOLD_COMPILE_ENV, "").partition(":")
+    if not marker or marker not in spec.key()[1]:
+        return
+    logger.warning("TEST-ONLY: a compile holds until %s exists (%s)", path,
+                   FAULT_HOLD_COMPILE_ENV)
+    deadline = time.monotonic() + HOLD_COMPILE_LIMIT_S
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)

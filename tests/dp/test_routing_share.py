@@ -18,8 +18,8 @@ import time
 import msgspec
 import pytest
 import zmq
+from fakes import BS, engines, prompt, request
 from helpers import ScriptedEngines
-from test_routing import BS, engines, prompt, request
 
 from dpserve.frontend.engine_client import AsyncEngineClient
 from dpserve.frontend.prefix_record import PrefixOutbox

@@ -5,10 +5,10 @@ PrefixTracker's hash chain against the engine's own prefix cache, and its LRU.""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 
 import msgspec
 import pytest
+from fakes import BS, FakeEngineState, engines, prompt, request
 
 from dpserve import SamplingParams
 from dpserve.engine.kv_cache import KVCacheManager
@@ -29,34 +29,6 @@ from dpserve.protocol import (
     RankStatus,
     SchedulerStats,
 )
-
-BS = 4  # block size of these tests
-
-
-@dataclass
-class FakeEngineState:
-    """A named fake of `EngineState`: only what the router reads."""
-
-    rank: int
-    num_requests: int = 0
-    waiting: int = 0
-    running: int = 0
-    sent_since_publish: int = 0
-    stats: SchedulerStats | None = None
-    info: EngineInfo = field(default_factory=EngineInfo)
-
-
-def request(tokens: list[int]) -> EngineCoreRequest:
-    return EngineCoreRequest("r", tokens, SamplingParams())
-
-
-def prompt(session: int, turn: int, prefix_blocks: int = 6) -> list[int]:
-    """Session `session`'s shared prefix (prefix_blocks full blocks), then its turn."""
-    return [1000 * session + i for i in range(prefix_blocks * BS)] + [7, turn, turn, 9]
-
-
-def engines(n: int = 2, **loads: int) -> list[FakeEngineState]:
-    return [FakeEngineState(r, **loads) for r in range(n)]
 
 
 def test_the_hash_chain_is_the_engines():

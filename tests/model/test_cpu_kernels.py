@@ -293,14 +293,14 @@ def test_kernels_built_without_avx512_pass_the_same_checks(tmp_path):
     included, as on a CPU without AVX-512 (not the build, fallback and server tests,
     which do not depend on the instructions built)."""
     march = {"x86_64": "x86-64-v3", "aarch64": "armv8-a"}[platform.machine()]
-    tests = Path(__file__).parent
+    here = Path(__file__).parent  # tests/model: this file and test_quant.py
     env = {**os.environ, cpu_kernels.MARCH_ENV: march, cpu_kernels.CACHE_ENV: str(tmp_path)}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-         "--basetemp", str(tmp_path / "pytest"), str(tests / "test_cpu_kernels.py"),
-         str(tests / "test_quant.py"), "-k", "not without_avx512 and not build_ and not "
+         "--basetemp", str(tmp_path / "pytest"), str(here / "test_cpu_kernels.py"),
+         str(here / "test_quant.py"), "-k", "not without_avx512 and not build_ and not "
          "cannot_build and not serve_int8 and not unknown_quantization"],
-        env=env, cwd=tests.parent, capture_output=True, text=True, timeout=600)
+        env=env, cwd=here.parents[1], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     libraries = list(tmp_path.glob("dpserve_kernels-*.so"))
     assert len(libraries) == 1, libraries

@@ -44,22 +44,25 @@ def test_a_bad_speculative_config_is_one_line_naming_the_flag(tiny_llama):
                      "(draft-free), got 'eagle'"], proc.stderr[-2000:]
 
 
-def offline(model: str, **params) -> tuple[str, int]:
-    """Text and token count of the greedy completion without speculation, one thread
-    as the server's engine runs."""
-    from dpserve import LLM, SamplingParams
+def offline(llm, **params) -> tuple[str, int]:
+    """Text and token count of the greedy completion without speculation."""
+    from dpserve import SamplingParams
 
-    llm = LLM(model, threads_per_engine=1)
     [out] = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                                                   **params), use_tqdm=False)
     return out.outputs[0].text, len(out.outputs[0].token_ids)
 
 
 def test_served_with_drafts_keeps_greedy_text_stops_and_counts():
+    from dpserve import LLM
+
     model = str(resolve_model(None))
-    text, _ = offline(model, ignore_eos=True)
-    stop = nonblank_stop_string(text, 4)
-    stop_text, stop_tokens = offline(model, ignore_eos=True, stop=[stop])
+    # The references, without speculation, from one engine on one thread as the
+    # server's engine runs (one load of the model for both).
+    with LLM(model, threads_per_engine=1) as llm:
+        text, _ = offline(llm, ignore_eos=True)
+        stop = nonblank_stop_string(text, 4)
+        stop_text, stop_tokens = offline(llm, ignore_eos=True, stop=[stop])
     assert text.startswith(stop_text) and len(stop_text) < len(text)
     with serve(model, "--speculative-config", SPEC, "--threads-per-engine", "1") as (_, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)

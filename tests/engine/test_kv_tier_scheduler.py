@@ -5,18 +5,18 @@ The store here is `FakeTierClient`, an in-memory FAKE of
 `dpserve.kv_tier.client.KVTierClient` (its contract: leading READY hits,
 read pins, WRITING reservations, commit / abort, a tier that is down), so that
 the scheduler's logic is checked in milliseconds. The real store, with real
-engines, is tests/test_kv_tier_engine.py.
+engines, is tests/engine/test_kv_tier_engine.py.
 """
 
 from __future__ import annotations
 
 import torch
+from test_scheduler import BS, make_request, make_scheduler, runner_output
 
 from dpserve.engine.kv_connector import HostTierConnector, TierLink
 from dpserve.engine.request import RequestStatus
 from dpserve.model.kv_copy import KVTierCopier
 from dpserve.step import KVTransfer
-from tests.test_scheduler import BS, make_request, make_scheduler, runner_output
 
 SLOT_BYTES = 64
 

@@ -8,13 +8,11 @@ timing asserts): it checks that the script runs and what it would start."""
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from bench_smoke import ROOT, run_smoke
 
-ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 import prefix_routing  # noqa: E402  (bench/ is not a package)
@@ -42,16 +40,9 @@ def test_every_row_of_the_full_run_and_its_server_options():
 @pytest.mark.procs
 @pytest.mark.slow
 def test_the_balancer_benchmark_runs_in_smoke_mode(tiny_llama, tmp_path):
-    out = tmp_path / "benchmarks.md"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "prefix_routing.py"),
-                           "--smoke", "--model", str(tiny_llama), "--api-server-counts", "2",
-                           "--threads", "1", "--policies", "default,least-loaded",
-                           "--out", str(out)],
-                          capture_output=True, text=True, timeout=600,
-                          stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    text = out.read_text()
-    assert text.strip() == proc.stdout.strip()  # the section, printed and appended
+    text = run_smoke("prefix_routing.py", tiny_llama, tmp_path / "benchmarks.md",
+                     "--api-server-counts", "2", "--threads", "1",
+                     "--policies", "default,least-loaded")
     assert "## balancers at DP=2: the default against each" in text
     rows = re.findall(r"^\| (uniform|prefix) \| 2 \| 1 \| ([^|]+) \|.*\| (\d+) ok \|$",
                       text, re.M)

@@ -1,6 +1,6 @@
 """CPU tests of `--scheduling-policy`: priorities, tenant fairness (deficit round robin)
 and priority preemption, with the real Scheduler and KVCacheManager driven by hand-made
-model outputs (as tests/test_scheduler.py)."""
+model outputs (as tests/engine/test_scheduler.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import random
 from collections import Counter
 
 import pytest
+from test_scheduler import BS, Driver, check_all_free, shape, step
 
 from dpserve.config import CacheConfig, ConfigError, EngineArgs, SchedulerConfig
 from dpserve.engine.request import Request, RequestStatus
 from dpserve.engine.scheduler import Scheduler
 from dpserve.engine.waiting_queue import DRR_QUANTUM, WaitingQueue
 from dpserve.sampling_params import SamplingParams
-from tests.test_scheduler import BS, Driver, check_all_free, shape, step
 
 
 def make_scheduler(policy: str = "priority", num_blocks: int = 64, budget: int = 64,
@@ -242,7 +242,7 @@ def test_equal_priorities_behave_as_fcfs():
 
 @pytest.mark.parametrize("first_seed", [0, 100])
 def test_seeded_random_runs_with_priorities_and_tenants_drain_clean(first_seed):
-    """tests/test_scheduler.py's random walk (blocks, KV reads, deltas checked every
+    """tests/engine/test_scheduler.py's random walk (blocks, KV reads, deltas checked every
     step) with random priorities and tenants."""
     for seed in range(first_seed, first_seed + 100):
         rng = random.Random(seed)

@@ -7,32 +7,17 @@ script runs."""
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from bench_smoke import run_smoke, table_rows
 
 pytestmark = [pytest.mark.procs, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def test_the_priority_benchmark_runs_in_smoke_mode(tiny_llama, tmp_path):
-    out = tmp_path / "benchmarks.md"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "priority.py"), "--smoke",
-                           "--model", str(tiny_llama), "--out", str(out)],
-                          capture_output=True, text=True, timeout=600,
-                          stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    text = out.read_text()
-    assert text.strip() == proc.stdout.strip()  # the section, printed and appended
+    text = run_smoke("priority.py", tiny_llama, tmp_path / "benchmarks.md")
     assert "## Priorities and tenant fairness at DP=2 (bench/priority.py)" in text
     assert "--scheduling-policy priority" in text and "--api-key-file KEYS" in text
-    rows = {m.group(1): [c.strip() for c in m.group(0).strip("|").split("|")]
-            for m in re.finditer(r"^\| (idle|priority|fcfs|fair|fair fcfs) \|.*$", text,
-                                 re.M)}
+    rows = table_rows(text, "idle|priority|fcfs|fair|fair fcfs")
     assert set(rows) == {"idle", "priority", "fcfs", "fair", "fair fcfs"}, text
     for name in ("idle", "priority", "fcfs"):
         assert rows[name][3] == "3 ok", rows[name]  # every urgent request completed

@@ -220,9 +220,9 @@ def test_coordinator_exits_when_parent_dies():
         time.sleep(60)
     """)
     tmp = tempfile.mkdtemp(prefix="dps-")  # the killed parent cannot clean its ipc dir
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))  # the repository
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                              cwd=os.path.dirname(os.path.dirname(__file__)), text=True,
-                              env={**os.environ, "TMPDIR": tmp})
+                              cwd=root, text=True, env={**os.environ, "TMPDIR": tmp})
     child_pid = None
     try:
         ready, _, _ = select.select([parent.stdout], [], [], 120)

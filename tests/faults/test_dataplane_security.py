@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -97,6 +98,19 @@ def _form_group(address: str, rank: int, out: dict) -> None:
         store.close()
 
 
+def _refused(address: str, key: str | None, op: str) -> None:
+    """An outsider's `op` on rank 0's key (a poisoning write, a joining read) times out."""
+    outsider = ZmqStore(address, key, datetime.timedelta(seconds=1))
+    try:
+        with pytest.raises(RuntimeError, match=f"no answer to {op}"):
+            if op == "set":
+                outsider.set("dpserve-dp/2/0", b"the attacker's address")
+            else:
+                outsider.get("dpserve-dp/2/0")
+    finally:
+        outsider.close()
+
+
 def test_store_forms_a_gloo_group_and_refuses_outsiders():
     """gloo's rendezvous runs over the ZMQ store (set / wait / get); a peer without the
     secret, or with another, can neither write a key (poison) nor read one (join):
@@ -120,13 +134,12 @@ def test_store_forms_a_gloo_group_and_refuses_outsiders():
         insider = ZmqStore(address, SECRET, datetime.timedelta(seconds=5))
         insider.set("dpserve-dp/1/extra", b"generation 1")
         insider.set("dpserve-dp/2/0", b"rank 0's address")
-        for key in (None, "another secret, also long enough to be accepted!"):
-            outsider = ZmqStore(address, key, datetime.timedelta(seconds=1))
-            with pytest.raises(RuntimeError, match="no answer to set"):
-                outsider.set("dpserve-dp/2/0", b"the attacker's address")
-            with pytest.raises(RuntimeError, match="no answer to get"):
-                outsider.get("dpserve-dp/2/0")
-            outsider.close()
+        # Four refused calls (each waits out its 1 s timeout), at once.
+        with ThreadPoolExecutor(4) as pool:
+            for done in [pool.submit(_refused, address, key, op)
+                         for key in (None, "another secret, also long enough to be accepted!")
+                         for op in ("set", "get")]:
+                done.result()
         assert insider.get("dpserve-dp/2/0") == b"rank 0's address"
         # Old generations go: a key of generation 3 drops generation 1's, keeps 2's.
         assert insider.check(["dpserve-dp/1/extra"])

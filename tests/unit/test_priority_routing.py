@@ -5,11 +5,11 @@ more urgent, by each rank's `SchedulerStats.waiting_by_priority`."""
 from __future__ import annotations
 
 import pytest
+from fakes import engines
 
 from dpserve import SamplingParams
 from dpserve.frontend.routing import Router, less_urgent_waiting
 from dpserve.protocol import EngineCoreRequest, SchedulerStats
-from tests.test_routing import engines
 
 
 def stats(by_priority: list[list[int]]) -> SchedulerStats:

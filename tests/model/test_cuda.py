@@ -220,7 +220,7 @@ def test_speculative_decoding_on_cuda_equals_transformers(models, monkeypatch):
     drafts were proposed and accepted (the engine's counters). Every proposal is
     drafted: the planner's step-cost fit is held off (this tiny random model accepts
     few drafts, which the planner would soon stop proposing; its choices are tested in
-    tests/test_spec_decode.py)."""
+    tests/engine/test_spec_decode.py)."""
     from dpserve.engine.spec_decode import StepCosts
 
     monkeypatch.setattr(StepCosts, "fit", lambda self: None)

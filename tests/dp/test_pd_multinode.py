@@ -1,4 +1,4 @@
-"""Prefill and decode on two hosts (played on one machine, as tests/test_multinode.py
+"""Prefill and decode on two hosts (played on one machine, as tests/dp/test_multinode.py
 does: a head with rank 0 and the API server on 127.0.0.2, a headless host with rank 1,
 whose address towards the head is 127.0.0.1, each with its own KV store listening on
 its own address): `--data-parallel-roles prefill:1,decode:1`. The prompt's blocks

@@ -1,6 +1,6 @@
 """A real `dpserve serve` subprocess (launcher + API server + engine process)
 hit by the official `openai` client: results, disconnects, engine death and
-start-up failure (SIGTERM under load: tests/test_drain.py)."""
+start-up failure (SIGTERM under load: tests/faults/test_drain.py)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is tests/unit/...)
 PACKAGE = ROOT / "dpserve"
 
 MAX_FILE_LINES = 600
@@ -229,3 +229,21 @@ def test_no_folder_holds_too_many_modules() -> None:
     assert len(list(PACKAGE.glob("*.py"))) > 5, "the folder check reads too few modules"
     found = crowded_folders()
     assert not found, "package folders over the module limit:\n" + "\n".join(found)
+
+
+MAX_TESTS_FOLDER_FILES = 40
+
+
+def test_no_tests_folder_holds_more_than_40_files() -> None:
+    """tests/ and each folder under it hold at most 40 files (caches aside), and no two
+    test modules share a name: pytest imports each by its name alone."""
+    tests = ROOT / "tests"
+    folders = [tests, *sorted(p for p in tests.rglob("*") if p.is_dir()
+                              and "__pycache__" not in p.parts)]
+    assert len(folders) > 5, "the layout check reads too few folders"
+    crowded = [f"{folder.relative_to(ROOT)}: {count} files"
+               for folder in folders
+               if (count := sum(p.is_file() for p in folder.iterdir())) > MAX_TESTS_FOLDER_FILES]
+    assert not crowded, f"over {MAX_TESTS_FOLDER_FILES} files:\n" + "\n".join(crowded)
+    names = [p.name for p in tests.rglob("test_*.py")]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)

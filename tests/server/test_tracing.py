@@ -12,7 +12,7 @@
   parse, chat template, admit and the engine's spans under it; no prompt text anywhere;
 * the JSONL exporter: every line one JSON span, from two exporters on one file.
 
-Across processes (OTLP/HTTP, DP=2, N API servers, migration): tests/test_tracing_serve.py.
+Across processes (OTLP/HTTP, DP=2, N API servers, migration): tests/server/test_tracing_serve.py.
 """
 
 from __future__ import annotations

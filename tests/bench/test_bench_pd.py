@@ -7,33 +7,18 @@ script runs."""
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from bench_smoke import run_smoke, table_rows
 
 pytestmark = [pytest.mark.procs, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def test_the_pd_benchmark_runs_in_smoke_mode(tiny_llama, tmp_path):
-    out = tmp_path / "benchmarks.md"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "pd.py"), "--smoke",
-                           "--model", str(tiny_llama), "--out", str(out)],
-                          capture_output=True, text=True, timeout=600,
-                          stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    text = out.read_text()
-    assert text.strip() == proc.stdout.strip()  # the section, printed and appended
+    text = run_smoke("pd.py", tiny_llama, tmp_path / "benchmarks.md")
     assert "## Prefill/decode disaggregation at DP=2 (bench/pd.py)" in text
     assert "--data-parallel-roles prefill:1,decode:1" in text
-    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| (colocated|pd) \|.*$", text,
-                                                        re.M)}
-    assert set(rows) == {"colocated", "pd"}, text
-    cells = {name: [c.strip() for c in row.strip("|").split("|")] for name, row in rows.items()}
+    cells = table_rows(text, "colocated|pd")
+    assert set(cells) == {"colocated", "pd"}, text
     for row in cells.values():
         assert row[-1] == "4 ok", row  # every request of the row completed
         assert float(row[1]) > 0  # output tok/s

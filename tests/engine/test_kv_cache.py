@@ -120,7 +120,7 @@ def test_block_hash_is_the_same_in_another_process():
     for seed in ("123", "random"):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              check=True, env={"PYTHONHASHSEED": seed},
-                             cwd=Path(__file__).resolve().parents[1])
+                             cwd=Path(__file__).resolve().parents[2])  # the repository
         assert out.stdout.strip() == expected
 
 

@@ -15,11 +15,11 @@ import os
 import sqlite3
 import subprocess
 import sys
-from dataclasses import dataclass, field
 
 import msgspec
 import pytest
 import zmq
+from fakes import FakeEngineState
 
 from dpserve.frontend.engine_client import AsyncEngineClient
 from dpserve.frontend.rank_table import RankTable
@@ -37,7 +37,6 @@ from dpserve.protocol import (
     EngineCoreRequest,
     EngineInfo,
     RequestType,
-    SchedulerStats,
     Session,
     engine_identity,
 )
@@ -45,19 +44,6 @@ from dpserve.sampling_params import SamplingParams
 from dpserve.server.responses.store import ResponseStore, init_store_file
 
 BS = 4  # block size of these tests
-
-
-@dataclass
-class FakeEngineState:
-    """A named fake of `EngineState`: only what the router reads."""
-
-    rank: int
-    num_requests: int = 0
-    waiting: int = 0
-    running: int = 0
-    sent_since_publish: int = 0
-    stats: SchedulerStats | None = None
-    info: EngineInfo = field(default_factory=EngineInfo)
 
 
 def engines(n: int, hosts: str = "") -> list[FakeEngineState]:

@@ -6,16 +6,10 @@ and the copy texts identical (float32 greedy). Measures nothing (no timing asser
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from bench_smoke import run_smoke, table_rows
 
 pytestmark = [pytest.mark.procs, pytest.mark.slow]
-
-ROOT = Path(__file__).resolve().parent.parent
 # One token of match is enough: the random tiny model's outputs repeat single tokens
 # of its prompt, seldom its n-grams.
 SPEC = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, '
@@ -23,18 +17,10 @@ SPEC = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2
 
 
 def test_the_spec_decode_benchmark_runs_in_smoke_mode(tiny_llama, tmp_path):
-    out = tmp_path / "benchmarks.md"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "spec_decode.py"), "--smoke",
-                           "--model", str(tiny_llama), "--out", str(out),
-                           "--speculative-config", SPEC],
-                          capture_output=True, text=True, timeout=600,
-                          stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    text = out.read_text()
-    assert text.strip() == proc.stdout.strip()  # the section, printed and appended
+    text = run_smoke("spec_decode.py", tiny_llama, tmp_path / "benchmarks.md",
+                     "--speculative-config", SPEC)
     assert "## Speculative decoding, n-gram (bench/spec_decode.py)" in text
-    rows = {m.group(1): [c.strip() for c in m.group(0).strip("|").split("|")]
-            for m in re.finditer(r"^\| (copy off|copy on|W16 off|W16 on) \|.*$", text, re.M)}
+    rows = table_rows(text, "copy off|copy on|W16 off|W16 on")
     assert set(rows) == {"copy off", "copy on", "W16 off", "W16 on"}, text
     assert rows["copy on"][2] == rows["copy off"][2] == "2 / 0"
     assert rows["W16 on"][2] == rows["W16 off"][2] == "4 / 0"

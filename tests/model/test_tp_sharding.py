@@ -92,7 +92,7 @@ CASES = [  # (arch, overrides, TP size, KV heads each worker holds)
     ("olmoe", dict(num_key_value_heads=6), 3, 2),  # q/k norm over the whole projection
     ("mixtral", dict(num_key_value_heads=2), 2, 1),
 ]  # Qwen2 (biases), Qwen3 (per-head norms), Qwen2-MoE (shared expert): end to end in
-#    tests/test_tensor_parallel.py, against transformers
+#    tests/model/test_tensor_parallel.py, against transformers
 
 
 @pytest.mark.slow
