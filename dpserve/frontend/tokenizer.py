@@ -28,7 +28,7 @@ def _plain_llama_backend(path: str) -> bool:
     class (transformers 5), but only after reading the model config through
     AutoConfig, which imports torch and modeling code (~3 s of CPU in every API
     server). dpserve's GGUF conversions (the default model) and the test models
-    are such directories; tests/test_tokenizer_load.py holds the two loads equal."""
+    are such directories; tests/unit/test_tokenizer_load.py holds the two loads equal."""
     directory = Path(path)
     try:
         tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())

@@ -8,7 +8,7 @@ and reservation belongs to the client that took it, by name, so a client that
 says hello again (a restarted rank, a reconnect) or is gone (`drop_client`)
 leaves nothing pinned or half-written behind.
 
-Invariants (`check` asserts them; tests/test_kv_tier_store.py drives them):
+Invariants (`check` asserts them; tests/engine/test_kv_tier_store.py drives them):
 * The slot count is fixed: the tier never holds more than its budget.
 * A pinned or WRITING slot is never evicted or handed out again.
 * `lookup` returns the LEADING hashes that are READY (it stops at the first

@@ -1,9 +1,9 @@
 """A structured-output spec compiled in a worker process that can be killed.
 
-xgrammar's compile of some small specs takes minutes (a JSON object of 200
-properties, each an anyOf of a bounded string and an integer: 34 s on a
-384-token vocabulary; a tools list of 800 functions: 6.6 s) and cannot be
-interrupted: a thread that runs it runs to the end, holding a core. So the API
+xgrammar's compile of some small specs can take seconds to minutes, depending on
+its version and the CPU (a JSON object of 200 properties, each an anyOf of a
+bounded string and an integer, took 34 s with an older xgrammar and 0.5 s with
+0.2.9), and cannot be interrupted: a thread that runs it runs to the end, holding a core. So the API
 server checks each spec in a worker process that compiles it for the model's
 tokenizer exactly as the engine will (`grammar._grammar`, then
 `GrammarCompiler.compile_grammar`), and kills the process when the answer does

@@ -19,7 +19,7 @@ The three limits, per tenant, checked in this order at admission:
 Invariants: a key is admitted at most once (a second admit of a live key is a
 ValueError); `started` / `finished` of an unknown key do nothing (the entry was
 dropped: a lost API server, a restarted coordinator); every figure returns to 0
-once every admitted key has finished (tests/test_tenants.py).
+once every admitted key has finished (tests/unit/test_tenants.py).
 
 Not here: the limits file (`dpserve.tenancy.limits`), the sockets that carry
 admissions to the coordinator, HTTP (`dpserve.server.tenants`).
