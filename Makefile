@@ -60,7 +60,7 @@ test-fast: setup
 # not used: it would rewrite half the lines into another style, and the code follows
 # STYLE.md's layout by hand (hanging indents, aligned continuation lines).
 lint: setup
-	$(VENV)/bin/ruff check dpserve tests bench
+	$(VENV)/bin/ruff check dpserve tests bench tools
 
 # The docs site (mkdocs.yml) into site/; --strict: a broken link or anchor fails.
 # docs/reference/cli.md is generated (tools/gen_cli_reference.py) and committed; a
