@@ -39,7 +39,8 @@ os.environ.setdefault("DPSERVE_CPU_BF16", "0")
 # here runs after these, in pytest-randomly's order.
 LONGEST_FILES = [
     "test_faults.py", "test_elastic.py", "test_multinode.py", "test_tensor_parallel.py",
-    "test_default_model.py", "test_top.py", "test_moe_elastic.py", "test_responses_api.py",
+    "test_default_model.py", "test_docs_examples.py", "test_top.py", "test_moe_elastic.py",
+    "test_responses_api.py",
     "test_spec_decode_serve.py", "test_api_servers.py", "test_lora_serve.py",
     "test_tensor_parallel_serve.py", "test_moe_parallel.py", "test_gguf.py",
     "test_kernel_cache_safety.py", "test_bench_priority.py", "test_batches_api.py",
