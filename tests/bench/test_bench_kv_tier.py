@@ -1,6 +1,6 @@
-"""bench/kv_tier.py --smoke on the tiny model: the script the lead runs for issue 26's
-benchmark starts both rows (a DP=2 cache-aware server without and with
---kv-offload-memory), sends its 4 requests to each, and writes the BENCHMARKS.md
+"""bench/kv_tier.py --smoke on the tiny model: the script behind the KV tier's
+figures starts both rows (a DP=2 cache-aware server without and with
+--kv-offload-memory), sends its 4 requests to each, and writes its markdown
 section with both rows complete and their prompt tokens by tier. Measures nothing
 (no timing asserts): it checks that the script runs."""
 

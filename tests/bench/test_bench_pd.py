@@ -1,7 +1,7 @@
-"""bench/pd.py --smoke on the tiny model: the script the lead runs for issue 27's
-benchmark starts both rows (DP=2 colocated, and `--data-parallel-roles
+"""bench/pd.py --smoke on the tiny model: the script behind the prefill/decode
+figures starts both rows (DP=2 colocated, and `--data-parallel-roles
 prefill:1,decode:1`, both with a host tier), sends its 4 requests to each, and
-writes the BENCHMARKS.md section with both rows complete; the roles row's handoffs
+writes its markdown section with both rows complete; the roles row's handoffs
 are counted by the server. Measures nothing (no timing asserts): it checks that the
 script runs."""
 

@@ -1,4 +1,4 @@
-"""bench/prefix_routing.py, the benchmark behind the default balancer (issue 32): its
+"""bench/prefix_routing.py, the benchmark behind the default balancer: its
 rows (the default against each alternative, two workloads, one and two API servers,
 one thread per engine and the default threads), and a --smoke run on the tiny model
 that starts a server per row, sends each row's requests and writes the BENCHMARKS.md

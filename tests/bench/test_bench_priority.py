@@ -1,7 +1,7 @@
-"""bench/priority.py --smoke on the tiny model: the script the lead runs for issue 29's
-benchmark starts its five rows (DP=2 servers under --scheduling-policy priority and
-fcfs, with a key file of four tenants), sends each its load and writes the
-BENCHMARKS.md section with every urgent request complete and tokens counted for both
+"""bench/priority.py --smoke on the tiny model: the script behind the priority
+figures starts its five rows (DP=2 servers under --scheduling-policy priority and
+fcfs, with a key file of four tenants), sends each its load and writes its
+markdown section with every urgent request complete and tokens counted for both
 tenants of the fairness rows. Measures nothing (no timing asserts): it checks that the
 script runs."""
 

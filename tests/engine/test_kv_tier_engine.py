@@ -109,7 +109,7 @@ def test_a_prefix_computed_by_one_rank_is_continued_by_another(tiny_llama, store
 
 def test_a_request_migrated_to_another_rank_resumes_from_the_tier(tiny_llama, store,
                                                                   expected):
-    """Migration (issue 26, Deliver 4): the new rank gets the prompt and the tokens
+    """Migration: the new rank gets the prompt and the tokens
     generated so far; their blocks, prompt and outputs, come from the tier."""
     rank0 = make_core(tiny_llama, store, rank=0)
     rank1 = make_core(tiny_llama, store, rank=1)

@@ -1,4 +1,4 @@
-"""CPU state-machine tests of the engine's KV connector (issue 26's host tier):
+"""CPU state-machine tests of the engine's KV connector (the host tier):
 the scheduler's lookups, loads and saves, and one worker's copies.
 
 The store here is `FakeTierClient`, an in-memory FAKE of

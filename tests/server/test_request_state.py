@@ -1,4 +1,4 @@
-"""No per-request state outlives its request (issue 11: memory that grows under load).
+"""No per-request state outlives its request (memory that grows under load).
 
 A real `dpserve serve` with two engines and a small KV cache (so requests are
 preempted and prefix blocks evicted) takes ~600 short requests of every kind:
